@@ -1,0 +1,44 @@
+# Set-up, tests and demo for layerfs. Every target installs what is missing
+# (Debian packages, a virtualenv with layerfs installed editable) and is quick
+# when it is already there.
+
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+APT_PKGS := fuse3 libfuse3-dev pkg-config erofs-utils busybox-static attr zstd tar
+
+.PHONY: all deps apt-deps test demo lint bench-build clean
+
+all: test
+
+apt-deps:
+	@missing=""; for p in $(APT_PKGS); do \
+	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+$(STAMP): pyproject.toml | apt-deps
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+deps: apt-deps $(STAMP)
+
+test: deps
+	$(VENV)/bin/pytest -q
+
+demo: deps
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash demo/demo.sh
+
+lint: deps
+	$(VENV)/bin/ruff check layerfs builder cache tools tests bench
+	$(VENV)/bin/mypy layerfs builder tools
+
+bench-build: deps
+	$(PY) bench/build.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""Turns a source (directory or tar stream) into a layer in the store."""

@@ -1,0 +1,1 @@
+"""The node's block cache of chunks (content addressed, bounded, LRU)."""

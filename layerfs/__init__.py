@@ -1,0 +1,8 @@
+"""layerfs: image and layer storage for agent sandboxes.
+
+The shared core: formats, manifests, store client, names. The builder, the
+node cache and the command line live in the subpackages ``layerfs.builder``,
+``layerfs.cache`` and ``layerfs.tools``.
+"""
+
+__version__ = "0.1.0"

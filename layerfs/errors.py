@@ -1,0 +1,111 @@
+"""Errors a user can cause or meet.
+
+Each class's docstring is its message (formatted with the constructor's
+arguments) and each carries the process exit code the CLI uses for it.
+"""
+
+from __future__ import annotations
+
+
+class LayerfsError(Exception):
+    """Error: {}"""
+
+    exit_code = 2
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.args = args
+
+    def message(self) -> str:
+        doc = (type(self).__doc__ or "{}").strip().splitlines()[0]
+        try:
+            return doc.format(*self.args)
+        except (IndexError, KeyError):
+            return f"{doc} {self.args}"
+
+    def __str__(self) -> str:
+        return self.message()
+
+
+class UsageError(LayerfsError):
+    """{}"""
+
+    exit_code = 2
+
+
+class InvalidName(LayerfsError):
+    """invalid {}: {!r} (expected {})"""
+
+    exit_code = 2
+
+
+class InvalidReference(LayerfsError):
+    """invalid reference {!r}: expected name@version or sha256:<hex>"""
+
+    exit_code = 2
+
+
+class SourceError(LayerfsError):
+    """source {}: {}"""
+
+    exit_code = 3
+
+
+class UnsafeTarEntry(LayerfsError):
+    """unsafe tar entry {!r}: {}"""
+
+    exit_code = 3
+
+
+class UnsupportedEntry(LayerfsError):
+    """cannot store {!r}: {}"""
+
+    exit_code = 3
+
+
+class VersionExists(LayerfsError):
+    """{} already exists with other content; versions are immutable"""
+
+    exit_code = 4
+
+
+class RefNotFound(LayerfsError):
+    """no such {}: {}"""
+
+    exit_code = 5
+
+
+class IntegrityError(LayerfsError):
+    """integrity check failed for {}: {}"""
+
+    exit_code = 6
+
+
+class StoreError(LayerfsError):
+    """store error: {}"""
+
+    exit_code = 7
+
+
+class ObjectNotFound(StoreError):
+    """object not found in store: {}"""
+
+    exit_code = 5
+
+
+class AccessDenied(StoreError):
+    """access denied by store: {}"""
+
+    exit_code = 7
+
+
+class StoreUnreachable(StoreError):
+    """store unreachable: {}"""
+
+    exit_code = 8
+
+
+class TransientStoreError(StoreError):
+    """transient store error: {}"""
+
+    exit_code = 8

@@ -1,0 +1,1 @@
+"""On-disk formats: EROFS images and the layer chunk table."""

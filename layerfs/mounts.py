@@ -1,0 +1,47 @@
+"""mount(2) and umount2(2) through libc.
+
+util-linux ``mount`` turns a file source into a loop device; EROFS file-backed
+mounts need the syscall itself: source = the meta image file, ``device=`` the
+blob file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+MS_RDONLY = 1
+MS_NODEV = 4
+MNT_DETACH = 2
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def mount(source: str, target: str, fstype: str, flags: int = 0, data: str = "") -> None:
+    rc = _libc.mount(
+        os.fsencode(source), os.fsencode(target), fstype.encode(), ctypes.c_ulong(flags),
+        data.encode() if data else None,
+    )
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {fstype} {source} on {target}: {os.strerror(err)}")
+
+
+def umount(target: str, lazy: bool = False) -> None:
+    rc = _libc.umount2(os.fsencode(target), MNT_DETACH if lazy else 0)
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"umount {target}: {os.strerror(err)}")
+
+
+def mount_erofs(meta_image: str, blob: str | None, target: str) -> None:
+    """File-backed EROFS mount of ``meta_image`` with ``blob`` as device 1."""
+    data = f"device={blob}" if blob else ""
+    mount(meta_image, target, "erofs", MS_RDONLY | MS_NODEV, data)
+
+
+def is_mounted(target: str) -> bool:
+    real = os.path.realpath(target)
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        return any(line.split()[4] == real for line in f)

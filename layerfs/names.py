@@ -1,0 +1,70 @@
+"""Names, versions and references (``name@version`` or ``sha256:<hex>``)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import InvalidName, InvalidReference
+
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9._/-]*")
+VERSION_RE = re.compile(r"[A-Za-z0-9._-]+")
+DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
+MAX_NAME = 200
+MAX_VERSION = 128
+
+
+def check_name(name: str) -> str:
+    bad = (
+        not NAME_RE.fullmatch(name)
+        or len(name) > MAX_NAME
+        or "//" in name
+        or name.endswith("/")
+        or any(part in (".", "..") for part in name.split("/"))
+    )
+    if bad:
+        raise InvalidName("name", name, "lowercase [a-z0-9][a-z0-9._/-]*")
+    return name
+
+
+def check_version(version: str) -> str:
+    if not VERSION_RE.fullmatch(version) or len(version) > MAX_VERSION or version in (".", ".."):
+        raise InvalidName("version", version, "[A-Za-z0-9._-]+")
+    return version
+
+
+def check_digest(digest: str) -> str:
+    if not DIGEST_RE.fullmatch(digest):
+        raise InvalidName("digest", digest, "sha256:<64 lowercase hex>")
+    return digest
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A parsed reference: either name+version or a manifest digest."""
+
+    name: str | None = None
+    version: str | None = None
+    digest: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Ref:
+        if text.startswith("sha256:"):
+            if not DIGEST_RE.fullmatch(text):
+                raise InvalidReference(text)
+            return cls(digest=text)
+        name, sep, version = text.rpartition("@")
+        if not sep or not name or not version:
+            raise InvalidReference(text)
+        return cls(name=check_name(name), version=check_version(version))
+
+    def __str__(self) -> str:
+        if self.digest:
+            return self.digest
+        return f"{self.name}@{self.version}"
+
+
+def version_sort_key(version: str) -> tuple:
+    """Natural order: ``v2 < v10``, digits compared as numbers."""
+    parts = re.split(r"(\d+)", version)
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts if p)

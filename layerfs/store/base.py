@@ -1,0 +1,146 @@
+"""The store interface every backend implements, and the retry policy.
+
+Keys are ``/``-separated relative paths (``blobs/sha256/<hex>``,
+``refs/layers/<name>/<version>``). Backends raise only the errors of
+:mod:`layerfs.errors`: ``ObjectNotFound``, ``AccessDenied``,
+``StoreUnreachable`` and ``StoreError``; transient failures are retried here,
+with exponential backoff and full jitter, a bounded number of times.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+from ..errors import ObjectNotFound, StoreUnreachable, TransientStoreError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+BLOB_PREFIX = "blobs/sha256/"
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    mtime: float  # seconds since the epoch
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 5
+    base_delay: float = 0.1
+    max_delay: float = 2.0
+
+    def run(self, what: str, fn: Callable[[], T]) -> T:
+        """Call ``fn``; retry on transient errors and unreachable endpoints."""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return fn()
+            except (TransientStoreError, StoreUnreachable) as exc:
+                if attempt == self.attempts:
+                    raise
+                delay = random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
+                log.debug("%s failed (%s), retry %d in %.2fs", what, exc, attempt, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+
+def blob_key(digest: str) -> str:
+    """``sha256:<hex>`` → ``blobs/sha256/<hex>``."""
+    algo, _, hexd = digest.partition(":")
+    if algo != "sha256" or len(hexd) != 64:
+        raise ValueError(f"bad digest {digest!r}")
+    return BLOB_PREFIX + hexd
+
+
+def sha256_digest(data: bytes | memoryview) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+class Store(ABC):
+    """An object store addressed by keys; thread safe."""
+
+    url: str
+    retry: RetryPolicy = RetryPolicy()
+
+    # -- primitives each backend implements (no retries inside) --
+    @abstractmethod
+    def _get(self, key: str, start: int | None, end: int | None) -> bytes: ...
+
+    @abstractmethod
+    def _put(self, key: str, data: bytes | memoryview) -> None: ...
+
+    @abstractmethod
+    def _put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` unless it exists; True if this call created it."""
+
+    @abstractmethod
+    def _head(self, key: str) -> ObjectInfo | None: ...
+
+    @abstractmethod
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]: ...
+
+    @abstractmethod
+    def _delete(self, key: str) -> None: ...
+
+    # -- the API the rest of layerfs uses --
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Whole object, or bytes ``[start, end)`` of it."""
+        return self.retry.run(f"get {key}", lambda: self._get(key, start, end))
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        """Atomic replace: readers see the old object or the new one, never a part."""
+        self.retry.run(f"put {key}", lambda: self._put(key, data))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self.retry.run(f"put {key}", lambda: self._put_if_absent(key, data))
+
+    def head(self, key: str) -> ObjectInfo | None:
+        return self.retry.run(f"head {key}", lambda: self._head(key))
+
+    def exists(self, key: str) -> bool:
+        return self.head(key) is not None
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Objects whose key starts with ``prefix``, sorted by key."""
+        items = self.retry.run(f"list {prefix}", lambda: list(self._list(prefix)))
+        return sorted(items, key=lambda o: o.key)
+
+    def delete(self, key: str) -> None:
+        """Delete ``key``; deleting a missing key is not an error."""
+        self.retry.run(f"delete {key}", lambda: self._delete(key))
+
+    # -- content-addressed blobs --
+    def put_blob(self, data: bytes | memoryview, digest: str | None = None) -> tuple[str, bool]:
+        """Write-once blob named by its sha256; returns (digest, uploaded)."""
+        digest = digest or sha256_digest(data)
+        key = blob_key(digest)
+        if self.exists(key):
+            return digest, False
+        self.put(key, data)
+        return digest, True
+
+    def get_blob(self, digest: str, verify: bool = True) -> bytes:
+        data = self.get(blob_key(digest))
+        if verify and sha256_digest(data) != digest:
+            from ..errors import IntegrityError
+
+            raise IntegrityError(digest, "content does not match its digest")
+        return data
+
+    def get_text(self, key: str) -> str:
+        return self.get(key).decode()
+
+    def missing(self, key: str) -> ObjectNotFound:
+        return ObjectNotFound(f"{self.url.rstrip('/')}/{key}")
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""

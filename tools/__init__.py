@@ -1,0 +1,1 @@
+"""The ``layerfs`` command line: one module per command group."""
