@@ -1,0 +1,108 @@
+"""Collects source entries into a file tree, sending file data to the pipeline.
+
+Sources call :meth:`LayerAssembler.add` for each entry in their own order; the
+assembler keeps small files inline, chunks the rest, links hard links to the
+same node and counts what it saw.
+"""
+
+from __future__ import annotations
+
+import stat
+from collections.abc import Callable
+from typing import BinaryIO
+
+from layerfs.errors import SourceError
+from layerfs.formats.erofs import max_inline_file, xattr_entry
+from layerfs.manifest import LayerStats
+from layerfs.tree import FileTree, FsNode
+
+from .pipeline import ChunkPipeline
+
+OPAQUE_XATTR = (b"trusted.overlay.opaque", b"y")
+
+
+def display(parts: list[bytes]) -> str:
+    return "/" + b"/".join(parts).decode(errors="replace")
+
+
+class LayerAssembler:
+    """The tree of one layer under construction."""
+
+    def __init__(
+        self, pipeline: ChunkPipeline, on_file: Callable[[], None] | None = None
+    ) -> None:
+        self.tree = FileTree()
+        self.pipeline = pipeline
+        self.counts = LayerStats()
+        self.on_file = on_file
+        self.opaque: list[list[bytes]] = []
+
+    def add(self, parts: list[bytes], node: FsNode, data: BinaryIO | None = None) -> None:
+        """Add one entry; regular files read ``node.size`` bytes from ``data``."""
+        for name, value in node.xattrs.items():
+            try:
+                xattr_entry(name, value)
+            except ValueError as exc:
+                raise SourceError(display(parts), str(exc)) from None
+        if node.is_reg:
+            self._add_data(parts, node, data)
+        self._count(node)
+        self.tree.put(parts, node)
+        if self.on_file:
+            self.on_file()
+
+    def _add_data(self, parts: list[bytes], node: FsNode, data: BinaryIO | None) -> None:
+        if node.size <= max_inline_file(node.xattrs):
+            content = data.read(node.size) if data and node.size else b""
+            if len(content) != node.size:
+                raise SourceError(display(parts), "file changed or ended while reading")
+            node.inline = content
+            self.counts.inline_bytes += node.size
+        else:
+            assert data is not None
+            try:
+                self.pipeline.add_file(node, data, node.size)
+            except EOFError as exc:
+                raise SourceError(display(parts), f"file changed while reading ({exc})") from None
+        self.counts.file_bytes += node.size
+
+    def _count(self, node: FsNode) -> None:
+        fmt = stat.S_IFMT(node.mode)
+        if fmt == stat.S_IFREG:
+            self.counts.files += 1
+        elif fmt == stat.S_IFDIR:
+            self.counts.dirs += 1
+        elif fmt == stat.S_IFLNK:
+            self.counts.symlinks += 1
+        else:
+            self.counts.others += 1
+
+    def link(self, parts: list[bytes], target: list[bytes]) -> None:
+        """Hard link ``parts`` to the existing non-directory ``target``."""
+        node = self.tree.lookup(target)
+        if node is None or node.is_dir:
+            raise SourceError(display(parts), f"hard link to missing {display(target)}")
+        self.tree.put(parts, node)
+
+    def set_root(self, node: FsNode) -> None:
+        if not node.is_dir:
+            raise SourceError("/", "the root must be a directory")
+        self.tree.put([], node)
+
+    def mark_opaque(self, dir_parts: list[bytes]) -> None:
+        """Mark a directory opaque; applied by :meth:`finish`, after its own entry."""
+        self.opaque.append(dir_parts)
+
+    def finish(self) -> FileTree:
+        for dir_parts in self.opaque:
+            node = self.tree.lookup(dir_parts)
+            if node is None:
+                node = FsNode.directory()
+                self.tree.put(dir_parts, node)
+            if not node.is_dir:
+                raise SourceError(display(dir_parts), "opaque marker in a non-directory")
+            node.xattrs[OPAQUE_XATTR[0]] = OPAQUE_XATTR[1]
+        return self.tree
+
+    def remove(self, parts: list[bytes]) -> None:
+        self.tree.remove(parts)

@@ -1,0 +1,43 @@
+"""Environments: an ordered list of layer references (top first), versioned."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from layerfs.errors import UsageError, VersionExists
+from layerfs.manifest import EnvLayer, EnvManifest
+from layerfs.names import check_name, check_version
+from layerfs.registry import ENVS, LAYERS, Registry
+from layerfs.store.base import Store
+
+from .layer import now_utc
+
+
+@dataclass
+class EnvResult:
+    ref: str
+    digest: str
+    manifest: EnvManifest
+    published: bool
+
+
+def create_env(store: Store, name: str, version: str, layer_refs: list[str]) -> EnvResult:
+    check_name(name)
+    check_version(version)
+    if not layer_refs:
+        raise UsageError("an env needs at least one --layer")
+    reg = Registry(store)
+    layers = [EnvLayer(ref, reg.resolve(LAYERS, ref)) for ref in layer_refs]
+    for layer in layers:
+        reg.layer(layer.digest)  # must be a readable layer manifest
+    ref = f"{name}@{version}"
+    manifest = EnvManifest(name=name, version=version, layers=layers, created=now_utc())
+    existing = reg.read_ref(ENVS, name, version)
+    if existing is not None:
+        old = reg.env(existing)
+        if old.content_key() != manifest.content_key():
+            raise VersionExists(ref)
+        return EnvResult(ref, existing, old, published=False)
+    digest, _ = store.put_blob(manifest.to_bytes())
+    reg.publish(ENVS, name, version, digest)
+    return EnvResult(ref, digest, manifest, published=True)

@@ -1,0 +1,143 @@
+"""Build a layer from a source and publish it: packs, chunk table, meta, manifest, ref.
+
+A version is immutable. If ``name@version`` already exists, the source is
+built again without uploading anything and compared: the same content is a
+success that writes nothing, other content is :class:`VersionExists`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from layerfs.errors import SourceError, UsageError, VersionExists
+from layerfs.formats.erofs import ErofsError, write_meta_image
+from layerfs.manifest import ROLES, BlobRef, LayerManifest
+from layerfs.names import check_name, check_version
+from layerfs.registry import LAYERS, Registry
+from layerfs.store.base import Store, sha256_digest
+
+from .assembler import LayerAssembler
+from .dirsource import DirectorySource
+from .pipeline import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_SIZE, ChunkPipeline, DedupIndex
+from .tarsource import TarSource, looks_like_tar
+
+MIN_CHUNK, MAX_CHUNK = 4096, 16 << 20
+
+
+@dataclass
+class BuildOptions:
+    name: str
+    version: str
+    role: str = "base"
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    dedup_with: list[str] = field(default_factory=list)
+    pack_size: int = DEFAULT_PACK_SIZE
+    workers: int = max(2, min(4, os.cpu_count() or 2))
+
+    def check(self) -> None:
+        check_name(self.name)
+        check_version(self.version)
+        if self.role not in ROLES:
+            raise UsageError(f"invalid role {self.role!r} (expected one of {', '.join(ROLES)})")
+        cs = self.chunk_size
+        if cs & (cs - 1) or not MIN_CHUNK <= cs <= MAX_CHUNK:
+            raise UsageError(f"chunk size {cs} must be a power of two from 4 KiB to 16 MiB")
+
+
+@dataclass
+class BuildResult:
+    ref: str
+    digest: str
+    manifest: LayerManifest
+    published: bool  # False: the version existed with this content; nothing written
+
+
+@dataclass
+class Progress:
+    on_file: Callable[[], None] | None = None
+    on_bytes: Callable[[int], None] | None = None
+
+
+def open_source(path: str) -> DirectorySource | TarSource:
+    if path != "-" and not os.path.lexists(path):
+        raise SourceError(path, "no such file or directory")
+    if os.path.isdir(path):
+        return DirectorySource(path)
+    if not looks_like_tar(path):
+        if not os.access(path, os.R_OK):
+            raise SourceError(path, "permission denied")
+        raise SourceError(path, "not a directory or tar archive")
+    return TarSource(path)
+
+
+def now_utc() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def build_layer(store: Store, src: str, opts: BuildOptions,
+                progress: Progress | None = None) -> BuildResult:
+    opts.check()
+    source = open_source(src)
+    reg = Registry(store)
+    existing = reg.read_ref(LAYERS, opts.name, opts.version)
+    index, sources, old = _dedup_index(reg, opts, existing)
+    progress = progress or Progress()
+    pipeline = ChunkPipeline(store, index, opts.chunk_size, upload=existing is None,
+                             pack_size=opts.pack_size, workers=opts.workers,
+                             on_bytes=progress.on_bytes)
+    asm = LayerAssembler(pipeline, on_file=progress.on_file)
+    try:
+        source.feed(asm)
+        tree = asm.finish()
+        result = pipeline.finish()
+    finally:
+        pipeline.close()
+    try:
+        meta = write_meta_image(tree, result.blob_blocks, opts.chunk_size.bit_length() - 1)
+    except ErofsError as exc:
+        raise SourceError(src, str(exc)) from None
+    table = result.table.to_bytes()
+    ref = f"{opts.name}@{opts.version}"
+    if existing is not None and old is not None:
+        same = (sha256_digest(meta) == old[0].meta.digest
+                and result.table.content_key() == old[1].content_key())
+        if not same:
+            raise VersionExists(ref)
+        return BuildResult(ref, existing, old[0], published=False)
+
+    stats = result.stats
+    for name in ("files", "dirs", "symlinks", "others", "file_bytes", "inline_bytes"):
+        setattr(stats, name, getattr(asm.counts, name))
+    table_digest, up_table = store.put_blob(table)
+    meta_digest, up_meta = store.put_blob(meta)
+    stats.uploaded_bytes += len(table) * up_table + len(meta) * up_meta
+    manifest = LayerManifest(
+        name=opts.name, version=opts.version, role=opts.role, chunk_size=opts.chunk_size,
+        meta=BlobRef(meta_digest, len(meta)), chunk_table=BlobRef(table_digest, len(table)),
+        blob_size=result.table.blob_size, created=now_utc(), stats=stats,
+        dedup_sources=sources,
+    )
+    digest, _ = store.put_blob(manifest.to_bytes())
+    reg.publish(LAYERS, opts.name, opts.version, digest)
+    return BuildResult(ref, digest, manifest, published=True)
+
+
+def _dedup_index(reg: Registry, opts: BuildOptions, existing: str | None):
+    """Chunks already stored that this build may reference instead of uploading."""
+    index = DedupIndex()
+    sources: list[str] = []
+    old = None
+    if existing is not None:
+        manifest = reg.layer(existing)
+        old = (manifest, reg.chunk_table(manifest))
+        index.add_table(old[1])
+    prev = reg.previous_version(opts.name, opts.version)
+    refs = ([f"{opts.name}@{prev}"] if prev else []) + list(opts.dedup_with)
+    for ref in refs:
+        _, manifest = reg.layer_by_ref(ref)
+        index.add_table(reg.chunk_table(manifest))
+        sources.append(ref)
+    return index, sources, old

@@ -1,0 +1,254 @@
+"""Chunk pipeline: hash, dedup, compress and pack file data; upload the packs.
+
+File data is cut into fixed-size chunks. Worker threads hash each chunk
+(sha256 of the uncompressed bytes) and compress it with zstd unless it is
+already known; the calling thread settles chunks strictly in submission order,
+so blob addresses, and with them the meta image, do not depend on thread
+timing. A chunk is, in this order of preference: a hole (all zeros, not
+stored), a repeat of a chunk earlier in this layer (same blob address), a
+chunk already in the store (referenced where it is), or new (appended to the
+current pack). Full packs are uploaded by a small thread pool while the build
+goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+import zstandard
+
+from layerfs.formats.chunktable import RAW, ZSTD, ChunkEntry, ChunkTable
+from layerfs.manifest import LayerStats
+from layerfs.store.base import Store, sha256_digest
+from layerfs.tree import HOLE, FsNode
+
+BLOCK = 4096
+DEFAULT_CHUNK_SIZE = 1 << 20
+DEFAULT_PACK_SIZE = 16 << 20
+ZSTD_LEVEL = 3
+
+
+class DedupIndex:
+    """sha256 → where a chunk with those bytes is already stored."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[bytes, ChunkEntry] = {}
+
+    def add_table(self, table: ChunkTable) -> None:
+        for entry in table.entries:
+            self.chunks.setdefault(entry.sha256, entry)
+
+    def __contains__(self, sha: bytes) -> bool:
+        return sha in self.chunks
+
+
+@dataclass
+class _Pending:
+    node: FsNode
+    slot: int
+    length: int
+    future: Future
+
+
+@dataclass
+class _Digested:
+    sha: bytes
+    zero: bool
+    payload: bytes | None
+    compression: int
+
+
+@dataclass
+class _NewChunk:
+    blob_offset: int
+    length: int
+    sha: bytes
+    pack_no: int
+    pack_offset: int
+    stored_length: int
+    compression: int
+
+
+@dataclass
+class PipelineResult:
+    table: ChunkTable
+    blob_blocks: int
+    stats: LayerStats = field(default_factory=LayerStats)
+
+
+class ChunkPipeline:
+    """Turns file streams into chunk addresses and uploaded packs."""
+
+    def __init__(
+        self,
+        store: Store,
+        index: DedupIndex,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        upload: bool = True,
+        pack_size: int = DEFAULT_PACK_SIZE,
+        workers: int = 2,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.index = index
+        self.chunk_size = chunk_size
+        self.upload = upload
+        self.pack_size = max(pack_size, chunk_size)
+        self.on_bytes = on_bytes
+        self.stats = LayerStats()
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="chunk")
+        self._uploads = ThreadPoolExecutor(2, thread_name_prefix="upload")
+        self._upload_slots = threading.Semaphore(3)
+        self._upload_futures: list[Future] = []
+        self._inflight: deque[_Pending] = deque()
+        self._max_inflight = 4 * workers + 2
+        self._local = threading.local()
+        self._zero_sha: dict[int, bytes] = {}
+        self._layer_addr: dict[bytes, int] = {}  # sha → blob block address in this layer
+        self._reused: list[tuple[int, ChunkEntry]] = []  # (blob block, stored elsewhere)
+        self._new: list[_NewChunk] = []
+        self._pack = bytearray()
+        self._pack_digests: list[str] = []
+        self._next_block = 0
+
+    # -- worker side --
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        comp = getattr(self._local, "zstd", None)
+        if comp is None:
+            comp = self._local.zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        return comp
+
+    def _zero_digest(self, length: int) -> bytes:
+        sha = self._zero_sha.get(length)
+        if sha is None:
+            sha = self._zero_sha[length] = hashlib.sha256(bytes(length)).digest()
+        return sha
+
+    def _digest(self, data: bytes) -> _Digested:
+        sha = hashlib.sha256(data).digest()
+        if sha == self._zero_digest(len(data)):
+            return _Digested(sha, True, None, RAW)
+        if sha in self._layer_addr or sha in self.index:
+            return _Digested(sha, False, None, RAW)
+        packed = self._compressor().compress(data)
+        if len(packed) < len(data):
+            return _Digested(sha, False, packed, ZSTD)
+        return _Digested(sha, False, data, RAW)
+
+    # -- caller side --
+    def add_file(self, node: FsNode, stream: BinaryIO, size: int) -> None:
+        """Chunk ``size`` bytes of ``stream`` into ``node.chunks``."""
+        node.chunks = []
+        remaining = size
+        while remaining > 0:
+            data = stream.read(min(self.chunk_size, remaining))
+            if not data:
+                raise EOFError(f"source ended {remaining} bytes early")
+            remaining -= len(data)
+            self.stats.chunks += 1
+            node.chunks.append(HOLE)
+            fut = self._pool.submit(self._digest, data)
+            self._inflight.append(_Pending(node, len(node.chunks) - 1, len(data), fut))
+            if self.on_bytes:
+                self.on_bytes(len(data))
+            while len(self._inflight) > self._max_inflight:
+                self._settle(self._inflight.popleft())
+
+    def _settle(self, pending: _Pending) -> None:
+        res: _Digested = pending.future.result()
+        if res.zero:
+            self.stats.holes += 1
+            pending.node.chunks[pending.slot] = HOLE
+            return
+        addr = self._layer_addr.get(res.sha)
+        if addr is None:
+            addr = self._next_block
+            self._next_block += -(-pending.length // BLOCK)
+            self._layer_addr[res.sha] = addr
+            self._store_chunk(addr, pending.length, res)
+        pending.node.chunks[pending.slot] = addr
+
+    def _store_chunk(self, addr: int, length: int, res: _Digested) -> None:
+        known = self.index.chunks.get(res.sha)
+        if known is not None:
+            self.stats.reused_chunks += 1
+            self._reused.append((addr, known))
+            return
+        assert res.payload is not None
+        self._new.append(
+            _NewChunk(addr * BLOCK, length, res.sha, len(self._pack_digests), len(self._pack),
+                      len(res.payload), res.compression)
+        )
+        self._pack += res.payload
+        if len(self._pack) >= self.pack_size:
+            self._seal_pack()
+
+    def _seal_pack(self) -> None:
+        if not self._pack:
+            return
+        data = bytes(self._pack)
+        self._pack = bytearray()
+        digest = sha256_digest(data)
+        self._pack_digests.append(digest)
+        if not self.upload:
+            return
+        self._check_uploads()
+        self._upload_slots.acquire()
+        fut = self._uploads.submit(self._upload, data, digest)
+        self._upload_futures.append(fut)
+
+    def _upload(self, data: bytes, digest: str) -> int:
+        try:
+            _, uploaded = self.store.put_blob(data, digest)
+            return len(data) if uploaded else 0
+        finally:
+            self._upload_slots.release()
+
+    def _check_uploads(self) -> None:
+        for fut in [f for f in self._upload_futures if f.done()]:
+            fut.result()  # raises the upload's error
+
+    def finish(self) -> PipelineResult:
+        """Settle every chunk, upload the last pack, and return the chunk table."""
+        try:
+            while self._inflight:
+                self._settle(self._inflight.popleft())
+            self._seal_pack()
+            for fut in self._upload_futures:
+                uploaded = fut.result()
+                if uploaded:
+                    self.stats.uploaded_bytes += uploaded
+                    self.stats.uploaded_packs += 1
+        finally:
+            self.close()
+        return self._result()
+
+    def _result(self) -> PipelineResult:
+        entries = [
+            ChunkEntry(addr * BLOCK, e.length, e.sha256, e.pack, e.pack_offset,
+                       e.stored_length, e.compression)
+            for addr, e in self._reused
+        ]
+        entries += [
+            ChunkEntry(c.blob_offset, c.length, c.sha, self._pack_digests[c.pack_no],
+                       c.pack_offset, c.stored_length, c.compression)
+            for c in self._new
+        ]
+        table = ChunkTable(entries, self._next_block * BLOCK, self.chunk_size)
+        self.stats.unique_chunks = len(entries)
+        self.stats.blob_bytes = table.blob_size
+        self.stats.stored_bytes = table.stored_bytes()
+        return PipelineResult(table, self._next_block, self.stats)
+
+    def close(self) -> None:
+        for pending in self._inflight:
+            pending.future.cancel()
+        self._inflight.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._uploads.shutdown(wait=True, cancel_futures=True)
