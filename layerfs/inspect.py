@@ -1,0 +1,88 @@
+"""What a layer or env holds and costs: sizes, chunks, stored and shared bytes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from .registry import ENVS, LAYERS, Registry
+
+
+def shared_locations(reg: Registry, exclude: str) -> set[tuple[str, int]]:
+    """Chunk locations referenced by every layer version other than ``exclude``."""
+    seen: set[tuple[str, int]] = set()
+    for entry in reg.list_refs(LAYERS):
+        if entry.digest == exclude:
+            continue
+        table = reg.chunk_table(reg.layer(entry.digest))
+        seen.update(e.location for e in table.entries)
+    return seen
+
+
+def layer_report(reg: Registry, digest: str, shared: bool = True) -> dict[str, Any]:
+    manifest = reg.layer(digest)
+    table = reg.chunk_table(manifest)
+    stored = table.stored_bytes()
+    logical = sum(e.length for e in table.entries)
+    report: dict[str, Any] = {
+        "kind": "layer",
+        "ref": f"{manifest.name}@{manifest.version}",
+        "digest": digest,
+        "role": manifest.role,
+        "created": manifest.created,
+        "chunk_size": manifest.chunk_size,
+        "meta_bytes": manifest.meta.size,
+        "chunk_table_bytes": manifest.chunk_table.size,
+        "blob_bytes": manifest.blob_size,
+        "packs": len(table.packs()),
+        "stored_bytes": stored,
+        "compression_ratio": round(logical / stored, 3) if stored else None,
+        "stats": asdict(manifest.stats),
+        "dedup_sources": manifest.dedup_sources,
+    }
+    if shared:
+        others = shared_locations(reg, digest)
+        report["shared_bytes"] = sum(e.stored_length for e in table.entries
+                                     if e.location in others)
+    return report
+
+
+def env_report(reg: Registry, digest: str) -> dict[str, Any]:
+    manifest = reg.env(digest)
+    layers = []
+    for layer in manifest.layers:
+        lm = reg.layer(layer.digest)
+        layers.append({
+            "ref": layer.ref,
+            "digest": layer.digest,
+            "role": lm.role,
+            "created": lm.created,
+            "file_bytes": lm.stats.file_bytes,
+            "uploaded_bytes": lm.stats.uploaded_bytes,
+        })
+    return {
+        "kind": "env",
+        "ref": f"{manifest.name}@{manifest.version}",
+        "digest": digest,
+        "created": manifest.created,
+        "layers": layers,
+    }
+
+
+def resolve_any(reg: Registry, text: str) -> tuple[str, str]:
+    """(kind, digest) for a layer or env reference; layers are tried first."""
+    from .errors import RefNotFound
+    from .manifest import manifest_kind
+
+    if text.startswith("sha256:"):
+        digest = reg.resolve(LAYERS, text)
+        kind = manifest_kind(reg.store.get_blob(digest))
+        return (ENVS if kind == "env" else LAYERS), digest
+    try:
+        return LAYERS, reg.resolve(LAYERS, text)
+    except RefNotFound:
+        pass
+    try:
+        return ENVS, reg.resolve(ENVS, text)
+    except RefNotFound:
+        raise RefNotFound("layer or env", text) from None

@@ -1,0 +1,76 @@
+"""Options and output helpers shared by every command group."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from layerfs.registry import Registry
+from layerfs.store import Store, open_store
+
+
+def store_options(fn: Callable) -> Callable:
+    """``--store URL``, ``--s3-endpoint URL`` and ``--json`` on a command."""
+
+    @click.option("--store", "store_url", envvar="LAYERFS_STORE", metavar="URL",
+                  help="file:///path or s3://bucket/prefix [env: LAYERFS_STORE; default: "
+                       "/var/lib/layerfs/store as root].")
+    @click.option("--s3-endpoint", envvar="AWS_ENDPOINT_URL", metavar="URL",
+                  help="S3 endpoint for s3:// stores [env: AWS_ENDPOINT_URL].")
+    @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+    @functools.wraps(fn)
+    def wrapper(store_url: str | None, s3_endpoint: str | None, as_json: bool, **kw: Any):
+        store = open_store(store_url, s3_endpoint=s3_endpoint)
+        try:
+            return fn(Output(as_json), Registry(store), **kw)
+        finally:
+            store.close()
+
+    return wrapper
+
+
+class Output:
+    """Writes either human text or one JSON document to stdout."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+
+    def emit(self, doc: Any, text: str | Callable[[], str]) -> None:
+        if self.as_json:
+            click.echo(json.dumps(doc, indent=2, sort_keys=True))
+        else:
+            click.echo(text() if callable(text) else text)
+
+
+def human_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def parse_size(text: str) -> int:
+    """``1M``, ``4KiB``, ``1048576`` → bytes."""
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+    try:
+        return int(float(num) * units[unit])
+    except ValueError:
+        raise click.BadParameter(f"not a size: {text!r}") from None
+
+
+def stderr_is_tty() -> bool:
+    return sys.stderr.isatty()
+
+
+def the_store(reg: Registry) -> Store:
+    return reg.store

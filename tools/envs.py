@@ -1,0 +1,48 @@
+"""Env commands: env create, env ls."""
+
+from __future__ import annotations
+
+import click
+
+from layerfs.builder.env import create_env
+from layerfs.names import Ref
+from layerfs.registry import ENVS, Registry
+
+from .common import Output, store_options
+
+
+@click.group()
+def env() -> None:
+    """Environments: ordered lists of layers, top first."""
+
+
+@env.command("create")
+@click.argument("ref")
+@click.option("--layer", "layers", multiple=True, required=True, metavar="REF",
+              help="A layer, top first (repeat: workspace, toolchain, base).")
+@store_options
+def create(out: Output, reg: Registry, ref: str, layers: tuple[str, ...]) -> None:
+    """Create the env REF (name@version) from layers, top first."""
+    parsed = Ref.parse(ref)
+    if parsed.digest:
+        raise click.BadParameter("an env is created as name@version", param_hint="REF")
+    assert parsed.name and parsed.version
+    result = create_env(reg.store, parsed.name, parsed.version, list(layers))
+    doc = {"ref": result.ref, "digest": result.digest, "published": result.published,
+           "layers": [layer.__dict__ for layer in result.manifest.layers]}
+    state = "" if result.published else "  (unchanged: already published)"
+    out.emit(doc, f"{result.ref} {result.digest}{state}")
+
+
+@env.command("ls")
+@click.argument("name", required=False)
+@store_options
+def ls(out: Output, reg: Registry, name: str | None) -> None:
+    """List envs (all, or the versions of NAME)."""
+    rows = []
+    for entry in reg.list_refs(ENVS, name):
+        m = reg.env(entry.digest)
+        rows.append({"ref": str(entry), "digest": entry.digest, "created": m.created,
+                     "layers": [layer.ref for layer in m.layers]})
+    out.emit(rows, lambda: "\n".join(
+        f"{r['ref']:30} {' '.join(r['layers'])}" for r in rows) or "(no envs)")

@@ -1,0 +1,37 @@
+"""The gc command: delete blobs that no ref reaches."""
+
+from __future__ import annotations
+
+import click
+
+from layerfs.gc import DEFAULT_GRACE, collect
+from layerfs.registry import Registry
+
+from .common import Output, human_bytes, store_options
+
+
+@click.command()
+@click.option("--dry-run", is_flag=True, help="Only list what is unreachable.")
+@click.option("--grace", type=float, default=DEFAULT_GRACE, show_default=True,
+              help="Keep unreachable blobs younger than this many seconds "
+                   "(a push in progress writes its ref last).")
+@store_options
+def gc(out: Output, reg: Registry, dry_run: bool, grace: float) -> None:
+    """Delete blobs no layer or env ref reaches."""
+    rep = collect(reg, dry_run=dry_run, grace=grace)
+    doc = {"dry_run": dry_run, "reachable": rep.reachable, "unreachable": rep.unreachable,
+           "deleted": rep.deleted, "deleted_bytes": rep.deleted_bytes,
+           "kept_young": rep.kept_young}
+
+    def text() -> str:
+        lines = [f"{u['digest']} {human_bytes(u['size']):>10}  age {u['age_s']:.0f}s"
+                 + ("  (kept: younger than --grace)" if u["young"] else "")
+                 for u in rep.unreachable]
+        total = sum(u["size"] for u in rep.unreachable)
+        verb = "would delete" if dry_run else "deleted"
+        count = len(rep.unreachable) - rep.kept_young if dry_run else rep.deleted
+        lines.append(f"{rep.reachable} reachable, {len(rep.unreachable)} unreachable "
+                     f"({human_bytes(total)}); {verb} {count}")
+        return "\n".join(lines)
+
+    out.emit(doc, text)

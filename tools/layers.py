@@ -1,0 +1,128 @@
+"""Layer commands: build, ls, inspect, verify."""
+
+from __future__ import annotations
+
+import click
+
+from layerfs.builder.layer import BuildOptions, Progress, build_layer
+from layerfs.errors import IntegrityError
+from layerfs.inspect import env_report, layer_report, resolve_any
+from layerfs.manifest import ROLES
+from layerfs.registry import ENVS, LAYERS, Registry
+from layerfs.verify import verify_layer
+
+from .common import Output, human_bytes, parse_size, stderr_is_tty, store_options
+from .progress import ProgressLine
+
+
+@click.command()
+@click.argument("src")
+@click.option("--name", required=True, help="Layer name, lowercase [a-z0-9][a-z0-9._/-]*.")
+@click.option("--version", "version", required=True, help="Layer version, [A-Za-z0-9._-]+.")
+@click.option("--role", type=click.Choice(ROLES[:3]), default="base", show_default=True)
+@click.option("--chunk-size", default="1M", show_default=True,
+              help="Chunk size, a power of two from 4K to 16M.")
+@click.option("--dedup-with", multiple=True, metavar="REF",
+              help="Also reuse chunks stored by this layer (repeatable).")
+@store_options
+def build(out: Output, reg: Registry, src: str, name: str, version: str, role: str,
+          chunk_size: str, dedup_with: tuple[str, ...]) -> None:
+    """Build SRC (a directory, a tar/tar.gz/tar.zst file, or - for stdin) into
+    the layer NAME@VERSION and publish it."""
+    opts = BuildOptions(name, version, role, parse_size(chunk_size), list(dedup_with))
+    line = ProgressLine(f"build {name}@{version}", enabled=stderr_is_tty() and not out.as_json)
+    try:
+        result = build_layer(reg.store, src, opts, Progress(line.on_file, line.on_bytes))
+    finally:
+        line.close()
+    s = result.manifest.stats
+    doc = {"ref": result.ref, "digest": result.digest, "published": result.published,
+           "stats": s.__dict__}
+    if result.published:
+        text = (f"{result.ref} {result.digest}\n"
+                f"  {s.files} files, {human_bytes(s.file_bytes)}; {s.unique_chunks} chunks "
+                f"({s.reused_chunks} already stored, {s.holes} holes); "
+                f"uploaded {human_bytes(s.uploaded_bytes)} in {s.uploaded_packs} packs")
+    else:
+        text = f"{result.ref} {result.digest}\n  unchanged: already published, nothing uploaded"
+    out.emit(doc, text)
+
+
+@click.command("ls")
+@click.argument("name", required=False)
+@store_options
+def ls(out: Output, reg: Registry, name: str | None) -> None:
+    """List layers (all, or the versions of NAME)."""
+    rows = []
+    for entry in reg.list_refs(LAYERS, name):
+        m = reg.layer(entry.digest)
+        rows.append({"ref": str(entry), "digest": entry.digest, "role": m.role,
+                     "file_bytes": m.stats.file_bytes, "created": m.created})
+    out.emit(rows, lambda: "\n".join(
+        f"{r['ref']:40} {r['role']:10} {human_bytes(r['file_bytes']):>10}  "
+        f"{r['created']}  {r['digest'][:19]}" for r in rows) or "(no layers)")
+
+
+@click.command()
+@click.argument("ref")
+@store_options
+def inspect(out: Output, reg: Registry, ref: str) -> None:
+    """Show what the layer or env REF holds: sizes, chunks, stored and shared bytes."""
+    kind, digest = resolve_any(reg, ref)
+    if kind == ENVS:
+        rep = env_report(reg, digest)
+        out.emit(rep, lambda: _env_text(rep))
+    else:
+        rep = layer_report(reg, digest)
+        out.emit(rep, lambda: _layer_text(rep))
+
+
+def _layer_text(r: dict) -> str:
+    s = r["stats"]
+    ratio = r["compression_ratio"]
+    return "\n".join([
+        f"layer {r['ref']}  {r['digest']}",
+        f"  role {r['role']}, created {r['created']}, chunk size {human_bytes(r['chunk_size'])}",
+        f"  files {s['files']}, dirs {s['dirs']}, symlinks {s['symlinks']}, other {s['others']}",
+        f"  file bytes {human_bytes(s['file_bytes'])} (inline in meta "
+        f"{human_bytes(s['inline_bytes'])}), blob {human_bytes(r['blob_bytes'])}",
+        f"  meta image {human_bytes(r['meta_bytes'])}, chunk table "
+        f"{human_bytes(r['chunk_table_bytes'])}",
+        f"  chunks {s['chunks']}, unique {s['unique_chunks']}, holes {s['holes']}",
+        f"  stored {human_bytes(r['stored_bytes'])} in {r['packs']} packs, compression "
+        f"{ratio if ratio else '-'}x, shared with other layers "
+        f"{human_bytes(r.get('shared_bytes'))}",
+        f"  this push uploaded {human_bytes(s['uploaded_bytes'])} "
+        f"({s['uploaded_packs']} packs, {s['reused_chunks']} chunks reused)"
+        + (f"; dedup with {', '.join(r['dedup_sources'])}" if r["dedup_sources"] else ""),
+    ])
+
+
+def _env_text(r: dict) -> str:
+    lines = [f"env {r['ref']}  {r['digest']}  created {r['created']}"]
+    for layer in r["layers"]:
+        lines.append(f"  {layer['ref']:36} {layer['role']:10} {layer['digest'][:19]}  "
+                     f"created {layer['created']}  uploaded "
+                     f"{human_bytes(layer['uploaded_bytes'])}")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.argument("ref")
+@store_options
+def verify(out: Output, reg: Registry, ref: str) -> None:
+    """Check that every chunk of the layer (or of every layer of the env) REF is
+    present and matches its sha256."""
+    kind, digest = resolve_any(reg, ref)
+    digests = [x.digest for x in reg.env(digest).layers] if kind == ENVS else [digest]
+    reports = [verify_layer(reg, d) for d in digests]
+    doc = [{"ref": r.ref, "chunks": r.chunks, "bytes": r.bytes, "problems": r.problems}
+           for r in reports]
+    out.emit(doc, lambda: "\n".join(
+        f"{r.ref}: {r.chunks} chunks, {human_bytes(r.bytes)}: "
+        + ("ok" if r.ok else f"{len(r.problems)} bad\n  " + "\n  ".join(r.problems))
+        for r in reports))
+    bad = [r for r in reports if not r.ok]
+    if bad:
+        raise IntegrityError(", ".join(r.ref for r in bad), f"{sum(len(r.problems) for r in bad)}"
+                             " bad objects")
