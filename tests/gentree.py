@@ -31,7 +31,7 @@ def _attrs(path: str, rng: random.Random, uid: int, gid: int, mode: int | None) 
 
 
 def make_tree(root: str, seed: int = 0, chunk_size: int = 65536, big_dir: int = 10_000,
-              sockets: bool = True) -> str:
+              sockets: bool = True, long_names: bool = True) -> str:
     """Fill ``root`` (created) and return it. Needs root (owners, devices, trusted.*)."""
     rng = random.Random(seed)
     os.makedirs(root, exist_ok=True)
@@ -104,14 +104,16 @@ def make_tree(root: str, seed: int = 0, chunk_size: int = 65536, big_dir: int = 
         os.mkdir(deep)
     _touch(j(deep, "leaf"), b"deep", rng)
     os.mkdir(j(root, "long"))
-    for ch in "abc":
+    for ch in "abc" if long_names else "":
         _touch(j(root, "long", ch * 255), rng.randbytes(rng.randrange(0, 6000)), rng)
     # a big directory
     big = j(root, "big")
     os.mkdir(big)
     for i in range(big_dir):
-        with open(j(big, f"entry-{i:05d}-{rng.randrange(10**6)}"), "wb") as f:
+        path = j(big, f"entry-{i:05d}-{rng.randrange(10**6)}")
+        with open(path, "wb") as f:
             f.write(b"%d" % i)
+        os.utime(path, ns=(1_600_000_000 * 10**9, 1_600_000_000 * 10**9))  # compact inodes
     # directory attributes last (creating entries changes mtimes)
     for dirpath, dirnames, _ in os.walk(root, topdown=False):
         for d in dirnames:

@@ -1,0 +1,52 @@
+"""Helpers shared by the tests: root checks, building layers, mounting them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from layerfs.builder.layer import BuildOptions, BuildResult, build_layer
+from layerfs.chunks import materialize_blob
+from layerfs.mounts import mount_erofs, umount
+from layerfs.registry import Registry
+from layerfs.store.base import Store
+
+IN_CI = os.environ.get("CI") == "true"
+
+
+def need_root() -> None:
+    """Mount tests run as root; outside CI they may skip, in CI they must run."""
+    if os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail("CI runs the mount tests as root")
+        pytest.skip("needs root for kernel mounts")
+
+
+def build(store: Store, src: str, name: str = "t", version: str = "1", **kw) -> BuildResult:
+    return build_layer(store, src, BuildOptions(name, version, **kw))
+
+
+@contextmanager
+def mounted_layer(store: Store, digest: str, workdir: str) -> Iterator[str]:
+    """Fetch a layer's meta image and whole blob, mount them, yield the mount point."""
+    need_root()
+    reg = Registry(store)
+    manifest = reg.layer(digest)
+    os.makedirs(workdir, exist_ok=True)
+    meta, blob, mnt = (os.path.join(workdir, n) for n in ("meta.img", "blob.img", "mnt"))
+    with open(meta, "wb") as f:
+        f.write(store.get_blob(manifest.meta.digest))
+    materialize_blob(store, reg.chunk_table(manifest), blob)
+    fsck = subprocess.run(["fsck.erofs", f"--device={blob}", meta], capture_output=True,
+                          text=True)
+    assert fsck.returncode == 0, f"fsck.erofs rejected the image: {fsck.stdout}{fsck.stderr}"
+    os.makedirs(mnt, exist_ok=True)
+    mount_erofs(meta, blob, mnt)
+    try:
+        yield mnt
+    finally:
+        umount(mnt)
