@@ -70,6 +70,8 @@ def make_tree(root: str, seed: int = 0, chunk_size: int = 65536, big_dir: int = 
     os.symlink("/usr/bin/python3", j(root, "links", "sym-abs"))
     os.symlink("x" * 4000, j(root, "links", "sym-long"))
     os.symlink("../files/f00_0", j(root, "links", "sym-up"))
+    for name in ("sym-rel", "sym-abs", "sym-long", "sym-up"):
+        _attrs(j(root, "links", name), rng, rng.choice([0, 1000]), 0, None)
     # special files
     os.mkdir(j(root, "dev"))
     os.mknod(j(root, "dev", "null"), 0o20666, os.makedev(1, 3))
@@ -86,6 +88,8 @@ def make_tree(root: str, seed: int = 0, chunk_size: int = 65536, big_dir: int = 
         finally:
             os.chdir(cwd)
             sock.close()
+    for name in sorted(os.listdir(j(root, "dev"))):
+        _attrs(j(root, "dev", name), rng, 0, rng.choice([0, 5]), None)
     # xattrs: inline, shared (same pair on several inodes), security and trusted
     os.mkdir(j(root, "x"))
     for i in range(5):
