@@ -1,0 +1,152 @@
+"""Tar sources: compressions, GNU tar archives, stdin, whiteouts, unsafe entries."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import subprocess
+import sys
+import tarfile
+
+import pytest
+import zstandard
+
+from layerfs.errors import SourceError, UnsafeTarEntry
+from layerfs.mounts import mount, umount
+from layerfs.registry import LAYERS, Registry
+from layerfs.store.file import FileStore
+
+from gentree import make_tree, tar_tree
+from support import build, mounted_layer, need_root
+from treecmp import diff_trees
+
+
+@pytest.fixture
+def fstore(tmp_path):
+    return FileStore(str(tmp_path / "store"))
+
+
+@pytest.fixture(scope="module")
+def src_tree(tmp_path_factory):
+    need_root()
+    return make_tree(str(tmp_path_factory.mktemp("src") / "root"), seed=5, big_dir=200,
+                     sockets=False)
+
+
+@pytest.mark.parametrize("mode", ["w", "w:gz", "w:xz", "zstd"])
+def test_tar_layer_matches_source(tmp_path, fstore, src_tree, mode):
+    out = str(tmp_path / "src.tar")
+    if mode == "zstd":
+        tar_tree(src_tree, out)
+        with open(out, "rb") as f:
+            data = zstandard.ZstdCompressor(level=3).compress(f.read())
+        out += ".zst"
+        with open(out, "wb") as f:
+            f.write(data)
+    else:
+        tar_tree(src_tree, out, mode)
+    result = build(fstore, out, chunk_size=65536)
+    with mounted_layer(fstore, result.digest, str(tmp_path / "w")) as mnt:
+        assert diff_trees(src_tree, mnt) == []
+
+
+def test_gnu_tar_archive(tmp_path, fstore, src_tree):
+    """An archive written by GNU tar (posix format, xattrs, numeric owners)."""
+    out = str(tmp_path / "gnu.tar")
+    subprocess.run(["tar", "--format=posix", "--xattrs", "--xattrs-include=*",
+                    "--numeric-owner", "-C", src_tree, "-cf", out, "."], check=True)
+    result = build(fstore, out, chunk_size=65536)
+    with mounted_layer(fstore, result.digest, str(tmp_path / "w")) as mnt:
+        # GNU tar keeps directory mtimes only to the second in some headers
+        assert diff_trees(src_tree, mnt, dir_mtime=False) == []
+
+
+def test_stdin_gives_the_same_layer(tmp_path, src_tree):
+    out = tar_tree(src_tree, str(tmp_path / "src.tar"), "w:gz")
+    metas = []
+    for i, src in enumerate([out, "-"]):
+        store = tmp_path / f"s{i}"
+        with open(out, "rb") as stdin:
+            subprocess.run([sys.executable, "-m", "layerfs.tools.main", "build", src,
+                            "--name", "t", "--version", "1", "--store", f"file://{store}"],
+                           stdin=stdin, check=True, capture_output=True)
+        reg = Registry(FileStore(str(store)))
+        metas.append(reg.layer(reg.resolve(LAYERS, "t@1")).meta.digest)
+    assert metas[0] == metas[1]
+
+
+def _tar(entries: list[tuple[str, bytes | None, dict]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data, kw in entries:
+            info = tarfile.TarInfo(name)
+            for k, v in kw.items():
+                setattr(info, k, v)
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+def test_whiteouts_become_overlayfs_whiteouts(tmp_path, fstore):
+    need_root()
+    lower = tmp_path / "lower"
+    (lower / "dir").mkdir(parents=True)
+    (lower / "gone").write_text("lower")
+    (lower / "kept").write_text("lower")
+    (lower / "dir" / "old").write_text("lower")
+    upper_tar = tmp_path / "upper.tar"
+    upper_tar.write_bytes(_tar([
+        ("dir", None, {"type": tarfile.DIRTYPE, "mode": 0o755}),
+        ("dir/.wh..wh..opq", b"", {}),
+        ("dir/new", b"upper", {}),
+        (".wh.gone", b"", {}),
+    ]))
+    low = build(fstore, str(lower), name="low")
+    up = build(fstore, str(upper_tar), name="up")
+    with mounted_layer(fstore, up.digest, str(tmp_path / "u")) as up_mnt, \
+            mounted_layer(fstore, low.digest, str(tmp_path / "l")) as low_mnt:
+        st = os.lstat(os.path.join(up_mnt, "gone"))
+        assert stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+        assert os.getxattr(os.path.join(up_mnt, "dir"), "trusted.overlay.opaque") == b"y"
+        merged = tmp_path / "merged"
+        merged.mkdir()
+        mount("overlay", str(merged), "overlay", 1, f"lowerdir={up_mnt}:{low_mnt}")
+        try:
+            assert sorted(os.listdir(merged)) == ["dir", "kept"]
+            assert os.listdir(merged / "dir") == ["new"]
+            assert (merged / "dir" / "new").read_text() == "upper"
+        finally:
+            umount(str(merged))
+
+
+@pytest.mark.parametrize("entries,why", [
+    ([("../evil", b"x", {})], "'..' in path"),
+    ([("/etc/passwd", b"x", {})], "absolute path"),
+    ([("a/../../b", b"x", {})], "'..' in path"),
+    ([("l", None, {"type": tarfile.LNKTYPE, "linkname": "../outside"})], "hard link target"),
+    ([("d/l", None, {"type": tarfile.SYMTYPE, "linkname": "../../etc/shadow"})], "escapes"),
+])
+def test_unsafe_entries_are_refused(tmp_path, fstore, entries, why):
+    path = tmp_path / "bad.tar"
+    path.write_bytes(_tar(entries))
+    with pytest.raises(UnsafeTarEntry, match=why.split()[0]):
+        build(fstore, str(path))
+    assert Registry(fstore).list_refs(LAYERS) == []
+
+
+def test_hard_link_to_missing_target(tmp_path, fstore):
+    path = tmp_path / "bad.tar"
+    path.write_bytes(_tar([("l", None, {"type": tarfile.LNKTYPE, "linkname": "nothere"})]))
+    with pytest.raises(SourceError, match="hard link to missing"):
+        build(fstore, str(path))
+
+
+def test_truncated_archive(tmp_path, fstore):
+    data = _tar([("big", os.urandom(200_000), {})])
+    path = tmp_path / "cut.tar"
+    path.write_bytes(data[:100_000])
+    with pytest.raises(SourceError):
+        build(fstore, str(path))
+    assert Registry(fstore).list_refs(LAYERS) == []
