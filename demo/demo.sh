@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# make demo: build three sample layers (a busybox base rootfs, a Python
+# toolchain, this project's source as the workspace) into the default store,
+# compose env v1, build toolchain v2 and compose env v2, then show with
+# `layerfs inspect` that the unchanged layers were neither rebuilt nor
+# re-uploaded. Rerunning it publishes nothing new: every version is immutable
+# and the same content is recognised.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+work=$(mktemp -d /tmp/layerfs-demo.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+stamp=1700000000  # fixed mtimes: the same sample gives the same layer on every run
+say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+
+make_base() {  # a tiny busybox rootfs
+  local root=$work/base
+  mkdir -p "$root"/{bin,sbin,etc,root,tmp,proc,sys,dev,usr/bin,var/log}
+  cp /bin/busybox "$root/bin/busybox"
+  for applet in $("$root/bin/busybox" --list); do
+    [ -e "$root/bin/$applet" ] || ln -s busybox "$root/bin/$applet"
+  done
+  printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n' >"$root/etc/passwd"
+  printf 'root:x:0:\nnogroup:x:65534:\n' >"$root/etc/group"
+  printf 'NAME="layerfs demo base"\nID=demo\n' >"$root/etc/os-release"
+  chmod 1777 "$root/tmp"
+  touch -h -d "@$stamp" $(find "$root")
+}
+
+make_toolchain() {  # $1 = version: the Python standard library, plus a marker that changes
+  local root=$work/toolchain-$1 stdlib
+  stdlib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+  mkdir -p "$root/usr/lib/python3"
+  tar -C "$stdlib" --exclude=test --exclude=__pycache__ --exclude=site-packages \
+      --exclude=idlelib --exclude=tkinter --exclude=lib2to3 --exclude=ensurepip -cf - . \
+    | tar -C "$root/usr/lib/python3" -xf -
+  mkdir -p "$root/etc"
+  printf 'toolchain %s\n' "$1" >"$root/etc/toolchain-release"
+  touch -h -d "@$stamp" $(find "$root")
+}
+
+make_base
+make_toolchain 1
+make_toolchain 2
+ws_version=$(git rev-parse --short=12 HEAD 2>/dev/null || echo 0)
+
+say "store: $(python3 -c 'from layerfs.store import default_store_url; print(default_store_url())')"
+say "build layers"
+layerfs build "$work/base" --name demo/base --version 1 --role base
+layerfs build "$work/toolchain-1" --name demo/toolchain --version 1 --role toolchain
+git archive --format=tar HEAD | layerfs build - --name demo/workspace --version "$ws_version" --role workspace
+
+env1="demo/env@1-$ws_version"
+env2="demo/env@2-$ws_version"
+say "env $env1"
+layerfs env create "$env1" --layer "demo/workspace@$ws_version" --layer demo/toolchain@1 --layer demo/base@1
+
+say "a new toolchain version: only its changed chunks are uploaded"
+layerfs build "$work/toolchain-2" --name demo/toolchain --version 2 --role toolchain
+layerfs env create "$env2" --layer "demo/workspace@$ws_version" --layer demo/toolchain@2 --layer demo/base@1
+
+say "inspect the two env versions: base and workspace are the same manifests (same digest, same creation time)"
+layerfs inspect "$env1"
+layerfs inspect "$env2"
+say "inspect the new toolchain layer"
+layerfs inspect demo/toolchain@2
+say "verify every chunk of $env2"
+layerfs verify "$env2"
+say "layers and envs in the store"
+layerfs ls demo/toolchain
+layerfs env ls
