@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import time
+
+import zstandard
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from layerfs.errors import SourceError, UsageError, VersionExists
 from layerfs.formats.erofs import ErofsError, write_meta_image
-from layerfs.manifest import ROLES, BlobRef, LayerManifest
+from layerfs.manifest import ROLES, BlobRef, LayerManifest, MetaRef
 from layerfs.names import check_name, check_version
 from layerfs.registry import LAYERS, Registry
 from layerfs.store.base import Store, sha256_digest
@@ -25,6 +27,7 @@ from .pipeline import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_SIZE, ChunkPipeline, Dedu
 from .tarsource import TarSource, looks_like_tar
 
 MIN_CHUNK, MAX_CHUNK = 4096, 16 << 20
+META_ZSTD_LEVEL = 9
 
 
 @dataclass
@@ -102,7 +105,7 @@ def build_layer(store: Store, src: str, opts: BuildOptions,
     table = result.table.to_bytes()
     ref = f"{opts.name}@{opts.version}"
     if existing is not None and old is not None:
-        same = (sha256_digest(meta) == old[0].meta.digest
+        same = (sha256_digest(meta) == old[0].meta.raw_digest
                 and result.table.content_key() == old[1].content_key())
         if not same:
             raise VersionExists(ref)
@@ -112,11 +115,13 @@ def build_layer(store: Store, src: str, opts: BuildOptions,
     for name in ("files", "dirs", "symlinks", "others", "file_bytes", "inline_bytes"):
         setattr(stats, name, getattr(asm.counts, name))
     table_digest, up_table = store.put_blob(table)
-    meta_digest, up_meta = store.put_blob(meta)
-    stats.uploaded_bytes += len(table) * up_table + len(meta) * up_meta
+    packed_meta = zstandard.ZstdCompressor(level=META_ZSTD_LEVEL).compress(meta)
+    meta_digest, up_meta = store.put_blob(packed_meta)
+    stats.uploaded_bytes += len(table) * up_table + len(packed_meta) * up_meta
     manifest = LayerManifest(
         name=opts.name, version=opts.version, role=opts.role, chunk_size=opts.chunk_size,
-        meta=BlobRef(meta_digest, len(meta)), chunk_table=BlobRef(table_digest, len(table)),
+        meta=MetaRef(meta_digest, len(packed_meta), sha256_digest(meta), len(meta)),
+        chunk_table=BlobRef(table_digest, len(table)),
         blob_size=result.table.blob_size, created=now_utc(), stats=stats,
         dedup_sources=sources,
     )

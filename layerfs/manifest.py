@@ -23,8 +23,19 @@ def canonical_json(obj: Any) -> bytes:
 
 @dataclass(frozen=True)
 class BlobRef:
-    digest: str
-    size: int
+    digest: str  # sha256 of the stored bytes
+    size: int  # stored bytes
+
+
+@dataclass(frozen=True)
+class MetaRef:
+    """The meta image, stored zstd-compressed (mostly padding and inline data)."""
+
+    digest: str  # sha256 of the stored (compressed) bytes
+    size: int  # stored bytes
+    raw_digest: str  # sha256 of the EROFS image itself
+    raw_size: int
+    compression: str = "zstd"
 
 
 @dataclass
@@ -51,7 +62,7 @@ class LayerManifest:
     version: str
     role: str
     chunk_size: int
-    meta: BlobRef
+    meta: MetaRef
     chunk_table: BlobRef
     blob_size: int
     created: str
@@ -67,7 +78,7 @@ class LayerManifest:
     def from_bytes(cls, data: bytes) -> LayerManifest:
         doc = _load(data, "layer manifest")
         try:
-            doc["meta"] = BlobRef(**doc["meta"])
+            doc["meta"] = MetaRef(**doc["meta"])
             doc["chunk_table"] = BlobRef(**doc["chunk_table"])
             doc["stats"] = LayerStats(**doc.get("stats", {}))
             return cls(**doc)

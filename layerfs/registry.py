@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import zstandard
+
 from .errors import IntegrityError, ObjectNotFound, RefNotFound, VersionExists
 from .formats.chunktable import ChunkTable
 from .manifest import EnvManifest, LayerManifest
 from .names import Ref, check_digest, version_sort_key
-from .store.base import Store, blob_key
+from .store.base import Store, blob_key, sha256_digest
 
 LAYERS, ENVS = "layers", "envs"
 
@@ -99,6 +101,21 @@ class Registry:
     def chunk_table(self, manifest: LayerManifest) -> ChunkTable:
         data = self.store.get_blob(manifest.chunk_table.digest)
         return ChunkTable.from_bytes(data, f"chunk table of {manifest.name}@{manifest.version}")
+
+    def meta_image(self, manifest: LayerManifest) -> bytes:
+        """The layer's EROFS meta image, fetched, decompressed and verified."""
+        stored = self.store.get_blob(manifest.meta.digest)
+        what = f"meta image of {manifest.name}@{manifest.version}"
+        if manifest.meta.compression != "zstd":
+            raise IntegrityError(what, f"unknown compression {manifest.meta.compression!r}")
+        try:
+            image = zstandard.ZstdDecompressor().decompress(
+                stored, max_output_size=manifest.meta.raw_size)
+        except zstandard.ZstdError as exc:
+            raise IntegrityError(what, f"cannot decompress ({exc})") from None
+        if len(image) != manifest.meta.raw_size or sha256_digest(image) != manifest.meta.raw_digest:
+            raise IntegrityError(what, "content does not match its digest")
+        return image
 
     def layer_by_ref(self, text: str) -> tuple[str, LayerManifest]:
         digest = self.resolve(LAYERS, text)

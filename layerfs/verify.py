@@ -27,7 +27,7 @@ def verify_layer(reg: Registry, digest: str, workers: int = 8) -> VerifyReport:
     manifest = reg.layer(digest)
     report = VerifyReport(f"{manifest.name}@{manifest.version}")
     try:
-        reg.store.get_blob(manifest.meta.digest)
+        reg.meta_image(manifest)
         table = reg.chunk_table(manifest)
     except LayerfsError as exc:
         report.problems.append(str(exc))

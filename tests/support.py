@@ -39,7 +39,7 @@ def mounted_layer(store: Store, digest: str, workdir: str) -> Iterator[str]:
     os.makedirs(workdir, exist_ok=True)
     meta, blob, mnt = (os.path.join(workdir, n) for n in ("meta.img", "blob.img", "mnt"))
     with open(meta, "wb") as f:
-        f.write(store.get_blob(manifest.meta.digest))
+        f.write(reg.meta_image(manifest))
     materialize_blob(store, reg.chunk_table(manifest), blob)
     fsck = subprocess.run(["fsck.erofs", f"--device={blob}", meta], capture_output=True,
                           text=True)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from layerfs.formats.erofs import write_meta_image
 from layerfs.mounts import mount_erofs, umount
+from layerfs.registry import Registry
 from layerfs.store.file import FileStore
 from layerfs.tree import FileTree, FsNode
 
@@ -44,7 +45,7 @@ def test_output_is_deterministic(tmp_path):
     for i in range(2):
         store = FileStore(str(tmp_path / f"store{i}"))
         res = build(store, src, chunk_size=65536)
-        metas.append(store.get_blob(res.manifest.meta.digest))
+        metas.append(Registry(store).meta_image(res.manifest))
         tables = store.get_blob(res.manifest.chunk_table.digest)
     assert metas[0] == metas[1]
     assert len(tables) > 0

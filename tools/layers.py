@@ -86,7 +86,8 @@ def _layer_text(r: dict) -> str:
         f"  files {s['files']}, dirs {s['dirs']}, symlinks {s['symlinks']}, other {s['others']}",
         f"  file bytes {human_bytes(s['file_bytes'])} (inline in meta "
         f"{human_bytes(s['inline_bytes'])}), blob {human_bytes(r['blob_bytes'])}",
-        f"  meta image {human_bytes(r['meta_bytes'])}, chunk table "
+        f"  meta image {human_bytes(r['meta_bytes'])} "
+        f"({human_bytes(r['meta_stored_bytes'])} stored), chunk table "
         f"{human_bytes(r['chunk_table_bytes'])}",
         f"  chunks {s['chunks']}, unique {s['unique_chunks']}, holes {s['holes']}",
         f"  stored {human_bytes(r['stored_bytes'])} in {r['packs']} packs, compression "

@@ -1,0 +1,230 @@
+"""The file store: objects as files under a root directory (``file:///path``).
+
+Also what runs on shared POSIX file systems (3FS, NFS). Writes are atomic: the
+bytes go to a temporary file in the target directory (named ``.tmp~<random>``,
+never listed), are fsynced, and are renamed (``put``) or hard-linked
+(``put_if_absent``) into place, after which the directory is fsynced.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from ..errors import AccessDenied, StoreError, TransientStoreError, UsageError
+from .base import ObjectInfo, RetryPolicy, Store
+from .keys import TEMP_MARK, check_key, check_prefix
+
+DENIED = {errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+          errno.EROFS: "read-only file system"}  # fmt: skip
+TRANSIENT = {errno.EAGAIN, errno.EINTR, errno.ESTALE, errno.ETIMEDOUT}
+NOT_AN_OBJECT = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR}
+FILE_MODE = 0o644
+
+
+def path_from_url(url: str) -> Path:
+    """``file:///a/b`` (or ``file://localhost/a/b``) → ``/a/b``."""
+    parts = urlsplit(url)
+    if parts.scheme != "file" or parts.netloc not in ("", "localhost"):
+        raise UsageError(f"not a local file URL: {url!r} (expected file:///absolute/path)")
+    if not parts.path.startswith("/"):
+        raise UsageError(f"file store URL needs an absolute path: {url!r}")
+    return Path(unquote(parts.path))
+
+
+def _describe(exc: OSError) -> str:
+    code = exc.errno or 0
+    text = DENIED.get(code) or (os.strerror(code) if code else str(exc))
+    return text[:1].lower() + text[1:]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+class FileStore(Store):
+    """A store in a local or shared POSIX directory; thread and process safe."""
+
+    def __init__(self, root: str | os.PathLike[str], retry: RetryPolicy | None = None) -> None:
+        self.root = Path(os.path.abspath(root))
+        self.url = "file://" + str(self.root)
+        if retry is not None:
+            self.retry = retry
+
+    @classmethod
+    def from_url(cls, url: str, retry: RetryPolicy | None = None) -> FileStore:
+        return cls(path_from_url(url), retry)
+
+    def __repr__(self) -> str:
+        return f"FileStore({str(self.root)!r})"
+
+    # -- errors --
+    def _error(self, exc: OSError, key: str, action: str, reading: bool) -> StoreError:
+        """Map an OSError met while doing ``action`` on ``key`` to a store error."""
+        code = exc.errno
+        if reading and code in NOT_AN_OBJECT:
+            return self.missing(key)
+        where = str(self.root / key)
+        detail = _describe(exc)
+        culprit = str(exc.filename or where)
+        if culprit != where and TEMP_MARK not in culprit:
+            detail = f"{culprit}: {detail}"
+        message = f"cannot {action} {where}: {detail}"
+        if code in DENIED:
+            return AccessDenied(message)
+        if code in TRANSIENT:
+            return TransientStoreError(message)
+        return StoreError(message)
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    # -- reads --
+    def _get(self, key: str, start: int | None, end: int | None) -> bytes:
+        path = self._path(key)
+        first = start or 0
+        if first < 0 or (end is not None and end < 0):
+            raise ValueError(f"bad range [{start}, {end}) for {key}")
+        try:
+            with open(path, "rb", buffering=0) as f:
+                if end is None:
+                    f.seek(first)
+                    return f.read()
+                return os.pread(f.fileno(), max(0, end - first), first)
+        except OSError as exc:
+            raise self._error(exc, key, "read", reading=True) from exc
+
+    def _head(self, key: str) -> ObjectInfo | None:
+        path = self._path(key)
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            if exc.errno in NOT_AN_OBJECT:
+                return None
+            raise self._error(exc, key, "stat", reading=True) from exc
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
+        check_prefix(prefix)
+        folder, _, start = prefix.rpartition("/")
+        base = self.root / folder if folder else self.root
+        try:
+            yield from self._walk(base, folder + "/" if folder else "", start)
+        except OSError as exc:
+            raise self._error(exc, prefix, "list", reading=False) from exc
+
+    def _walk(self, directory: Path, key_prefix: str, start: str) -> Iterator[ObjectInfo]:
+        """Objects under ``directory`` whose first name component starts with ``start``."""
+        try:
+            entries = list(os.scandir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for entry in entries:
+            if not entry.name.startswith(start) or entry.name.startswith(TEMP_MARK):
+                continue
+            key = key_prefix + entry.name
+            if entry.is_dir(follow_symlinks=False):
+                yield from self._walk(Path(entry.path), key + "/", "")
+            elif entry.is_file():
+                info = self._entry_info(entry, key)
+                if info is not None:
+                    yield info
+
+    @staticmethod
+    def _entry_info(entry: os.DirEntry[str], key: str) -> ObjectInfo | None:
+        try:
+            st = entry.stat()
+        except FileNotFoundError:  # deleted while we listed
+            return None
+        return ObjectInfo(key, st.st_size, st.st_mtime)
+
+    # -- writes --
+    def _put(self, key: str, data: bytes | memoryview) -> None:
+        path = self._path(key)
+        try:
+            self._make_dirs(path.parent)
+            temp = self._write_temp(path.parent, data)
+            try:
+                os.replace(temp, path)
+            except BaseException:
+                temp.unlink(missing_ok=True)
+                raise
+            _fsync_dir(path.parent)
+        except OSError as exc:
+            raise self._error(exc, key, "write", reading=False) from exc
+
+    def _put_if_absent(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        try:
+            self._make_dirs(path.parent)
+            temp = self._write_temp(path.parent, data)
+            try:
+                os.link(temp, path)
+            except FileExistsError:
+                return False
+            finally:
+                temp.unlink(missing_ok=True)
+            _fsync_dir(path.parent)
+            return True
+        except OSError as exc:
+            raise self._error(exc, key, "write", reading=False) from exc
+
+    def _delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            path.unlink()
+        except OSError as exc:
+            if exc.errno in NOT_AN_OBJECT:
+                return
+            raise self._error(exc, key, "delete", reading=False) from exc
+
+    def _write_temp(self, directory: Path, data: bytes | memoryview) -> Path:
+        """A new fsynced file in ``directory`` holding ``data``."""
+        temp = directory / f"{TEMP_MARK}{secrets.token_hex(8)}"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            temp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return temp
+
+    def _make_dirs(self, directory: Path) -> None:
+        """Create ``directory`` and missing parents, fsyncing each new entry's parent."""
+        if directory.is_dir():
+            return
+        missing: list[Path] = []
+        while not directory.exists():
+            missing.append(directory)
+            if directory.parent == directory:
+                break
+            directory = directory.parent
+        for new in reversed(missing):
+            try:
+                new.mkdir()
+            except FileExistsError:
+                if not new.is_dir():
+                    raise
+                continue
+            _fsync_dir(new.parent)

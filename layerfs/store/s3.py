@@ -1,0 +1,291 @@
+"""The S3 store: objects under ``s3://bucket/prefix`` through boto3.
+
+Works against AWS S3 and S3-compatible servers (SeaweedFS, MinIO, Ceph RGW)
+given an endpoint (constructor argument, else ``AWS_ENDPOINT_URL_S3`` /
+``AWS_ENDPOINT_URL``). Credentials come from the standard AWS chain. botocore
+makes one attempt per call; :class:`~layerfs.store.base.RetryPolicy` does the
+retries. One boto3 client per store, shared by all threads (clients are thread
+safe). Errors are mapped to :mod:`layerfs.errors`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import boto3
+import botocore.exceptions as bx
+from botocore.config import Config
+
+from ..errors import AccessDenied, StoreError, StoreUnreachable, TransientStoreError, UsageError
+from .base import ObjectInfo, RetryPolicy, Store
+from .keys import check_key, check_prefix
+
+NOT_FOUND = {"NoSuchKey", "NotFound", "404"}
+DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+          "AllAccessDisabled", "ExpiredToken", "InvalidToken", "AccountProblem"}  # fmt: skip
+TRANSIENT = {"SlowDown", "RequestTimeout", "Throttling", "ThrottlingException",
+             "RequestThrottled", "TooManyRequests", "InternalError", "ServiceUnavailable",
+             "ConditionalRequestConflict", "OperationAborted"}  # fmt: skip
+NO_CREDENTIALS = (bx.NoCredentialsError, bx.PartialCredentialsError, bx.CredentialRetrievalError)
+UNREACHABLE = (bx.ConnectionError, bx.ConnectionClosedError)  # incl. connect timeouts, TLS
+TRANSIENT_IO = (bx.HTTPClientError, bx.IncompleteReadError)  # read timeouts, cut bodies
+
+SESSION_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+               "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_CONFIG_FILE",
+               "AWS_SHARED_CREDENTIALS_FILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")  # fmt: skip
+_sessions: dict[tuple[str | None, ...], boto3.session.Session] = {}
+_sessions_lock = threading.Lock()
+
+
+def client_config() -> Config:
+    """One attempt per call (botocore's ``max_attempts: 1`` would mean one *retry*)."""
+    return Config(
+        connect_timeout=3,
+        read_timeout=30,
+        retries={"total_max_attempts": 1, "mode": "standard"},
+        max_pool_connections=32,
+    )
+
+
+def make_client(endpoint: str | None) -> Any:
+    """A boto3 S3 client; sessions (slow to build) are shared per credential environment."""
+    config = client_config()
+    if endpoint:  # S3-compatible servers want bucket-in-path addressing
+        config = config.merge(Config(s3={"addressing_style": "path"}))
+    env = tuple(os.environ.get(name) for name in SESSION_ENV)
+    with _sessions_lock:  # creating clients from one session is not thread safe
+        session = _sessions.get(env)
+        if session is None:
+            session = _sessions[env] = boto3.session.Session()
+        return session.client("s3", endpoint_url=endpoint, config=config)
+
+
+def endpoint_from_env() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` → ``("bucket", "some/prefix/")``."""
+    parts = urlsplit(url)
+    if parts.scheme != "s3" or not parts.netloc:
+        raise UsageError(f"bad S3 store URL {url!r}: expected s3://bucket/prefix")
+    prefix = parts.path.strip("/")
+    return parts.netloc, prefix + "/" if prefix else ""
+
+
+def _code(exc: bx.ClientError) -> tuple[str, int]:
+    error = exc.response.get("Error", {})
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    return str(error.get("Code", status)), int(status or 0)
+
+
+class S3Store(Store):
+    """A store in an S3 bucket, under a key prefix; thread safe."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint: str | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.endpoint = endpoint or endpoint_from_env()
+        self.url = f"s3://{bucket}/{self.prefix}"
+        if retry is not None:
+            self.retry = retry
+        self.client = make_client(self.endpoint)
+        self._conditional_put = True
+
+    @classmethod
+    def from_url(
+        cls, url: str, endpoint: str | None = None, retry: RetryPolicy | None = None
+    ) -> S3Store:
+        bucket, prefix = parse_url(url)
+        return cls(bucket, prefix, endpoint, retry)
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r}, endpoint={self.where!r})"
+
+    @property
+    def where(self) -> str:
+        """The endpoint, for messages."""
+        return self.endpoint or str(self.client.meta.endpoint_url)
+
+    def _key(self, key: str) -> str:
+        return self.prefix + check_key(key)
+
+    # -- errors --
+    def _error(self, exc: Exception, key: str, action: str) -> StoreError:
+        """Map a boto3 exception met while doing ``action`` on ``key``."""
+        what = f"{action} {self.url}{key}"
+        if isinstance(exc, bx.ClientError):
+            return self._client_error(exc, key, what)
+        if isinstance(exc, NO_CREDENTIALS):
+            return AccessDenied(f"{what}: no usable AWS credentials ({exc})")
+        if isinstance(exc, UNREACHABLE):
+            return StoreUnreachable(f"{self.where}: {exc}")
+        if isinstance(exc, TRANSIENT_IO):
+            return TransientStoreError(f"{what} at {self.where}: {exc}")
+        return StoreError(f"{what} at {self.where}: {exc}")
+
+    def _client_error(self, exc: bx.ClientError, key: str, what: str) -> StoreError:
+        code, status = _code(exc)
+        if code in NOT_FOUND:
+            return self.missing(key)
+        if code == "NoSuchBucket":
+            return StoreError(f"bucket {self.bucket!r} does not exist at {self.where}")
+        message = exc.response.get("Error", {}).get("Message") or code
+        if code in DENIED or status == 403:
+            return AccessDenied(f"{what}: {code}: {message}")
+        if code in TRANSIENT or status >= 500 or status == 429:
+            return TransientStoreError(f"{what}: {code}: {message}")
+        return StoreError(f"{what}: {code}: {message}")
+
+    def _denied_or_no_bucket(self, error: StoreError) -> StoreError:
+        """SeaweedFS answers AccessDenied to writes into a missing bucket: say which."""
+        if not isinstance(error, AccessDenied):
+            return error
+        try:
+            exists = self.bucket_exists()
+        except StoreError:
+            return error
+        if exists:
+            return error
+        return StoreError(f"bucket {self.bucket!r} does not exist at {self.where}")
+
+    # -- reads --
+    def _get(self, key: str, start: int | None, end: int | None) -> bytes:
+        full = self._key(key)
+        first = start or 0
+        if first < 0 or (end is not None and end < 0):
+            raise ValueError(f"bad range [{start}, {end}) for {key}")
+        if end is not None and end <= first:
+            if self._head(key) is None:
+                raise self.missing(key)
+            return b""
+        ranged = first > 0 or end is not None
+        kwargs = {"Range": f"bytes={first}-{'' if end is None else end - 1}"} if ranged else {}
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=full, **kwargs)
+            data: bytes = response["Body"].read()
+        except bx.ClientError as exc:
+            if _code(exc)[0] == "InvalidRange":  # start at or past the end
+                return b""
+            raise self._error(exc, key, "get") from exc
+        except bx.BotoCoreError as exc:
+            raise self._error(exc, key, "get") from exc
+        if ranged and "ContentRange" not in response:  # server ignored Range
+            data = data[first:end]
+        return data
+
+    def _head(self, key: str) -> ObjectInfo | None:
+        try:
+            response = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except bx.ClientError as exc:
+            if _code(exc)[0] in NOT_FOUND:
+                return None
+            raise self._error(exc, key, "head") from exc
+        except bx.BotoCoreError as exc:
+            raise self._error(exc, key, "head") from exc
+        return ObjectInfo(key, response["ContentLength"], response["LastModified"].timestamp())
+
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
+        check_prefix(prefix)
+        paginator = self.client.get_paginator("list_objects_v2")
+        cut = len(self.prefix)
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+                for item in page.get("Contents", []):
+                    if item["Key"].endswith("/"):  # folder markers
+                        continue
+                    mtime = item["LastModified"].timestamp()
+                    yield ObjectInfo(item["Key"][cut:], item["Size"], mtime)
+        except (bx.ClientError, bx.BotoCoreError) as exc:
+            raise self._error(exc, prefix, "list") from exc
+
+    # -- writes --
+    def _put(self, key: str, data: bytes | memoryview) -> None:
+        body = data if isinstance(data, bytes) else bytes(data)
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body)
+        except (bx.ClientError, bx.BotoCoreError) as exc:
+            raise self._denied_or_no_bucket(self._error(exc, key, "put")) from exc
+
+    def _put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` unless it exists, with a conditional PUT (``If-None-Match: *``).
+
+        AWS S3, SeaweedFS and current MinIO honour the header and answer 412 when
+        the key exists, so exactly one of several racing writers wins. A server
+        that answers 501 NotImplemented gets head-then-put instead, which is racy:
+        two writers can both see the key absent and the later one replaces the
+        earlier. A server that silently ignores the header overwrites.
+        """
+        if not self._conditional_put:
+            return self._head_then_put(key, data)
+        full = self._key(key)
+        body = data if isinstance(data, bytes) else bytes(data)
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*")
+        except bx.ClientError as exc:
+            code, status = _code(exc)
+            if code == "PreconditionFailed" or status == 412:
+                return False
+            if code == "NotImplemented" or status == 501:
+                self._conditional_put = False
+                return self._head_then_put(key, data)
+            raise self._denied_or_no_bucket(self._error(exc, key, "put")) from exc
+        except bx.BotoCoreError as exc:
+            raise self._error(exc, key, "put") from exc
+        return True
+
+    def _head_then_put(self, key: str, data: bytes) -> bool:
+        if self._head(key) is not None:
+            return False
+        self._put(key, data)
+        return True
+
+    def _delete(self, key: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+        except bx.ClientError as exc:
+            if _code(exc)[0] not in NOT_FOUND:
+                raise self._error(exc, key, "delete") from exc
+        except bx.BotoCoreError as exc:
+            raise self._error(exc, key, "delete") from exc
+
+    # -- buckets --
+    def bucket_exists(self) -> bool:
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except bx.ClientError as exc:
+            if _code(exc)[0] in NOT_FOUND | {"NoSuchBucket"}:
+                return False
+            raise self._error(exc, "", "head bucket") from exc
+        except bx.BotoCoreError as exc:
+            raise self._error(exc, "", "head bucket") from exc
+        return True
+
+    def create_bucket_if_missing(self) -> None:
+        """Create the bucket unless it exists (used by tests and first-time setup)."""
+        if self.bucket_exists():
+            return
+        region = self.client.meta.region_name
+        kwargs: dict[str, Any] = {}
+        if region and region != "us-east-1":
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": region}
+        try:
+            self.client.create_bucket(Bucket=self.bucket, **kwargs)
+        except bx.ClientError as exc:
+            if _code(exc)[0] != "BucketAlreadyOwnedByYou":  # lost a race with ourselves
+                raise self._error(exc, "", "create bucket") from exc
+        except bx.BotoCoreError as exc:
+            raise self._error(exc, "", "create bucket") from exc
+
+    def close(self) -> None:
+        self.client.close()
