@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -27,8 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from layerfs.builder.layer import BuildOptions, build_layer  # noqa: E402
-from layerfs.store.file import FileStore  # noqa: E402
+from layerfs.builder.layer import BuildOptions, build_layer
+
+from layerfs.store.file import FileStore
 
 HERE = Path(__file__).resolve().parent
 GEN = 2  # bump when the generator changes

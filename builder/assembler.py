@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import stat
 from collections.abc import Callable
-from typing import BinaryIO
+from typing import IO
 
 from layerfs.errors import SourceError
 from layerfs.formats.erofs import max_inline_file, xattr_entry
@@ -37,7 +37,7 @@ class LayerAssembler:
         self.on_file = on_file
         self.opaque: list[list[bytes]] = []
 
-    def add(self, parts: list[bytes], node: FsNode, data: BinaryIO | None = None) -> None:
+    def add(self, parts: list[bytes], node: FsNode, data: IO[bytes] | None = None) -> None:
         """Add one entry; regular files read ``node.size`` bytes from ``data``."""
         for name, value in node.xattrs.items():
             try:
@@ -51,7 +51,7 @@ class LayerAssembler:
         if self.on_file:
             self.on_file()
 
-    def _add_data(self, parts: list[bytes], node: FsNode, data: BinaryIO | None) -> None:
+    def _add_data(self, parts: list[bytes], node: FsNode, data: IO[bytes] | None) -> None:
         if node.size <= max_inline_file(node.xattrs):
             content = data.read(node.size) if data and node.size else b""
             if len(content) != node.size:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 import time
-
-import zstandard
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import zstandard
 
 from layerfs.errors import SourceError, UsageError, VersionExists
 from layerfs.formats.erofs import ErofsError, write_meta_image

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import IO
 
 import zstandard
 
@@ -142,7 +142,7 @@ class ChunkPipeline:
         return _Digested(sha, False, data, RAW)
 
     # -- caller side --
-    def add_file(self, node: FsNode, stream: BinaryIO, size: int) -> None:
+    def add_file(self, node: FsNode, stream: IO[bytes], size: int) -> None:
         """Chunk ``size`` bytes of ``stream`` into ``node.chunks``."""
         node.chunks = []
         remaining = size

@@ -44,7 +44,10 @@ def looks_like_tar(path: str) -> bool:
 
 def open_stream(raw: BinaryIO) -> BinaryIO:
     """Undo zstd here; tarfile itself undoes gzip, bzip2 and xz."""
-    buffered = raw if isinstance(raw, io.BufferedReader) else io.BufferedReader(raw)  # type: ignore[arg-type]
+    buffered: io.BufferedReader = (
+        raw if isinstance(raw, io.BufferedReader)
+        else io.BufferedReader(raw)  # type: ignore[arg-type,type-var]
+    )
     if buffered.peek(4)[:4] == ZSTD_MAGIC:
         return zstandard.ZstdDecompressor().stream_reader(buffered)  # type: ignore[return-value]
     return buffered

@@ -38,8 +38,10 @@ class FsNode:
         return stat.S_ISREG(self.mode)
 
     @classmethod
-    def directory(cls, mode: int = 0o755, **kw: int) -> FsNode:
-        return cls(mode=stat.S_IFDIR | (mode & 0o7777), children={}, **kw)
+    def directory(cls, mode: int = 0o755, uid: int = 0, gid: int = 0, mtime: int = 0,
+                  mtime_ns: int = 0) -> FsNode:
+        return cls(mode=stat.S_IFDIR | (mode & 0o7777), uid=uid, gid=gid, mtime=mtime,
+                   mtime_ns=mtime_ns, children={})
 
 
 class FileTree:

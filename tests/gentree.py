@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import stat
 import struct
 import tarfile
 
@@ -143,12 +144,12 @@ def tar_tree(root: str, out: str, mode: str = "w") -> str:
     with tarfile.open(out, mode, format=tarfile.PAX_FORMAT) as tar:
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames.sort()
-            for name in [""] if dirpath == root else []:
+            if dirpath == root:
                 tar.add(root, arcname=".", recursive=False, filter=add_xattrs)
             for name in sorted(dirnames) + sorted(filenames):
                 path = os.path.join(dirpath, name)
                 rel = os.path.relpath(path, root)
-                if os.path.exists(path) and os.stat(path, follow_symlinks=False).st_mode & 0o170000 == 0o140000:
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
                     continue  # tar cannot hold sockets
                 tar.add(path, arcname=rel, recursive=False, filter=add_xattrs)
     return out

@@ -7,14 +7,13 @@ import os
 import random
 
 import pytest
-
 from layerfs.builder.env import create_env
-from layerfs.errors import (RefNotFound, StoreError, UsageError, VersionExists)
+from support import build
+
+from layerfs.errors import RefNotFound, StoreError, UsageError, VersionExists
 from layerfs.gc import collect
 from layerfs.registry import ENVS, LAYERS, Registry
 from layerfs.store.base import BLOB_PREFIX
-
-from support import build
 
 
 def write_tree(root, seed: int, files: int = 40, size: int = 40_000) -> None:

@@ -9,12 +9,11 @@ import sys
 import time
 
 import pytest
+from support import need_root
+from test_builder import write_tree
 
 from layerfs.mounts import MS_RDONLY, mount, umount
 from layerfs.store.base import blob_key
-
-from support import need_root
-from test_builder import write_tree
 
 MS_BIND, MS_REMOUNT = 4096, 32
 
@@ -153,3 +152,30 @@ def test_read_only_store(tmp_path):
     finally:
         umount(str(ro))
     assert not (ro / "store" / "refs").exists()
+
+
+def test_progress_line_on_a_terminal(tmp_path):
+    """With stderr on a terminal, build draws files, bytes and throughput there."""
+    import pty
+
+    write_tree(tmp_path / "a", 5, files=30, size=200_000)
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "layerfs.tools.main", "build", str(tmp_path / "a"), "--name",
+         "p", "--version", "1", "--store", f"file://{tmp_path / 'store'}"],
+        stdout=subprocess.PIPE, stderr=follower)
+    os.close(follower)
+    out, _ = proc.communicate(timeout=120)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(leader)
+    assert proc.returncode == 0
+    assert b"build p@1: 30 files" in seen and b"/s" in seen
+    assert b"p@1 sha256:" in out

@@ -8,18 +8,17 @@ import stat
 import subprocess
 
 import pytest
+from gentree import make_tree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import build, mounted_layer, need_root
+from treecmp import diff_trees
 
 from layerfs.formats.erofs import write_meta_image
 from layerfs.mounts import mount_erofs, umount
 from layerfs.registry import Registry
 from layerfs.store.file import FileStore
 from layerfs.tree import FileTree, FsNode
-
-from gentree import make_tree
-from support import build, mounted_layer, need_root
-from treecmp import diff_trees
 
 
 @pytest.fixture

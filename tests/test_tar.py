@@ -11,15 +11,14 @@ import tarfile
 
 import pytest
 import zstandard
+from gentree import make_tree, tar_tree
+from support import build, mounted_layer, need_root
+from treecmp import diff_trees
 
 from layerfs.errors import SourceError, UnsafeTarEntry
 from layerfs.mounts import mount, umount
 from layerfs.registry import LAYERS, Registry
 from layerfs.store.file import FileStore
-
-from gentree import make_tree, tar_tree
-from support import build, mounted_layer, need_root
-from treecmp import diff_trees
 
 
 @pytest.fixture

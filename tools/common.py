@@ -47,7 +47,7 @@ class Output:
             click.echo(text() if callable(text) else text)
 
 
-def human_bytes(n: int | float | None) -> str:
+def human_bytes(n: float | None) -> str:
     if n is None:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import click
+from typing import Any
 
+import click
 from layerfs.builder.layer import BuildOptions, Progress, build_layer
+
 from layerfs.errors import IntegrityError
 from layerfs.inspect import env_report, layer_report, resolve_any
 from layerfs.manifest import ROLES
@@ -53,7 +55,7 @@ def build(out: Output, reg: Registry, src: str, name: str, version: str, role: s
 @store_options
 def ls(out: Output, reg: Registry, name: str | None) -> None:
     """List layers (all, or the versions of NAME)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for entry in reg.list_refs(LAYERS, name):
         m = reg.layer(entry.digest)
         rows.append({"ref": str(entry), "digest": entry.digest, "role": m.role,

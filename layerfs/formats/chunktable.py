@@ -78,7 +78,8 @@ class ChunkTable:
     def to_bytes(self) -> bytes:
         packs = self.packs()
         index = {p: i for i, p in enumerate(packs)}
-        out = [HEADER.pack(MAGIC, len(self.entries), len(packs), self.blob_size, self.chunk_size, 0)]
+        out = [HEADER.pack(MAGIC, len(self.entries), len(packs), self.blob_size,
+                           self.chunk_size, 0)]
         out += [bytes.fromhex(p.removeprefix("sha256:")) for p in packs]
         for e in self.entries:
             out.append(

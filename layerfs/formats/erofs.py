@@ -76,16 +76,21 @@ def round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def split_xattr_name(name: bytes) -> tuple[int, bytes]:
+    """Full xattr name → (EROFS prefix index, name suffix)."""
+    for prefix, index, exact in XATTR_PREFIXES:
+        if exact and name == prefix:
+            return index, b""
+        if not exact and name.startswith(prefix):
+            if len(name) == len(prefix):
+                raise ErofsError(f"empty xattr name after prefix {name!r}")
+            return index, name[len(prefix) :]
+    raise ErofsError(f"xattr {name.decode(errors='replace')!r} has no EROFS prefix")
+
+
 def xattr_entry(name: bytes, value: bytes) -> bytes:
     """One on-disk xattr entry (header, name suffix, value), padded to 4."""
-    for prefix, index, exact in XATTR_PREFIXES:
-        if (exact and name == prefix) or (not exact and name.startswith(prefix)):
-            suffix = b"" if exact else name[len(prefix) :]
-            break
-    else:
-        raise ErofsError(f"xattr {name.decode(errors='replace')!r} has no EROFS prefix")
-    if not exact and not suffix:
-        raise ErofsError(f"empty xattr name after prefix {name!r}")
+    index, suffix = split_xattr_name(name)
     if len(suffix) > 255 or len(value) > 0xFFFF:
         raise ErofsError(f"xattr {name!r} too long")
     raw = struct.pack("<BBH", len(suffix), index, len(value)) + suffix + value

@@ -142,5 +142,5 @@ class Store(ABC):
     def missing(self, key: str) -> ObjectNotFound:
         return ObjectNotFound(f"{self.url.rstrip('/')}/{key}")
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:  # noqa: B027 - an optional hook, not abstract
         """Release connections."""

@@ -34,9 +34,11 @@ NO_CREDENTIALS = (bx.NoCredentialsError, bx.PartialCredentialsError, bx.Credenti
 UNREACHABLE = (bx.ConnectionError, bx.ConnectionClosedError)  # incl. connect timeouts, TLS
 TRANSIENT_IO = (bx.HTTPClientError, bx.IncompleteReadError)  # read timeouts, cut bodies
 
-SESSION_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-               "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_CONFIG_FILE",
-               "AWS_SHARED_CREDENTIALS_FILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")  # fmt: skip
+SESSION_ENV = (
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+    "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
+)  # fmt: skip
 _sessions: dict[tuple[str | None, ...], boto3.session.Session] = {}
 _sessions_lock = threading.Lock()
 
