@@ -47,7 +47,7 @@ say "store: $(python3 -c 'from layerfs.store import default_store_url; print(def
 say "build layers"
 layerfs build "$work/base" --name demo/base --version 1 --role base
 layerfs build "$work/toolchain-1" --name demo/toolchain --version 1 --role toolchain
-git archive --format=tar HEAD | layerfs build - --name demo/workspace --version "$ws_version" --role workspace
+git archive --format=tar --prefix=workspace/ HEAD | layerfs build - --name demo/workspace --version "$ws_version" --role workspace
 
 env1="demo/env@1-$ws_version"
 env2="demo/env@2-$ws_version"

@@ -1,0 +1,170 @@
+"""The node's chunk cache: content addressed, bounded, LRU, crash safe.
+
+One file per chunk, ``ROOT/cache/<sha[:2]>/<sha>``, holding a 24-byte header
+(magic, xxh3-64 of the data, data length) and the chunk's uncompressed bytes.
+Files are written to a temporary name and renamed into place; a file is
+checked (length and xxh3) every time it is read, so a torn or corrupted file
+is never served: it is removed and reported as a miss. The LRU order lives in
+memory and is rebuilt at start from the files' access stamps; the cache is
+shared by every layer and version, since equal bytes have equal sha256.
+
+Thread safety: every public method may be called from any thread; one lock
+guards the LRU index and counters, never file I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import xxhash
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"LFSCACH1"
+HEADER = struct.Struct("<8sQQ")
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_fetched: int = 0  # bytes of chunks fetched from the store (uncompressed)
+    bytes_written: int = 0  # bytes written to cache files
+    evictions: int = 0
+    corrupt: int = 0  # cache files found damaged and dropped
+    entries: int = 0
+    size: int = 0  # bytes in cache files
+    limit: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class ChunkCache:
+    """Chunk bytes by sha256, bounded by ``limit`` bytes of files."""
+
+    def __init__(self, root: str | os.PathLike[str], limit: int) -> None:
+        self.root = Path(root)
+        self.tmp = self.root / "tmp"
+        self.limit = limit
+        self.stats = CacheStats(limit=limit)
+        self._lru: OrderedDict[str, int] = OrderedDict()  # sha hex → file size
+        self._lock = threading.Lock()
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self._load()
+
+    def _path(self, sha: str) -> Path:
+        return self.root / sha[:2] / sha
+
+    def _load(self) -> None:
+        """Index the files left by an earlier run, oldest access first."""
+        for stale in self.tmp.iterdir():
+            stale.unlink(missing_ok=True)
+        found = []
+        for sub in self.root.iterdir():
+            if sub.name == "tmp" or not sub.is_dir():
+                continue
+            for f in sub.iterdir():
+                st = f.stat()
+                found.append((st.st_atime_ns, f.name, st.st_size))
+        for _, sha, size in sorted(found):
+            self._lru[sha] = size
+            self.stats.size += size
+        self.stats.entries = len(self._lru)
+        self._evict()
+
+    def contains(self, sha: str) -> bool:
+        with self._lock:
+            return sha in self._lru
+
+    def read(self, sha: str) -> bytes | None:
+        """The chunk's bytes if cached and intact, else None (a miss)."""
+        with self._lock:
+            known = sha in self._lru
+            if known:
+                self._lru.move_to_end(sha)
+        data = self._read_file(sha) if known else None
+        with self._lock:
+            if data is None:
+                self.stats.misses += 1
+            else:
+                self.stats.hits += 1
+        return data
+
+    def _read_file(self, sha: str) -> bytes | None:
+        path = self._path(sha)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            self._forget(sha)
+            return None
+        if len(raw) >= HEADER.size:
+            magic, digest, length = HEADER.unpack_from(raw)
+            data = raw[HEADER.size :]
+            if magic == MAGIC and length == len(data) and xxhash.xxh3_64_intdigest(data) == digest:
+                return data
+        log.warning("cache file %s is damaged; dropped, will refetch", path)
+        with self._lock:
+            self.stats.corrupt += 1
+        self._drop(sha)
+        return None
+
+    def write(self, sha: str, data: bytes) -> None:
+        """Store verified chunk bytes; evicts least recently used chunks to fit."""
+        with self._lock:
+            if sha in self._lru:
+                return
+        path = self._path(sha)
+        path.parent.mkdir(exist_ok=True)
+        tmp = self.tmp / f"{sha}.{threading.get_ident()}"
+        header = HEADER.pack(MAGIC, xxhash.xxh3_64_intdigest(data), len(data))
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(data)
+        os.rename(tmp, path)
+        size = HEADER.size + len(data)
+        with self._lock:
+            if sha not in self._lru:
+                self._lru[sha] = size
+                self.stats.size += size
+                self.stats.entries += 1
+            self.stats.bytes_written += size
+        self._evict()
+
+    def note_fetched(self, nbytes: int) -> None:
+        with self._lock:
+            self.stats.bytes_fetched += nbytes
+
+    def _forget(self, sha: str) -> None:
+        with self._lock:
+            size = self._lru.pop(sha, None)
+            if size is not None:
+                self.stats.size -= size
+                self.stats.entries -= 1
+
+    def _drop(self, sha: str) -> None:
+        self._forget(sha)
+        self._path(sha).unlink(missing_ok=True)
+
+    def _evict(self) -> None:
+        victims = []
+        with self._lock:
+            while self.stats.size > self.limit and self._lru:
+                sha, size = self._lru.popitem(last=False)
+                self.stats.size -= size
+                self.stats.entries -= 1
+                self.stats.evictions += 1
+                victims.append(sha)
+        for sha in victims:
+            self._path(sha).unlink(missing_ok=True)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return self.stats.as_dict()

@@ -1,0 +1,168 @@
+"""The node daemon: owns ROOT, serves the FUSE mount and the control API.
+
+Start-up: unmount whatever an earlier (crashed) daemon left mounted under
+ROOT, keep the cache and the replica, mount FUSE, bring back the sandboxes
+that were up (or mark them lost), then accept requests. SIGTERM/SIGINT: stop
+accepting work, unmount overlays, then EROFS mounts, then FUSE, and exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import trio
+
+from ..cache.chunkcache import ChunkCache
+from ..errors import UsageError
+from ..mounts import umount
+from ..registry import Registry
+from ..store import open_store
+from .blobfiles import BlobDirectory
+from .control import ControlServer
+from .fetcher import ChunkFetcher
+from .fusefs import NodeFS
+from .replica import Replica
+from .sandboxes import LayerMounts, Sandboxes, trace_key
+
+log = logging.getLogger(__name__)
+DEFAULT_ROOT = "/var/lib/layerfs"
+
+
+@dataclass
+class DaemonConfig:
+    root: str = DEFAULT_ROOT
+    store_url: str | None = None
+    s3_endpoint: str | None = None
+    cache_size: int = 20 << 30
+    read_timeout: float = 30.0
+    fetch_parallel: int = 16
+
+
+def mounts_under(root: Path) -> list[str]:
+    """Mount points at or below ``root``, deepest first."""
+    base = str(root.resolve())
+    found = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            point = line.split()[4].encode().decode("unicode_escape")
+            if point == base or point.startswith(base + "/"):
+                found.append(point)
+    return sorted(set(found), key=lambda p: (-p.count("/"), p))
+
+
+def clean_stale_mounts(root: Path) -> int:
+    count = 0
+    for point in mounts_under(root):
+        try:
+            umount(point, lazy=True)
+            count += 1
+            log.warning("unmounted stale %s", point)
+        except OSError as exc:
+            log.error("cannot unmount stale %s: %s", point, exc)
+    return count
+
+
+class Daemon:
+    def __init__(self, cfg: DaemonConfig) -> None:
+        self.cfg = cfg
+        self.root = Path(cfg.root).resolve()
+        clean_stale_mounts(self.root)  # a crashed daemon's mounts (dead FUSE included)
+        for sub in ("meta", "cache", "fuse", "layers", "sandboxes"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self.store = open_store(cfg.store_url, s3_endpoint=cfg.s3_endpoint)
+        self.reg = Registry(self.store)
+        self.replica = Replica(self.root)
+        self.cache = ChunkCache(self.root / "cache", cfg.cache_size)
+        self.fetcher = ChunkFetcher(self.store, self.cache, timeout=cfg.read_timeout,
+                                    parallel=cfg.fetch_parallel)
+        self.blobs = BlobDirectory()
+        self.fs = NodeFS(self.blobs)
+        self.layers = LayerMounts(self.root, self.reg, self.replica, self.blobs, self.fetcher)
+        self.sandboxes = Sandboxes(self.root, self.reg, self.replica, self.layers)
+        self.accepting = False
+
+    def run(self) -> None:
+        trio.run(self._main)
+
+    async def _main(self) -> None:
+        options = set(pyfuse3.default_options)
+        options.update({"fsname=layerfs", "allow_other"})
+        options.discard("default_permissions")
+        pyfuse3.init(self.fs, str(self.root / "fuse"), options)
+        try:
+            async with trio.open_nursery() as nursery:
+                self.fetcher.nursery = nursery
+                nursery.start_soon(pyfuse3.main)
+                await self.sandboxes.restore()
+                await nursery.start(ControlServer(self.root, self.handle).serve)
+                self.accepting = True
+                log.info("layerfs daemon ready at %s (store %s)", self.root, self.store.url)
+                await wait_for_signal()
+                self.accepting = False
+                log.info("stopping: unmounting sandboxes and layers")
+                await self.sandboxes.down_all()
+                await self.layers.unmount_all()
+                nursery.cancel_scope.cancel()
+        finally:
+            pyfuse3.close(unmount=True)
+            (self.root / "control.sock").unlink(missing_ok=True)
+            self.replica.close()
+            self.store.close()
+            log.info("layerfs daemon stopped")
+
+    async def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        if not self.accepting:
+            raise UsageError("the daemon is stopping")
+        if op == "ping":
+            return {"root": str(self.root), "store": self.store.url, "pid": os.getpid()}
+        if op == "up":
+            rec = await self.sandboxes.up(req.get("id", ""), req.get("env"), req.get("layers"),
+                                          req.get("prefetch", "none"))
+            return {"sandbox": rec}
+        if op == "down":
+            rec = await self.sandboxes.down(req.get("id", ""), bool(req.get("keep_upper")))
+            return {"sandbox": rec}
+        if op == "ps":
+            return {"sandboxes": await self.sandboxes.ps()}
+        if op == "stats":
+            return self.stats()
+        if op == "trace-push":
+            return await self.trace_push(req.get("ref", ""))
+        raise UsageError(f"unknown request {op!r}")
+
+    def stats(self) -> dict[str, Any]:
+        layers = {d: {"users": m.users, "bytes_read": m.blob.bytes_read,
+                      "chunks_touched": len(m.blob.touched), "chunks": len(m.blob.table),
+                      "blob_bytes": m.blob.size}
+                  for d, m in self.layers.mounted.items()}
+        return {"cache": self.cache.snapshot(), "layers": layers,
+                "sandboxes": len(self.sandboxes.records)}
+
+    async def trace_push(self, ref: str) -> dict[str, Any]:
+        import json
+
+        from ..registry import LAYERS
+
+        digest = await trio.to_thread.run_sync(self.reg.resolve, LAYERS, ref)
+        mounted = self.layers.mounted.get(digest)
+        order = list(mounted.blob.trace) if mounted else []
+        if not order:
+            order = await trio.to_thread.run_sync(self.replica.trace, digest)
+        if not order:
+            raise UsageError(f"no access trace recorded for {ref} on this node")
+        await trio.to_thread.run_sync(self.store.put, trace_key(digest),
+                                      json.dumps(order).encode())
+        return {"ref": ref, "digest": digest, "chunks": len(order)}
+
+
+async def wait_for_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            return

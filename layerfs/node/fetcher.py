@@ -1,0 +1,145 @@
+"""Getting chunk bytes on the node: memory, then the cache, then the store.
+
+Runs on the trio loop and never blocks it: cache file I/O, store requests,
+decompression and hashing happen in worker threads bounded by
+``trio.CapacityLimiter``s. One fetch per chunk however many readers want it
+(single flight); fetches run in parallel up to a bound; every fetch is bounded
+in time, and its failure (store down, corrupt chunk, timeout) reaches every
+reader that waited for it, then is forgotten so the next read tries again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import trio
+
+from ..cache.chunkcache import ChunkCache
+from ..chunks import fetch_chunk
+from ..errors import LayerfsError
+from ..formats.chunktable import ChunkEntry
+from ..store.base import Store
+
+log = logging.getLogger(__name__)
+
+
+class FetchError(LayerfsError):
+    """cannot read {}: {}"""
+
+    exit_code = 8
+
+
+@dataclass
+class _Flight:
+    done: trio.Event = field(default_factory=trio.Event)
+    data: bytes | None = None
+    error: BaseException | None = None
+
+
+class MemoryChunks:
+    """A small LRU of recently used chunks, so the kernel's 128 KiB reads of
+    one chunk do not each reread and recheck its cache file. Trio-thread only."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self._items: OrderedDict[bytes, bytes] = OrderedDict()
+
+    def get(self, sha: bytes) -> bytes | None:
+        data = self._items.get(sha)
+        if data is not None:
+            self._items.move_to_end(sha)
+        return data
+
+    def put(self, sha: bytes, data: bytes) -> None:
+        if sha in self._items or len(data) > self.limit:
+            return
+        self._items[sha] = data
+        self.size += len(data)
+        while self.size > self.limit:
+            _, old = self._items.popitem(last=False)
+            self.size -= len(old)
+
+
+class ChunkFetcher:
+    def __init__(self, store: Store, cache: ChunkCache, *, timeout: float = 30.0,
+                 parallel: int = 16, io_threads: int = 8, memory: int = 64 << 20) -> None:
+        self.store = store
+        self.cache = cache
+        self.timeout = timeout
+        self.fetch_limit = trio.CapacityLimiter(parallel)
+        self.io_limit = trio.CapacityLimiter(io_threads)
+        self.background_limit = trio.CapacityLimiter(max(1, parallel // 4))
+        self.memory = MemoryChunks(memory)
+        self._flights: dict[bytes, _Flight] = {}
+        self.nursery: trio.Nursery | None = None
+
+    async def get(self, entry: ChunkEntry) -> bytes:
+        """The verified bytes of one chunk; raises FetchError within the timeout."""
+        data = self.memory.get(entry.sha256)
+        if data is not None:
+            return data
+        flight = self._flights.get(entry.sha256)
+        if flight is None:
+            flight = self._flights[entry.sha256] = _Flight()
+            try:
+                flight.data = await self._load(entry)
+                self.memory.put(entry.sha256, flight.data)
+            except BaseException as exc:  # noqa: BLE001 - every waiter gets the cause
+                flight.error = exc
+                if not isinstance(exc, FetchError):
+                    raise
+            finally:
+                del self._flights[entry.sha256]
+                flight.done.set()
+        else:
+            await flight.done.wait()
+        if flight.error is not None:
+            raise flight.error
+        assert flight.data is not None
+        return flight.data
+
+    async def _load(self, entry: ChunkEntry) -> bytes:
+        sha = entry.sha256.hex()
+        with trio.move_on_after(self.timeout) as scope:
+            data = await trio.to_thread.run_sync(self.cache.read, sha, limiter=self.io_limit,
+                                                 abandon_on_cancel=True)
+            if data is not None and len(data) == entry.length:
+                return data
+            async with self.fetch_limit:
+                try:
+                    data = await trio.to_thread.run_sync(self._fetch, entry,
+                                                         abandon_on_cancel=True)
+                except LayerfsError as exc:
+                    log.error("chunk %s: %s", sha[:16], exc)
+                    raise FetchError(f"chunk {sha[:16]}", str(exc)) from exc
+            return data
+        assert scope.cancelled_caught
+        log.error("chunk %s: no answer from the store within %.0fs", sha[:16], self.timeout)
+        raise FetchError(f"chunk {sha[:16]}", f"timed out after {self.timeout:.0f}s")
+
+    def _fetch(self, entry: ChunkEntry) -> bytes:
+        """Worker thread: range-read the pack, decompress, verify, cache."""
+        data = fetch_chunk(self.store, entry)
+        self.cache.note_fetched(len(data))
+        self.cache.write(entry.sha256.hex(), data)
+        return data
+
+    async def prefetch(self, entries: list[ChunkEntry]) -> None:
+        """Fetch chunks in the background at low priority; errors are only logged."""
+        for entry in entries:
+            if self.memory.get(entry.sha256) is not None or entry.sha256 in self._flights:
+                continue
+            if self.cache.contains(entry.sha256.hex()):
+                continue
+            async with self.background_limit:
+                try:
+                    await self.get(entry)
+                except FetchError:
+                    return
+
+    def spawn_prefetch(self, entries: list[ChunkEntry]) -> None:
+        if self.nursery is not None and entries:
+            self.nursery.start_soon(self.prefetch, entries)

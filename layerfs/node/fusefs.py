@@ -1,0 +1,146 @@
+"""The FUSE adapter: ``ROOT/fuse`` with ``blobs/<layer hex>`` read-only files.
+
+Thin: every operation maps to :class:`~layerfs.node.blobfiles.BlobDirectory`
+and :class:`~layerfs.node.blobfiles.BlobFile`. :func:`fuse_errors` turns every
+exception into an errno, since pyfuse3 lets any other exception end its main
+loop. Blob contents are immutable, so entries and attributes get long
+timeouts and opened files keep the kernel's page cache.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import pyfuse3
+
+from ..errors import LayerfsError
+from .blobfiles import BlobDirectory
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+ROOT = pyfuse3.ROOT_INODE
+BLOBS = 2
+DIRS = {ROOT: {b"blobs": BLOBS}, BLOBS: {}}
+TIMEOUT = 3600.0
+
+
+def fuse_errors(fn: F) -> F:
+    """Map any exception a handler raises to a FUSEError (EIO unless known)."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kw: Any) -> Any:
+        try:
+            return await fn(*args, **kw)
+        except pyfuse3.FUSEError:
+            raise
+        except LayerfsError as exc:
+            log.error("%s: %s", fn.__name__, exc)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        except OSError as exc:
+            log.error("%s: %s", fn.__name__, exc)
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+        except Exception:
+            log.exception("%s failed", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class NodeFS(pyfuse3.Operations):
+    """Read-only view of the node's blob files."""
+
+    def __init__(self, blobs: BlobDirectory) -> None:
+        super().__init__()
+        self.blobs = blobs
+        self.uid, self.gid = os.getuid(), os.getgid()
+
+    def _attrs(self, inode: int) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = inode
+        attr.st_uid, attr.st_gid = self.uid, self.gid
+        attr.st_blksize = 4096
+        attr.entry_timeout = attr.attr_timeout = TIMEOUT
+        if inode in DIRS:
+            attr.st_mode = stat.S_IFDIR | 0o555
+            attr.st_nlink = 2
+            attr.entry_timeout = attr.attr_timeout = 1.0  # blob set changes
+            return attr
+        blob = self.blobs.by_inode.get(inode)
+        if blob is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        attr.st_mode = stat.S_IFREG | 0o444
+        attr.st_nlink = 1
+        attr.st_size = blob.size
+        attr.st_blocks = (blob.size + 511) // 512
+        return attr
+
+    def _children(self, inode: int) -> list[tuple[bytes, int]]:
+        if inode == BLOBS:
+            return sorted((name.encode(), b.inode) for name, b in self.blobs.by_name.items())
+        if inode in DIRS:
+            return sorted(DIRS[inode].items())
+        raise pyfuse3.FUSEError(errno.ENOTDIR)
+
+    @fuse_errors
+    async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None):
+        for child_name, inode in self._children(parent_inode):
+            if child_name == name:
+                return self._attrs(inode)
+        raise pyfuse3.FUSEError(errno.ENOENT)
+
+    @fuse_errors
+    async def getattr(self, inode: int, ctx: Any = None):
+        return self._attrs(inode)
+
+    @fuse_errors
+    async def opendir(self, inode: int, ctx: Any):
+        self._children(inode)
+        return inode
+
+    @fuse_errors
+    async def readdir(self, fh: int, start_id: int, token: Any) -> None:
+        for i, (name, inode) in enumerate(self._children(fh)[start_id:], start_id):
+            if not pyfuse3.readdir_reply(token, name, self._attrs(inode), i + 1):
+                break
+
+    @fuse_errors
+    async def releasedir(self, fh: int) -> None:
+        return None
+
+    @fuse_errors
+    async def open(self, inode: int, flags: int, ctx: Any):
+        if inode not in self.blobs.by_inode:
+            raise pyfuse3.FUSEError(errno.EISDIR if inode in DIRS else errno.ENOENT)
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+
+    @fuse_errors
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        blob = self.blobs.by_inode.get(fh)
+        if blob is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        return await blob.read(off, size)
+
+    @fuse_errors
+    async def release(self, fh: int) -> None:
+        return None
+
+    @fuse_errors
+    async def statfs(self, ctx: Any):
+        st = pyfuse3.StatvfsData()
+        st.f_bsize = st.f_frsize = 4096
+        total = sum(b.size for b in self.blobs.by_inode.values())
+        st.f_blocks = total // 4096
+        st.f_bfree = st.f_bavail = 0
+        st.f_files = len(self.blobs.by_inode) + len(DIRS)
+        st.f_ffree = st.f_favail = 0
+        st.f_namemax = 255
+        return st

@@ -1,0 +1,287 @@
+"""Layer mounts and sandboxes on one node.
+
+Each layer is mounted once per node with kernel EROFS (file-backed: source =
+its local meta image, ``device=`` its lazy FUSE blob file) at
+``ROOT/layers/<hex>``, reference-counted across the sandboxes that use it.
+A sandbox is an overlayfs mount at ``ROOT/sandboxes/<id>/rootfs`` with the
+layer mounts as lowerdirs (top first) and its own ``upper``/``work``.
+
+mount(2) and umount(2) run in worker threads: mounting an EROFS image whose
+device lives on the daemon's own FUSE mount makes the kernel call back into
+the daemon before the syscall returns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ..errors import LayerfsError, UsageError
+from ..mounts import mount, mount_erofs, umount
+from ..registry import ENVS, LAYERS, Registry
+from .blobfiles import BlobDirectory, BlobFile
+from .fetcher import ChunkFetcher
+from .replica import Replica
+
+log = logging.getLogger(__name__)
+SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+PREFETCH = ("none", "full", "trace")
+
+
+class SandboxError(LayerfsError):
+    """sandbox {}: {}"""
+
+    exit_code = 9
+
+
+@dataclass
+class MountedLayer:
+    digest: str
+    blob: BlobFile
+    path: Path
+    users: int = 0
+
+
+class LayerMounts:
+    """Reference-counted EROFS mounts of layers, one per layer per node."""
+
+    def __init__(self, root: Path, reg: Registry, replica: Replica, blobs: BlobDirectory,
+                 fetcher: ChunkFetcher) -> None:
+        self.root = root
+        self.reg = reg
+        self.replica = replica
+        self.blobs = blobs
+        self.fetcher = fetcher
+        self.mounted: dict[str, MountedLayer] = {}
+        self._locks: dict[str, trio.Lock] = {}
+        self.mount_limit = trio.CapacityLimiter(8)
+
+    def _lock(self, digest: str) -> trio.Lock:
+        return self._locks.setdefault(digest, trio.Lock())
+
+    async def acquire(self, digest: str) -> MountedLayer:
+        async with self._lock(digest):
+            layer = self.mounted.get(digest)
+            if layer is None:
+                layer = await self._mount(digest)
+                self.mounted[digest] = layer
+            layer.users += 1
+            return layer
+
+    async def _mount(self, digest: str) -> MountedLayer:
+        rl = await trio.to_thread.run_sync(self.replica.fetch_layer, self.reg, digest)
+        blob = self.blobs.add(digest, rl.table, self.fetcher)
+        target = self.root / "layers" / rl.hex
+        await trio.to_thread.run_sync(lambda: target.mkdir(parents=True, exist_ok=True))
+        device = self.root / "fuse" / "blobs" / rl.hex
+        try:
+            await trio.to_thread.run_sync(mount_erofs, str(rl.meta_path), str(device),
+                                          str(target), limiter=self.mount_limit)
+        except OSError:
+            self.blobs.remove(digest)
+            raise
+        return MountedLayer(digest, blob, target)
+
+    async def release(self, digest: str) -> None:
+        async with self._lock(digest):
+            layer = self.mounted.get(digest)
+            if layer is None:
+                return
+            layer.users -= 1
+            if layer.users > 0:
+                return
+            del self.mounted[digest]
+            await trio.to_thread.run_sync(self._unmount, layer, limiter=self.mount_limit)
+            self.blobs.remove(digest)
+
+    def _unmount(self, layer: MountedLayer) -> None:
+        """Worker thread: keep the layer's trace, unmount it, remove the mount point."""
+        self.save_trace(layer.blob)
+        umount(str(layer.path))
+        layer.path.rmdir()
+
+    def save_trace(self, blob: BlobFile) -> None:
+        """Keep the longest first-touch order seen for the layer."""
+        if len(blob.trace) > len(self.replica.trace(blob.digest)):
+            self.replica.put_trace(blob.digest, list(blob.trace))
+
+    async def unmount_all(self) -> None:
+        for digest in list(self.mounted):
+            layer = self.mounted.pop(digest)
+            try:
+                await trio.to_thread.run_sync(self._unmount, layer)
+            except OSError as exc:
+                log.error("unmount %s: %s", layer.path, exc)
+
+
+class Sandboxes:
+    """Bring sandboxes up and down; their records live in the replica."""
+
+    def __init__(self, root: Path, reg: Registry, replica: Replica, layers: LayerMounts) -> None:
+        self.root = root
+        self.reg = reg
+        self.replica = replica
+        self.layers = layers
+        self.records: dict[str, dict[str, Any]] = {}
+        self._busy: set[str] = set()
+
+    def _dir(self, sid: str) -> Path:
+        return self.root / "sandboxes" / sid
+
+    def _resolve(self, env: str | None, layer_refs: list[str]) -> list[str]:
+        """Worker thread: env or layer refs → layer manifest digests, top first."""
+        if env:
+            return [layer.digest for layer in self.reg.env(self.reg.resolve(ENVS, env)).layers]
+        return [self.reg.resolve(LAYERS, ref) for ref in layer_refs]
+
+    async def up(self, sid: str, env: str | None = None, layers: list[str] | None = None,
+                 prefetch: str = "none") -> dict[str, Any]:
+        if not SANDBOX_ID.fullmatch(sid or ""):
+            raise UsageError(f"invalid sandbox id {sid!r} (expected [A-Za-z0-9][A-Za-z0-9._-]*)")
+        if prefetch not in PREFETCH:
+            raise UsageError(f"invalid prefetch mode {prefetch!r}")
+        if bool(env) == bool(layers):
+            raise UsageError("give an env or --layer refs, not both or neither")
+        if sid in self.records or sid in self._busy:
+            raise SandboxError(sid, "already exists")
+        self._busy.add(sid)
+        try:
+            digests = await trio.to_thread.run_sync(self._resolve, env, layers or [])
+            record = {"id": sid, "env": env, "layer_refs": layers or [], "layers": digests,
+                      "prefetch": prefetch, "created": time.time(), "state": "starting",
+                      "rootfs": str(self._dir(sid) / "rootfs")}
+            await self._start(record, fresh=True)
+            self.records[sid] = record
+            await trio.to_thread.run_sync(self.replica.put_sandbox, sid, record)
+        finally:
+            self._busy.discard(sid)
+        await self._prefetch(record)
+        return record
+
+    async def _start(self, record: dict[str, Any], fresh: bool) -> None:
+        sdir = self._dir(record["id"])
+        acquired: list[str] = []
+        try:
+            mounted = []
+            for digest in record["layers"]:
+                mounted.append(await self.layers.acquire(digest))
+                acquired.append(digest)
+            await trio.to_thread.run_sync(make_dirs, sdir, fresh)
+            lower = ":".join(str(m.path) for m in mounted)
+            opts = f"lowerdir={lower},upperdir={sdir / 'upper'},workdir={sdir / 'work'}"
+            await trio.to_thread.run_sync(mount, "overlay", str(sdir / "rootfs"), "overlay", 0,
+                                          opts, limiter=self.layers.mount_limit)
+        except BaseException:
+            for digest in acquired:
+                await self.layers.release(digest)
+            if fresh:
+                await trio.to_thread.run_sync(shutil.rmtree, sdir, True)
+            raise
+        record["state"] = "up"
+
+    async def _prefetch(self, record: dict[str, Any]) -> None:
+        fetcher = self.layers.fetcher
+        blobs = [self.layers.mounted[d].blob for d in record["layers"]]
+        if record["prefetch"] == "full":
+            entries = [e for b in blobs for e in b.table.entries]
+            async with trio.open_nursery() as nursery:
+                for entry in entries:
+                    nursery.start_soon(fetcher.get, entry)
+        elif record["prefetch"] == "trace":
+            for blob in blobs:
+                order = await trio.to_thread.run_sync(self._trace_for, blob.digest)
+                fetcher.spawn_prefetch(blob.entries_in_order(order))
+
+    def _trace_for(self, digest: str) -> list[int]:
+        """Worker thread: this node's recorded trace, else the one pushed to the store."""
+        order = self.replica.trace(digest)
+        if order:
+            return order
+        try:
+            return list(json.loads(self.reg.store.get(trace_key(digest))))
+        except (LayerfsError, ValueError):
+            return []
+
+    async def down(self, sid: str, keep_upper: bool = False) -> dict[str, Any]:
+        record = self.records.get(sid)
+        if record is None or sid in self._busy:
+            raise SandboxError(sid, "no such sandbox" if record is None else "busy")
+        self._busy.add(sid)
+        try:
+            sdir = self._dir(sid)
+            if record["state"] == "up":
+                await trio.to_thread.run_sync(umount, str(sdir / "rootfs"),
+                                              limiter=self.layers.mount_limit)
+                for digest in record["layers"]:
+                    await self.layers.release(digest)
+            if keep_upper:
+                await trio.to_thread.run_sync(shutil.rmtree, sdir / "work", True)
+            else:
+                await trio.to_thread.run_sync(shutil.rmtree, sdir, True)
+            del self.records[sid]
+            await trio.to_thread.run_sync(self.replica.delete_sandbox, sid)
+        finally:
+            self._busy.discard(sid)
+        record["state"] = "down"
+        return record
+
+    async def restore(self) -> None:
+        """After a restart: bring back the sandboxes that were up, or mark them lost."""
+        for sid, record in self.replica.sandboxes().items():
+            try:
+                await self._start(record, fresh=False)
+            except (LayerfsError, OSError) as exc:
+                record["state"] = "lost"
+                record["error"] = str(exc)
+                log.error("sandbox %s lost: %s", sid, exc)
+            self.records[sid] = record
+            await trio.to_thread.run_sync(self.replica.put_sandbox, sid, record)
+
+    async def down_all(self) -> None:
+        """Shutdown: unmount every sandbox, keep its records and upper dirs."""
+        for sid, record in list(self.records.items()):
+            if record["state"] != "up":
+                continue
+            try:
+                await trio.to_thread.run_sync(umount, str(self._dir(sid) / "rootfs"))
+            except OSError as exc:
+                log.error("unmount sandbox %s: %s", sid, exc)
+
+    async def ps(self) -> list[dict[str, Any]]:
+        out = []
+        for sid, record in sorted(self.records.items()):
+            blobs = [self.layers.mounted[d].blob for d in record["layers"]
+                     if d in self.layers.mounted]
+            upper = await trio.to_thread.run_sync(du, self._dir(sid) / "upper")
+            out.append({**record, "upper_bytes": upper,
+                        "layer_bytes_read": sum(b.bytes_read for b in blobs)})
+        return out
+
+
+def make_dirs(sdir: Path, fresh: bool) -> None:
+    for sub in ("upper", "work", "rootfs"):
+        (sdir / sub).mkdir(parents=True, exist_ok=not fresh)
+
+
+def trace_key(digest: str) -> str:
+    return "traces/" + digest.removeprefix("sha256:")
+
+
+def du(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total

@@ -1,0 +1,154 @@
+"""Node commands: daemon, up, down, ps, run, stats, trace push."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+import click
+
+from layerfs.errors import UsageError
+from layerfs.node.control import call
+from layerfs.node.daemon import DEFAULT_ROOT, Daemon, DaemonConfig
+
+from .common import Output, human_bytes, parse_size
+
+
+def root_option(fn):
+    return click.option("--root", envvar="LAYERFS_ROOT", default=DEFAULT_ROOT,
+                         show_default=True, help="The node's directory [env: LAYERFS_ROOT].")(fn)
+
+
+def json_option(fn):
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(fn)
+
+
+@click.command()
+@root_option
+@click.option("--store", "store_url", envvar="LAYERFS_STORE", metavar="URL",
+              help="file:///path or s3://bucket/prefix [env: LAYERFS_STORE].")
+@click.option("--s3-endpoint", envvar="AWS_ENDPOINT_URL", metavar="URL")
+@click.option("--cache-size", default="20G", show_default=True,
+              help="Bound of the chunk cache under ROOT/cache.")
+@click.option("--read-timeout", default=30.0, show_default=True,
+              help="Seconds after which a read the store cannot serve fails with EIO.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size: str,
+           read_timeout: float, log_level: str) -> None:
+    """Run the node daemon in the foreground (logs to stderr)."""
+    logging.getLogger().setLevel(log_level.upper())
+    if os.geteuid() != 0:
+        raise UsageError("the daemon needs root (FUSE, EROFS and overlayfs mounts)")
+    cfg = DaemonConfig(root=root, store_url=store_url, s3_endpoint=s3_endpoint,
+                       cache_size=parse_size(cache_size), read_timeout=read_timeout)
+    Daemon(cfg).run()
+
+
+@click.command()
+@click.argument("env_ref", required=False)
+@click.option("--layer", "layers", multiple=True, metavar="REF",
+              help="Layers instead of an env, top first (repeatable).")
+@click.option("--id", "sid", required=True, help="Sandbox id.")
+@click.option("--prefetch", type=click.Choice(["none", "full", "trace"]), default="none",
+              show_default=True, help="none: lazy; full: fetch everything first; "
+                                      "trace: replay recorded access order in the background.")
+@root_option
+@json_option
+def up(env_ref: str | None, layers: tuple[str, ...], sid: str, prefetch: str, root: str,
+       as_json: bool) -> None:
+    """Bring up sandbox ID from ENV_REF (or --layer refs); print its rootfs path."""
+    if bool(env_ref) == bool(layers):
+        raise UsageError("give ENV_REF or --layer refs (not both)")
+    res = call(root, {"op": "up", "id": sid, "env": env_ref, "layers": list(layers),
+                      "prefetch": prefetch})
+    Output(as_json).emit(res["sandbox"], res["sandbox"]["rootfs"])
+
+
+@click.command()
+@click.argument("sid", metavar="ID")
+@click.option("--keep-upper", is_flag=True, help="Keep the sandbox's upper directory.")
+@root_option
+@json_option
+def down(sid: str, keep_upper: bool, root: str, as_json: bool) -> None:
+    """Take sandbox ID down and unmount what only it used."""
+    res = call(root, {"op": "down", "id": sid, "keep_upper": keep_upper})
+    Output(as_json).emit(res["sandbox"], f"{sid} down")
+
+
+@click.command()
+@root_option
+@json_option
+def ps(root: str, as_json: bool) -> None:
+    """List sandboxes: state, layers, upper size, bytes read from their layers."""
+    rows = call(root, {"op": "ps"})["sandboxes"]
+
+    def text() -> str:
+        lines = [f"{'ID':20} {'STATE':8} {'UPPER':>10} {'READ':>10}  LAYERS"]
+        for r in rows:
+            refs = r["env"] or " ".join(r["layer_refs"])
+            lines.append(f"{r['id']:20} {r['state']:8} {human_bytes(r['upper_bytes']):>10} "
+                         f"{human_bytes(r['layer_bytes_read']):>10}  {refs}")
+        return "\n".join(lines)
+
+    Output(as_json).emit(rows, text)
+
+
+@click.command()
+@root_option
+@json_option
+def stats(root: str, as_json: bool) -> None:
+    """Cache statistics and per-layer bytes read."""
+    res = call(root, {"op": "stats"})
+    c = res["cache"]
+
+    def text() -> str:
+        lines = [f"cache: {human_bytes(c['size'])} of {human_bytes(c['limit'])} in "
+                 f"{c['entries']} chunks; hits {c['hits']}, misses {c['misses']}, fetched "
+                 f"{human_bytes(c['bytes_fetched'])}, written {human_bytes(c['bytes_written'])}"
+                 f", evictions {c['evictions']}, corrupt {c['corrupt']}"]
+        for digest, layer in res["layers"].items():
+            lines.append(f"layer {digest[:19]}: read {human_bytes(layer['bytes_read'])} of "
+                         f"{human_bytes(layer['blob_bytes'])}, chunks {layer['chunks_touched']}"
+                         f"/{layer['chunks']}, used by {layer['users']}")
+        return "\n".join(lines)
+
+    Output(as_json).emit(res, text)
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.argument("sid", metavar="ID")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@root_option
+def run(sid: str, cmd: tuple[str, ...], root: str) -> None:
+    """Run CMD inside sandbox ID (new mount and pid namespaces, /proc, minimal /dev);
+    exit with CMD's status. Use: layerfs run ID -- CMD..."""
+    rows: list[dict[str, Any]] = call(root, {"op": "ps"})["sandboxes"]
+    match = [r for r in rows if r["id"] == sid]
+    if not match or match[0]["state"] != "up":
+        raise UsageError(f"sandbox {sid} is not up")
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        raise UsageError("unshare (util-linux) is required for `layerfs run`")
+    argv = [unshare, "--mount", "--pid", "--fork", "--kill-child", sys.executable, "-m",
+            "layerfs.node.runner", match[0]["rootfs"], *cmd]
+    sys.exit(subprocess.call(argv))
+
+
+@click.group()
+def trace() -> None:
+    """Access traces: the order in which sandboxes first touched a layer's chunks."""
+
+
+@trace.command("push")
+@click.argument("ref")
+@root_option
+@json_option
+def trace_push(ref: str, root: str, as_json: bool) -> None:
+    """Store this node's trace of layer REF beside it, for other nodes' --prefetch trace."""
+    res = call(root, {"op": "trace-push", "ref": ref})
+    Output(as_json).emit(res, f"{ref}: trace of {res['chunks']} chunks stored")
