@@ -6,6 +6,8 @@ decompression and hashing happen in worker threads bounded by
 (single flight); fetches run in parallel up to a bound; every fetch is bounded
 in time, and its failure (store down, corrupt chunk, timeout) reaches every
 reader that waited for it, then is forgotten so the next read tries again.
+After the store failed to answer, uncached reads fail at once for
+``STORE_COOLDOWN`` seconds, so that one read(2) never waits several timeouts.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import trio
 
 from ..cache.chunkcache import ChunkCache
 from ..chunks import fetch_chunk
-from ..errors import LayerfsError
+from ..errors import LayerfsError, StoreUnreachable, TransientStoreError
 from ..formats.chunktable import ChunkEntry
 from ..store.base import Store
 
 log = logging.getLogger(__name__)
+STORE_COOLDOWN = 2.0  # seconds uncached reads fail fast after the store failed
 
 
 class FetchError(LayerfsError):
@@ -75,6 +78,7 @@ class ChunkFetcher:
         self.memory = MemoryChunks(memory)
         self._flights: dict[bytes, _Flight] = {}
         self.nursery: trio.Nursery | None = None
+        self.store_down_until = 0.0
 
     async def get(self, entry: ChunkEntry) -> bytes:
         """The verified bytes of one chunk; raises FetchError within the timeout."""
@@ -108,17 +112,30 @@ class ChunkFetcher:
                                                  abandon_on_cancel=True)
             if data is not None and len(data) == entry.length:
                 return data
+            if trio.current_time() < self.store_down_until:
+                raise FetchError(f"chunk {sha[:16]}", "store unavailable (failed just now)")
             async with self.fetch_limit:
                 try:
                     data = await trio.to_thread.run_sync(self._fetch, entry,
                                                          abandon_on_cancel=True)
+                except (StoreUnreachable, TransientStoreError) as exc:
+                    self._store_failed()
+                    log.error("chunk %s: %s", sha[:16], exc)
+                    raise FetchError(f"chunk {sha[:16]}", str(exc)) from exc
                 except LayerfsError as exc:
                     log.error("chunk %s: %s", sha[:16], exc)
                     raise FetchError(f"chunk {sha[:16]}", str(exc)) from exc
             return data
         assert scope.cancelled_caught
+        self._store_failed()
         log.error("chunk %s: no answer from the store within %.0fs", sha[:16], self.timeout)
         raise FetchError(f"chunk {sha[:16]}", f"timed out after {self.timeout:.0f}s")
+
+    def _store_failed(self) -> None:
+        """For a moment, fail uncached reads at once instead of waiting again: the
+        kernel retries a failed read page by page, and each retry would otherwise
+        wait a whole timeout."""
+        self.store_down_until = trio.current_time() + STORE_COOLDOWN
 
     def _fetch(self, entry: ChunkEntry) -> bytes:
         """Worker thread: range-read the pack, decompress, verify, cache."""

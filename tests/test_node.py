@@ -1,0 +1,332 @@
+"""The node daemon for real: FUSE blob files, kernel EROFS and overlayfs mounts,
+sandboxes, store outages, corruption, crashes and the cache bound, on both
+store backends."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from layerfs.builder.env import create_env
+from layerfs.node.daemon import mounts_under
+from layerfs.registry import Registry
+from layerfs.store.base import blob_key
+
+from nodes import NodeDaemon
+from support import build, need_root
+
+CHUNK = 65536
+
+
+def make_base(root: Path) -> Path:
+    """A busybox rootfs plus data files of several chunks."""
+    for sub in ("bin", "etc", "proc", "dev", "tmp", "data", "lower/dir", "lower/opq"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    shutil.copy("/bin/busybox", root / "bin" / "busybox")
+    for applet in ("sh", "cat", "ls", "echo", "sha256sum", "wc"):
+        (root / "bin" / applet).symlink_to("busybox")
+    (root / "etc" / "os-release").write_text("NAME=test-base\n")
+    for i in range(4):
+        (root / "data" / f"file{i}").write_bytes(os.urandom(5 * CHUNK + 1234 * i))
+    (root / "lower" / "a").write_text("lower a")
+    (root / "lower" / "gone").write_text("lower gone")
+    (root / "lower" / "dir" / "x").write_text("lower x")
+    (root / "lower" / "opq" / "hidden").write_text("hidden")
+    return root
+
+
+def upper_tar(path: Path) -> Path:
+    entries = [("lower", None), ("lower/a", b"upper a"), ("lower/.wh.gone", b""),
+               ("lower/dir", None), ("lower/dir/z", b"upper z"), ("lower/opq", None),
+               ("lower/opq/.wh..wh..opq", b""), ("lower/opq/new", b"new")]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in entries:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    path.write_bytes(buf.getvalue())
+    return path
+
+
+@pytest.fixture
+def node(tmp_path, store, store_location):
+    """Layers base@1 and up@1, env e@1 (up over base), and a daemon on them."""
+    need_root()
+    build(store, str(make_base(tmp_path / "base")), name="base", chunk_size=CHUNK)
+    build(store, str(upper_tar(tmp_path / "up.tar")), name="up", chunk_size=CHUNK)
+    create_env(store, "e", "1", ["up@1", "base@1"])
+    daemon = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="64M",
+                        read_timeout=4.0).start()
+    daemon.location = store_location
+    try:
+        yield daemon
+    finally:
+        left = daemon.cleanup()
+        assert left == [], f"mounts left behind: {left}"
+
+
+def up(node: NodeDaemon, sid: str, *args: str) -> Path:
+    return Path(node.cli("up", *(args or ("e@1",)), "--id", sid).stdout.strip())
+
+
+def test_rootfs_is_the_union_of_its_layers(node):
+    rootfs = up(node, "s1")
+    lower = rootfs / "lower"
+    assert (lower / "a").read_text() == "upper a"  # upper layer wins
+    assert not (lower / "gone").exists()  # whiteout hides the lower file
+    assert sorted(os.listdir(lower / "dir")) == ["x", "z"]  # directories merge
+    assert os.listdir(lower / "opq") == ["new"]  # opaque directory hides lower contents
+    assert (rootfs / "etc" / "os-release").read_text() == "NAME=test-base\n"
+    node.cli("down", "s1")
+    assert not rootfs.exists()
+
+
+def test_writes_stay_in_their_sandbox(node, tmp_path):
+    r1, r2 = up(node, "s1"), up(node, "s2")
+    (r1 / "etc" / "os-release").write_text("changed")
+    (r1 / "new-file").write_text("mine")
+    os.unlink(r1 / "lower" / "a")
+    upper = node.root / "sandboxes" / "s1" / "upper"
+    assert (upper / "new-file").read_text() == "mine"
+    assert (upper / "etc" / "os-release").read_text() == "changed"
+    assert (r2 / "etc" / "os-release").read_text() == "NAME=test-base\n"
+    assert not (r2 / "new-file").exists() and (r2 / "lower" / "a").exists()
+    layer_dirs = list((node.root / "layers").iterdir())
+    for d in layer_dirs:  # the shared layer mounts are read-only and unchanged
+        with pytest.raises(OSError) as err:
+            (d / "probe").write_text("x")
+        assert err.value.errno == errno.EROFS
+    ps = {r["id"]: r for r in node.request("ps")["sandboxes"]}
+    assert ps["s1"]["upper_bytes"] > 0 and ps["s2"]["upper_bytes"] == 0
+    node.cli("down", "s1", "--keep-upper")
+    assert (upper / "new-file").exists()
+    node.cli("down", "s2")
+
+
+def test_busybox_run(node):
+    up(node, "s1")
+    proc = node.cli("run", "s1", "--", "sh", "-c",
+                    "cat /etc/os-release; echo $$; ls /proc/1 >/dev/null && exit 7", check=False)
+    assert proc.returncode == 7, proc.stderr
+    assert "NAME=test-base" in proc.stdout
+    assert proc.stdout.split()[-1] == "1"  # PID 1 of its own pid namespace
+    node.cli("down", "s1")
+
+
+@contextmanager
+def store_outage(node: NodeDaemon):
+    """Make the store unreachable: freeze the S3 server, or move the store away."""
+    loc = node.location
+    if loc.endpoint:
+        import conftest  # noqa: F401 - the session server is the one in s3_server
+        pid = int(node.s3_pid)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    else:
+        path = loc.url.removeprefix("file://")
+        os.rename(path, path + ".away")
+        try:
+            yield
+        finally:
+            os.rename(path + ".away", path)
+
+
+def test_store_outage_gives_eio_in_bounded_time(node, request):
+    if node.location.endpoint:
+        node.s3_pid = request.getfixturevalue("s3_server").process.pid
+    rootfs = up(node, "s1")
+    with store_outage(node):
+        found = subprocess.run(["find", str(rootfs)], capture_output=True, text=True, check=True)
+        assert "data/file3" in found.stdout
+        subprocess.run(["ls", "-lR", str(rootfs)], capture_output=True, check=True)
+        for path in rootfs.rglob("*"):
+            path.lstat()
+        start = time.monotonic()
+        with pytest.raises(OSError) as err:
+            (rootfs / "data" / "file2").read_bytes()
+        elapsed = time.monotonic() - start
+        assert err.value.errno == errno.EIO
+        assert elapsed < 4.0 + 10.0, elapsed  # the daemon's --read-timeout plus slack
+    # the store is back: the same read works (after the daemon's short fail-fast window)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            data = (rootfs / "data" / "file2").read_bytes()
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    assert len(data) == 5 * CHUNK + 2468
+    node.cli("down", "s1")
+
+
+def test_corrupt_chunk_in_store_is_eio_and_logged(node, store):
+    reg = Registry(store)
+    manifest = reg.layer(reg.resolve("layers", "base@1"))
+    table = reg.chunk_table(manifest)
+    victim = max(table.entries, key=lambda e: e.length)
+    data = bytearray(store.get(blob_key(victim.pack)))
+    data[victim.pack_offset + 10] ^= 0x55
+    store.put(blob_key(victim.pack), bytes(data))
+    rootfs = up(node, "s1")
+    bad = 0
+    for f in sorted(rootfs.rglob("*")):
+        if not f.is_file() or f.is_symlink():
+            continue
+        try:
+            f.read_bytes()
+        except OSError as exc:
+            assert exc.errno == errno.EIO
+            bad += 1
+    assert bad == 1  # only the file holding the damaged chunk
+    assert victim.sha256.hex()[:16] in node.log()
+    node.cli("down", "s1")
+
+
+def test_corrupt_cache_file_is_refetched(node):
+    rootfs = up(node, "s1")
+    want = (rootfs / "data" / "file1").read_bytes()
+    node.cli("down", "s1")
+    assert node.stop() == 0  # drop the daemon's memory and the kernel's page cache
+    files = list((node.root / "cache").glob("??/*"))
+    assert files
+    for p in files:  # damage every cached chunk on disk
+        raw = bytearray(p.read_bytes())
+        raw[-1] ^= 0xFF
+        p.write_bytes(bytes(raw))
+    node.start()
+    rootfs = up(node, "s2")
+    assert (rootfs / "data" / "file1").read_bytes() == want
+    after = node.request("stats")["cache"]
+    assert after["corrupt"] > 0 and after["bytes_fetched"] > 0
+    assert "damaged" in node.log()
+    node.cli("down", "s2")
+
+
+def settle(node: NodeDaemon) -> dict:
+    """Wait until background fetches stop changing the cache."""
+    last = None
+    for _ in range(50):
+        stats = node.request("stats")["cache"]
+        if stats == last:
+            return stats
+        last = stats
+        time.sleep(0.2)
+    return last
+
+
+def test_kill_9_and_restart(node):
+    rootfs = up(node, "s1")
+    want = (rootfs / "data" / "file0").read_bytes()
+    (rootfs / "kept").write_text("upper survives")
+    settle(node)  # let readahead finish, so what it fetched is in the cache too
+    node.kill()
+    node.start()
+    assert mounts_under(node.root) and all(
+        "/sandboxes/" in p or "/layers/" in p or p.endswith("/fuse")
+        for p in mounts_under(node.root))
+    ps = {r["id"]: r for r in node.request("ps")["sandboxes"]}
+    assert ps["s1"]["state"] == "up"  # brought back, not lost
+    assert (rootfs / "data" / "file0").read_bytes() == want
+    assert (rootfs / "kept").read_text() == "upper survives"
+    assert node.request("stats")["cache"]["bytes_fetched"] == 0  # served from the cache
+    up(node, "s2")
+    node.cli("down", "s1")
+    node.cli("down", "s2")
+
+
+def test_cache_stays_within_its_bound(tmp_path, store, store_location):
+    need_root()
+    src = tmp_path / "big"
+    src.mkdir()
+    for i in range(12):
+        (src / f"f{i}").write_bytes(os.urandom(2 << 20))  # 24 MiB = 3x the cache
+    build(store, str(src), name="big", chunk_size=CHUNK)
+    node = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="8M").start()
+    try:
+        rootfs = up(node, "s1", "--layer", "big@1")
+        for f in sorted(rootfs.iterdir()):
+            assert len(f.read_bytes()) == 2 << 20
+            cache = node.request("stats")["cache"]
+            assert cache["size"] <= 8 << 20
+        assert cache["evictions"] > 0 and cache["bytes_fetched"] >= 24 << 20
+        on_disk = sum(p.stat().st_size for p in (node.root / "cache").rglob("*") if p.is_file())
+        assert on_disk <= 8 << 20
+        node.cli("down", "s1")
+    finally:
+        assert node.cleanup() == []
+
+
+def test_prefetch_full_fetches_everything_before_up_returns(node):
+    up(node, "s1", "e@1", "--prefetch", "full")
+    stats = node.request("stats")
+    for layer in stats["layers"].values():
+        assert layer["chunks_touched"] == 0  # nothing read yet ...
+    total = sum(layer["blob_bytes"] for layer in stats["layers"].values())
+    assert stats["cache"]["bytes_fetched"] >= 0.9 * total  # ... yet all of it is here
+    node.cli("down", "s1")
+
+
+def test_200_sandboxes_on_shared_layers(node):
+    ids = [f"m{i:03d}" for i in range(200)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda sid: node.request("up", id=sid, env="e@1"), ids))
+    points = mounts_under(node.root)
+    assert sum("/sandboxes/" in p for p in points) == 200
+    assert sum("/layers/" in p for p in points) == 2  # one mount per layer, shared
+    rootfs = node.root / "sandboxes" / "m123" / "rootfs"
+    assert (rootfs / "lower" / "a").read_text() == "upper a"
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda sid: node.request("down", id=sid), ids))
+    assert [p for p in mounts_under(node.root) if not p.endswith("/fuse")] == []
+    assert node.request("ps")["sandboxes"] == []
+
+
+def test_bad_requests_are_one_line_errors(node):
+    for args, words in [(["up", "nothere@1", "--id", "x"], "no such env"),
+                        (["up", "e@1", "--id", "bad id"], "invalid sandbox id"),
+                        (["down", "nope"], "no such sandbox")]:
+        proc = node.cli(*args, check=False)
+        assert proc.returncode != 0
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0], proc.stderr
+    up(node, "dup")
+    assert "already exists" in node.cli("up", "e@1", "--id", "dup", check=False).stderr
+    node.cli("down", "dup")
+
+
+def test_blob_file_is_read_only_and_exact(node, store):
+    up(node, "s1")
+    reg = Registry(store)
+    digest = reg.resolve("layers", "base@1")
+    table = reg.chunk_table(reg.layer(digest))
+    blob = node.root / "fuse" / "blobs" / digest.removeprefix("sha256:")
+    assert stat.S_ISREG(blob.stat().st_mode) and blob.stat().st_size == table.blob_size
+    with pytest.raises(OSError):
+        open(blob, "r+b")
+    from layerfs.chunks import fetch_chunk
+    entry = table.entries[len(table.entries) // 2]
+    with open(blob, "rb") as f:
+        f.seek(entry.blob_offset)
+        assert f.read(entry.length) == fetch_chunk(store, entry)
+    node.cli("down", "s1")
