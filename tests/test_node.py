@@ -18,14 +18,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
 from layerfs.builder.env import create_env
+from nodes import NodeDaemon
+from support import build, need_root
+
 from layerfs.node.daemon import mounts_under
 from layerfs.registry import Registry
 from layerfs.store.base import blob_key
-
-from nodes import NodeDaemon
-from support import build, need_root
 
 CHUNK = 65536
 
@@ -322,8 +321,9 @@ def test_blob_file_is_read_only_and_exact(node, store):
     table = reg.chunk_table(reg.layer(digest))
     blob = node.root / "fuse" / "blobs" / digest.removeprefix("sha256:")
     assert stat.S_ISREG(blob.stat().st_mode) and blob.stat().st_size == table.blob_size
-    with pytest.raises(OSError):
-        open(blob, "r+b")
+    with pytest.raises(OSError) as err:
+        os.open(blob, os.O_RDWR)
+    assert err.value.errno == errno.EROFS
     from layerfs.chunks import fetch_chunk
     entry = table.entries[len(table.entries) // 2]
     with open(blob, "rb") as f:
