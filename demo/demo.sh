@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
 # make demo: build three sample layers (a busybox base rootfs, a Python
 # toolchain, this project's source as the workspace) into the default store,
-# compose env v1, build toolchain v2 and compose env v2, then show with
+# compose env v1, build toolchain v2 and compose env v2, and show with
 # `layerfs inspect` that the unchanged layers were neither rebuilt nor
-# re-uploaded. Rerunning it publishes nothing new: every version is immutable
-# and the same content is recognised.
+# re-uploaded. Then start a node daemon, bring env v2 up lazily as a sandbox,
+# run a command in it, print the cache statistics (bytes fetched against the
+# env's size), take the sandbox down and stop the daemon. Rerunning it
+# publishes nothing new: every version is immutable and the same content is
+# recognised.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=$(mktemp -d /tmp/layerfs-demo.XXXXXX)
-trap 'rm -rf "$work"' EXIT
+daemon_pid=""
+cleanup() {
+  if [ -n "$daemon_pid" ] && kill -0 "$daemon_pid" 2>/dev/null; then
+    kill -TERM "$daemon_pid"; wait "$daemon_pid" || true
+  fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
 stamp=1700000000  # fixed mtimes: the same sample gives the same layer on every run
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
@@ -68,3 +78,34 @@ layerfs verify "$env2"
 say "layers and envs in the store"
 layerfs ls demo/toolchain
 layerfs env ls
+
+say "start a node daemon (root $work/node, log $work/daemon.log)"
+node="$work/node"
+layerfs daemon --root "$node" --cache-size 2G >"$work/daemon.log" 2>&1 &
+daemon_pid=$!
+for _ in $(seq 100); do layerfs ps --root "$node" >/dev/null 2>&1 && break; sleep 0.1; done
+layerfs ps --root "$node" >/dev/null
+
+say "bring $env2 up lazily as sandbox demo-1"
+time layerfs up "$env2" --id demo-1 --root "$node"
+
+say "run a command inside it"
+layerfs run demo-1 --root "$node" -- sh -c \
+  'cat /etc/os-release; cat /etc/toolchain-release; ls /workspace; wc -c /usr/lib/python3/json/__init__.py'
+
+say "cache statistics: only what the command touched was fetched"
+layerfs stats --root "$node"
+layerfs stats --root "$node" --json | python3 -c '
+import json, sys
+s = json.load(sys.stdin)
+total = sum(layer["blob_bytes"] for layer in s["layers"].values())
+got = s["cache"]["bytes_fetched"]
+print(f"fetched {got / 2**20:.1f} MiB of the env\x27s {total / 2**20:.1f} MiB data blobs "
+      f"({100 * got / max(total, 1):.1f} %)")'
+
+say "take it down and stop the daemon"
+layerfs down demo-1 --root "$node"
+kill -TERM "$daemon_pid"
+wait "$daemon_pid"
+daemon_pid=""
+echo "daemon stopped; mounts left under $node: $(grep -c " $node" /proc/mounts || true)"
