@@ -50,7 +50,8 @@ class NodeDaemon:
         return call(self.root, {"op": op, **kw}, timeout=120)
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        argv = [*LAYERFS, args[0], "--root", str(self.root), *args[1:]]
+        cut = args.index("--") if "--" in args else len(args)  # options go before `--`
+        argv = [*LAYERFS, *args[:cut], "--root", str(self.root), *args[cut:]]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         if check and proc.returncode != 0:
             raise AssertionError(f"layerfs {' '.join(args)}: {proc.stderr}\n{self.log()}")

@@ -330,3 +330,24 @@ def test_blob_file_is_read_only_and_exact(node, store):
         f.seek(entry.blob_offset)
         assert f.read(entry.length) == fetch_chunk(store, entry)
     node.cli("down", "s1")
+
+
+def test_trace_recorded_pushed_and_replayed_on_another_node(node, tmp_path):
+    rootfs = up(node, "s1")
+    (rootfs / "data" / "file2").read_bytes()
+    (rootfs / "data" / "file0").read_bytes()
+    node.cli("down", "s1")  # unmounting the layers keeps their traces in the replica
+    out = node.cli("trace", "push", "base@1").stdout
+    assert "trace of" in out
+    other = NodeDaemon(tmp_path / "node2", node.location.cli_args()).start()
+    try:
+        up(other, "t1", "e@1", "--prefetch", "trace")
+        stats = settle(other)
+        assert stats["bytes_fetched"] >= 2 * 5 * CHUNK  # both files, without reading them
+        touched = other.request("stats")["layers"]
+        assert all(layer["chunks_touched"] == 0 for layer in touched.values())
+        other.cli("down", "t1")
+    finally:
+        assert other.cleanup() == []
+    proc = node.cli("trace", "push", "up@1", check=False)
+    assert proc.returncode != 0 and "no access trace" in proc.stderr
