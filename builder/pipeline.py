@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO
@@ -50,8 +50,8 @@ class DedupIndex:
 
 @dataclass
 class _Pending:
-    node: FsNode
-    slot: int
+    node: FsNode | None  # EROFS mode: the file whose chunk slot this fills
+    slot: int  # chunk slot in node.chunks, or the blob offset in linear mode
     length: int
     future: Future
 
@@ -65,11 +65,8 @@ class _Digested:
 
 
 @dataclass
-class _NewChunk:
-    blob_offset: int
-    length: int
-    sha: bytes
-    pack_no: int
+class _NewLocation:
+    pack_no: int  # index into this build's packs
     pack_offset: int
     stored_length: int
     compression: int
@@ -110,9 +107,10 @@ class ChunkPipeline:
         self._max_inflight = 4 * workers + 2
         self._local = threading.local()
         self._zero_sha: dict[int, bytes] = {}
-        self._layer_addr: dict[bytes, int] = {}  # sha → blob block address in this layer
-        self._reused: list[tuple[int, ChunkEntry]] = []  # (blob block, stored elsewhere)
-        self._new: list[_NewChunk] = []
+        self._layer_addr: dict[bytes, int] = {}  # sha → blob block address (EROFS mode)
+        self._stored: dict[bytes, ChunkEntry | _NewLocation] = {}  # sha → where it is stored
+        self._placed: list[tuple[int, int, bytes]] = []  # (blob offset, length, sha)
+        self._blob_end = 0
         self._pack = bytearray()
         self._pack_digests: list[str] = []
         self._next_block = 0
@@ -134,7 +132,7 @@ class ChunkPipeline:
         sha = hashlib.sha256(data).digest()
         if sha == self._zero_digest(len(data)):
             return _Digested(sha, True, None, RAW)
-        if sha in self._layer_addr or sha in self.index:
+        if sha in self._stored or sha in self.index:
             return _Digested(sha, False, None, RAW)
         packed = self._compressor().compress(data)
         if len(packed) < len(data):
@@ -143,8 +141,30 @@ class ChunkPipeline:
 
     # -- caller side --
     def add_file(self, node: FsNode, stream: IO[bytes], size: int) -> None:
-        """Chunk ``size`` bytes of ``stream`` into ``node.chunks``."""
+        """EROFS mode: chunk ``size`` bytes of ``stream`` into ``node.chunks``; a
+        chunk that repeats in the layer gets the blob address it got first."""
         node.chunks = []
+        for length, fut in self._submit(stream, size):
+            node.chunks.append(HOLE)
+            self._queue(_Pending(node, len(node.chunks) - 1, length, fut))
+
+    def add_windows(self, windows: Iterable[tuple[int, bytes]]) -> None:
+        """Linear mode: each window is the blob's bytes at a chunk-aligned offset
+        (at most one chunk); offsets not given are holes. Used for sealed LSMT
+        files, which are read as one linear file, not through EROFS indexes."""
+        for offset, data in windows:
+            assert offset % self.chunk_size == 0 and 0 < len(data) <= self.chunk_size
+            self.stats.chunks += 1
+            if self.on_bytes:
+                self.on_bytes(len(data))
+            self._queue(_Pending(None, offset, len(data), self._pool.submit(self._digest, data)))
+            self._blob_end = max(self._blob_end, offset + len(data))
+
+    def set_blob_size(self, size: int) -> None:
+        """Linear mode: the blob's size, trailing holes included."""
+        self._blob_end = max(self._blob_end, size)
+
+    def _submit(self, stream: IO[bytes], size: int):
         remaining = size
         while remaining > 0:
             data = stream.read(min(self.chunk_size, remaining))
@@ -152,39 +172,44 @@ class ChunkPipeline:
                 raise EOFError(f"source ended {remaining} bytes early")
             remaining -= len(data)
             self.stats.chunks += 1
-            node.chunks.append(HOLE)
-            fut = self._pool.submit(self._digest, data)
-            self._inflight.append(_Pending(node, len(node.chunks) - 1, len(data), fut))
             if self.on_bytes:
                 self.on_bytes(len(data))
-            while len(self._inflight) > self._max_inflight:
-                self._settle(self._inflight.popleft())
+            yield len(data), self._pool.submit(self._digest, data)
+
+    def _queue(self, pending: _Pending) -> None:
+        self._inflight.append(pending)
+        while len(self._inflight) > self._max_inflight:
+            self._settle(self._inflight.popleft())
 
     def _settle(self, pending: _Pending) -> None:
         res: _Digested = pending.future.result()
         if res.zero:
             self.stats.holes += 1
-            pending.node.chunks[pending.slot] = HOLE
+            return  # EROFS slots start as HOLE; linear holes have no entry
+        self._store_chunk(res)
+        if pending.node is None:
+            self._placed.append((pending.slot, pending.length, res.sha))
             return
         addr = self._layer_addr.get(res.sha)
         if addr is None:
             addr = self._next_block
             self._next_block += -(-pending.length // BLOCK)
             self._layer_addr[res.sha] = addr
-            self._store_chunk(addr, pending.length, res)
+            self._placed.append((addr * BLOCK, pending.length, res.sha))
         pending.node.chunks[pending.slot] = addr
 
-    def _store_chunk(self, addr: int, length: int, res: _Digested) -> None:
+    def _store_chunk(self, res: _Digested) -> None:
+        """Make sure the chunk is stored: found in the store, in this build, or new."""
+        if res.sha in self._stored:
+            return
         known = self.index.chunks.get(res.sha)
         if known is not None:
             self.stats.reused_chunks += 1
-            self._reused.append((addr, known))
+            self._stored[res.sha] = known
             return
         assert res.payload is not None
-        self._new.append(
-            _NewChunk(addr * BLOCK, length, res.sha, len(self._pack_digests), len(self._pack),
-                      len(res.payload), res.compression)
-        )
+        self._stored[res.sha] = _NewLocation(len(self._pack_digests), len(self._pack),
+                                             len(res.payload), res.compression)
         self._pack += res.payload
         if len(self._pack) >= self.pack_size:
             self._seal_pack()
@@ -230,18 +255,18 @@ class ChunkPipeline:
         return self._result()
 
     def _result(self) -> PipelineResult:
-        entries = [
-            ChunkEntry(addr * BLOCK, e.length, e.sha256, e.pack, e.pack_offset,
-                       e.stored_length, e.compression)
-            for addr, e in self._reused
-        ]
-        entries += [
-            ChunkEntry(c.blob_offset, c.length, c.sha, self._pack_digests[c.pack_no],
-                       c.pack_offset, c.stored_length, c.compression)
-            for c in self._new
-        ]
-        table = ChunkTable(entries, self._next_block * BLOCK, self.chunk_size)
-        self.stats.unique_chunks = len(entries)
+        entries = []
+        for offset, length, sha in self._placed:
+            loc = self._stored[sha]
+            if isinstance(loc, _NewLocation):
+                entries.append(ChunkEntry(offset, length, sha, self._pack_digests[loc.pack_no],
+                                          loc.pack_offset, loc.stored_length, loc.compression))
+            else:
+                entries.append(ChunkEntry(offset, length, sha, loc.pack, loc.pack_offset,
+                                          loc.stored_length, loc.compression))
+        blob_size = max(self._next_block * BLOCK, self._blob_end)
+        table = ChunkTable(entries, blob_size, self.chunk_size)
+        self.stats.unique_chunks = len(self._stored)
         self.stats.blob_bytes = table.blob_size
         self.stats.stored_bytes = table.stored_bytes()
         return PipelineResult(table, self._next_block, self.stats)

@@ -43,6 +43,12 @@ def reachable_blobs(reg: Registry) -> set[str]:
             manifest = reg.layer(digest)
             seen.update((manifest.meta.digest, manifest.chunk_table.digest))
             seen.update(reg.chunk_table(manifest).packs())
+        elif kind == "lsmt":
+            disk = reg.disk(digest)
+            seen.add(disk.chunk_table.digest)
+            seen.update(reg.chunk_table(disk).packs())
+            if disk.parent:
+                todo.append(disk.parent)
         else:
             raise LayerfsError(f"manifest {digest} has unknown kind {kind!r}; gc stopped")
     return seen

@@ -87,6 +87,42 @@ class LayerManifest:
 
 
 @dataclass
+class DiskManifest:
+    """A sealed LSMT block layer (a disk image or a writable disk's snapshot)."""
+
+    name: str
+    version: str
+    chunk_size: int
+    chunk_table: BlobRef
+    blob_size: int  # size of the sealed LSMT file
+    virtual_size: int  # disk size in bytes
+    uuid: str
+    parent: str | None  # manifest digest of the parent layer
+    parent_ref: str | None
+    index_offset: int
+    index_entries: int  # including padding
+    created: str
+    stats: LayerStats = field(default_factory=LayerStats)
+    dedup_sources: list[str] = field(default_factory=list)
+    role: str = "disk"
+    kind: str = "lsmt"
+    schema: int = SCHEMA
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(asdict(self))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> DiskManifest:
+        doc = _load(data, "disk manifest")
+        try:
+            doc["chunk_table"] = BlobRef(**doc["chunk_table"])
+            doc["stats"] = LayerStats(**doc.get("stats", {}))
+            return cls(**doc)
+        except (KeyError, TypeError) as exc:
+            raise IntegrityError("disk manifest", f"missing or unknown field: {exc}") from None
+
+
+@dataclass
 class EnvLayer:
     ref: str  # name@version as given
     digest: str  # manifest digest it resolved to

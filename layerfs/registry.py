@@ -13,11 +13,12 @@ import zstandard
 
 from .errors import IntegrityError, ObjectNotFound, RefNotFound, VersionExists
 from .formats.chunktable import ChunkTable
-from .manifest import EnvManifest, LayerManifest
+from .manifest import DiskManifest, EnvManifest, LayerManifest, manifest_kind
 from .names import Ref, check_digest, version_sort_key
 from .store.base import Store, blob_key, sha256_digest
 
 LAYERS, ENVS = "layers", "envs"
+MAX_CHAIN = 255
 
 
 def ref_key(kind: str, name: str, version: str) -> str:
@@ -92,13 +93,43 @@ class Registry:
             raise IntegrityError(digest, f"not an erofs layer manifest ({manifest.kind})")
         return manifest
 
+    def disk(self, digest: str) -> DiskManifest:
+        manifest = DiskManifest.from_bytes(self.store.get_blob(digest))
+        if manifest.kind != "lsmt":
+            raise IntegrityError(digest, f"not an LSMT layer manifest ({manifest.kind})")
+        return manifest
+
+    def any_layer(self, digest: str) -> LayerManifest | DiskManifest:
+        data = self.store.get_blob(digest)
+        kind = manifest_kind(data)
+        if kind == "lsmt":
+            return DiskManifest.from_bytes(data)
+        if kind == "erofs":
+            return LayerManifest.from_bytes(data)
+        raise IntegrityError(digest, f"not a layer manifest ({kind})")
+
+    def disk_chain(self, digest: str) -> list[tuple[str, DiskManifest]]:
+        """A sealed LSMT layer and its parents, top first; a missing parent is an error."""
+        chain: list[tuple[str, DiskManifest]] = []
+        while digest:
+            if len(chain) >= MAX_CHAIN:
+                raise IntegrityError(digest, f"disk chain deeper than {MAX_CHAIN} layers")
+            try:
+                manifest = self.disk(digest)
+            except ObjectNotFound:
+                what = chain[-1][1].parent_ref if chain else digest
+                raise RefNotFound("parent layer", f"{what} ({digest})") from None
+            chain.append((digest, manifest))
+            digest = manifest.parent or ""
+        return chain
+
     def env(self, digest: str) -> EnvManifest:
         manifest = EnvManifest.from_bytes(self.store.get_blob(digest))
         if manifest.kind != "env":
             raise IntegrityError(digest, "not an env manifest")
         return manifest
 
-    def chunk_table(self, manifest: LayerManifest) -> ChunkTable:
+    def chunk_table(self, manifest: LayerManifest | DiskManifest) -> ChunkTable:
         data = self.store.get_blob(manifest.chunk_table.digest)
         return ChunkTable.from_bytes(data, f"chunk table of {manifest.name}@{manifest.version}")
 

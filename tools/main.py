@@ -10,7 +10,7 @@ import click
 from layerfs import __version__
 from layerfs.errors import LayerfsError
 
-from . import envs, gc, layers, node
+from . import disks, envs, gc, layers, node
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -29,7 +29,8 @@ cli.add_command(layers.inspect)
 cli.add_command(layers.verify)
 cli.add_command(envs.env)
 cli.add_command(gc.gc)
-for command in (node.daemon, node.up, node.down, node.ps, node.run, node.stats, node.trace):
+for command in (node.daemon, node.up, node.down, node.ps, node.run, node.stats, node.trace,
+                disks.build_disk_cmd, disks.disk, disks.vm):
     cli.add_command(command)
 
 

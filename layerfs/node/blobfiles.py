@@ -96,11 +96,15 @@ class BlobFile:
 
 
 class BlobDirectory:
-    """The blob files the FUSE mount shows under ``blobs/``, by name and inode."""
+    """The blob files the FUSE mount shows under ``blobs/``, by name and inode.
+
+    Reference counted: a blob stays while any layer mount, disk or VM uses it.
+    """
 
     def __init__(self) -> None:
         self.by_name: dict[str, BlobFile] = {}
         self.by_inode: dict[int, BlobFile] = {}
+        self.users: dict[str, int] = {}
         # a name keeps its inode for the daemon's life: the kernel caches entries
         self._inodes: dict[str, int] = {}
 
@@ -112,9 +116,16 @@ class BlobDirectory:
             blob = BlobFile(digest, table, fetcher, inode)
             self.by_name[name] = blob
             self.by_inode[blob.inode] = blob
+        self.users[name] = self.users.get(name, 0) + 1
         return blob
 
     def remove(self, digest: str) -> None:
-        blob = self.by_name.pop(digest.removeprefix("sha256:"), None)
+        name = digest.removeprefix("sha256:")
+        left = self.users.get(name, 0) - 1
+        if left > 0:
+            self.users[name] = left
+            return
+        self.users.pop(name, None)
+        blob = self.by_name.pop(name, None)
         if blob is not None:
             self.by_inode.pop(blob.inode, None)

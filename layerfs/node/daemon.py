@@ -25,6 +25,7 @@ from ..registry import Registry
 from ..store import open_store
 from .blobfiles import BlobDirectory
 from .control import ControlServer
+from .diskmanager import DiskManager
 from .fetcher import ChunkFetcher
 from .fusefs import NodeFS
 from .replica import Replica
@@ -32,6 +33,7 @@ from .sandboxes import LayerMounts, Sandboxes, trace_key
 
 log = logging.getLogger(__name__)
 DEFAULT_ROOT = "/var/lib/layerfs"
+DISK_OPS = ("disk-create", "disk-ls", "disk-rm", "disk-commit", "vm-up", "vm-down")
 
 
 @dataclass
@@ -73,7 +75,7 @@ class Daemon:
         self.cfg = cfg
         self.root = Path(cfg.root).resolve()
         clean_stale_mounts(self.root)  # a crashed daemon's mounts (dead FUSE included)
-        for sub in ("meta", "cache", "fuse", "layers", "sandboxes"):
+        for sub in ("meta", "cache", "fuse", "layers", "sandboxes", "disks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self.store = open_store(cfg.store_url, s3_endpoint=cfg.s3_endpoint)
         self.reg = Registry(self.store)
@@ -82,7 +84,8 @@ class Daemon:
         self.fetcher = ChunkFetcher(self.store, self.cache, timeout=cfg.read_timeout,
                                     parallel=cfg.fetch_parallel)
         self.blobs = BlobDirectory()
-        self.fs = NodeFS(self.blobs)
+        self.disks = DiskManager(self.root, self.reg, self.replica, self.blobs, self.fetcher)
+        self.fs = NodeFS(self.blobs, self.disks)
         self.layers = LayerMounts(self.root, self.reg, self.replica, self.blobs, self.fetcher)
         self.sandboxes = Sandboxes(self.root, self.reg, self.replica, self.layers)
         self.accepting = False
@@ -100,6 +103,7 @@ class Daemon:
                 self.fetcher.nursery = nursery
                 nursery.start_soon(pyfuse3.main)
                 await self.sandboxes.restore()
+                await self.disks.restore()
                 await nursery.start(ControlServer(self.root, self.handle).serve)
                 self.accepting = True
                 log.info("layerfs daemon ready at %s (store %s)", self.root, self.store.url)
@@ -108,6 +112,7 @@ class Daemon:
                 log.info("stopping: unmounting sandboxes and layers")
                 await self.sandboxes.down_all()
                 await self.layers.unmount_all()
+                await self.disks.close_all()
                 nursery.cancel_scope.cancel()
         finally:
             pyfuse3.close(unmount=True)
@@ -135,6 +140,27 @@ class Daemon:
             return self.stats()
         if op == "trace-push":
             return await self.trace_push(req.get("ref", ""))
+        if op in DISK_OPS:
+            return await self.disk_op(op, req)
+        raise UsageError(f"unknown request {op!r}")
+
+    async def disk_op(self, op: str, req: dict[str, Any]) -> dict[str, Any]:
+        d = self.disks
+        if op == "disk-create":
+            return {"disk": await d.create(req.get("id", ""), req.get("size"), req.get("base"))}
+        if op == "disk-ls":
+            return {"disks": d.ls(), "vms": sorted(d.vms)}
+        if op == "disk-rm":
+            await d.remove(req.get("id", ""))
+            return {"id": req.get("id")}
+        if op == "disk-commit":
+            return await d.commit(req.get("id", ""), req.get("name", ""), req.get("version", ""))
+        if op == "vm-up":
+            return {"vm": await d.vm_up(req.get("id", ""), req.get("env"), req.get("layers") or [],
+                                        int(req.get("disk_size") or 10 << 30),
+                                        req.get("base_disk"))}
+        if op == "vm-down":
+            return {"vm": await d.vm_down(req.get("id", ""), bool(req.get("keep")))}
         raise UsageError(f"unknown request {op!r}")
 
     def stats(self) -> dict[str, Any]:

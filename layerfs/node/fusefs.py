@@ -1,7 +1,10 @@
-"""The FUSE adapter: ``ROOT/fuse`` with ``blobs/<layer hex>`` read-only files.
+"""The FUSE adapter: ``ROOT/fuse`` with ``blobs/<layer hex>`` read-only files
+and ``disks/<id>`` read-write writable disks.
 
-Thin: every operation maps to :class:`~layerfs.node.blobfiles.BlobDirectory`
-and :class:`~layerfs.node.blobfiles.BlobFile`. :func:`fuse_errors` turns every
+Thin: every operation maps to :class:`~layerfs.node.blobfiles.BlobDirectory`,
+:class:`~layerfs.node.blobfiles.BlobFile`,
+:class:`~layerfs.node.diskmanager.DiskManager` and
+:class:`~layerfs.node.disks.WritableDisk`. :func:`fuse_errors` turns every
 exception into an errno, since pyfuse3 lets any other exception end its main
 loop. Blob contents are immutable, so entries and attributes get long
 timeouts and opened files keep the kernel's page cache.
@@ -21,13 +24,15 @@ import pyfuse3
 
 from ..errors import LayerfsError
 from .blobfiles import BlobDirectory
+from .diskmanager import DiskManager
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 ROOT = pyfuse3.ROOT_INODE
 BLOBS = 2
-DIRS = {ROOT: {b"blobs": BLOBS}, BLOBS: {}}
+DISKS = 3
+DIRS = {ROOT: {b"blobs": BLOBS, b"disks": DISKS}, BLOBS: {}, DISKS: {}}
 TIMEOUT = 3600.0
 
 
@@ -54,11 +59,13 @@ def fuse_errors(fn: F) -> F:
 
 
 class NodeFS(pyfuse3.Operations):
-    """Read-only view of the node's blob files."""
+    """``blobs/``: the layers' lazy blob files (read-only); ``disks/``: the
+    writable disks (read-write)."""
 
-    def __init__(self, blobs: BlobDirectory) -> None:
+    def __init__(self, blobs: BlobDirectory, disks: DiskManager) -> None:
         super().__init__()
         self.blobs = blobs
+        self.disks = disks
         self.uid, self.gid = os.getuid(), os.getgid()
 
     def _attrs(self, inode: int) -> pyfuse3.EntryAttributes:
@@ -72,6 +79,14 @@ class NodeFS(pyfuse3.Operations):
             attr.st_nlink = 2
             attr.entry_timeout = attr.attr_timeout = 1.0  # blob set changes
             return attr
+        disk = self.disks.by_inode.get(inode)
+        if disk is not None:
+            attr.st_mode = stat.S_IFREG | 0o600
+            attr.st_nlink = 1
+            attr.st_size = disk.size
+            attr.st_blocks = (disk.size + 511) // 512
+            attr.entry_timeout = attr.attr_timeout = 1.0
+            return attr
         blob = self.blobs.by_inode.get(inode)
         if blob is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
@@ -84,6 +99,9 @@ class NodeFS(pyfuse3.Operations):
     def _children(self, inode: int) -> list[tuple[bytes, int]]:
         if inode == BLOBS:
             return sorted((name.encode(), b.inode) for name, b in self.blobs.by_name.items())
+        if inode == DISKS:
+            return sorted((sid.encode(), d.inode)  # type: ignore[attr-defined]
+                          for sid, d in self.disks.disks.items())
         if inode in DIRS:
             return sorted(DIRS[inode].items())
         raise pyfuse3.FUSEError(errno.ENOTDIR)
@@ -116,6 +134,8 @@ class NodeFS(pyfuse3.Operations):
 
     @fuse_errors
     async def open(self, inode: int, flags: int, ctx: Any):
+        if inode in self.disks.by_inode:
+            return pyfuse3.FileInfo(fh=inode, keep_cache=False)
         if inode not in self.blobs.by_inode:
             raise pyfuse3.FUSEError(errno.EISDIR if inode in DIRS else errno.ENOENT)
         if flags & (os.O_WRONLY | os.O_RDWR):
@@ -124,10 +144,39 @@ class NodeFS(pyfuse3.Operations):
 
     @fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
+        disk = self.disks.by_inode.get(fh)
+        if disk is not None:
+            return await disk.read(off, size)
         blob = self.blobs.by_inode.get(fh)
         if blob is None:
             raise pyfuse3.FUSEError(errno.EBADF)
         return await blob.read(off, size)
+
+    @fuse_errors
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        disk = self.disks.by_inode.get(fh)
+        if disk is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        return await disk.write(off, buf)
+
+    @fuse_errors
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        disk = self.disks.by_inode.get(fh)
+        if disk is not None:
+            await disk.flush()
+
+    @fuse_errors
+    async def flush(self, fh: int) -> None:
+        disk = self.disks.by_inode.get(fh)
+        if disk is not None:
+            await disk.flush()
+
+    @fuse_errors
+    async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any):
+        disk = self.disks.by_inode.get(inode)
+        if fields.update_size and (disk is None or attr.st_size != disk.size):
+            raise pyfuse3.FUSEError(errno.EPERM)  # disks and blobs have a fixed size
+        return self._attrs(inode)
 
     @fuse_errors
     async def release(self, fh: int) -> None:

@@ -82,6 +82,20 @@ class Replica:
             txn.put(digest.encode(), manifest.to_bytes(), db=self.dbs["layers"])
         return ReplicaLayer(digest, manifest, table, meta)
 
+    def fetch_table(self, reg: Registry, digest: str, manifest_bytes: bytes,
+                    table_digest: str) -> ChunkTable:
+        """A sealed LSMT layer's chunk table (verified), kept in the replica."""
+        with self.env.begin() as txn:
+            have = txn.get(digest.encode(), db=self.dbs["chunktables"])
+        if have is not None:
+            return ChunkTable.from_bytes(bytes(have))
+        table_bytes = reg.store.get_blob(table_digest)
+        table = ChunkTable.from_bytes(table_bytes)
+        with self.env.begin(write=True) as txn:
+            txn.put(digest.encode(), table_bytes, db=self.dbs["chunktables"])
+            txn.put(digest.encode(), manifest_bytes, db=self.dbs["layers"])
+        return table
+
     def layers(self) -> list[str]:
         with self.env.begin() as txn:
             return [k.decode() for k, _ in txn.cursor(db=self.dbs["layers"])]

@@ -1,0 +1,709 @@
+#!/usr/bin/env python3
+"""Node daemon benchmarks: cold ``up`` latency, warm and cold sequential reads,
+and a metadata walk, each as a ratio against a baseline measured in the same run.
+
+Generates (once, seeded) layers of random (incompressible) data — a few large
+files of 64-256 MiB plus some small files — of each ``--sizes`` size, and a
+tree of many 1-4 KiB files, builds them into a ``file://`` store under the
+work directory (chunk size 1 MiB) and reuses sources, store and local copies
+between runs. Then, driving real ``layerfs daemon`` processes through the
+control API:
+
+1. cold ``up`` (prefetch none) on a fresh ROOT, against ``up`` with
+   ``prefetch: full`` (the eager baseline, like a full image pull);
+2. warm sequential reads of the large files through a sandbox rootfs (chunk
+   cache filled, page cache dropped), against a kernel EROFS mount of a local
+   copy of the same layer (meta image + materialized blob);
+3. cold sequential reads through a sandbox on a fresh ROOT, against reading
+   every pack the layer references, whole, with ``store.get``;
+4. ``os.walk`` + ``lstat`` of every entry (and ``find -printf ''``) of the
+   small-file tree through a sandbox, against the local EROFS mount.
+
+The kernel page cache is dropped (``sync; echo 3 > /proc/sys/vm/drop_caches``)
+before every timed read or walk and before every timed ``up``. Needs root.
+
+    python bench/node.py [--sizes 100M,1G,4G] [--quick] [--work bench/work/node]
+
+Prints a table and writes bench/results/node.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from layerfs.builder.layer import BuildOptions, build_layer
+
+from layerfs.chunks import materialize_blob
+from layerfs.mounts import mount_erofs, umount
+from layerfs.node.control import call
+from layerfs.node.daemon import mounts_under
+from layerfs.registry import LAYERS, Registry
+from layerfs.store.base import blob_key
+from layerfs.store.file import FileStore
+
+HERE = Path(__file__).resolve().parent
+GEN = 1  # bump when a generator changes
+MiB = 1 << 20
+LAYERFS = [sys.executable, "-m", "layerfs.tools.main"]
+SEED = 42
+
+
+# -- sizes ------------------------------------------------------------------
+
+def parse_size(text: str) -> int:
+    """``100M``, ``1G``, ``4GiB`` → bytes (binary units)."""
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+    return int(float(num) * units[unit])
+
+
+def label_of(text: str) -> str:
+    return text.strip().upper().removesuffix("IB").removesuffix("B")
+
+
+# -- generated sources --------------------------------------------------------
+
+def random_file(path: Path, size: int, key: str) -> None:
+    """``size`` seeded random bytes: AES-128-CTR of zeros (openssl), which is
+    several times faster than Python's generators; ``random.randbytes`` if
+    openssl is missing."""
+    aes = hashlib.sha256(key.encode()).hexdigest()[:32]
+    if shutil.which("openssl"):
+        with open(path, "wb") as out:
+            enc = subprocess.Popen(["openssl", "enc", "-aes-128-ctr", "-K", aes, "-iv", "0",
+                                    "-nosalt", "-in", "/dev/zero"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            assert enc.stdout is not None
+            left = size
+            while left:
+                block = enc.stdout.read(min(left, 8 * MiB))
+                if not block:
+                    raise RuntimeError("openssl enc stopped early")
+                out.write(block)
+                left -= len(block)
+            enc.kill()
+            enc.wait()
+        return
+    rng = random.Random(aes)
+    with open(path, "wb") as out:
+        left = size
+        while left:
+            n = min(left, 8 * MiB)
+            out.write(rng.randbytes(n))
+            left -= n
+
+
+def load_marker(marker: Path, key: list) -> dict | None:
+    if marker.exists():
+        info = json.loads(marker.read_text())
+        if info.get("key") == key:
+            return info
+    return None
+
+
+def generate_data(root: Path, total: int, seed: int = SEED) -> dict:
+    """About 2 % of ``total`` in small files (1-64 KiB), the rest in large
+    files of 64-256 MiB (the last one takes what is left)."""
+    marker = root.with_name(root.name + ".json")
+    key = [total, seed, GEN, "data"]
+    info = load_marker(marker, key)
+    if info is not None and root.is_dir():
+        return info
+    print(f"generating {root} ({total / 1e6:.0f} MB)...", flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+    rng = random.Random(f"{seed}-{total}")
+    small_budget = total // 50
+    small = written = 0
+    files = 0
+    while small < small_budget:
+        d = root / "small" / f"d{files // 100:03d}"
+        d.mkdir(parents=True, exist_ok=True)
+        size = min(rng.randrange(1 << 10, 64 << 10), small_budget - small)
+        (d / f"f{files:05d}").write_bytes(rng.randbytes(size))
+        small += size
+        files += 1
+    (root / "large").mkdir(parents=True, exist_ok=True)
+    large: list[str] = []
+    left = total - small
+    while left > 0:
+        size = min(rng.randrange(64, 257) * MiB, left)
+        if left - size < 16 * MiB:
+            size = left
+        rel = f"large/file{len(large):03d}.bin"
+        random_file(root / rel, size, f"{seed}-{total}-{rel}")
+        large.append(rel)
+        left -= size
+        written += size
+    info = {"key": key, "bytes": small + written, "small_files": files, "small_bytes": small,
+            "large_files": large, "large_bytes": written}
+    marker.write_text(json.dumps(info))
+    return info
+
+
+def generate_tree(root: Path, files: int, dirs: int, seed: int = SEED) -> dict:
+    """``files`` files of 1-4 KiB spread over ``dirs`` directories."""
+    marker = root.with_name(root.name + ".json")
+    key = [files, dirs, seed, GEN, "tree"]
+    info = load_marker(marker, key)
+    if info is not None and root.is_dir():
+        return info
+    print(f"generating {root} ({files} files)...", flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+    rng = random.Random(f"{seed}-tree")
+    per_dir = -(-files // dirs)
+    total = 0
+    for i in range(files):
+        d = root / f"dir{i // per_dir:03d}"
+        if i % per_dir == 0:
+            d.mkdir(parents=True)
+        size = rng.randrange(1 << 10, 4 << 10)
+        (d / f"file{i:06d}").write_bytes(rng.randbytes(size))
+        total += size
+    info = {"key": key, "files": files, "dirs": dirs, "bytes": total}
+    marker.write_text(json.dumps(info))
+    return info
+
+
+def ensure_layer(store: FileStore, src: Path, name: str, version: str) -> tuple[str, float]:
+    """The layer's manifest digest; builds and publishes it unless the ref exists."""
+    reg = Registry(store)
+    digest = reg.read_ref(LAYERS, name, version)
+    if digest is not None:
+        return digest, 0.0
+    print(f"building {name}@{version}...", flush=True)
+    start = time.perf_counter()
+    res = build_layer(store, str(src), BuildOptions(name, version))
+    return res.digest, time.perf_counter() - start
+
+
+def ensure_local_copy(store: FileStore, digest: str, out: Path) -> tuple[Path, Path]:
+    """The layer's meta image and materialized data blob as local files."""
+    marker = out / "digest"
+    meta, blob = out / "meta.erofs", out / "blob"
+    if marker.exists() and marker.read_text() == digest and meta.exists() and blob.exists():
+        return meta, blob
+    print(f"materializing a local copy of {digest[:19]}...", flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    reg = Registry(store)
+    manifest = reg.layer(digest)
+    meta.write_bytes(reg.meta_image(manifest))
+    materialize_blob(store, reg.chunk_table(manifest), str(blob))
+    marker.write_text(digest)
+    return meta, blob
+
+
+# -- the daemon and the machine -----------------------------------------------
+
+class Node:
+    """A real ``layerfs daemon`` on ``root`` (after tests/nodes.py)."""
+
+    running: list[Node] = []
+
+    def __init__(self, root: Path, store_url: str, log_path: Path, cache_size: str) -> None:
+        self.root = root
+        self.store_url = store_url
+        self.log_path = log_path
+        self.cache_size = cache_size
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60.0) -> Node:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*LAYERFS, "daemon", "--root", str(self.root), "--store", self.store_url,
+                 "--cache-size", self.cache_size, "--read-timeout", "60",
+                 "--log-level", "info"], stdout=log, stderr=log)
+        Node.running.append(self)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                call(self.root, {"op": "ping"}, timeout=5)
+                return self
+            except Exception:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"daemon did not start; see {self.log_path}") from None
+                time.sleep(0.05)
+
+    def request(self, op: str, **kw: Any) -> dict:
+        return call(self.root, {"op": op, **kw}, timeout=900)
+
+    def stop(self, timeout: float = 120.0) -> int | None:
+        if self.proc is None:
+            return None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait(30)
+        self.proc = None
+        Node.running.remove(self)
+        return code
+
+
+def detach_mounts(path: Path) -> list[str]:
+    """Lazily unmount whatever is mounted at or below ``path``; return the list."""
+    left = mounts_under(path) if path.exists() else []
+    for point in left:
+        subprocess.run(["umount", "-l", point], check=False)
+    return left
+
+
+def fresh_dir(path: Path, oddities: list[str]) -> Path:
+    left = detach_mounts(path)
+    if left:
+        oddities.append(f"mounts left under {path} after the daemon stopped: {left}")
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def read_files(paths: list[Path], bufsize: int = MiB) -> tuple[int, float]:
+    """Read the files one after another, whole; (bytes, seconds)."""
+    buf = bytearray(bufsize)
+    total = 0
+    start = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total, time.perf_counter() - start
+
+
+def get_packs(store: FileStore, packs: list[str], parallel: int) -> tuple[int, float]:
+    """GET every pack whole with ``parallel`` threads; (bytes, seconds)."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(parallel) as pool:
+        total = sum(pool.map(lambda d: len(store.get(blob_key(d))), packs))
+    return total, time.perf_counter() - start
+
+
+def walk_lstat(top: Path) -> tuple[int, float]:
+    """``os.walk`` plus an ``lstat`` of every entry; (entries, seconds)."""
+    start = time.perf_counter()
+    count = 0
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in dirnames + filenames:
+            os.lstat(os.path.join(dirpath, name))
+            count += 1
+    return count, time.perf_counter() - start
+
+
+def run_find(top: Path) -> float:
+    start = time.perf_counter()
+    subprocess.run(["find", str(top), "-printf", ""], check=True)
+    return time.perf_counter() - start
+
+
+def alternate(rep: int, a: Callable[[], None], b: Callable[[], None]) -> None:
+    """Run both, swapping which goes first on odd repetitions."""
+    for fn in ((a, b) if rep % 2 == 0 else (b, a)):
+        fn()
+
+
+def mbps(nbytes: int, seconds: float) -> float:
+    return nbytes / 1e6 / seconds
+
+
+# -- the benchmarks -------------------------------------------------------------
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args = args
+        self.work = work
+        self.store_dir = work / "store"
+        self.store_url = "file://" + str(self.store_dir)
+        self.store = FileStore(str(self.store_dir))
+        self.oddities: list[str] = []
+        self.logs: list[Path] = []
+        self.runs = 0
+
+    def node(self, tag: str) -> Node:
+        """A daemon on a fresh, empty ROOT (no cache, no replica)."""
+        self.runs += 1
+        root = fresh_dir(self.work / "roots" / "node", self.oddities)
+        log = self.work / "logs" / f"{self.runs:03d}-{tag}.log"
+        log.unlink(missing_ok=True)
+        self.logs.append(log)
+        return Node(root, self.store_url, log, self.args.cache_size).start()
+
+    def finish(self, node: Node) -> None:
+        code = node.stop()
+        if code != 0:
+            self.oddities.append(f"daemon exited {code}; see {node.log_path}")
+        fresh_dir(node.root, self.oddities)
+
+    # 1. cold up
+    def up_latency(self, layers: dict[str, dict]) -> dict:
+        out: dict[str, dict] = {label: {"none": [], "full": []} for label in layers}
+        details: dict[str, list] = {label: [] for label in layers}
+        for i in range(self.args.samples):
+            for label, layer in layers.items():
+                modes = ("none", "full") if i % 2 == 0 else ("full", "none")
+                for mode in modes:
+                    node = self.node(f"up-{label}-{mode}")
+                    try:
+                        drop_caches()
+                        start = time.perf_counter()
+                        node.request("up", id="s", layers=[layer["ref"]], prefetch=mode)
+                        took = time.perf_counter() - start
+                        fetched = node.request("stats")["cache"]["bytes_fetched"]
+                        start = time.perf_counter()
+                        node.request("down", id="s")
+                        down = time.perf_counter() - start
+                    finally:
+                        self.finish(node)
+                    out[label][mode].append(took)
+                    details[label].append({"prefetch": mode, "up_s": round(took, 4),
+                                           "down_s": round(down, 4), "bytes_fetched": fetched})
+                    print(f"  up {label:>5} prefetch={mode:4}: {took:7.3f} s "
+                          f"(fetched {fetched / 1e6:.0f} MB)", flush=True)
+        result = {}
+        for label, modes in out.items():
+            lazy, full = statistics.median(modes["none"]), statistics.median(modes["full"])
+            result[label] = {"blob_bytes": layers[label]["blob_bytes"],
+                             "lazy_samples_s": [round(x, 4) for x in modes["none"]],
+                             "full_samples_s": [round(x, 4) for x in modes["full"]],
+                             "lazy_p50_s": round(lazy, 4), "full_p50_s": round(full, 4),
+                             "lazy_over_full": round(lazy / full, 4),
+                             "runs": details[label]}
+        return result
+
+    # 2. warm reads
+    def warm_read(self, layer: dict, local: tuple[Path, Path]) -> dict:
+        mnt = self.work / "mnt" / "local"
+        detach_mounts(mnt)
+        mnt.mkdir(parents=True, exist_ok=True)
+        node = self.node("warm")
+        lfs: list[tuple[int, float]] = []
+        base: list[tuple[int, float]] = []
+        try:
+            rootfs = Path(node.request("up", id="w", layers=[layer["ref"]])["sandbox"]["rootfs"])
+            mount_erofs(str(local[0]), str(local[1]), str(mnt))
+            try:
+                drop_caches()
+                first = read_files([rootfs / p for p in layer["large_files"]])
+                stats_before = node.request("stats")
+                print(f"  warm-up read (cold cache): {mbps(*first):.0f} MB/s", flush=True)
+
+                def sandbox() -> None:
+                    drop_caches()
+                    lfs.append(read_files([rootfs / p for p in layer["large_files"]]))
+                    print(f"  warm sandbox read: {mbps(*lfs[-1]):7.1f} MB/s", flush=True)
+
+                def kernel() -> None:
+                    drop_caches()
+                    base.append(read_files([mnt / p for p in layer["large_files"]]))
+                    print(f"  local EROFS read:  {mbps(*base[-1]):7.1f} MB/s", flush=True)
+
+                for rep in range(self.args.reps):
+                    alternate(rep, sandbox, kernel)
+                stats_after = node.request("stats")
+            finally:
+                umount(str(mnt))
+            node.request("down", id="w")
+        finally:
+            self.finish(node)
+        lfs_rate = statistics.median(mbps(*r) for r in lfs)
+        base_rate = statistics.median(mbps(*r) for r in base)
+        return {"bytes": lfs[0][0], "files": len(layer["large_files"]),
+                "first_read_mb_s": round(mbps(*first), 1),
+                "layerfs_mb_s": [round(mbps(*r), 1) for r in lfs],
+                "local_erofs_mb_s": [round(mbps(*r), 1) for r in base],
+                "layerfs_p50_mb_s": round(lfs_rate, 1), "local_erofs_p50_mb_s": round(base_rate, 1),
+                "ratio": round(lfs_rate / base_rate, 4),
+                "cache_before": stats_before["cache"], "cache_after": stats_after["cache"]}
+
+    # 3. cold reads
+    def cold_read(self, layer: dict) -> dict:
+        lfs: list[tuple[int, float]] = []
+        base: list[tuple[int, float]] = []
+        caches: list[dict] = []
+        reg = Registry(self.store)
+        packs = reg.chunk_table(reg.layer(layer["digest"])).packs()
+
+        def sandbox() -> None:
+            node = self.node("cold")
+            try:
+                rootfs = Path(node.request("up", id="c", layers=[layer["ref"]])
+                              ["sandbox"]["rootfs"])
+                drop_caches()
+                lfs.append(read_files([rootfs / p for p in layer["large_files"]]))
+                caches.append(node.request("stats")["cache"])
+                node.request("down", id="c")
+            finally:
+                self.finish(node)
+            print(f"  cold sandbox read: {mbps(*lfs[-1]):7.1f} MB/s", flush=True)
+
+        def store_get() -> None:
+            drop_caches()
+            base.append(get_packs(FileStore(str(self.store_dir)), packs,
+                                  self.args.get_parallel))
+            print(f"  store GET (packs): {mbps(*base[-1]):7.1f} MB/s", flush=True)
+
+        for rep in range(self.args.reps):
+            alternate(rep, sandbox, store_get)
+        lfs_rate = statistics.median(mbps(*r) for r in lfs)
+        base_rate = statistics.median(mbps(*r) for r in base)
+        return {"bytes": lfs[0][0], "pack_bytes": base[0][0], "packs": len(packs),
+                "get_parallel": self.args.get_parallel,
+                "layerfs_mb_s": [round(mbps(*r), 1) for r in lfs],
+                "store_get_mb_s": [round(mbps(*r), 1) for r in base],
+                "layerfs_p50_mb_s": round(lfs_rate, 1), "store_get_p50_mb_s": round(base_rate, 1),
+                "ratio": round(lfs_rate / base_rate, 4), "cache": caches}
+
+    # 4. metadata
+    def metadata(self, layer: dict, local: tuple[Path, Path]) -> dict:
+        mnt = self.work / "mnt" / "meta"
+        detach_mounts(mnt)
+        mnt.mkdir(parents=True, exist_ok=True)
+        node = self.node("meta")
+        lfs: list[tuple[int, float]] = []
+        base: list[tuple[int, float]] = []
+        lfs_find: list[float] = []
+        base_find: list[float] = []
+        try:
+            rootfs = Path(node.request("up", id="m", layers=[layer["ref"]])["sandbox"]["rootfs"])
+            mount_erofs(str(local[0]), str(local[1]), str(mnt))
+            try:
+                def sandbox() -> None:
+                    drop_caches()
+                    lfs.append(walk_lstat(rootfs))
+                    drop_caches()
+                    lfs_find.append(run_find(rootfs))
+                    print(f"  sandbox walk+lstat: {lfs[-1][1]:6.3f} s ({lfs[-1][0]} entries), "
+                          f"find: {lfs_find[-1]:6.3f} s", flush=True)
+
+                def kernel() -> None:
+                    drop_caches()
+                    base.append(walk_lstat(mnt))
+                    drop_caches()
+                    base_find.append(run_find(mnt))
+                    print(f"  local   walk+lstat: {base[-1][1]:6.3f} s ({base[-1][0]} entries), "
+                          f"find: {base_find[-1]:6.3f} s", flush=True)
+
+                for rep in range(self.args.reps):
+                    alternate(rep, sandbox, kernel)
+                cache = node.request("stats")["cache"]
+            finally:
+                umount(str(mnt))
+            node.request("down", id="m")
+        finally:
+            self.finish(node)
+        if {n for n, _ in lfs} != {n for n, _ in base}:
+            self.oddities.append(f"metadata walk: entry counts differ: sandbox "
+                                 f"{[n for n, _ in lfs]}, local {[n for n, _ in base]}")
+        walk, walk0 = statistics.median(t for _, t in lfs), statistics.median(t for _, t in base)
+        find, find0 = statistics.median(lfs_find), statistics.median(base_find)
+        return {"entries": lfs[0][0],
+                "layerfs_walk_s": [round(t, 4) for _, t in lfs],
+                "local_walk_s": [round(t, 4) for _, t in base],
+                "layerfs_find_s": [round(t, 4) for t in lfs_find],
+                "local_find_s": [round(t, 4) for t in base_find],
+                "layerfs_walk_p50_s": round(walk, 4), "local_walk_p50_s": round(walk0, 4),
+                "ratio": round(walk / walk0, 4),
+                "layerfs_find_p50_s": round(find, 4), "local_find_p50_s": round(find0, 4),
+                "find_ratio": round(find / find0, 4), "cache": cache}
+
+    def scan_logs(self) -> dict:
+        lines = []
+        for log in self.logs:
+            if not log.exists():
+                continue
+            for line in log.read_text(errors="replace").splitlines():
+                if any(w in line for w in ("ERROR", "WARNING", "Traceback", "Exception")):
+                    lines.append(f"{log.name}: {line}")
+        return {"logs": len(self.logs), "problem_lines": len(lines), "first": lines[:20]}
+
+
+def layer_info(store: FileStore, digest: str) -> dict:
+    reg = Registry(store)
+    table = reg.chunk_table(reg.layer(digest))
+    return {"digest": digest, "ref": digest, "blob_bytes": table.blob_size,
+            "chunks": len(table), "packs": len(table.packs()),
+            "stored_bytes": table.stored_bytes()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="100M,1G,4G", help="layer sizes for the up latency")
+    ap.add_argument("--read-size", default=None,
+                    help="the layer for the read benchmarks (default: the size nearest 1G)")
+    ap.add_argument("--meta-files", type=int, default=50_000)
+    ap.add_argument("--meta-dirs", type=int, default=50)
+    ap.add_argument("--samples", type=int, default=3, help="cold up samples per size and mode")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of each read/walk")
+    ap.add_argument("--get-parallel", type=int, default=4,
+                    help="threads for the store GET baseline")
+    ap.add_argument("--cache-size", default="16G", help="the daemons' --cache-size")
+    ap.add_argument("--only", default="up,warm,cold,meta",
+                    help="comma-separated subset of up,warm,cold,meta")
+    ap.add_argument("--quick", action="store_true",
+                    help="sizes 50M,200M and a 5,000-file tree")
+    ap.add_argument("--work", default=str(HERE / "work" / "node"))
+    ap.add_argument("--out", default=str(HERE / "results" / "node.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.sizes, args.meta_files = "50M,200M", 5_000
+    if os.geteuid() != 0:
+        sys.exit("bench/node.py needs root (FUSE, EROFS and overlay mounts, drop_caches)")
+    only = set(args.only.split(","))
+    labels = [label_of(s) for s in args.sizes.split(",") if s.strip()]
+    read_label = label_of(args.read_size) if args.read_size else min(
+        labels, key=lambda s: abs(parse_size(s) - (1 << 30)))
+    if read_label not in labels:
+        labels.append(read_label)
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    detach_mounts(work)  # an interrupted earlier run
+    started = time.perf_counter()
+    bench = Bench(args, work)
+    result: dict[str, Any] = {}
+    try:
+        layers: dict[str, dict] = {}
+        builds = {}
+        for label in labels:
+            src = work / "src" / f"data-{label.lower()}"
+            info = generate_data(src, parse_size(label))
+            digest, secs = ensure_layer(bench.store, src, f"bench/node-{label.lower()}",
+                                        f"g{GEN}-{SEED}")
+            builds[label] = round(secs, 2)
+            layers[label] = {**layer_info(bench.store, digest), **info}
+        meta_src = work / "src" / f"tree-{args.meta_files}"
+        meta_info = generate_tree(meta_src, args.meta_files, args.meta_dirs)
+        digest, secs = ensure_layer(bench.store, meta_src, f"bench/node-tree{args.meta_files}",
+                                    f"g{GEN}-{SEED}")
+        builds["tree"] = round(secs, 2)
+        meta_layer = {**layer_info(bench.store, digest), **meta_info}
+        result["layers"] = {**layers, "tree": meta_layer}
+        result["build_seconds"] = builds
+        prep = time.perf_counter() - started
+        print(f"prepared in {prep:.0f} s", flush=True)
+        up_labels = [lb for lb in labels if lb in {label_of(s) for s in args.sizes.split(",")}]
+        if "up" in only:
+            print("cold up latency (fresh ROOT each)", flush=True)
+            result["up"] = bench.up_latency({lb: layers[lb] for lb in up_labels})
+        if "warm" in only:
+            print(f"warm sequential read, {read_label} layer", flush=True)
+            local = ensure_local_copy(bench.store, layers[read_label]["digest"],
+                                      work / "local" / read_label.lower())
+            result["warm_read"] = bench.warm_read(layers[read_label], local)
+        if "cold" in only:
+            print(f"cold sequential read, {read_label} layer "
+                  f"(store GET with {args.get_parallel} threads)", flush=True)
+            result["cold_read"] = bench.cold_read(layers[read_label])
+        if "meta" in only:
+            print(f"metadata walk, {args.meta_files} files", flush=True)
+            local = ensure_local_copy(bench.store, meta_layer["digest"],
+                                      work / "local" / f"tree-{args.meta_files}")
+            result["metadata"] = bench.metadata(meta_layer, local)
+    finally:
+        for node in list(Node.running):
+            node.stop()
+        left = detach_mounts(work)
+        if left:
+            bench.oddities.append(f"mounts left under the work dir at the end: {left}")
+            print(f"detached leftover mounts: {left}", file=sys.stderr)
+    elapsed = time.perf_counter() - started
+
+    rows = []  # (measure, layerfs, baseline, ratio, target)
+    if "up" in result:
+        for label, r in result["up"].items():
+            rows.append((f"cold up p50 {label} (s): lazy vs prefetch full",
+                         f"{r['lazy_p50_s']:.3f}", f"{r['full_p50_s']:.3f}",
+                         f"{r['lazy_over_full']:.3f}", "lazy <= 0.5 s"))
+        ups = list(result["up"].values())
+        if len(ups) > 1:
+            flat = ups[-1]["lazy_p50_s"] / ups[0]["lazy_p50_s"]
+            result["up_flatness"] = round(flat, 3)
+            rows.append((f"lazy up p50 {up_labels[-1]} / {up_labels[0]}",
+                         f"{ups[-1]['lazy_p50_s']:.3f}", f"{ups[0]['lazy_p50_s']:.3f}",
+                         f"{flat:.2f}", "~1 (flat)"))
+    if "warm_read" in result:
+        r = result["warm_read"]
+        rows.append((f"warm seq read {read_label} (MB/s): sandbox vs local EROFS",
+                     f"{r['layerfs_p50_mb_s']:.0f}", f"{r['local_erofs_p50_mb_s']:.0f}",
+                     f"{r['ratio']:.2f}", ">= 0.9"))
+    if "cold_read" in result:
+        r = result["cold_read"]
+        rows.append((f"cold seq read {read_label} (MB/s): sandbox vs store GET "
+                     f"x{r['get_parallel']}",
+                     f"{r['layerfs_p50_mb_s']:.0f}", f"{r['store_get_p50_mb_s']:.0f}",
+                     f"{r['ratio']:.2f}", ">= 0.7"))
+    if "metadata" in result:
+        r = result["metadata"]
+        rows.append((f"walk+lstat {r['entries']} entries (s): sandbox vs local EROFS",
+                     f"{r['layerfs_walk_p50_s']:.3f}", f"{r['local_walk_p50_s']:.3f}",
+                     f"{r['ratio']:.2f}", "<= 1.2"))
+        rows.append(("find -printf '' (s): sandbox vs local EROFS",
+                     f"{r['layerfs_find_p50_s']:.3f}", f"{r['local_find_p50_s']:.3f}",
+                     f"{r['find_ratio']:.2f}", "-"))
+    result = {
+        "params": {"sizes": args.sizes, "read_size": read_label, "meta_files": args.meta_files,
+                   "meta_dirs": args.meta_dirs, "samples": args.samples, "reps": args.reps,
+                   "get_parallel": args.get_parallel, "cache_size": args.cache_size,
+                   "chunk_size": MiB, "quick": args.quick},
+        "machine": {"cpus": os.cpu_count(), "kernel": platform.release()},
+        **result,
+        "table": [dict(zip(("measure", "layerfs", "baseline", "ratio", "target"), row,
+                           strict=True)) for row in rows],
+        "daemon_logs": bench.scan_logs(),
+        "oddities": bench.oddities,
+        "runtime_s": round(elapsed, 1),
+        "method": (
+            "Every daemon is a real `layerfs daemon` process on a fresh ROOT under the work "
+            "dir, driven through the control API; file:// store on the same local disk. "
+            "Page cache dropped (sync; echo 3 > /proc/sys/vm/drop_caches) before every timed "
+            "up, read and walk. up: time of the `up` control call, prefetch none vs full, "
+            "p50 of the samples, each on a fresh ROOT (empty cache and replica). Warm read: "
+            "the large files read once through the sandbox to fill the chunk cache, then read "
+            "whole, one after another with 1 MiB reads, through ROOT/sandboxes/ID/rootfs vs a "
+            "kernel EROFS file-backed mount of the local meta image + materialized blob. Cold "
+            "read: the same reads on a fresh ROOT vs store.get of every pack the chunk table "
+            "references, whole, with get_parallel threads (bytes/s of each side's own bytes). "
+            "Metadata: os.walk + lstat of every entry (and `find -printf ''`) through the "
+            "sandbox vs the local EROFS mount. Reads and walks alternate which side goes "
+            "first; p50 over reps."),
+    }
+    print(f"\n{'measure':62} {'layerfs':>9} {'baseline':>9} {'ratio':>7}  target")
+    for measure, a, b, ratio, target in rows:
+        print(f"{measure:62} {a:>9} {b:>9} {ratio:>7}  {target}")
+    logs = result["daemon_logs"]
+    print(f"daemon logs: {logs['logs']} runs, {logs['problem_lines']} warning/error lines")
+    for line in logs["first"][:5]:
+        print(f"  {line}")
+    for odd in bench.oddities:
+        print(f"oddity: {odd}")
+    print(f"total {elapsed:.0f} s")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""Writable disks and microVM drive sets on the node.
+
+``disk create`` makes an LSMT writable disk over an optional sealed chain
+(fetched lazily, like EROFS layers); ``disk commit`` seals the writes made
+since the last commit into a new layer whose parent is the previous one and
+publishes it; ``vm up`` hands a VM each env layer's meta image and lazy blob
+file as read-only drives plus one writable disk. A disk whose chain cannot be
+loaded fails alone, with a clear error; the others keep serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ..builder.disk import DiskSource, publish_disk
+from ..errors import LayerfsError, UsageError
+from ..formats import lsmt
+from ..registry import ENVS, LAYERS, Registry
+from .blobfiles import BlobDirectory
+from .disks import DATA_START, SECTOR, DiskState, SealedChain, SealedLayer, WritableDisk
+from .fetcher import ChunkFetcher
+from .replica import Replica
+from .sandboxes import SANDBOX_ID, SandboxError
+
+log = logging.getLogger(__name__)
+FIRST_DISK_INODE = 1 << 32
+
+
+class DiskManager:
+    def __init__(self, root: Path, reg: Registry, replica: Replica, blobs: BlobDirectory,
+                 fetcher: ChunkFetcher) -> None:
+        self.root = root
+        self.dir = root / "disks"
+        self.reg = reg
+        self.replica = replica
+        self.blobs = blobs
+        self.fetcher = fetcher
+        self.disks: dict[str, WritableDisk] = {}
+        self.chain_digests: dict[str, list[str]] = {}
+        self.by_inode: dict[int, WritableDisk] = {}
+        self._inodes: dict[str, int] = {}
+        self.vms: dict[str, dict[str, Any]] = {}
+        self.broken: dict[str, str] = {}
+        self._busy: set[str] = set()
+
+    # -- chains --
+    async def load_chain(self, base: str) -> tuple[SealedChain, list[str]]:
+        """Resolve ``base`` (a ref or digest) and load its sealed chain lazily."""
+        digest = await trio.to_thread.run_sync(self.reg.resolve, LAYERS, base)
+        chain = await trio.to_thread.run_sync(self.reg.disk_chain, digest)
+        layers, used = [], []
+        try:
+            for layer_digest, manifest in chain:
+                table = await trio.to_thread.run_sync(
+                    self.replica.fetch_table, self.reg, layer_digest, manifest.to_bytes(),
+                    manifest.chunk_table.digest)
+                blob = self.blobs.add(layer_digest, table, self.fetcher)
+                used.append(layer_digest)
+                name = f"{manifest.name}@{manifest.version}"
+                layers.append(await SealedLayer.load(name, blob))
+        except BaseException:
+            for d in used:
+                self.blobs.remove(d)
+            raise
+        return SealedChain(layers), used
+
+    def _register(self, disk: WritableDisk, used: list[str]) -> None:
+        sid = disk.state.id
+        inode = self._inodes.setdefault(sid, FIRST_DISK_INODE + len(self._inodes))
+        self.disks[sid] = disk
+        self.by_inode[inode] = disk
+        self.chain_digests[sid] = used
+        disk.inode = inode  # type: ignore[attr-defined]
+
+    # -- commands --
+    async def create(self, sid: str, size: int | None, base: str | None) -> dict[str, Any]:
+        if not SANDBOX_ID.fullmatch(sid or ""):
+            raise UsageError(f"invalid disk id {sid!r} (expected [A-Za-z0-9][A-Za-z0-9._-]*)")
+        if sid in self.disks or sid in self._busy or (self.dir / sid).exists():
+            raise SandboxError(f"disk {sid}", "already exists")
+        self._busy.add(sid)
+        try:
+            chain: SealedChain | None = None
+            used: list[str] = []
+            base_digest: str | None = None
+            if base:
+                chain, used = await self.load_chain(base)
+                base_digest = await trio.to_thread.run_sync(self.reg.resolve, LAYERS, base)
+            size = size or (chain.virtual_size if chain else 0)
+            if not size or size % SECTOR:
+                for d in used:
+                    self.blobs.remove(d)
+                raise UsageError(f"disk size {size} is not a positive multiple of 512")
+            state = DiskState(sid, size, base_digest, base)
+            try:
+                await trio.to_thread.run_sync(WritableDisk.create, self.dir / sid, state)
+                disk = WritableDisk(self.dir / sid, state, chain)
+                await trio.to_thread.run_sync(disk.open_files)
+            except BaseException:
+                for d in used:
+                    self.blobs.remove(d)
+                await trio.to_thread.run_sync(shutil.rmtree, self.dir / sid, True)
+                raise
+            self._register(disk, used)
+        finally:
+            self._busy.discard(sid)
+        return self.describe(sid)
+
+    async def restore(self) -> None:
+        """Reopen the disks an earlier run left; a broken one is reported, not fatal."""
+        if not self.dir.exists():
+            return
+        for path in sorted(self.dir.iterdir()):
+            try:
+                state = await trio.to_thread.run_sync(WritableDisk.load_state, path)
+                chain, used = (await self.load_chain(state.base)) if state.base else (None, [])
+                disk = WritableDisk(path, state, chain)
+                await trio.to_thread.run_sync(disk.open_files)
+                self._register(disk, used)
+            except (LayerfsError, OSError, ValueError, TypeError) as exc:
+                self.broken[path.name] = str(exc)
+                log.error("disk %s cannot be opened: %s", path.name, exc)
+
+    async def remove(self, sid: str) -> None:
+        disk = self._get(sid)
+        self._busy.add(sid)
+        try:
+            del self.disks[sid]
+            self.by_inode.pop(disk.inode, None)  # type: ignore[attr-defined]
+            await trio.to_thread.run_sync(disk.close_files)
+            for d in self.chain_digests.pop(sid, []):
+                self.blobs.remove(d)
+            await trio.to_thread.run_sync(shutil.rmtree, disk.path, True)
+        finally:
+            self._busy.discard(sid)
+
+    def _get(self, sid: str) -> WritableDisk:
+        disk = self.disks.get(sid)
+        if disk is None:
+            why = self.broken.get(sid, "no such disk")
+            raise SandboxError(f"disk {sid}", why)
+        if sid in self._busy:
+            raise SandboxError(f"disk {sid}", "busy")
+        return disk
+
+    async def commit(self, sid: str, name: str, version: str) -> dict[str, Any]:
+        disk = self._get(sid)
+        async with disk.lock:  # a consistent cut of the log; writes wait briefly
+            await trio.to_thread.run_sync(disk.sync, limiter=disk.io)
+            changes = disk.changes_since_commit()
+            mark = len(disk.log)
+        source = commit_source(disk, changes)
+        parent = disk.state.base
+        result = await trio.to_thread.run_sync(
+            lambda: publish_disk(self.reg.store, source, name, version, parent,
+                                 chunk_size=1 << 20))
+        disk.state.base, disk.state.base_ref, disk.state.commit_mark = (
+            result.digest, result.ref, mark)
+        await trio.to_thread.run_sync(WritableDisk.save_state, disk.path, disk.state)
+        return {"ref": result.ref, "digest": result.digest, "published": result.published,
+                "changed_bytes": sum(m.length for m in changes) * SECTOR,
+                "stored_bytes": result.manifest.stats.stored_bytes,
+                "uploaded_bytes": result.manifest.stats.uploaded_bytes,
+                "parent": parent}
+
+    def describe(self, sid: str) -> dict[str, Any]:
+        disk = self.disks[sid]
+        return {"id": sid, "size": disk.size, "path": str(self.root / "fuse" / "disks" / sid),
+                "base": disk.state.base, "base_ref": disk.state.base_ref,
+                "chain_depth": len(disk.chain.layers) if disk.chain else 0,
+                "written_bytes": (disk.data_end - DATA_START) * SECTOR,
+                "uncommitted_entries": len(disk.log) - disk.state.commit_mark}
+
+    def ls(self) -> list[dict[str, Any]]:
+        rows = [self.describe(sid) for sid in sorted(self.disks)]
+        rows += [{"id": sid, "state": "broken", "error": err}
+                 for sid, err in sorted(self.broken.items())]
+        return rows
+
+    # -- microVMs --
+    async def vm_up(self, vid: str, env: str | None, layer_refs: list[str], disk_size: int,
+                    base_disk: str | None) -> dict[str, Any]:
+        if vid in self.vms:
+            raise SandboxError(f"vm {vid}", "already exists")
+        if bool(env) == bool(layer_refs):
+            raise UsageError("give an env or --layer refs, not both or neither")
+
+        def resolve() -> list[str]:
+            if env:
+                return [x.digest for x in self.reg.env(self.reg.resolve(ENVS, env)).layers]
+            return [self.reg.resolve(LAYERS, r) for r in layer_refs]
+
+        digests = await trio.to_thread.run_sync(resolve)
+        drives, layers, used = [], [], []
+        try:
+            for i, digest in enumerate(digests):
+                rl = await trio.to_thread.run_sync(self.replica.fetch_layer, self.reg, digest)
+                self.blobs.add(digest, rl.table, self.fetcher)
+                used.append(digest)
+                meta_id, blob_id = f"layer{i}-meta", f"layer{i}-blob"
+                drives.append({"drive_id": meta_id, "path_on_host": str(rl.meta_path),
+                               "is_read_only": True, "is_root_device": False})
+                drives.append({"drive_id": blob_id, "is_read_only": True,
+                               "path_on_host": str(self.root / "fuse" / "blobs" / rl.hex),
+                               "is_root_device": False})
+                layers.append({"ref": f"{rl.manifest.name}@{rl.manifest.version}",
+                               "digest": digest, "meta_drive": meta_id,
+                               "device_drives": [blob_id]})
+            disk = await self.create(f"{vid}-rw", None if base_disk else disk_size, base_disk)
+        except BaseException:
+            for d in used:
+                self.blobs.remove(d)
+            raise
+        drives.append({"drive_id": "rw", "path_on_host": disk["path"], "is_read_only": False,
+                       "is_root_device": False})
+        vm = {"id": vid, "drives": drives, "layers": layers, "disk": disk["id"],
+              "blobs": used}
+        self.vms[vid] = vm
+        return vm
+
+    async def vm_down(self, vid: str, keep: bool) -> dict[str, Any]:
+        vm = self.vms.pop(vid, None)
+        if vm is None:
+            raise SandboxError(f"vm {vid}", "no such vm")
+        for d in vm["blobs"]:
+            self.blobs.remove(d)
+        if not keep:
+            await self.remove(vm["disk"])
+        return vm
+
+    async def close_all(self) -> None:
+        for disk in list(self.disks.values()):
+            try:
+                await trio.to_thread.run_sync(disk.close_files)
+            except OSError as exc:
+                log.error("closing disk %s: %s", disk.state.id, exc)
+
+
+def commit_source(disk: WritableDisk, changes: list[lsmt.Mapping]) -> DiskSource:
+    """The changes as a sealed-layer source: data read back from the disk's data file."""
+    index = lsmt.SegmentMap(changes)
+    mappings = [lsmt.Mapping(m.offset, m.length, m.offset + DATA_START) for m in changes]
+
+    def read(offset: int, length: int) -> bytes:
+        assert offset % SECTOR == 0 and length % SECTOR == 0
+        out = bytearray(length)
+        first = offset // SECTOR
+        for start, count, m in index.lookup(first, length // SECTOR):
+            if m is not None:
+                pos = (start - first) * SECTOR
+                src = (m.moffset + start - m.offset) * SECTOR
+                out[pos : pos + count * SECTOR] = os.pread(disk.data_fd, count * SECTOR, src)
+        return bytes(out)
+
+    return DiskSource(disk.size, mappings, read)

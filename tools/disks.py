@@ -1,0 +1,136 @@
+"""Block commands: build-disk, disk create/ls/rm/commit, vm up/down."""
+
+from __future__ import annotations
+
+import click
+from layerfs.builder.disk import build_disk
+
+from layerfs.errors import UsageError
+from layerfs.node.control import call
+from layerfs.registry import Registry
+
+from .common import Output, human_bytes, parse_size, store_options
+from .node import json_option, root_option
+
+
+@click.command("build-disk")
+@click.argument("image")
+@click.option("--name", required=True, help="Layer name.")
+@click.option("--version", "version", required=True, help="Layer version.")
+@click.option("--parent", metavar="REF", help="The sealed layer this one sits on.")
+@click.option("--chunk-size", default="1M", show_default=True)
+@store_options
+def build_disk_cmd(out: Output, reg: Registry, image: str, name: str, version: str,
+                   parent: str | None, chunk_size: str) -> None:
+    """Import the raw disk IMAGE (a multiple of 512 bytes) as a sealed LSMT layer;
+    zero ranges are not stored."""
+    res = build_disk(reg.store, image, name, version, parent, parse_size(chunk_size))
+    s = res.manifest.stats
+    doc = {"ref": res.ref, "digest": res.digest, "published": res.published,
+           "virtual_size": res.manifest.virtual_size, "stats": s.__dict__}
+    text = (f"{res.ref} {res.digest}\n  disk {human_bytes(res.manifest.virtual_size)}, data "
+            f"{human_bytes(s.file_bytes)}, stored {human_bytes(s.stored_bytes)}, uploaded "
+            f"{human_bytes(s.uploaded_bytes)}" if res.published else
+            f"{res.ref} {res.digest}\n  unchanged: already published, nothing uploaded")
+    out.emit(doc, text)
+
+
+@click.group()
+def disk() -> None:
+    """Writable disks (LSMT) served read-write at ROOT/fuse/disks/ID."""
+
+
+@disk.command("create")
+@click.argument("sid", metavar="ID")
+@click.option("--size", help="Disk size (e.g. 10G); default: the base's size.")
+@click.option("--base", metavar="REF", help="A sealed layer (chain) to start from.")
+@root_option
+@json_option
+def disk_create(sid: str, size: str | None, base: str | None, root: str, as_json: bool) -> None:
+    """Create writable disk ID (empty, or over the sealed chain of --base)."""
+    if not size and not base:
+        raise UsageError("give --size, --base or both")
+    res = call(root, {"op": "disk-create", "id": sid, "size": parse_size(size) if size else None,
+                      "base": base})
+    Output(as_json).emit(res["disk"], res["disk"]["path"])
+
+
+@disk.command("ls")
+@root_option
+@json_option
+def disk_ls(root: str, as_json: bool) -> None:
+    """List writable disks."""
+    rows = call(root, {"op": "disk-ls"})["disks"]
+
+    def text() -> str:
+        lines = []
+        for r in rows:
+            if r.get("state") == "broken":
+                lines.append(f"{r['id']:20} BROKEN: {r['error']}")
+            else:
+                lines.append(f"{r['id']:20} {human_bytes(r['size']):>10} written "
+                             f"{human_bytes(r['written_bytes']):>10}  base {r['base_ref'] or '-'}"
+                             f" (depth {r['chain_depth']})")
+        return "\n".join(lines) or "(no disks)"
+
+    Output(as_json).emit(rows, text)
+
+
+@disk.command("rm")
+@click.argument("sid", metavar="ID")
+@root_option
+def disk_rm(sid: str, root: str) -> None:
+    """Delete writable disk ID and its local files."""
+    call(root, {"op": "disk-rm", "id": sid})
+    click.echo(f"{sid} removed")
+
+
+@disk.command("commit")
+@click.argument("sid", metavar="ID")
+@click.option("--name", required=True)
+@click.option("--version", "version", required=True)
+@root_option
+@json_option
+def disk_commit(sid: str, name: str, version: str, root: str, as_json: bool) -> None:
+    """Seal the writes made to disk ID since its last commit into the layer
+    NAME@VERSION (parent: the previous commit or the base) and push it."""
+    res = call(root, {"op": "disk-commit", "id": sid, "name": name, "version": version})
+    Output(as_json).emit(res, f"{res['ref']} {res['digest']}\n  changed "
+                         f"{human_bytes(res['changed_bytes'])}, stored "
+                         f"{human_bytes(res['stored_bytes'])}, uploaded "
+                         f"{human_bytes(res['uploaded_bytes'])}")
+
+
+@click.group()
+def vm() -> None:
+    """microVM drive sets: layer disks plus a writable disk."""
+
+
+@vm.command("up")
+@click.argument("env_ref", required=False)
+@click.option("--layer", "layers", multiple=True, metavar="REF")
+@click.option("--id", "vid", required=True)
+@click.option("--disk-size", default="10G", show_default=True)
+@click.option("--base-disk", metavar="REF", help="Start the writable disk from this snapshot.")
+@root_option
+def vm_up(env_ref: str | None, layers: tuple[str, ...], vid: str, disk_size: str,
+          base_disk: str | None, root: str) -> None:
+    """Prepare VM ID's drives and print them as JSON: for each layer its meta image
+    and lazy blob file (read-only; the blob is the EROFS device= the guest passes),
+    plus one writable disk."""
+    import json
+
+    res = call(root, {"op": "vm-up", "id": vid, "env": env_ref, "layers": list(layers),
+                      "disk_size": parse_size(disk_size), "base_disk": base_disk})
+    vmd = res["vm"]
+    click.echo(json.dumps({"drives": vmd["drives"], "layers": vmd["layers"]}, indent=2))
+
+
+@vm.command("down")
+@click.argument("vid", metavar="ID")
+@click.option("--keep", is_flag=True, help="Keep the writable disk.")
+@root_option
+def vm_down(vid: str, keep: bool, root: str) -> None:
+    """Release VM ID's drives (and delete its writable disk unless --keep)."""
+    call(root, {"op": "vm-down", "id": vid, "keep": keep})
+    click.echo(f"{vid} down")
