@@ -5,7 +5,8 @@
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
-APT_PKGS := fuse3 libfuse3-dev pkg-config erofs-utils busybox-static attr zstd tar
+APT_PKGS := fuse3 libfuse3-dev pkg-config erofs-utils busybox-static attr zstd tar \
+            qemu-utils e2fsprogs util-linux
 
 .PHONY: all deps apt-deps test demo lint bench-build clean
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from .manifest import manifest_kind
 from .registry import ENVS, LAYERS, Registry
 
 
@@ -14,12 +15,37 @@ def shared_locations(reg: Registry, exclude: str) -> set[tuple[str, int]]:
     for entry in reg.list_refs(LAYERS):
         if entry.digest == exclude:
             continue
-        table = reg.chunk_table(reg.layer(entry.digest))
+        table = reg.chunk_table(reg.any_layer(entry.digest))
         seen.update(e.location for e in table.entries)
     return seen
 
 
+def disk_report(reg: Registry, digest: str) -> dict[str, Any]:
+    manifest = reg.disk(digest)
+    table = reg.chunk_table(manifest)
+    stored = table.stored_bytes()
+    others = shared_locations(reg, digest)
+    return {
+        "kind": "lsmt",
+        "ref": f"{manifest.name}@{manifest.version}",
+        "digest": digest,
+        "role": manifest.role,
+        "created": manifest.created,
+        "virtual_size": manifest.virtual_size,
+        "data_bytes": manifest.stats.file_bytes,
+        "parent": manifest.parent_ref,
+        "chain_depth": len(reg.disk_chain(digest)),
+        "blob_bytes": manifest.blob_size,
+        "chunks": len(table),
+        "stored_bytes": stored,
+        "shared_bytes": sum(e.stored_length for e in table.entries if e.location in others),
+        "uploaded_bytes": manifest.stats.uploaded_bytes,
+    }
+
+
 def layer_report(reg: Registry, digest: str, shared: bool = True) -> dict[str, Any]:
+    if manifest_kind(reg.store.get_blob(digest)) == "lsmt":
+        return disk_report(reg, digest)
     manifest = reg.layer(digest)
     table = reg.chunk_table(manifest)
     stored = table.stored_bytes()
@@ -73,7 +99,6 @@ def env_report(reg: Registry, digest: str) -> dict[str, Any]:
 def resolve_any(reg: Registry, text: str) -> tuple[str, str]:
     """(kind, digest) for a layer or env reference; layers are tried first."""
     from .errors import RefNotFound
-    from .manifest import manifest_kind
 
     if text.startswith("sha256:"):
         digest = reg.resolve(LAYERS, text)

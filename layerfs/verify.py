@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from .chunks import fetch_chunk
 from .errors import LayerfsError
+from .manifest import LayerManifest
 from .registry import Registry
 
 
@@ -24,10 +25,11 @@ class VerifyReport:
 def verify_layer(reg: Registry, digest: str, workers: int = 8) -> VerifyReport:
     from concurrent.futures import ThreadPoolExecutor
 
-    manifest = reg.layer(digest)
+    manifest = reg.any_layer(digest)
     report = VerifyReport(f"{manifest.name}@{manifest.version}")
     try:
-        reg.meta_image(manifest)
+        if isinstance(manifest, LayerManifest):
+            reg.meta_image(manifest)
         table = reg.chunk_table(manifest)
     except LayerfsError as exc:
         report.problems.append(str(exc))

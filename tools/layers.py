@@ -57,7 +57,7 @@ def ls(out: Output, reg: Registry, name: str | None) -> None:
     """List layers (all, or the versions of NAME)."""
     rows: list[dict[str, Any]] = []
     for entry in reg.list_refs(LAYERS, name):
-        m = reg.layer(entry.digest)
+        m = reg.any_layer(entry.digest)
         rows.append({"ref": str(entry), "digest": entry.digest, "role": m.role,
                      "file_bytes": m.stats.file_bytes, "created": m.created})
     out.emit(rows, lambda: "\n".join(
@@ -76,7 +76,7 @@ def inspect(out: Output, reg: Registry, ref: str) -> None:
         out.emit(rep, lambda: _env_text(rep))
     else:
         rep = layer_report(reg, digest)
-        out.emit(rep, lambda: _layer_text(rep))
+        out.emit(rep, lambda: _disk_text(rep) if rep["kind"] == "lsmt" else _layer_text(rep))
 
 
 def _layer_text(r: dict) -> str:
@@ -98,6 +98,18 @@ def _layer_text(r: dict) -> str:
         f"  this push uploaded {human_bytes(s['uploaded_bytes'])} "
         f"({s['uploaded_packs']} packs, {s['reused_chunks']} chunks reused)"
         + (f"; dedup with {', '.join(r['dedup_sources'])}" if r["dedup_sources"] else ""),
+    ])
+
+
+def _disk_text(r: dict) -> str:
+    return "\n".join([
+        f"disk layer {r['ref']}  {r['digest']}",
+        f"  created {r['created']}, parent {r['parent'] or '-'} (chain of {r['chain_depth']})",
+        f"  disk {human_bytes(r['virtual_size'])}, data {human_bytes(r['data_bytes'])}, "
+        f"sealed file {human_bytes(r['blob_bytes'])}",
+        f"  chunks {r['chunks']}, stored {human_bytes(r['stored_bytes'])}, shared with other "
+        f"layers {human_bytes(r['shared_bytes'])}, this push uploaded "
+        f"{human_bytes(r['uploaded_bytes'])}",
     ])
 
 

@@ -156,7 +156,7 @@ class DiskManager:
             changes = disk.changes_since_commit()
             mark = len(disk.log)
         source = commit_source(disk, changes)
-        parent = disk.state.base
+        parent = disk.state.base_ref or disk.state.base
         result = await trio.to_thread.run_sync(
             lambda: publish_disk(self.reg.store, source, name, version, parent,
                                  chunk_size=1 << 20))

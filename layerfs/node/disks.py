@@ -159,13 +159,13 @@ class WritableDisk:
             m = lsmt.Mapping.unpack(raw[pos : pos + 16])
             if (m.length == 0 or m.end > limit or m.moffset < DATA_START
                     or (m.moffset + m.length) * SECTOR > data_size):
-                log.warning("disk %s: index log cut at entry %d (torn or invalid)",
-                            self.state.id, (pos - lsmt.HT_SPACE) // 16)
                 break
             self.log.append(m)
             self.map.insert(m)
             good = pos + 16
         if good != len(raw):
+            log.warning("disk %s: index log cut after entry %d (%d bytes torn or invalid)",
+                        self.state.id, len(self.log), len(raw) - good)
             os.ftruncate(self.index_fd, good)
         self.state.commit_mark = min(self.state.commit_mark, len(self.log))
 
