@@ -15,18 +15,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
 from layerfs.builder.disk import build_disk
 from layerfs.builder.pipeline import ChunkPipeline, DedupIndex
+from nodes import LAYERFS, NodeDaemon
+from support import build, need_root
+from treecmp import diff_trees
+
 from layerfs.chunks import materialize_blob
 from layerfs.formats import lsmt
 from layerfs.manifest import BlobRef, DiskManifest
 from layerfs.registry import LAYERS, Registry
 from layerfs.store.base import blob_key
-
-from nodes import LAYERFS, NodeDaemon
-from support import build, need_root
-from treecmp import diff_trees
 
 MiB = 1 << 20
 
@@ -131,7 +130,7 @@ def test_sealed_layer_fields_match_the_lsmt_layout(tmp_path, store):
             continue  # padding
         assert offset >= previous_end and 0 < length <= 16383 and not zeroed
         previous_end = offset + length
-        assert 4096 <= moffset * 512 and (moffset + length) * 512 <= index_offset
+        assert moffset * 512 >= 4096 and (moffset + length) * 512 <= index_offset
         rebuilt[offset * 512 : (offset + length) * 512] = raw[moffset * 512 :
                                                               (moffset + length) * 512]
     assert bytes(rebuilt) == img.read_bytes()
