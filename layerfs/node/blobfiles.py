@@ -29,6 +29,7 @@ class BlobFile:
     inode: int
     offsets: list[int] = field(default_factory=list)
     next_offset: int = -1
+    readahead_from: int = -1
     touched: set[int] = field(default_factory=set)
     trace: list[int] = field(default_factory=list)
     bytes_read: int = 0
@@ -54,26 +55,33 @@ class BlobFile:
         end = min(off + size, self.size)
         if off >= end:
             return b""
-        out = bytearray(end - off)
+        entries = self.table.entries
         wanted = [i for i in self.span(off, end)
-                  if self.table.entries[i].blob_offset + self.table.entries[i].length > off]
+                  if entries[i].blob_offset + entries[i].length > off]
+        self._record(wanted)
+        self._readahead(off, end, wanted)
+        self.bytes_read += end - off
+        if len(wanted) == 1:  # the common case: one chunk, one copy
+            entry = entries[wanted[0]]
+            data = await self.fetcher.get(entry)
+            lo, hi = off - entry.blob_offset, end - entry.blob_offset
+            if lo >= 0 and hi <= entry.length:
+                return data[lo:hi]
+        out = bytearray(end - off)
 
         async def copy(i: int) -> None:
-            entry = self.table.entries[i]
+            entry = entries[i]
             data = await self.fetcher.get(entry)
             lo = max(off, entry.blob_offset)
             hi = min(end, entry.blob_offset + entry.length)
             out[lo - off : hi - off] = data[lo - entry.blob_offset : hi - entry.blob_offset]
 
-        self._record(wanted)
         if len(wanted) == 1:
             await copy(wanted[0])
         elif wanted:
             async with trio.open_nursery() as nursery:
                 for i in wanted:
                     nursery.start_soon(copy, i)
-        self._readahead(off, end, wanted)
-        self.bytes_read += end - off
         return bytes(out)
 
     def _record(self, indexes: list[int]) -> None:
@@ -83,12 +91,13 @@ class BlobFile:
                 self.trace.append(i)
 
     def _readahead(self, off: int, end: int, wanted: list[int]) -> None:
+        """On a sequential read that enters a new chunk, fetch the next ones."""
         sequential = off == self.next_offset
         self.next_offset = end
-        if sequential and wanted:
+        if sequential and wanted and wanted[-1] != self.readahead_from:
+            self.readahead_from = wanted[-1]
             nxt = wanted[-1] + 1
-            ahead = self.table.entries[nxt : nxt + READAHEAD_CHUNKS]
-            self.fetcher.spawn_prefetch(list(ahead))
+            self.fetcher.spawn_prefetch(self.table.entries[nxt : nxt + READAHEAD_CHUNKS])
 
     def entries_in_order(self, order: list[int]) -> list[ChunkEntry]:
         n = len(self.table.entries)

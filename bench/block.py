@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""Block path throughput: writable disks through a loop device against a local file.
+
+In one run, through loop devices and with the page cache dropped before each
+measurement:
+
+* sequential read MB/s and 4 KiB random-read IOPS of (a) a writable disk over a
+  sealed chain whose chunks are already in the node cache, (b) the same over a
+  cold chain (fresh node root: every chunk comes from the store on first
+  touch), against (baseline) a plain local sparse file with the same bytes;
+* commit time and stored bytes against the amount of data written.
+
+    python bench/block.py [--size-mb 512] [--work bench/work/block]
+
+Prints a table and writes bench/results/block.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from layerfs.builder.disk import build_disk  # noqa: E402
+from layerfs.node.daemon import mounts_under  # noqa: E402
+from layerfs.store import open_store  # noqa: E402
+from nodes import NodeDaemon  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+MiB = 1 << 20
+GEN = 1
+
+
+def drop_caches() -> None:
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def make_image(path: Path, size: int, seed: int = 7) -> None:
+    """Half random data in 4 MiB extents, half holes (a typical used disk)."""
+    marker = path.with_suffix(".json")
+    key = {"size": size, "seed": seed, "gen": GEN}
+    if path.exists() and marker.exists() and json.loads(marker.read_text()) == key:
+        return
+    rng = random.Random(seed)
+    with open(path, "wb") as f:
+        f.truncate(size)
+        for off in range(0, size, 4 * MiB):
+            if rng.random() < 0.5:
+                f.seek(off)
+                f.write(os.urandom(min(4 * MiB, size - off)))
+    marker.write_text(json.dumps(key))
+
+
+@contextmanager
+def loop(path: Path):
+    dev = subprocess.run(["losetup", "-f", "--show", "-r", str(path)], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    try:
+        yield dev
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=False)
+
+
+def seq_read(dev: str) -> float:
+    """MB/s reading the whole device with 1 MiB direct reads."""
+    drop_caches()
+    fd = os.open(dev, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, MiB)
+    total = 0
+    start = time.perf_counter()
+    try:
+        while True:
+            n = os.readv(fd, [buf])
+            if n <= 0:
+                break
+            total += n
+    finally:
+        os.close(fd)
+    return total / 1e6 / (time.perf_counter() - start)
+
+
+def random_iops(dev: str, size: int, count: int, seed: int = 3) -> float:
+    """4 KiB direct random reads per second, one at a time."""
+    drop_caches()
+    rng = random.Random(seed)
+    offsets = [rng.randrange(size // 4096) * 4096 for _ in range(count)]
+    fd = os.open(dev, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, 4096)
+    start = time.perf_counter()
+    try:
+        for off in offsets:
+            os.preadv(fd, [buf], off)
+    finally:
+        os.close(fd)
+    return count / (time.perf_counter() - start)
+
+
+def measure(dev: str, size: int, count: int) -> dict:
+    return {"seq_mb_s": round(seq_read(dev), 1), "iops_4k": round(random_iops(dev, size, count))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-mb", type=int, default=512, help="disk size")
+    ap.add_argument("--iops-reads", type=int, default=3000)
+    ap.add_argument("--work", default=str(HERE / "work" / "block"))
+    ap.add_argument("--out", default=str(HERE / "results" / "block.json"))
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    size = args.size_mb * MiB
+    image = work / "image.raw"
+    make_image(image, size)
+    for d in ("store", "warm", "cold", "commit"):
+        shutil.rmtree(work / d, ignore_errors=True)
+    store_url = f"file://{work / 'store'}"
+    store = open_store(store_url)
+    base = build_disk(store, str(image), "bench/disk", "1")
+    daemons: list[NodeDaemon] = []
+    result: dict = {"disk_bytes": size, "data_bytes": base.manifest.stats.file_bytes,
+                    "stored_bytes": base.manifest.stats.stored_bytes}
+    try:
+        with loop(image) as dev:
+            result["local_file"] = measure(dev, size, args.iops_reads)
+        cold = NodeDaemon(work / "cold", ["--store", store_url]).start()
+        daemons.append(cold)
+        cold.cli("disk", "create", "d", "--base", "bench/disk@1")
+        with loop(cold.root / "fuse" / "disks" / "d") as dev:
+            result["cold_chain"] = measure(dev, size, args.iops_reads)
+        warm = NodeDaemon(work / "warm", ["--store", store_url]).start()
+        daemons.append(warm)
+        warm.cli("disk", "create", "d", "--base", "bench/disk@1")
+        disk = warm.root / "fuse" / "disks" / "d"
+        with open(disk, "rb") as f:  # fetch every chunk into the node cache
+            while f.read(8 * MiB):
+                pass
+        with loop(disk) as dev:
+            result["cached_chain"] = measure(dev, size, args.iops_reads)
+        result["commits"] = commits(warm, size)
+    finally:
+        for d in daemons:
+            d.cleanup()
+        left = mounts_under(work)
+        for point in left:
+            subprocess.run(["umount", "-l", point], check=False)
+    local = result["local_file"]
+    for name in ("cached_chain", "cold_chain"):
+        r = result[name]
+        r["seq_ratio"] = round(r["seq_mb_s"] / local["seq_mb_s"], 3)
+        r["iops_ratio"] = round(r["iops_4k"] / local["iops_4k"], 3)
+    result["target"] = "cached chain >= 0.3x the local file"
+    report(result)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def commits(node: NodeDaemon, size: int) -> list[dict]:
+    """Write N MiB of random data into the disk, commit, time it, see what it stored."""
+    out = []
+    disk = node.root / "fuse" / "disks" / "d"
+    rng = random.Random(11)
+    for i, mib in enumerate((1, 10, 100)):
+        with open(disk, "r+b") as f:
+            for _ in range(mib):
+                f.seek(rng.randrange(size // MiB) * MiB)
+                f.write(os.urandom(MiB))
+            f.flush()
+            os.fsync(f.fileno())
+        start = time.perf_counter()
+        res = json.loads(node.cli("disk", "commit", "d", "--name", "bench/disk",
+                                  "--version", f"c{i}", "--json").stdout)
+        out.append({"written_mib": mib, "seconds": round(time.perf_counter() - start, 3),
+                    "changed_bytes": res["changed_bytes"], "stored_bytes": res["stored_bytes"],
+                    "uploaded_bytes": res["uploaded_bytes"],
+                    "stored_per_written": round(res["stored_bytes"] / (mib * MiB), 3)})
+    return out
+
+
+def report(r: dict) -> None:
+    print(f"disk {r['disk_bytes'] / MiB:.0f} MiB, data {r['data_bytes'] / MiB:.0f} MiB, "
+          f"stored {r['stored_bytes'] / MiB:.1f} MiB")
+    print(f"{'device':30} {'seq MB/s':>9} {'ratio':>6} {'4K IOPS':>8} {'ratio':>6}")
+    local = r["local_file"]
+    print(f"{'local sparse file (baseline)':30} {local['seq_mb_s']:9.1f} {'1.00':>6} "
+          f"{local['iops_4k']:8d} {'1.00':>6}")
+    for name, label in (("cached_chain", "(a) writable, cached chain"),
+                        ("cold_chain", "(b) writable, cold chain")):
+        x = r[name]
+        print(f"{label:30} {x['seq_mb_s']:9.1f} {x['seq_ratio']:6.2f} {x['iops_4k']:8d} "
+              f"{x['iops_ratio']:6.2f}")
+    print("target: (a) >= 0.3x the local file")
+    print(f"{'commit of':12} {'seconds':>8} {'stored MiB':>11} {'stored/written':>15}")
+    for c in r["commits"]:
+        print(f"{c['written_mib']:>8} MiB {c['seconds']:8.2f} {c['stored_bytes'] / MiB:11.2f} "
+              f"{c['stored_per_written']:15.3f}")
+
+
+if __name__ == "__main__":
+    main()
