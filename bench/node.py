@@ -333,6 +333,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def proc_status_kb(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
 def mbps(nbytes: int, seconds: float) -> float:
     return nbytes / 1e6 / seconds
 
@@ -365,6 +372,37 @@ class Bench:
         if code != 0:
             self.oddities.append(f"daemon exited {code}; see {node.log_path}")
         fresh_dir(node.root, self.oddities)
+
+    # 5. many sandboxes at once
+    def many(self, layer: dict, count: int) -> dict:
+        """``count`` sandboxes up at once (16 requests in flight) on one shared layer."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        node = self.node("many")
+        try:
+            assert node.proc is not None
+            pid = node.proc.pid
+            rss_start = proc_status_kb(pid, "VmRSS")
+            start = time.perf_counter()
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(lambda i: node.request("up", id=f"m{i:04d}",
+                                                     layers=[layer["ref"]]), range(count)))
+            up_s = time.perf_counter() - start
+            rss_up = proc_status_kb(pid, "VmRSS")
+            start = time.perf_counter()
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(lambda i: node.request("down", id=f"m{i:04d}"), range(count)))
+            down_s = time.perf_counter() - start
+            hwm = proc_status_kb(pid, "VmHWM")
+        finally:
+            self.finish(node)
+        print(f"  {count} sandboxes: up {count / up_s:.0f}/s, down {count / down_s:.0f}/s, "
+              f"RSS {rss_start / 1024:.0f} -> {rss_up / 1024:.0f} MiB (peak {hwm / 1024:.0f})",
+              flush=True)
+        return {"sandboxes": count, "up_seconds": round(up_s, 3),
+                "up_per_second": round(count / up_s, 1), "down_seconds": round(down_s, 3),
+                "down_per_second": round(count / down_s, 1), "rss_start_kb": rss_start,
+                "rss_all_up_kb": rss_up, "rss_peak_kb": hwm}
 
     # 1. cold up
     def up_latency(self, layers: dict[str, dict]) -> dict:
@@ -585,8 +623,9 @@ def main() -> None:
     ap.add_argument("--get-parallel", type=int, default=4,
                     help="threads for the store GET baseline")
     ap.add_argument("--cache-size", default="16G", help="the daemons' --cache-size")
-    ap.add_argument("--only", default="up,warm,cold,meta",
-                    help="comma-separated subset of up,warm,cold,meta")
+    ap.add_argument("--many", type=int, default=200, help="sandboxes up at once")
+    ap.add_argument("--only", default="up,warm,cold,meta,many",
+                    help="comma-separated subset of up,warm,cold,meta,many")
     ap.add_argument("--quick", action="store_true",
                     help="sizes 50M,200M and a 5,000-file tree")
     ap.add_argument("--work", default=str(HERE / "work" / "node"))
@@ -647,6 +686,9 @@ def main() -> None:
             local = ensure_local_copy(bench.store, meta_layer["digest"],
                                       work / "local" / f"tree-{args.meta_files}")
             result["metadata"] = bench.metadata(meta_layer, local)
+        if "many" in only:
+            print(f"{args.many} sandboxes up at once on a shared {labels[0]} layer", flush=True)
+            result["many"] = bench.many(layers[labels[0]], args.many)
     finally:
         for node in list(Node.running):
             node.stop()
@@ -688,6 +730,10 @@ def main() -> None:
         rows.append(("find -printf '' (s): sandbox vs local EROFS",
                      f"{r['layerfs_find_p50_s']:.3f}", f"{r['local_find_p50_s']:.3f}",
                      f"{r['find_ratio']:.2f}", "-"))
+    if "many" in result:
+        r = result["many"]
+        rows.append((f"{r['sandboxes']} sandboxes at once: up/s, daemon RSS MiB all up",
+                     f"{r['up_per_second']:.0f}", f"{r['rss_all_up_kb'] / 1024:.0f}", "-", "-"))
     result = {
         "params": {"sizes": args.sizes, "read_size": read_label, "meta_files": args.meta_files,
                    "meta_dirs": args.meta_dirs, "samples": args.samples, "reps": args.reps,
