@@ -52,7 +52,7 @@ from layerfs.builder.layer import BuildOptions, build_layer
 
 from layerfs.chunks import materialize_blob
 from layerfs.mounts import mount_erofs, umount
-from layerfs.node.control import call
+from layerfs.node.control import call, wait_ready
 from layerfs.node.daemon import mounts_under
 from layerfs.registry import LAYERS, Registry
 from layerfs.store.base import blob_key
@@ -234,15 +234,10 @@ class Node:
                  "--cache-size", self.cache_size, "--read-timeout", "60",
                  "--log-level", "info"], stdout=log, stderr=log)
         Node.running.append(self)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                call(self.root, {"op": "ping"}, timeout=5)
-                return self
-            except Exception:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"daemon did not start; see {self.log_path}") from None
-                time.sleep(0.05)
+        proc = self.proc
+        if not wait_ready(self.root, lambda: proc.poll() is None, timeout):
+            raise RuntimeError(f"daemon did not start; see {self.log_path}")
+        return self
 
     def request(self, op: str, **kw: Any) -> dict:
         return call(self.root, {"op": op, **kw}, timeout=900)

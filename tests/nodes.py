@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from layerfs.node.control import call
+from layerfs.node.control import call, wait_ready
 from layerfs.node.daemon import mounts_under
 
 LAYERFS = [sys.executable, "-m", "layerfs.tools.main"]
@@ -33,15 +33,10 @@ class NodeDaemon:
              "--cache-size", self.cache_size, "--read-timeout", str(self.read_timeout),
              "--log-level", "info"], stdout=log, stderr=log)
         log.close()
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                call(self.root, {"op": "ping"}, timeout=5)
-                return self
-            except Exception:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"daemon did not start:\n{self.log()}") from None
-                time.sleep(0.1)
+        proc = self.proc
+        if not wait_ready(self.root, lambda: proc.poll() is None, timeout):
+            raise AssertionError(f"daemon did not start:\n{self.log()}")
+        return self
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

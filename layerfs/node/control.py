@@ -117,3 +117,20 @@ def call(root: str | os.PathLike[str], request: dict[str, Any],
     if not response.pop("ok", False):
         raise RemoteError(response.get("error", "unknown error"), int(response.get("code", 1)))
     return response
+
+
+def wait_ready(root: str | os.PathLike[str], alive: Callable[[], bool],
+               timeout: float = 60.0) -> bool:
+    """Wait until a daemon answers at ``root``; False if ``alive()`` turns false
+    (the process died) or the time runs out."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            call(root, {"op": "ping"}, timeout=5)
+            return True
+        except (LayerfsError, OSError, ValueError):
+            if not alive() or time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
