@@ -86,6 +86,7 @@ def up(node: NodeDaemon, sid: str, *args: str) -> Path:
 
 
 def test_rootfs_is_the_union_of_its_layers(node):
+    assert stat.S_IMODE(os.stat(node.root / "control.sock").st_mode) == 0o600
     rootfs = up(node, "s1")
     lower = rootfs / "lower"
     assert (lower / "a").read_text() == "upper a"  # upper layer wins
