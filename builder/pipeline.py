@@ -23,7 +23,7 @@ from typing import IO
 
 import zstandard
 
-from layerfs.formats.chunktable import RAW, ZSTD, ChunkEntry, ChunkTable
+from layerfs.formats.chunktable import FILE_START, RAW, ZSTD, ChunkEntry, ChunkTable
 from layerfs.manifest import LayerStats
 from layerfs.store.base import Store, sha256_digest
 from layerfs.tree import HOLE, FsNode
@@ -54,6 +54,7 @@ class _Pending:
     slot: int  # chunk slot in node.chunks, or the blob offset in linear mode
     length: int
     future: Future
+    flags: int = 0
 
 
 @dataclass
@@ -109,7 +110,7 @@ class ChunkPipeline:
         self._zero_sha: dict[int, bytes] = {}
         self._layer_addr: dict[bytes, int] = {}  # sha → blob block address (EROFS mode)
         self._stored: dict[bytes, ChunkEntry | _NewLocation] = {}  # sha → where it is stored
-        self._placed: list[tuple[int, int, bytes]] = []  # (blob offset, length, sha)
+        self._placed: list[tuple[int, int, bytes, int]] = []  # (blob offset, length, sha, flags)
         self._blob_end = 0
         self._pack = bytearray()
         self._pack_digests: list[str] = []
@@ -146,7 +147,8 @@ class ChunkPipeline:
         node.chunks = []
         for length, fut in self._submit(stream, size):
             node.chunks.append(HOLE)
-            self._queue(_Pending(node, len(node.chunks) - 1, length, fut))
+            flags = FILE_START if len(node.chunks) == 1 else 0
+            self._queue(_Pending(node, len(node.chunks) - 1, length, fut, flags))
 
     def add_windows(self, windows: Iterable[tuple[int, bytes]]) -> None:
         """Linear mode: each window is the blob's bytes at a chunk-aligned offset
@@ -188,14 +190,14 @@ class ChunkPipeline:
             return  # EROFS slots start as HOLE; linear holes have no entry
         self._store_chunk(res)
         if pending.node is None:
-            self._placed.append((pending.slot, pending.length, res.sha))
+            self._placed.append((pending.slot, pending.length, res.sha, pending.flags))
             return
         addr = self._layer_addr.get(res.sha)
         if addr is None:
             addr = self._next_block
             self._next_block += -(-pending.length // BLOCK)
             self._layer_addr[res.sha] = addr
-            self._placed.append((addr * BLOCK, pending.length, res.sha))
+            self._placed.append((addr * BLOCK, pending.length, res.sha, pending.flags))
         pending.node.chunks[pending.slot] = addr
 
     def _store_chunk(self, res: _Digested) -> None:
@@ -256,14 +258,15 @@ class ChunkPipeline:
 
     def _result(self) -> PipelineResult:
         entries = []
-        for offset, length, sha in self._placed:
+        for offset, length, sha, flags in self._placed:
             loc = self._stored[sha]
             if isinstance(loc, _NewLocation):
                 entries.append(ChunkEntry(offset, length, sha, self._pack_digests[loc.pack_no],
-                                          loc.pack_offset, loc.stored_length, loc.compression))
+                                          loc.pack_offset, loc.stored_length, loc.compression,
+                                          flags))
             else:
                 entries.append(ChunkEntry(offset, length, sha, loc.pack, loc.pack_offset,
-                                          loc.stored_length, loc.compression))
+                                          loc.stored_length, loc.compression, flags))
         blob_size = max(self._next_block * BLOCK, self._blob_end)
         table = ChunkTable(entries, blob_size, self.chunk_size)
         self.stats.unique_chunks = len(self._stored)

@@ -7,13 +7,15 @@ Binary layout (little endian)::
     packs    pack_count x 32-byte sha256 of the pack blob
     chunks   chunk_count x 64-byte entries, sorted by blob_offset:
              u64 blob_offset, u32 length, u32 pack_index, u64 pack_offset,
-             u32 stored_length, u8 compression, 3 pad, 32-byte sha256,
-             4 reserved
+             u32 stored_length, u8 compression, u8 flags, 2 pad,
+             32-byte sha256, 4 reserved
 
 A chunk occupies ``round_up(length, 4096)`` bytes of the blob starting at
 ``blob_offset``; blob ranges no chunk covers (the padding after a short chunk)
-read as zeros. ``compression`` 0 = stored raw, 1 = zstd. ``sha256`` is of
-the uncompressed bytes. Holes (all-zero chunks) have no entry.
+read as zeros. ``compression`` 0 = stored raw, 1 = zstd. ``flags`` bit 0
+(``FILE_START``): the chunk is the first of a file (EROFS layers), so
+readahead stops before it. ``sha256`` is of the uncompressed bytes. Holes
+(all-zero chunks) have no entry.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from ..errors import IntegrityError
 
 MAGIC = b"LFSCHNK1"
 HEADER = struct.Struct("<8sIIQII")
-ENTRY = struct.Struct("<QIIQIB3x32s4x")
+ENTRY = struct.Struct("<QIIQIBB2x32s4x")
 RAW, ZSTD = 0, 1
+FILE_START = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +42,7 @@ class ChunkEntry:
     pack_offset: int
     stored_length: int
     compression: int
+    flags: int = 0
 
     @property
     def location(self) -> tuple[str, int]:
@@ -85,7 +89,7 @@ class ChunkTable:
             out.append(
                 ENTRY.pack(
                     e.blob_offset, e.length, index[e.pack], e.pack_offset,
-                    e.stored_length, e.compression, e.sha256,
+                    e.stored_length, e.compression, e.flags, e.sha256,
                 )
             )
         return b"".join(out)
@@ -103,8 +107,8 @@ class ChunkTable:
         packs = ["sha256:" + data[pos + 32 * i : pos + 32 * (i + 1)].hex() for i in range(npacks)]
         pos += 32 * npacks
         entries = []
-        for off, length, pi, poff, slen, comp, sha in ENTRY.iter_unpack(data[pos:]):
+        for off, length, pi, poff, slen, comp, flags, sha in ENTRY.iter_unpack(data[pos:]):
             if pi >= npacks or comp not in (RAW, ZSTD) or off + length > blob_size:
                 raise IntegrityError(what, f"bad entry at blob offset {off}")
-            entries.append(ChunkEntry(off, length, sha, packs[pi], poff, slen, comp))
+            entries.append(ChunkEntry(off, length, sha, packs[pi], poff, slen, comp, flags))
         return cls(entries, blob_size, chunk_size)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ..formats.chunktable import ChunkEntry, ChunkTable
+from ..formats.chunktable import FILE_START, ChunkEntry, ChunkTable
 from .fetcher import ChunkFetcher
 
 FIRST_BLOB_INODE = 16
@@ -91,13 +91,18 @@ class BlobFile:
                 self.trace.append(i)
 
     def _readahead(self, off: int, end: int, wanted: list[int]) -> None:
-        """On a sequential read that enters a new chunk, fetch the next ones."""
+        """On a sequential read that enters a new chunk, fetch the next chunks of
+        the same file (a chunk that starts another file ends the readahead)."""
         sequential = off == self.next_offset
         self.next_offset = end
         if sequential and wanted and wanted[-1] != self.readahead_from:
             self.readahead_from = wanted[-1]
-            nxt = wanted[-1] + 1
-            self.fetcher.spawn_prefetch(self.table.entries[nxt : nxt + READAHEAD_CHUNKS])
+            ahead = []
+            for entry in self.table.entries[wanted[-1] + 1 : wanted[-1] + 1 + READAHEAD_CHUNKS]:
+                if entry.flags & FILE_START:
+                    break
+                ahead.append(entry)
+            self.fetcher.spawn_prefetch(ahead)
 
     def entries_in_order(self, order: list[int]) -> list[ChunkEntry]:
         n = len(self.table.entries)
