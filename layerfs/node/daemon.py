@@ -101,7 +101,7 @@ class Daemon:
         try:
             async with trio.open_nursery() as nursery:
                 self.fetcher.nursery = nursery
-                nursery.start_soon(pyfuse3.main)
+                nursery.start_soon(self._serve_fuse)
                 await self.sandboxes.restore()
                 await self.disks.restore()
                 await nursery.start(ControlServer(self.root, self.handle).serve)
@@ -120,6 +120,12 @@ class Daemon:
             self.replica.close()
             self.store.close()
             log.info("layerfs daemon stopped")
+
+    async def _serve_fuse(self) -> None:
+        await pyfuse3.main()
+        if self.accepting:  # the FUSE loop must only end when we stop: fail loudly
+            log.critical("the FUSE request loop ended unexpectedly; stopping")
+            raise RuntimeError("FUSE request loop ended")
 
     async def handle(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")

@@ -38,7 +38,7 @@ class FetchError(LayerfsError):
 class _Flight:
     done: trio.Event = field(default_factory=trio.Event)
     data: bytes | None = None
-    error: BaseException | None = None
+    error: FetchError | None = None  # None with no data: abandoned, try again
 
 
 class MemoryChunks:
@@ -72,6 +72,7 @@ class ChunkFetcher:
         self.store = store
         self.cache = cache
         self.timeout = timeout
+        self.parallel = parallel
         self.fetch_limit = trio.CapacityLimiter(parallel)
         self.io_limit = trio.CapacityLimiter(io_threads)
         self.background_limit = trio.CapacityLimiter(max(1, parallel // 4))
@@ -82,28 +83,51 @@ class ChunkFetcher:
 
     async def get(self, entry: ChunkEntry) -> bytes:
         """The verified bytes of one chunk; raises FetchError within the timeout."""
-        data = self.memory.get(entry.sha256)
-        if data is not None:
-            return data
-        flight = self._flights.get(entry.sha256)
-        if flight is None:
-            flight = self._flights[entry.sha256] = _Flight()
-            try:
-                flight.data = await self._load(entry)
-                self.memory.put(entry.sha256, flight.data)
-            except BaseException as exc:  # noqa: BLE001 - every waiter gets the cause
-                flight.error = exc
-                if not isinstance(exc, FetchError):
-                    raise
-            finally:
-                del self._flights[entry.sha256]
-                flight.done.set()
-        else:
+        while True:
+            data = self.memory.get(entry.sha256)
+            if data is not None:
+                return data
+            flight = self._flights.get(entry.sha256)
+            if flight is None:
+                return await self._lead(entry)
             await flight.done.wait()
-        if flight.error is not None:
-            raise flight.error
-        assert flight.data is not None
-        return flight.data
+            if flight.data is not None:
+                return flight.data
+            if flight.error is not None:
+                raise flight.error
+            # the fetch was abandoned (its owner was cancelled): start another
+
+    async def _lead(self, entry: ChunkEntry) -> bytes:
+        """Fetch as the one owner of this chunk's flight. Waiters get the bytes or
+        a FetchError; any other end of the owner (cancellation) is only the owner's."""
+        flight = self._flights[entry.sha256] = _Flight()
+        try:
+            flight.data = await self._load(entry)
+            self.memory.put(entry.sha256, flight.data)
+            return flight.data
+        except FetchError as exc:
+            flight.error = exc
+            raise
+        finally:
+            del self._flights[entry.sha256]
+            flight.done.set()
+
+    async def fetch_all(self, entries: list[ChunkEntry], workers: int) -> None:
+        """Fetch every chunk not yet cached with a bounded pool of workers (the
+        eager ``--prefetch full``); raises the first FetchError."""
+        todo = iter(entries)
+
+        async def worker() -> None:
+            for entry in todo:
+                if self.memory.get(entry.sha256) is not None:
+                    continue
+                if await trio.to_thread.run_sync(self.cache.contains, entry.sha256.hex()):
+                    continue
+                await self.get(entry)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(workers):
+                nursery.start_soon(worker)
 
     async def _load(self, entry: ChunkEntry) -> bytes:
         sha = entry.sha256.hex()

@@ -164,7 +164,12 @@ class Sandboxes:
             await trio.to_thread.run_sync(self.replica.put_sandbox, sid, record)
         finally:
             self._busy.discard(sid)
-        await self._prefetch(record)
+        try:
+            await self._prefetch(record)
+        except BaseException:
+            with trio.CancelScope(shield=True):  # a failed eager up leaves nothing up
+                await self.down(sid)
+            raise
         return record
 
     async def _start(self, record: dict[str, Any], fresh: bool) -> None:
@@ -193,9 +198,8 @@ class Sandboxes:
         blobs = [self.layers.mounted[d].blob for d in record["layers"]]
         if record["prefetch"] == "full":
             entries = [e for b in blobs for e in b.table.entries]
-            async with trio.open_nursery() as nursery:
-                for entry in entries:
-                    nursery.start_soon(fetcher.get, entry)
+            # half the fetch slots, so that sandboxes already up still get theirs
+            await fetcher.fetch_all(entries, workers=max(1, fetcher.parallel // 2))
         elif record["prefetch"] == "trace":
             for blob in blobs:
                 order = await trio.to_thread.run_sync(self._trace_for, blob.digest)
