@@ -61,7 +61,7 @@ from layerfs.registry import LAYERS, Registry
 from layerfs.store import Store, open_store
 
 HERE = Path(__file__).resolve().parent
-GEN = 1  # bump when the layer generator changes (new layer versions, pushed again)
+GEN = 2  # bump when the layer generator or layer format changes (new versions, pushed again)
 TASK_GEN = 2  # bump when the task model changes (only the task list is made again)
 KiB, MiB = 1 << 10, 1 << 20
 MTIME = 1_700_000_000  # every file and directory: rebuilds give the same meta image
