@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from layerfs.builder.disk import build_disk  # noqa: E402
 from nodes import NodeDaemon  # noqa: E402
 
+from layerfs.builder.disk import build_disk  # noqa: E402
 from layerfs.node.daemon import mounts_under  # noqa: E402
 from layerfs.store import open_store  # noqa: E402
 

@@ -27,7 +27,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from layerfs.builder.layer import BuildOptions, build_layer
-
 from layerfs.store.file import FileStore
 
 HERE = Path(__file__).resolve().parent

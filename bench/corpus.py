@@ -56,7 +56,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer
-
 from layerfs.registry import LAYERS, Registry
 from layerfs.store import Store, open_store
 

@@ -49,7 +49,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from layerfs.builder.layer import BuildOptions, build_layer
-
 from layerfs.chunks import materialize_blob
 from layerfs.mounts import mount_erofs, umount
 from layerfs.node.control import call, wait_ready

@@ -53,8 +53,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import corpus
-from layerfs.builder.env import create_env
-from layerfs.builder.layer import BuildOptions, build_layer
 from lazy_vs_prefetch import (
     LAYERFS,
     Node,
@@ -65,6 +63,8 @@ from lazy_vs_prefetch import (
     store_port,
 )
 
+from layerfs.builder.env import create_env
+from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.node.daemon import mounts_under
 from layerfs.registry import LAYERS, Registry
 from layerfs.store import open_store

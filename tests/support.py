@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from layerfs.builder.layer import BuildOptions, BuildResult, build_layer
 
+from layerfs.builder.layer import BuildOptions, BuildResult, build_layer
 from layerfs.chunks import materialize_blob
 from layerfs.mounts import mount_erofs, umount
 from layerfs.registry import Registry

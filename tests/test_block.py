@@ -15,12 +15,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from layerfs.builder.disk import build_disk
-from layerfs.builder.pipeline import ChunkPipeline, DedupIndex
 from nodes import LAYERFS, NodeDaemon
 from support import build, need_root
 from treecmp import diff_trees
 
+from layerfs.builder.disk import build_disk
+from layerfs.builder.pipeline import ChunkPipeline, DedupIndex
 from layerfs.chunks import materialize_blob
 from layerfs.formats import lsmt
 from layerfs.manifest import BlobRef, DiskManifest

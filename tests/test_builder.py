@@ -7,9 +7,9 @@ import os
 import random
 
 import pytest
-from layerfs.builder.env import create_env
 from support import build
 
+from layerfs.builder.env import create_env
 from layerfs.errors import RefNotFound, StoreError, UsageError, VersionExists
 from layerfs.gc import collect
 from layerfs.registry import ENVS, LAYERS, Registry

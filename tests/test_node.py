@@ -18,10 +18,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from layerfs.builder.env import create_env
 from nodes import NodeDaemon
 from support import build, need_root
 
+from layerfs.builder.env import create_env
 from layerfs.node.daemon import mounts_under
 from layerfs.registry import Registry
 from layerfs.store.base import blob_key

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import click
-from layerfs.builder.disk import build_disk
 
+from layerfs.builder.disk import build_disk
 from layerfs.errors import UsageError
 from layerfs.node.control import call
 from layerfs.registry import Registry

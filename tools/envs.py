@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import click
-from layerfs.builder.env import create_env
 
+from layerfs.builder.env import create_env
 from layerfs.names import Ref
 from layerfs.registry import ENVS, Registry
 

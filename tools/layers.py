@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import click
-from layerfs.builder.layer import BuildOptions, Progress, build_layer
 
+from layerfs.builder.layer import BuildOptions, Progress, build_layer
 from layerfs.errors import IntegrityError
 from layerfs.inspect import env_report, layer_report, resolve_any
 from layerfs.manifest import ROLES
