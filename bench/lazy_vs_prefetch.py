@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import corpus
 
-from layerfs.node.control import call
+from layerfs.node.control import call, wait_ready
 from layerfs.node.daemon import mounts_under
 from layerfs.store import open_store
 
@@ -416,15 +416,10 @@ class Node:
                 [*LAYERFS, "daemon", "--root", str(self.root), *self.store_args,
                  "--cache-size", self.cache_size, "--read-timeout", str(self.read_timeout),
                  "--log-level", "info"], stdout=log, stderr=log)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                call(self.root, {"op": "ping"}, timeout=5)
-                return self
-            except Exception:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"daemon did not start; see {self.log_path}") from None
-                time.sleep(0.05)
+        proc = self.proc
+        if not wait_ready(self.root, lambda: proc.poll() is None, timeout):
+            raise RuntimeError(f"daemon did not start; see {self.log_path}")
+        return self
 
     def request(self, op: str, **kw: Any) -> dict:
         return call(self.root, {"op": op, **kw}, timeout=1800)
