@@ -68,13 +68,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import corpus
 
-from layerfs.node.control import call, wait_ready
 from layerfs.node.daemon import mounts_under
+from layerfs.node.process import DaemonProcess, detach_mounts
 from layerfs.store import open_store
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
-LAYERFS = [sys.executable, "-m", "layerfs.tools.main"]
 MODES = ("eager", "cached", "lazy", "lazy+trace")
 PREFETCH = {"eager": "full", "cached": "none", "lazy": "none", "lazy+trace": "trace"}
 STEPS = 4  # task reads, think time and writes come in this many steps
@@ -396,66 +395,11 @@ def device_of(path: Path) -> str:
 
 # -- the daemon ------------------------------------------------------------------------
 
-class Node:
+def Node(root: Path, store_args: list[str], log_path: Path, cache_size: str,  # noqa: N802
+         read_timeout: float) -> DaemonProcess:
     """A real ``layerfs daemon`` process on ``root``."""
-
-    def __init__(self, root: Path, store_args: list[str], log_path: Path, cache_size: str,
-                 read_timeout: float) -> None:
-        self.root = root
-        self.store_args = store_args
-        self.log_path = log_path
-        self.cache_size = cache_size
-        self.read_timeout = read_timeout
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 60.0) -> Node:
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [*LAYERFS, "daemon", "--root", str(self.root), *self.store_args,
-                 "--cache-size", self.cache_size, "--read-timeout", str(self.read_timeout),
-                 "--log-level", "info"], stdout=log, stderr=log)
-        proc = self.proc
-        if not wait_ready(self.root, lambda: proc.poll() is None, timeout):
-            raise RuntimeError(f"daemon did not start; see {self.log_path}")
-        return self
-
-    def request(self, op: str, **kw: Any) -> dict:
-        return call(self.root, {"op": op, **kw}, timeout=1800)
-
-    def proc_status(self) -> dict:
-        """Peak RSS and CPU seconds (all threads) of the daemon so far."""
-        assert self.proc is not None
-        pid = self.proc.pid
-        hwm = 0
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    hwm = int(line.split()[1]) * 1024
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return {"peak_rss_bytes": hwm, "cpu_s": round(cpu, 2)}
-
-    def stop(self, timeout: float = 120.0) -> int | None:
-        if self.proc is None:
-            return None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait(30)
-        self.proc = None
-        return code
-
-
-def detach_mounts(path: Path) -> list[str]:
-    left = mounts_under(path) if path.exists() else []
-    for point in left:
-        subprocess.run(["umount", "-l", point], check=False)
-    return left
+    return DaemonProcess(root, store_args, cache_size, read_timeout, log_path,
+                         request_timeout=1800)
 
 
 def drop_caches() -> None:

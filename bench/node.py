@@ -51,8 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.chunks import materialize_blob
 from layerfs.mounts import mount_erofs, umount
-from layerfs.node.control import call, wait_ready
-from layerfs.node.daemon import mounts_under
+from layerfs.node.process import DaemonProcess, detach_mounts
 from layerfs.registry import LAYERS, Registry
 from layerfs.store.base import blob_key
 from layerfs.store.file import FileStore
@@ -60,7 +59,6 @@ from layerfs.store.file import FileStore
 HERE = Path(__file__).resolve().parent
 GEN = 1  # bump when a generator changes
 MiB = 1 << 20
-LAYERFS = [sys.executable, "-m", "layerfs.tools.main"]
 SEED = 42
 
 
@@ -212,55 +210,24 @@ def ensure_local_copy(store: FileStore, digest: str, out: Path) -> tuple[Path, P
 
 # -- the daemon and the machine -----------------------------------------------
 
-class Node:
-    """A real ``layerfs daemon`` on ``root`` (after tests/nodes.py)."""
+class Node(DaemonProcess):
+    """A daemon of this benchmark; ``running`` lets the end of a run stop them all."""
 
     running: list[Node] = []
 
     def __init__(self, root: Path, store_url: str, log_path: Path, cache_size: str) -> None:
-        self.root = root
-        self.store_url = store_url
-        self.log_path = log_path
-        self.cache_size = cache_size
-        self.proc: subprocess.Popen | None = None
+        super().__init__(root, ["--store", store_url], cache_size, 60.0, log_path,
+                         request_timeout=900)
 
     def start(self, timeout: float = 60.0) -> Node:
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [*LAYERFS, "daemon", "--root", str(self.root), "--store", self.store_url,
-                 "--cache-size", self.cache_size, "--read-timeout", "60",
-                 "--log-level", "info"], stdout=log, stderr=log)
         Node.running.append(self)
-        proc = self.proc
-        if not wait_ready(self.root, lambda: proc.poll() is None, timeout):
-            raise RuntimeError(f"daemon did not start; see {self.log_path}")
+        super().start(timeout)
         return self
 
-    def request(self, op: str, **kw: Any) -> dict:
-        return call(self.root, {"op": op, **kw}, timeout=900)
-
     def stop(self, timeout: float = 120.0) -> int | None:
-        if self.proc is None:
-            return None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait(30)
-        self.proc = None
-        Node.running.remove(self)
-        return code
-
-
-def detach_mounts(path: Path) -> list[str]:
-    """Lazily unmount whatever is mounted at or below ``path``; return the list."""
-    left = mounts_under(path) if path.exists() else []
-    for point in left:
-        subprocess.run(["umount", "-l", point], check=False)
-    return left
+        if self in Node.running:
+            Node.running.remove(self)
+        return super().stop(timeout)
 
 
 def fresh_dir(path: Path, oddities: list[str]) -> Path:
@@ -327,13 +294,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def proc_status_kb(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
 def mbps(nbytes: int, seconds: float) -> float:
     return nbytes / 1e6 / seconds
 
@@ -374,20 +334,18 @@ class Bench:
 
         node = self.node("many")
         try:
-            assert node.proc is not None
-            pid = node.proc.pid
-            rss_start = proc_status_kb(pid, "VmRSS")
+            rss_start = node.proc_status()["rss_bytes"] // 1024
             start = time.perf_counter()
             with ThreadPoolExecutor(16) as pool:
                 list(pool.map(lambda i: node.request("up", id=f"m{i:04d}",
                                                      layers=[layer["ref"]]), range(count)))
             up_s = time.perf_counter() - start
-            rss_up = proc_status_kb(pid, "VmRSS")
+            rss_up = node.proc_status()["rss_bytes"] // 1024
             start = time.perf_counter()
             with ThreadPoolExecutor(16) as pool:
                 list(pool.map(lambda i: node.request("down", id=f"m{i:04d}"), range(count)))
             down_s = time.perf_counter() - start
-            hwm = proc_status_kb(pid, "VmHWM")
+            hwm = node.proc_status()["peak_rss_bytes"] // 1024
         finally:
             self.finish(node)
         print(f"  {count} sandboxes: up {count / up_s:.0f}/s, down {count / down_s:.0f}/s, "

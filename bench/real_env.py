@@ -54,7 +54,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import corpus
 from lazy_vs_prefetch import (
-    LAYERFS,
     Node,
     Throttle,
     detach_mounts,
@@ -66,6 +65,7 @@ from lazy_vs_prefetch import (
 from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.node.daemon import mounts_under
+from layerfs.node.process import LAYERFS
 from layerfs.registry import LAYERS, Registry
 from layerfs.store import open_store
 

@@ -121,7 +121,7 @@ class ChunkFetcher:
             for entry in todo:
                 if self.memory.get(entry.sha256) is not None:
                     continue
-                if await trio.to_thread.run_sync(self.cache.contains, entry.sha256.hex()):
+                if self.cache.contains(entry.sha256.hex()):  # an index lookup, no I/O
                     continue
                 await self.get(entry)
 
