@@ -39,9 +39,3 @@ def mount_erofs(meta_image: str, blob: str | None, target: str) -> None:
     """File-backed EROFS mount of ``meta_image`` with ``blob`` as device 1."""
     data = f"device={blob}" if blob else ""
     mount(meta_image, target, "erofs", MS_RDONLY | MS_NODEV, data)
-
-
-def is_mounted(target: str) -> bool:
-    real = os.path.realpath(target)
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-        return any(line.split()[4] == real for line in f)

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from layerfs.registry import Registry
-from layerfs.store import Store, open_store
+from layerfs.store import open_store
 
 
 def store_options(fn: Callable) -> Callable:
@@ -71,6 +71,3 @@ def parse_size(text: str) -> int:
 def stderr_is_tty() -> bool:
     return sys.stderr.isatty()
 
-
-def the_store(reg: Registry) -> Store:
-    return reg.store

@@ -152,10 +152,6 @@ class SealedLayout:
     align: int = HT_SPACE
 
     @property
-    def data_offset(self) -> int:
-        return HT_SPACE
-
-    @property
     def index_offset(self) -> int:
         return -(-(HT_SPACE + self.virtual_size) // self.align) * self.align
 

@@ -96,10 +96,6 @@ class Replica:
             txn.put(digest.encode(), manifest_bytes, db=self.dbs["layers"])
         return table
 
-    def layers(self) -> list[str]:
-        with self.env.begin() as txn:
-            return [k.decode() for k, _ in txn.cursor(db=self.dbs["layers"])]
-
     # -- sandboxes --
     def put_sandbox(self, sid: str, record: dict) -> None:
         with self.env.begin(write=True) as txn:
