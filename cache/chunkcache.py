@@ -100,14 +100,14 @@ class ChunkCache:
     def _read_file(self, sha: str) -> bytes | None:
         path = self._path(sha)
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            with open(path, "rb", buffering=0) as f:
+                head = f.read(HEADER.size)
+                data = f.read()  # a second read: no copy of the data to strip the header
         except FileNotFoundError:
             self._forget(sha)
             return None
-        if len(raw) >= HEADER.size:
-            magic, digest, length = HEADER.unpack_from(raw)
-            data = raw[HEADER.size :]
+        if len(head) == HEADER.size:
+            magic, digest, length = HEADER.unpack(head)
             if magic == MAGIC and length == len(data) and xxhash.xxh3_64_intdigest(data) == digest:
                 return data
         log.warning("cache file %s is damaged; dropped, will refetch", path)

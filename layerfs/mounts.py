@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 
 MS_RDONLY = 1
@@ -39,3 +40,17 @@ def mount_erofs(meta_image: str, blob: str | None, target: str) -> None:
     """File-backed EROFS mount of ``meta_image`` with ``blob`` as device 1."""
     data = f"device={blob}" if blob else ""
     mount(meta_image, target, "erofs", MS_RDONLY | MS_NODEV, data)
+
+
+def set_readahead(path: str, nbytes: int) -> None:
+    """Set the kernel readahead window of the file system mounted at ``path``
+    (its ``/sys/class/bdi`` entry); files opened afterwards read ahead that far.
+    The device comes from mountinfo: a stat of a FUSE mount point would wait for
+    its daemon."""
+    target = os.path.abspath(path)  # no realpath: it would stat the mount point
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        devs = [line.split()[2] for line in f if line.split()[4] == target]
+    if not devs:
+        raise OSError(errno.ENOENT, f"nothing mounted on {target}")
+    with open(f"/sys/class/bdi/{devs[-1]}/read_ahead_kb", "w") as f:
+        f.write(str(max(nbytes // 1024, 4)))

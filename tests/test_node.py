@@ -333,6 +333,15 @@ def test_blob_file_is_read_only_and_exact(node, store):
     node.cli("down", "s1")
 
 
+def test_fuse_readahead_window_is_set_after_init(node):
+    """The kernel's answer to FUSE_INIT would cap readahead at 128 KiB; the
+    daemon widens it (default 4 MiB) so blob reads arrive as 1 MiB requests."""
+    fuse = str(node.root / "fuse")
+    with open("/proc/self/mountinfo") as f:
+        dev = next(line.split()[2] for line in f if line.split()[4] == fuse)
+    assert Path(f"/sys/class/bdi/{dev}/read_ahead_kb").read_text().strip() == "4096"
+
+
 def test_trace_recorded_pushed_and_replayed_on_another_node(node, tmp_path):
     rootfs = up(node, "s1")
     (rootfs / "data" / "file2").read_bytes()

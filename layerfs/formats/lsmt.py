@@ -62,7 +62,7 @@ class HeaderTrailer:
         return raw.ljust(HT_SPACE, b"\0")
 
     @classmethod
-    def unpack(cls, raw: bytes, what: str) -> HeaderTrailer:
+    def unpack(cls, raw: bytes | bytearray | memoryview, what: str) -> HeaderTrailer:
         if len(raw) < HT_SIZE:
             raise LsmtError(what, "truncated header/trailer")
         (m0, m1, size, flags, ioff, isize, vsize, uid, puid, _, ver, sub,
@@ -95,7 +95,7 @@ class Mapping:
         return struct.pack("<QQ", lo, hi)
 
     @classmethod
-    def unpack(cls, raw: bytes) -> Mapping:
+    def unpack(cls, raw: bytes | bytearray | memoryview) -> Mapping:
         lo, hi = struct.unpack("<QQ", raw)
         return cls(lo & MAX_OFFSET, lo >> 50, hi & ((1 << 55) - 1), bool((hi >> 55) & 1))
 
@@ -120,7 +120,8 @@ def pack_index(mappings: list[Mapping]) -> bytes:
     return body + padding_entry() * pad
 
 
-def parse_index(raw: bytes, virtual_size: int, data_end: int, what: str) -> list[Mapping]:
+def parse_index(raw: bytes | bytearray | memoryview, virtual_size: int, data_end: int,
+                what: str) -> list[Mapping]:
     """Entries from a sealed index: drops padding, checks order and bounds."""
     if len(raw) % 16:
         raise LsmtError(what, "index size is not a multiple of 16 bytes")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import trio
 
@@ -19,6 +20,7 @@ from .fetcher import ChunkFetcher
 
 FIRST_BLOB_INODE = 16
 READAHEAD_CHUNKS = 4
+Buffer: TypeAlias = bytes | bytearray | memoryview
 
 
 @dataclass(eq=False)
@@ -51,7 +53,9 @@ class BlobFile:
         last = bisect.bisect_left(self.offsets, end)
         return range(first, last)
 
-    async def read(self, off: int, size: int) -> bytes:
+    async def read(self, off: int, size: int) -> Buffer:
+        """The bytes of ``[off, off + size)``; a view into the chunk when one
+        chunk holds them all (no copy), else a new buffer."""
         end = min(off + size, self.size)
         if off >= end:
             return b""
@@ -66,7 +70,7 @@ class BlobFile:
             data = await self.fetcher.get(entry)
             lo, hi = off - entry.blob_offset, end - entry.blob_offset
             if lo >= 0 and hi <= entry.length:
-                return data[lo:hi]
+                return memoryview(data)[lo:hi]
         out = bytearray(end - off)
 
         async def copy(i: int) -> None:
@@ -82,7 +86,7 @@ class BlobFile:
             async with trio.open_nursery() as nursery:
                 for i in wanted:
                     nursery.start_soon(copy, i)
-        return bytes(out)
+        return out
 
     def _record(self, indexes: list[int]) -> None:
         for i in indexes:

@@ -20,7 +20,7 @@ import trio
 
 from ..cache.chunkcache import ChunkCache
 from ..errors import UsageError
-from ..mounts import umount
+from ..mounts import set_readahead, umount
 from ..registry import Registry
 from ..store import open_store
 from .blobfiles import BlobDirectory
@@ -44,6 +44,7 @@ class DaemonConfig:
     cache_size: int = 20 << 30
     read_timeout: float = 30.0
     fetch_parallel: int = 16
+    readahead: int = 4 << 20  # kernel readahead window of the blob and disk files
 
 
 def mounts_under(root: Path) -> list[str]:
@@ -102,6 +103,7 @@ class Daemon:
             async with trio.open_nursery() as nursery:
                 self.fetcher.nursery = nursery
                 nursery.start_soon(self._serve_fuse)
+                await self._set_readahead()
                 await self.sandboxes.restore()
                 await self.disks.restore()
                 await nursery.start(ControlServer(self.root, self.handle).serve)
@@ -120,6 +122,18 @@ class Daemon:
             self.replica.close()
             self.store.close()
             log.info("layerfs daemon stopped")
+
+    async def _set_readahead(self) -> None:
+        """Before any EROFS mount or loop device opens a blob or disk file: the
+        kernel's default 128 KiB window means one FUSE request per 128 KiB, and
+        a wider one lets it send 1 MiB requests, several at a time. The answer
+        to the kernel's FUSE_INIT resets the window, so it is set once a first
+        request (this stat, in a thread) has been served."""
+        await trio.to_thread.run_sync(os.stat, self.root / "fuse")
+        try:
+            set_readahead(str(self.root / "fuse"), self.cfg.readahead)
+        except OSError as exc:
+            log.warning("cannot set the FUSE readahead window: %s", exc)
 
     async def _serve_fuse(self) -> None:
         await pyfuse3.main()

@@ -80,7 +80,7 @@ class SealedChain:
     def virtual_size(self) -> int:
         return self.layers[0].virtual_size if self.layers else 0
 
-    async def read_sectors(self, sector: int, count: int) -> bytes:
+    async def read_sectors(self, sector: int, count: int) -> bytearray:
         out = bytearray(count * SECTOR)
         for start, length, m in self.map.lookup(sector, count):
             if m is None or m.zeroed:
@@ -89,7 +89,7 @@ class SealedChain:
             data = await blob.read((m.moffset + start - m.offset) * SECTOR, length * SECTOR)
             pos = (start - sector) * SECTOR
             out[pos : pos + len(data)] = data
-        return bytes(out)
+        return out
 
 
 @dataclass
@@ -188,18 +188,19 @@ class WritableDisk:
         os.fsync(self.index_fd)
 
     # -- I/O (trio) --
-    async def read(self, off: int, size: int) -> bytes:
+    async def read(self, off: int, size: int) -> bytes | memoryview:
         end = min(off + size, self.size)
         if off >= end:
             return b""
         first, last = off // SECTOR, -(-end // SECTOR)
         raw = await self.read_sectors(first, last - first)
-        return raw[off - first * SECTOR : end - first * SECTOR]
+        return memoryview(raw)[off - first * SECTOR : end - first * SECTOR]
 
-    async def read_sectors(self, sector: int, count: int) -> bytes:
+    async def read_sectors(self, sector: int, count: int) -> bytearray:
         out = bytearray(count * SECTOR)
         for start, length, m in self.map.lookup(sector, count):
             pos = (start - sector) * SECTOR
+            data: bytes | bytearray
             if m is not None:
                 fpos = (m.moffset + start - m.offset) * SECTOR
                 data = await trio.to_thread.run_sync(os.pread, self.data_fd, length * SECTOR,
@@ -210,7 +211,7 @@ class WritableDisk:
             else:
                 continue
             out[pos : pos + len(data)] = data
-        return bytes(out)
+        return out
 
     async def write(self, off: int, buf: bytes) -> int:
         if off + len(buf) > self.size:
@@ -220,7 +221,7 @@ class WritableDisk:
         async with self.lock:
             first, last = off // SECTOR, -(-(off + len(buf)) // SECTOR)
             if off % SECTOR or (off + len(buf)) % SECTOR:
-                whole = bytearray(await self.read_sectors(first, last - first))
+                whole = await self.read_sectors(first, last - first)
                 whole[off - first * SECTOR : off - first * SECTOR + len(buf)] = buf
                 data = bytes(whole)
             else:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import pyfuse3
 
 from ..errors import LayerfsError
-from .blobfiles import BlobDirectory
+from .blobfiles import BlobDirectory, Buffer
 from .diskmanager import DiskManager
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class NodeFS(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
     @fuse_errors
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> Buffer:  # type: ignore[override]
         disk = self.disks.by_inode.get(fh)
         if disk is not None:
             return await disk.read(off, size)
