@@ -333,13 +333,23 @@ def test_blob_file_is_read_only_and_exact(node, store):
     node.cli("down", "s1")
 
 
-def test_fuse_readahead_window_is_set_after_init(node):
+def test_readahead_windows_and_direct_blob_reads(node):
     """The kernel's answer to FUSE_INIT would cap readahead at 128 KiB; the
-    daemon widens it (default 4 MiB) so blob reads arrive as 1 MiB requests."""
-    fuse = str(node.root / "fuse")
+    daemon widens it (default 4 MiB) so blob reads arrive as 1 MiB requests.
+    Layer mounts read their blob with O_DIRECT and a 4 MiB window of their own."""
+    before = {b for b in os.listdir("/sys/class/bdi") if b.startswith("erofs-")}
+    up(node, "s1")
     with open("/proc/self/mountinfo") as f:
-        dev = next(line.split()[2] for line in f if line.split()[4] == fuse)
+        lines = [line.split() for line in f]
+    fuse = str(node.root / "fuse")
+    dev = next(fields[2] for fields in lines if fields[4] == fuse)
     assert Path(f"/sys/class/bdi/{dev}/read_ahead_kb").read_text().strip() == "4096"
+    layers = [fields for fields in lines if fields[4].startswith(str(node.root / "layers"))]
+    assert len(layers) == 2 and all("directio" in fields[-1].split(",") for fields in layers)
+    new = {b for b in os.listdir("/sys/class/bdi") if b.startswith("erofs-")} - before
+    assert len(new) == 2
+    assert {Path(f"/sys/class/bdi/{b}/read_ahead_kb").read_text().strip() for b in new} == {"4096"}
+    node.cli("down", "s1")
 
 
 def test_trace_recorded_pushed_and_replayed_on_another_node(node, tmp_path):

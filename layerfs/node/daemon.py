@@ -87,7 +87,8 @@ class Daemon:
         self.blobs = BlobDirectory()
         self.disks = DiskManager(self.root, self.reg, self.replica, self.blobs, self.fetcher)
         self.fs = NodeFS(self.blobs, self.disks)
-        self.layers = LayerMounts(self.root, self.reg, self.replica, self.blobs, self.fetcher)
+        self.layers = LayerMounts(self.root, self.reg, self.replica, self.blobs, self.fetcher,
+                                  readahead=cfg.readahead)
         self.sandboxes = Sandboxes(self.root, self.reg, self.replica, self.layers)
         self.accepting = False
 

@@ -13,6 +13,7 @@ the daemon before the syscall returns.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -55,12 +56,13 @@ class LayerMounts:
     """Reference-counted EROFS mounts of layers, one per layer per node."""
 
     def __init__(self, root: Path, reg: Registry, replica: Replica, blobs: BlobDirectory,
-                 fetcher: ChunkFetcher) -> None:
+                 fetcher: ChunkFetcher, readahead: int = 0) -> None:
         self.root = root
         self.reg = reg
         self.replica = replica
         self.blobs = blobs
         self.fetcher = fetcher
+        self.readahead = readahead
         self.mounted: dict[str, MountedLayer] = {}
         self._locks: dict[str, trio.Lock] = {}
         self.mount_limit = trio.CapacityLimiter(8)
@@ -84,8 +86,10 @@ class LayerMounts:
         await trio.to_thread.run_sync(lambda: target.mkdir(parents=True, exist_ok=True))
         device = self.root / "fuse" / "blobs" / rl.hex
         try:
-            await trio.to_thread.run_sync(mount_erofs, str(rl.meta_path), str(device),
-                                          str(target), limiter=self.mount_limit)
+            await trio.to_thread.run_sync(
+                functools.partial(mount_erofs, str(rl.meta_path), str(device), str(target),
+                                  directio=True, readahead=self.readahead),
+                limiter=self.mount_limit)
         except OSError:
             self.blobs.remove(digest)
             raise
