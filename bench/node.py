@@ -53,7 +53,7 @@ from layerfs.chunks import materialize_blob
 from layerfs.mounts import mount_erofs, umount
 from layerfs.node.process import DaemonProcess, detach_mounts
 from layerfs.registry import LAYERS, Registry
-from layerfs.store.base import blob_key
+from layerfs.store.base import Store, blob_key
 from layerfs.store.file import FileStore
 
 HERE = Path(__file__).resolve().parent
@@ -179,7 +179,7 @@ def generate_tree(root: Path, files: int, dirs: int, seed: int = SEED) -> dict:
     return info
 
 
-def ensure_layer(store: FileStore, src: Path, name: str, version: str) -> tuple[str, float]:
+def ensure_layer(store: Store, src: Path, name: str, version: str) -> tuple[str, float]:
     """The layer's manifest digest; builds and publishes it unless the ref exists."""
     reg = Registry(store)
     digest = reg.read_ref(LAYERS, name, version)
@@ -215,9 +215,9 @@ class Node(DaemonProcess):
 
     running: list[Node] = []
 
-    def __init__(self, root: Path, store_url: str, log_path: Path, cache_size: str) -> None:
-        super().__init__(root, ["--store", store_url], cache_size, 60.0, log_path,
-                         request_timeout=900)
+    def __init__(self, root: Path, store_args: list[str], log_path: Path,
+                 cache_size: str) -> None:
+        super().__init__(root, store_args, cache_size, 60.0, log_path, request_timeout=900)
 
     def start(self, timeout: float = 60.0) -> Node:
         Node.running.append(self)
@@ -256,7 +256,7 @@ def read_files(paths: list[Path], bufsize: int = MiB) -> tuple[int, float]:
     return total, time.perf_counter() - start
 
 
-def get_packs(store: FileStore, packs: list[str], parallel: int) -> tuple[int, float]:
+def get_packs(store: Store, packs: list[str], parallel: int) -> tuple[int, float]:
     """GET every pack whole with ``parallel`` threads; (bytes, seconds)."""
     start = time.perf_counter()
     with ThreadPoolExecutor(parallel) as pool:
@@ -312,14 +312,15 @@ class Bench:
         self.runs = 0
         shutil.rmtree(work / "logs", ignore_errors=True)
 
-    def node(self, tag: str) -> Node:
+    def node(self, tag: str, store_args: list[str] | None = None) -> Node:
         """A daemon on a fresh, empty ROOT (no cache, no replica)."""
         self.runs += 1
         root = fresh_dir(self.work / "roots" / "node", self.oddities)
         log = self.work / "logs" / f"{self.runs:03d}-{tag}.log"
         log.unlink(missing_ok=True)
         self.logs.append(log)
-        return Node(root, self.store_url, log, self.args.cache_size).start()
+        return Node(root, store_args or ["--store", self.store_url], log,
+                    self.args.cache_size).start()
 
     def finish(self, node: Node) -> None:
         code = node.stop()
@@ -443,17 +444,22 @@ class Bench:
                 "cache_before": stats_before["cache"], "cache_after": stats_after["cache"]}
 
     # 3. cold reads
-    def cold_read(self, layer: dict) -> dict:
+    def cold_read(self, layer: dict, store: Store | None = None,
+                  store_args: list[str] | None = None) -> dict:
+        """Against the file store under the work dir, or ``store`` (its daemon
+        arguments ``store_args``)."""
+        open_it = (lambda: FileStore(str(self.store_dir))) if store is None else (lambda: store)
+        tag = "cold" if store is None else "cold-s3"
         lfs: list[tuple[int, float]] = []
         base: list[tuple[int, float]] = []
         caches: list[dict] = []
         cpu: list[float] = []
         single: list[tuple[int, float]] = []
-        reg = Registry(self.store)
+        reg = Registry(open_it())
         packs = reg.chunk_table(reg.layer(layer["digest"])).packs()
 
         def sandbox() -> None:
-            node = self.node("cold")
+            node = self.node(tag, store_args)
             try:
                 rootfs = Path(node.request("up", id="c", layers=[layer["ref"]])
                               ["sandbox"]["rootfs"])
@@ -471,10 +477,9 @@ class Bench:
 
         def store_get() -> None:
             drop_caches()
-            base.append(get_packs(FileStore(str(self.store_dir)), packs,
-                                  self.args.get_parallel))
+            base.append(get_packs(open_it(), packs, self.args.get_parallel))
             drop_caches()
-            single.append(get_packs(FileStore(str(self.store_dir)), packs, 1))
+            single.append(get_packs(open_it(), packs, 1))
             print(f"  store GET (packs): {mbps(*base[-1]):7.1f} MB/s "
                   f"(1 thread: {mbps(*single[-1]):.1f} MB/s)", flush=True)
 
@@ -555,6 +560,26 @@ class Bench:
         return {"logs": len(self.logs), "problem_lines": len(lines), "first": lines[:20]}
 
 
+def cold_read_s3(bench: Bench, work: Path, layer: dict) -> dict:
+    """The cold read against SeaweedFS S3 on 127.0.0.1 (its data under the work
+    dir): the same layer built into the bucket, then Bench.cold_read."""
+    import corpus
+
+    from layerfs.store.s3 import S3Store
+
+    src = work / "src" / f"data-{layer['label'].lower()}"
+    with corpus.seaweedfs(work / "seaweedfs") as server:
+        store = S3Store(corpus.BUCKET, "node", endpoint=server.endpoint)
+        try:
+            digest, _ = ensure_layer(store, src, f"bench/node-{layer['label'].lower()}",
+                                     f"g{GEN}-{SEED}")
+            assert digest == layer["digest"], "the S3 build differs from the file store's"
+            args = ["--store", f"s3://{corpus.BUCKET}/node", "--s3-endpoint", server.endpoint]
+            return bench.cold_read(layer, store, args)
+        finally:
+            store.close()
+
+
 def layer_info(store: FileStore, digest: str) -> dict:
     reg = Registry(store)
     table = reg.chunk_table(reg.layer(digest))
@@ -576,8 +601,8 @@ def main() -> None:
                     help="threads for the store GET baseline")
     ap.add_argument("--cache-size", default="16G", help="the daemons' --cache-size")
     ap.add_argument("--many", type=int, default=200, help="sandboxes up at once")
-    ap.add_argument("--only", default="up,warm,cold,meta,many",
-                    help="comma-separated subset of up,warm,cold,meta,many")
+    ap.add_argument("--only", default="up,warm,cold,cold-s3,meta,many",
+                    help="comma-separated subset of up,warm,cold,cold-s3,meta,many")
     ap.add_argument("--quick", action="store_true",
                     help="sizes 50M,200M and a 5,000-file tree")
     ap.add_argument("--work", default=str(HERE / "work" / "node"))
@@ -609,7 +634,7 @@ def main() -> None:
             digest, secs = ensure_layer(bench.store, src, f"bench/node-{label.lower()}",
                                         f"g{GEN}-{SEED}")
             builds[label] = round(secs, 2)
-            layers[label] = {**layer_info(bench.store, digest), **info}
+            layers[label] = {**layer_info(bench.store, digest), **info, "label": label}
         meta_src = work / "src" / f"tree-{args.meta_files}"
         meta_info = generate_tree(meta_src, args.meta_files, args.meta_dirs)
         digest, secs = ensure_layer(bench.store, meta_src, f"bench/node-tree{args.meta_files}",
@@ -633,6 +658,10 @@ def main() -> None:
             print(f"cold sequential read, {read_label} layer "
                   f"(store GET with {args.get_parallel} threads)", flush=True)
             result["cold_read"] = bench.cold_read(layers[read_label])
+        if "cold-s3" in only:
+            print(f"cold sequential read, {read_label} layer, SeaweedFS S3 store "
+                  f"(GET with {args.get_parallel} threads)", flush=True)
+            result["cold_read_s3"] = cold_read_s3(bench, work, layers[read_label])
         if "meta" in only:
             print(f"metadata walk, {args.meta_files} files", flush=True)
             local = ensure_local_copy(bench.store, meta_layer["digest"],
@@ -674,6 +703,12 @@ def main() -> None:
                      f"x{r['get_parallel']}",
                      f"{r['layerfs_p50_mb_s']:.0f}", f"{r['store_get_p50_mb_s']:.0f}",
                      f"{r['ratio']:.2f}", ">= 0.7"))
+    if "cold_read_s3" in result:
+        r = result["cold_read_s3"]
+        rows.append((f"cold seq read {read_label} (MB/s): sandbox vs S3 GET "
+                     f"x{r['get_parallel']}",
+                     f"{r['layerfs_p50_mb_s']:.0f}", f"{r['store_get_p50_mb_s']:.0f}",
+                     f"{r['ratio']:.2f}", ">= 0.7"))
     if "metadata" in result:
         r = result["metadata"]
         rows.append((f"walk+lstat {r['entries']} entries (s): sandbox vs local EROFS",
@@ -710,7 +745,9 @@ def main() -> None:
             "read: the same reads on a fresh ROOT vs store.get of every pack the chunk table "
             "references, whole, with get_parallel threads (default 4: about what the daemon "
             "has in flight for one sequential reader, its readahead of 4 chunks; a 1-thread "
-            "GET is recorded for reference), bytes/s of each side's own bytes. "
+            "GET is recorded for reference), bytes/s of each side's own bytes. Cold read "
+            "S3: the same, with the layer in a SeaweedFS S3 bucket on 127.0.0.1 (no link "
+            "limit) and S3 GETs of the packs as the baseline. "
             "Metadata: os.walk + lstat of every entry (and `find -printf ''`) through the "
             "sandbox vs the local EROFS mount. Reads and walks alternate which side goes "
             "first; p50 over reps. drop_caches clears the guest's page cache only: on a VM "

@@ -56,6 +56,7 @@ class ChunkCache:
         self.stats = CacheStats(limit=limit)
         self._lru: OrderedDict[str, int] = OrderedDict()  # sha hex → file size
         self._lock = threading.Lock()
+        self._reserved = 0  # bytes of files being written
         self.tmp.mkdir(parents=True, exist_ok=True)
         self._load()
 
@@ -117,26 +118,38 @@ class ChunkCache:
         return None
 
     def write(self, sha: str, data: bytes) -> None:
-        """Store verified chunk bytes; evicts least recently used chunks to fit."""
+        """Store verified chunk bytes. Room is made first (least recently used
+        chunks evicted, the new file's size reserved), so the files on disk,
+        temporary ones included, stay within the limit."""
+        size = HEADER.size + len(data)
         with self._lock:
             if sha in self._lru:
                 return
-        path = self._path(sha)
-        path.parent.mkdir(exist_ok=True)
-        tmp = self.tmp / f"{sha}.{threading.get_ident()}"
-        header = HEADER.pack(MAGIC, xxhash.xxh3_64_intdigest(data), len(data))
-        with open(tmp, "wb") as f:
-            f.write(header)
-            f.write(data)
-        os.rename(tmp, path)
-        size = HEADER.size + len(data)
+            self._reserved += size
+        try:
+            self._evict()
+            path = self._path(sha)
+            path.parent.mkdir(exist_ok=True)
+            tmp = self.tmp / f"{sha}.{threading.get_ident()}"
+            header = HEADER.pack(MAGIC, xxhash.xxh3_64_intdigest(data), len(data))
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(data)
+            os.rename(tmp, path)
+        finally:
+            with self._lock:
+                self._reserved -= size
         with self._lock:
             if sha not in self._lru:
                 self._lru[sha] = size
                 self.stats.size += size
                 self.stats.entries += 1
             self.stats.bytes_written += size
-        self._evict()
+
+    def note_miss(self) -> None:
+        """A lookup that found no entry in the index (and so read no file)."""
+        with self._lock:
+            self.stats.misses += 1
 
     def note_fetched(self, nbytes: int) -> None:
         with self._lock:
@@ -156,7 +169,7 @@ class ChunkCache:
     def _evict(self) -> None:
         victims = []
         with self._lock:
-            while self.stats.size > self.limit and self._lru:
+            while self.stats.size + self._reserved > self.limit and self._lru:
                 sha, size = self._lru.popitem(last=False)
                 self.stats.size -= size
                 self.stats.entries -= 1

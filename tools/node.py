@@ -37,18 +37,21 @@ def json_option(fn):
 @click.option("--read-timeout", default=30.0, show_default=True,
               help="Seconds after which a read the store cannot serve fails with EIO.")
 @click.option("--readahead", default="4M", show_default=True,
-              help="Kernel readahead window of the blob and disk files.")
+              help="Kernel readahead window of the FUSE blob and disk files.")
+@click.option("--layer-readahead", default="1M", show_default=True,
+              help="Kernel readahead window of the EROFS layer mounts.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size: str,
-           read_timeout: float, readahead: str, log_level: str) -> None:
+           read_timeout: float, readahead: str, layer_readahead: str, log_level: str) -> None:
     """Run the node daemon in the foreground (logs to stderr)."""
     logging.getLogger().setLevel(log_level.upper())
     if os.geteuid() != 0:
         raise UsageError("the daemon needs root (FUSE, EROFS and overlayfs mounts)")
     cfg = DaemonConfig(root=root, store_url=store_url, s3_endpoint=s3_endpoint,
                        cache_size=parse_size(cache_size), read_timeout=read_timeout,
-                       readahead=parse_size(readahead))
+                       readahead=parse_size(readahead),
+                       layer_readahead=parse_size(layer_readahead))
     Daemon(cfg).run()
 
 

@@ -3,8 +3,9 @@
 Plain classes the FUSE adapter calls; tests can use them without a mount. A
 read maps its byte range to chunks, gets each from the fetcher (in parallel),
 copies the overlapping slices and leaves zeros for holes and padding.
-Sequential reads trigger readahead of the following chunks; the first touch
-of each chunk is recorded in order (the layer's access trace).
+Readahead is the kernel's (EROFS and FUSE readahead windows, see the
+daemon); the first touch of each chunk is recorded in order (the layer's
+access trace).
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from typing import TypeAlias
 
 import trio
 
-from ..formats.chunktable import FILE_START, ChunkEntry, ChunkTable
+from ..formats.chunktable import ChunkEntry, ChunkTable
 from .fetcher import ChunkFetcher
 
 FIRST_BLOB_INODE = 16
-READAHEAD_CHUNKS = 4
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
 
@@ -30,8 +30,6 @@ class BlobFile:
     fetcher: ChunkFetcher
     inode: int
     offsets: list[int] = field(default_factory=list)
-    next_offset: int = -1
-    readahead_from: int = -1
     touched: set[int] = field(default_factory=set)
     trace: list[int] = field(default_factory=list)
     bytes_read: int = 0
@@ -63,7 +61,6 @@ class BlobFile:
         wanted = [i for i in self.span(off, end)
                   if entries[i].blob_offset + entries[i].length > off]
         self._record(wanted)
-        self._readahead(off, end, wanted)
         self.bytes_read += end - off
         if len(wanted) == 1:  # the common case: one chunk, one copy
             entry = entries[wanted[0]]
@@ -93,20 +90,6 @@ class BlobFile:
             if i not in self.touched:
                 self.touched.add(i)
                 self.trace.append(i)
-
-    def _readahead(self, off: int, end: int, wanted: list[int]) -> None:
-        """On a sequential read that enters a new chunk, fetch the next chunks of
-        the same file (a chunk that starts another file ends the readahead)."""
-        sequential = off == self.next_offset
-        self.next_offset = end
-        if sequential and wanted and wanted[-1] != self.readahead_from:
-            self.readahead_from = wanted[-1]
-            ahead = []
-            for entry in self.table.entries[wanted[-1] + 1 : wanted[-1] + 1 + READAHEAD_CHUNKS]:
-                if entry.flags & FILE_START:
-                    break
-                ahead.append(entry)
-            self.fetcher.spawn_prefetch(ahead)
 
     def entries_in_order(self, order: list[int]) -> list[ChunkEntry]:
         n = len(self.table.entries)

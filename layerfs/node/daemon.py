@@ -45,6 +45,7 @@ class DaemonConfig:
     read_timeout: float = 30.0
     fetch_parallel: int = 16
     readahead: int = 4 << 20  # kernel readahead window of the blob and disk files
+    layer_readahead: int = 1 << 20  # kernel readahead window of the EROFS layer mounts
 
 
 def mounts_under(root: Path) -> list[str]:
@@ -88,7 +89,7 @@ class Daemon:
         self.disks = DiskManager(self.root, self.reg, self.replica, self.blobs, self.fetcher)
         self.fs = NodeFS(self.blobs, self.disks)
         self.layers = LayerMounts(self.root, self.reg, self.replica, self.blobs, self.fetcher,
-                                  readahead=cfg.readahead)
+                                  readahead=cfg.layer_readahead)
         self.sandboxes = Sandboxes(self.root, self.reg, self.replica, self.layers)
         self.accepting = False
 

@@ -26,6 +26,7 @@ from ..store.base import Store
 
 log = logging.getLogger(__name__)
 STORE_COOLDOWN = 2.0  # seconds uncached reads fail fast after the store failed
+MAX_UNWRITTEN = 64  # fetched chunks whose cache files may be pending at once
 
 
 class FetchError(LayerfsError):
@@ -78,13 +79,14 @@ class ChunkFetcher:
         self.background_limit = trio.CapacityLimiter(max(1, parallel // 4))
         self.memory = MemoryChunks(memory)
         self._flights: dict[bytes, _Flight] = {}
+        self._unwritten: dict[bytes, bytes] = {}  # fetched, cache file not written yet
         self.nursery: trio.Nursery | None = None
         self.store_down_until = 0.0
 
     async def get(self, entry: ChunkEntry) -> bytes:
         """The verified bytes of one chunk; raises FetchError within the timeout."""
         while True:
-            data = self.memory.get(entry.sha256)
+            data = self.memory.get(entry.sha256) or self._unwritten.get(entry.sha256)
             if data is not None:
                 return data
             flight = self._flights.get(entry.sha256)
@@ -102,8 +104,10 @@ class ChunkFetcher:
         a FetchError; any other end of the owner (cancellation) is only the owner's."""
         flight = self._flights[entry.sha256] = _Flight()
         try:
-            flight.data = await self._load(entry)
+            flight.data, fetched = await self._load(entry)
             self.memory.put(entry.sha256, flight.data)
+            if fetched:
+                await self._write_behind(entry.sha256, flight.data)
             return flight.data
         except FetchError as exc:
             flight.error = exc
@@ -128,14 +132,19 @@ class ChunkFetcher:
         async with trio.open_nursery() as nursery:
             for _ in range(workers):
                 nursery.start_soon(worker)
+        await self.writes_done()
 
-    async def _load(self, entry: ChunkEntry) -> bytes:
+    async def _load(self, entry: ChunkEntry) -> tuple[bytes, bool]:
+        """The chunk's bytes and whether they came from the store."""
         sha = entry.sha256.hex()
         with trio.move_on_after(self.timeout) as scope:
-            data = await trio.to_thread.run_sync(self.cache.read, sha, limiter=self.io_limit,
-                                                 abandon_on_cancel=True)
-            if data is not None and len(data) == entry.length:
-                return data
+            if self.cache.contains(sha):  # an index lookup: a miss costs no thread hop
+                data = await trio.to_thread.run_sync(self.cache.read, sha, limiter=self.io_limit,
+                                                     abandon_on_cancel=True)
+                if data is not None and len(data) == entry.length:
+                    return data, False
+            else:
+                self.cache.note_miss()
             if trio.current_time() < self.store_down_until:
                 raise FetchError(f"chunk {sha[:16]}", "store unavailable (failed just now)")
             async with self.fetch_limit:
@@ -149,7 +158,7 @@ class ChunkFetcher:
                 except LayerfsError as exc:
                     log.error("chunk %s: %s", sha[:16], exc)
                     raise FetchError(f"chunk {sha[:16]}", str(exc)) from exc
-            return data
+            return data, True
         assert scope.cancelled_caught
         self._store_failed()
         log.error("chunk %s: no answer from the store within %.0fs", sha[:16], self.timeout)
@@ -162,25 +171,57 @@ class ChunkFetcher:
         self.store_down_until = trio.current_time() + STORE_COOLDOWN
 
     def _fetch(self, entry: ChunkEntry) -> bytes:
-        """Worker thread: range-read the pack, decompress, verify, cache."""
+        """Worker thread: range-read the pack, decompress, verify."""
         data = fetch_chunk(self.store, entry)
         self.cache.note_fetched(len(data))
-        self.cache.write(entry.sha256.hex(), data)
         return data
 
-    async def prefetch(self, entries: list[ChunkEntry]) -> None:
-        """Fetch chunks in the background at low priority; errors are only logged."""
-        for entry in entries:
-            if self.memory.get(entry.sha256) is not None or entry.sha256 in self._flights:
-                continue
-            if self.cache.contains(entry.sha256.hex()):
-                continue
-            async with self.background_limit:
-                try:
-                    await self.get(entry)
-                except FetchError:
-                    return
+    async def _write_behind(self, sha: bytes, data: bytes) -> None:
+        """Write the cache file after the readers have their bytes (they stay
+        readable from ``_unwritten`` meanwhile); with too many writes pending, or
+        no nursery to run them in, the fetch waits for its own write."""
+        if self.nursery is None or len(self._unwritten) >= MAX_UNWRITTEN:
+            await self._write(sha, data)
+            return
+        self._unwritten[sha] = data
+        self.nursery.start_soon(self._write, sha, data)
 
-    def spawn_prefetch(self, entries: list[ChunkEntry]) -> None:
+    async def _write(self, sha: bytes, data: bytes) -> None:
+        try:
+            await trio.to_thread.run_sync(self.cache.write, sha.hex(), data,
+                                          limiter=self.io_limit)
+        except OSError as exc:  # the bytes were served; only the cache copy is lost
+            log.warning("cannot write cache file for chunk %s: %s", sha.hex()[:16], exc)
+        finally:
+            self._unwritten.pop(sha, None)
+
+    async def writes_done(self) -> None:
+        """Wait until every fetched chunk's cache file is written."""
+        while self._unwritten:
+            await trio.sleep(0.005)
+
+    async def prefetch(self, entries: list[ChunkEntry], workers: int = 1) -> None:
+        """Fetch chunks in the background at low priority, in order, with up to
+        ``workers`` at a time (all prefetches share ``background_limit``); a
+        worker stops at its first error, which is only logged."""
+        todo = iter(entries)
+
+        async def worker() -> None:
+            for entry in todo:
+                if (self.memory.get(entry.sha256) is not None or entry.sha256 in self._flights
+                        or entry.sha256 in self._unwritten
+                        or self.cache.contains(entry.sha256.hex())):
+                    continue
+                async with self.background_limit:
+                    try:
+                        await self.get(entry)
+                    except FetchError:
+                        return
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(workers):
+                nursery.start_soon(worker)
+
+    def spawn_prefetch(self, entries: list[ChunkEntry], workers: int = 1) -> None:
         if self.nursery is not None and entries:
-            self.nursery.start_soon(self.prefetch, entries)
+            self.nursery.start_soon(self.prefetch, entries, workers)

@@ -34,6 +34,7 @@ from .fetcher import ChunkFetcher
 from .replica import Replica
 
 log = logging.getLogger(__name__)
+TRACE_WORKERS = 4  # fetches of one layer's trace replay at a time (one store round trip each)
 SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 PREFETCH = ("none", "full", "trace")
 
@@ -207,7 +208,7 @@ class Sandboxes:
         elif record["prefetch"] == "trace":
             for blob in blobs:
                 order = await trio.to_thread.run_sync(self._trace_for, blob.digest)
-                fetcher.spawn_prefetch(blob.entries_in_order(order))
+                fetcher.spawn_prefetch(blob.entries_in_order(order), workers=TRACE_WORKERS)
 
     def _trace_for(self, digest: str) -> list[int]:
         """Worker thread: this node's recorded trace, else the one pushed to the store."""
