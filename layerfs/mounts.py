@@ -17,6 +17,7 @@ MS_RDONLY = 1
 MS_NODEV = 4
 MNT_DETACH = 2
 BDI = "/sys/class/bdi"
+_bdi_lock = threading.Lock()  # one EROFS mount at a time while its bdi is found
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -66,8 +67,6 @@ def mount_erofs(meta_image: str, blob: str | None, target: str, *, directio: boo
     for name in new:
         _write_readahead(name, readahead)
 
-
-_bdi_lock = threading.Lock()  # one EROFS mount at a time while its bdi is found
 
 
 def _erofs_bdis() -> set[str]:
