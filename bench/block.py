@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from daemons import drop_caches  # noqa: E402
 from nodes import NodeDaemon  # noqa: E402
 
 from layerfs.builder.disk import build_disk  # noqa: E402
@@ -42,11 +43,6 @@ from layerfs.store import open_store  # noqa: E402
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
 GEN = 1
-
-
-def drop_caches() -> None:
-    subprocess.run(["sync"], check=True)
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def make_image(path: Path, size: int, seed: int = 7) -> None:

@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import corpus
+from daemons import DaemonRuns, clear_dir, drop_caches
 
 from layerfs.node.daemon import mounts_under
 from layerfs.node.process import DaemonProcess, detach_mounts
@@ -395,19 +396,6 @@ def device_of(path: Path) -> str:
 
 # -- the daemon ------------------------------------------------------------------------
 
-def Node(root: Path, store_args: list[str], log_path: Path, cache_size: str,  # noqa: N802
-         read_timeout: float) -> DaemonProcess:
-    """A real ``layerfs daemon`` process on ``root``."""
-    return DaemonProcess(root, store_args, cache_size, read_timeout, log_path,
-                         request_timeout=1800)
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
 def du(path: Path) -> int:
     total = 0
     for dirpath, _, files in os.walk(path):
@@ -458,8 +446,8 @@ def write_output(path: Path, nbytes: int) -> None:
             left -= n
 
 
-def run_sandbox(node: Node, task: dict, start: list[list], prefetch: str, think_scale: float,
-                t_run: float) -> dict:
+def run_sandbox(node: DaemonProcess, task: dict, start: list[list], prefetch: str,
+                think_scale: float, t_run: float) -> dict:
     sid = task["id"]
     buf = bytearray(MiB)
     rec: dict[str, Any] = {"id": sid, "env": task["env"]}
@@ -517,46 +505,25 @@ class Bench:
         self.disk = disk
         self.tasks = doc["tasks"][: args.sandboxes]
         self.oddities: list[str] = []
-        self.logs: list[Path] = []
-        self.nodes: list[Node] = []
-        self.runs = 0
-        shutil.rmtree(work / "logs", ignore_errors=True)
+        self.daemons = DaemonRuns(work, self.oddities, args.cache_size, args.read_timeout)
 
     def root(self, name: str) -> Path:
         return self.disk.mnt / name
 
     def fresh_root(self, name: str) -> Path:
-        root = self.root(name)
-        left = detach_mounts(root)
-        if left:
-            self.oddities.append(f"mounts left under {root}: {left}")
-        shutil.rmtree(root, ignore_errors=True)
-        return root
+        return clear_dir(self.root(name), self.oddities)
 
-    def node(self, root: Path, tag: str) -> Node:
-        self.runs += 1
-        log = self.work / "logs" / f"{self.runs:02d}-{tag}.log"
-        log.unlink(missing_ok=True)
-        self.logs.append(log)
-        node = Node(root, self.store_args, log, self.args.cache_size, self.args.read_timeout)
-        self.nodes.append(node)
-        return node.start()
+    def node(self, root: Path, tag: str) -> DaemonProcess:
+        return self.daemons.start(root, tag, self.store_args)
 
-    def stop(self, node: Node) -> None:
-        code = node.stop()
-        self.nodes.remove(node)
-        if code != 0:
-            self.oddities.append(f"daemon exited {code}; see {node.log_path}")
-        left = mounts_under(node.root)
-        if left:
-            self.oddities.append(f"mounts left under {node.root} after the daemon stopped: "
-                                 f"{left}")
-            detach_mounts(node.root)
+    def stop(self, node: DaemonProcess) -> None:
+        self.daemons.finish(node)
 
     def start_set(self, task: dict) -> list[list]:
         return [i for name in task["start_layers"] for i in self.doc["layers"][name]["hot"]]
 
-    def run_pass(self, node: Node, prefetch: str, think_scale: float) -> tuple[list[dict], float]:
+    def run_pass(self, node: DaemonProcess, prefetch: str,
+                 think_scale: float) -> tuple[list[dict], float]:
         """Every task once, ``--concurrency`` at a time; (records, makespan). Past
         ``--pass-timeout`` the daemon is killed (a hung FUSE loop would leave the
         readers in D state for ever) and the pass fails."""
@@ -633,7 +600,7 @@ class Bench:
               flush=True)
         return res
 
-    def push_traces(self, node: Node) -> None:
+    def push_traces(self, node: DaemonProcess) -> None:
         """Store every layer's first-touch order recorded by this pass."""
         refs = sorted({ref for t in self.tasks for ref in self.layer_refs(t["env"])})
         pushed = 0
@@ -686,15 +653,6 @@ class Bench:
             self.fresh_root("trace")
         return out
 
-    def scan_logs(self) -> dict:
-        lines = []
-        for log in self.logs:
-            if not log.exists():
-                continue
-            for line in log.read_text(errors="replace").splitlines():
-                if any(w in line for w in ("ERROR", "WARNING", "Traceback", "Exception")):
-                    lines.append(f"{log.name}: {line}")
-        return {"logs": len(self.logs), "problem_lines": len(lines), "first": lines[:20]}
 
 
 # -- report --------------------------------------------------------------------------------
@@ -922,8 +880,7 @@ def main() -> None:
         result = bench.run()
     finally:
         if bench is not None:
-            for node in list(bench.nodes):
-                node.stop()
+            bench.daemons.stop_all()
         stack.close()
         left = detach_mounts(work)
         if left:
@@ -960,7 +917,7 @@ def main() -> None:
         },
         "modes": result,
         "ratios": rows,
-        "daemon_logs": bench.scan_logs(),
+        "daemon_logs": bench.daemons.scan_logs(),
         "oddities": bench.oddities,
         "runtime_s": round(elapsed, 1),
         "notes": [

@@ -48,6 +48,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from daemons import DaemonRuns, clear_dir, drop_caches
+
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.chunks import materialize_blob
 from layerfs.mounts import mount_erofs, umount
@@ -208,41 +210,7 @@ def ensure_local_copy(store: FileStore, digest: str, out: Path) -> tuple[Path, P
     return meta, blob
 
 
-# -- the daemon and the machine -----------------------------------------------
-
-class Node(DaemonProcess):
-    """A daemon of this benchmark; ``running`` lets the end of a run stop them all."""
-
-    running: list[Node] = []
-
-    def __init__(self, root: Path, store_args: list[str], log_path: Path,
-                 cache_size: str) -> None:
-        super().__init__(root, store_args, cache_size, 60.0, log_path, request_timeout=900)
-
-    def start(self, timeout: float = 60.0) -> Node:
-        Node.running.append(self)
-        super().start(timeout)
-        return self
-
-    def stop(self, timeout: float = 120.0) -> int | None:
-        if self in Node.running:
-            Node.running.remove(self)
-        return super().stop(timeout)
-
-
-def fresh_dir(path: Path, oddities: list[str]) -> Path:
-    left = detach_mounts(path)
-    if left:
-        oddities.append(f"mounts left under {path} after the daemon stopped: {left}")
-    shutil.rmtree(path, ignore_errors=True)
-    return path
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
+# -- the machine ------------------------------------------------------------------
 
 def read_files(paths: list[Path], bufsize: int = MiB) -> tuple[int, float]:
     """Read the files one after another, whole; (bytes, seconds)."""
@@ -308,25 +276,15 @@ class Bench:
         self.store_url = "file://" + str(self.store_dir)
         self.store = FileStore(str(self.store_dir))
         self.oddities: list[str] = []
-        self.logs: list[Path] = []
-        self.runs = 0
-        shutil.rmtree(work / "logs", ignore_errors=True)
+        self.daemons = DaemonRuns(work, self.oddities, args.cache_size, request_timeout=900)
 
-    def node(self, tag: str, store_args: list[str] | None = None) -> Node:
+    def node(self, tag: str, store_args: list[str] | None = None) -> DaemonProcess:
         """A daemon on a fresh, empty ROOT (no cache, no replica)."""
-        self.runs += 1
-        root = fresh_dir(self.work / "roots" / "node", self.oddities)
-        log = self.work / "logs" / f"{self.runs:03d}-{tag}.log"
-        log.unlink(missing_ok=True)
-        self.logs.append(log)
-        return Node(root, store_args or ["--store", self.store_url], log,
-                    self.args.cache_size).start()
+        root = clear_dir(self.work / "roots" / "node", self.oddities)
+        return self.daemons.start(root, tag, store_args or ["--store", self.store_url])
 
-    def finish(self, node: Node) -> None:
-        code = node.stop()
-        if code != 0:
-            self.oddities.append(f"daemon exited {code}; see {node.log_path}")
-        fresh_dir(node.root, self.oddities)
+    def finish(self, node: DaemonProcess) -> None:
+        self.daemons.finish(node, remove_root=True)
 
     # 5. many sandboxes at once
     def many(self, layer: dict, count: int) -> dict:
@@ -549,16 +507,6 @@ class Bench:
                 "layerfs_find_p50_s": round(find, 4), "local_find_p50_s": round(find0, 4),
                 "find_ratio": round(find / find0, 4), "cache": cache}
 
-    def scan_logs(self) -> dict:
-        lines = []
-        for log in self.logs:
-            if not log.exists():
-                continue
-            for line in log.read_text(errors="replace").splitlines():
-                if any(w in line for w in ("ERROR", "WARNING", "Traceback", "Exception")):
-                    lines.append(f"{log.name}: {line}")
-        return {"logs": len(self.logs), "problem_lines": len(lines), "first": lines[:20]}
-
 
 def cold_read_s3(bench: Bench, work: Path, layer: dict) -> dict:
     """The cold read against SeaweedFS S3 on 127.0.0.1 (its data under the work
@@ -671,8 +619,7 @@ def main() -> None:
             print(f"{args.many} sandboxes up at once on a shared {labels[0]} layer", flush=True)
             result["many"] = bench.many(layers[labels[0]], args.many)
     finally:
-        for node in list(Node.running):
-            node.stop()
+        bench.daemons.stop_all()
         left = detach_mounts(work)
         if left:
             bench.oddities.append(f"mounts left under the work dir at the end: {left}")
@@ -725,7 +672,7 @@ def main() -> None:
         **result,
         "table": [dict(zip(("measure", "layerfs", "baseline", "ratio", "target"), row,
                            strict=True)) for row in rows],
-        "daemon_logs": bench.scan_logs(),
+        "daemon_logs": bench.daemons.scan_logs(),
         "oddities": bench.oddities,
         "runtime_s": round(elapsed, 1),
         "method": (

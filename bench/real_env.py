@@ -53,19 +53,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import corpus
-from lazy_vs_prefetch import (
-    Node,
-    Throttle,
-    detach_mounts,
-    drop_caches,
-    git_head,
-    store_port,
-)
+from daemons import DaemonRuns, clear_dir, drop_caches
+from lazy_vs_prefetch import Throttle, git_head, store_port
 
 from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.node.daemon import mounts_under
-from layerfs.node.process import LAYERFS
+from layerfs.node.process import LAYERFS, DaemonProcess, detach_mounts
 from layerfs.registry import LAYERS, Registry
 from layerfs.store import open_store
 
@@ -266,35 +260,15 @@ class Bench:
         self.throttle = throttle
         self.env = env
         self.cmd = cmd
-        self.nodes: list[Node] = []
-        self.logs: list[Path] = []
         self.oddities: list[str] = []
-        self.runs = 0
+        self.daemons = DaemonRuns(work, self.oddities, "20G", args.read_timeout)
 
-    def node(self, tag: str) -> Node:
-        self.runs += 1
-        root = self.work / "node" / tag
-        left = detach_mounts(root)
-        if left:
-            self.oddities.append(f"mounts left under {root}: {left}")
-        shutil.rmtree(root, ignore_errors=True)
-        log = self.work / "logs" / f"{self.runs:02d}-{tag}.log"
-        log.unlink(missing_ok=True)
-        self.logs.append(log)
-        node = Node(root, self.store_args, log, "20G", self.args.read_timeout)
-        self.nodes.append(node)
-        return node.start()
+    def node(self, tag: str) -> DaemonProcess:
+        root = clear_dir(self.work / "node" / tag, self.oddities)
+        return self.daemons.start(root, tag, self.store_args)
 
-    def finish(self, node: Node) -> None:
-        code = node.stop()
-        self.nodes.remove(node)
-        if code != 0:
-            self.oddities.append(f"daemon exited {code}; see {node.log_path}")
-        left = mounts_under(node.root)
-        if left:
-            self.oddities.append(f"mounts left under {node.root}: {left}")
-            detach_mounts(node.root)
-        shutil.rmtree(node.root, ignore_errors=True)
+    def finish(self, node: DaemonProcess) -> None:
+        self.daemons.finish(node, remove_root=True)
 
     def cold(self, mode: str, rep: int) -> dict:
         prefetch = {"lazy": "none", "eager": "full"}[mode]
@@ -336,14 +310,6 @@ class Bench:
               (f"; warm test {out['warm_test_s']:.2f} s" if "warm_test_s" in out else "") +
               f" [{out['result']}]", flush=True)
         return out
-
-    def scan_logs(self) -> dict:
-        lines = []
-        for log in self.logs:
-            if log.exists():
-                lines += [f"{log.name}: {ln}" for ln in log.read_text(errors="replace").splitlines()
-                          if any(w in ln for w in ("ERROR", "WARNING", "Traceback"))]
-        return {"logs": len(self.logs), "problem_lines": len(lines), "first": lines[:20]}
 
 
 def main() -> None:
@@ -403,8 +369,7 @@ def main() -> None:
                 runs.append(bench.cold(mode, rep))
     finally:
         if bench is not None:
-            for node in list(bench.nodes):
-                node.stop()
+            bench.daemons.stop_all()
         stack.close()
         left = detach_mounts(work)
         if left:
@@ -438,7 +403,7 @@ def main() -> None:
         "env": env, "layers": layers, "image_blob_bytes": image_blob,
         "image_file_bytes": image_files, "runs": runs, "summary": summary,
         "cold_start_lazy_over_eager": round(ratio, 3),
-        "daemon_logs": bench.scan_logs(), "oddities": bench.oddities,
+        "daemon_logs": bench.daemons.scan_logs(), "oddities": bench.oddities,
         "prepare_s": round(prep_s, 1), "runtime_s": round(elapsed, 1),
         "method": (
             "Fresh daemon ROOT per run, page cache dropped before `up`; cold start = the `up` "
