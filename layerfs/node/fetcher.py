@@ -80,6 +80,7 @@ class ChunkFetcher:
         self.memory = MemoryChunks(memory)
         self._flights: dict[bytes, _Flight] = {}
         self._unwritten: dict[bytes, bytes] = {}  # fetched, cache file not written yet
+        self._written = trio.lowlevel.ParkingLot()  # woken when _unwritten empties
         self.nursery: trio.Nursery | None = None
         self.store_down_until = 0.0
 
@@ -194,11 +195,13 @@ class ChunkFetcher:
             log.warning("cannot write cache file for chunk %s: %s", sha.hex()[:16], exc)
         finally:
             self._unwritten.pop(sha, None)
+            if not self._unwritten:
+                self._written.unpark_all()
 
     async def writes_done(self) -> None:
         """Wait until every fetched chunk's cache file is written."""
         while self._unwritten:
-            await trio.sleep(0.005)
+            await self._written.park()
 
     async def prefetch(self, entries: list[ChunkEntry], workers: int = 1) -> None:
         """Fetch chunks in the background at low priority, in order, with up to
