@@ -6,11 +6,13 @@ measurement:
 
 * sequential read MB/s and 4 KiB random-read IOPS of (a) a writable disk over a
   sealed chain whose chunks are already in the node cache, (b) the same over a
-  cold chain (fresh node root: every chunk comes from the store on first
-  touch), against (baseline) a plain local sparse file with the same bytes;
+  cold chain (a fresh node root for each of the two measurements: every chunk
+  comes from the store on first touch), against (baseline) a plain local
+  sparse file with the same bytes; (a) and the baseline ``--reps`` times each,
+  alternating which goes first, medians reported;
 * commit time and stored bytes against the amount of data written.
 
-    python bench/block.py [--size-mb 512] [--work bench/work/block]
+    python bench/block.py [--size-mb 512] [--reps 3] [--work bench/work/block]
 
 Prints a table and writes bench/results/block.json.
 """
@@ -23,6 +25,7 @@ import mmap
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -105,6 +108,14 @@ def random_iops(dev: str, size: int, count: int, seed: int = 3) -> float:
     return count / (time.perf_counter() - start)
 
 
+def start(root: Path, store_url: str, daemons: list[NodeDaemon]) -> NodeDaemon:
+    """A daemon on ``root`` with disk ``d`` created on the sealed chain."""
+    node = NodeDaemon(root, ["--store", store_url]).start()
+    daemons.append(node)
+    node.cli("disk", "create", "d", "--base", "bench/disk@1")
+    return node
+
+
 def measure(dev: str, size: int, count: int) -> dict:
     return {"seq_mb_s": round(seq_read(dev), 1), "iops_4k": round(random_iops(dev, size, count))}
 
@@ -113,6 +124,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mb", type=int, default=512, help="disk size")
     ap.add_argument("--iops-reads", type=int, default=3000)
+    ap.add_argument("--reps", type=int, default=3,
+                    help="repetitions of the local and cached-chain measurements (medians)")
     ap.add_argument("--work", default=str(HERE / "work" / "block"))
     ap.add_argument("--out", default=str(HERE / "results" / "block.json"))
     args = ap.parse_args()
@@ -121,7 +134,7 @@ def main() -> None:
     size = args.size_mb * MiB
     image = work / "image.raw"
     make_image(image, size)
-    for d in ("store", "warm", "cold", "commit"):
+    for d in ("store", "warm", "cold", "cold1", "cold2", "commit"):
         shutil.rmtree(work / d, ignore_errors=True)
     store_url = f"file://{work / 'store'}"
     store = open_store(store_url)
@@ -130,22 +143,27 @@ def main() -> None:
     result: dict = {"disk_bytes": size, "data_bytes": base.manifest.stats.file_bytes,
                     "stored_bytes": base.manifest.stats.stored_bytes}
     try:
-        with loop(image) as dev:
-            result["local_file"] = measure(dev, size, args.iops_reads)
-        cold = NodeDaemon(work / "cold", ["--store", store_url]).start()
-        daemons.append(cold)
-        cold.cli("disk", "create", "d", "--base", "bench/disk@1")
-        with loop(cold.root / "fuse" / "disks" / "d") as dev:
-            result["cold_chain"] = measure(dev, size, args.iops_reads)
-        warm = NodeDaemon(work / "warm", ["--store", store_url]).start()
-        daemons.append(warm)
-        warm.cli("disk", "create", "d", "--base", "bench/disk@1")
+        cold = [start(work / f"cold{i}", store_url, daemons) for i in (1, 2)]
+        with loop(cold[0].root / "fuse" / "disks" / "d") as dev:
+            seq = seq_read(dev)
+        with loop(cold[1].root / "fuse" / "disks" / "d") as dev:
+            iops = random_iops(dev, size, args.iops_reads)
+        result["cold_chain"] = {"seq_mb_s": round(seq, 1), "iops_4k": round(iops)}
+        warm = start(work / "warm", store_url, daemons)
         disk = warm.root / "fuse" / "disks" / "d"
         with open(disk, "rb") as f:  # fetch every chunk into the node cache
             while f.read(8 * MiB):
                 pass
-        with loop(disk) as dev:
-            result["cached_chain"] = measure(dev, size, args.iops_reads)
+        with loop(image) as local_dev, loop(disk) as disk_dev:
+            runs: dict[str, list[dict]] = {"local_file": [], "cached_chain": []}
+            for rep in range(args.reps):  # alternate which goes first
+                order = [("local_file", local_dev), ("cached_chain", disk_dev)]
+                for name, dev in order[:: 1 if rep % 2 == 0 else -1]:
+                    runs[name].append(measure(dev, size, args.iops_reads))
+        for name, got in runs.items():
+            result[name] = {key: round(statistics.median(r[key] for r in got), 1)
+                            for key in got[0]}
+            result[name]["runs"] = got
         result["commits"] = commits(warm, size)
     finally:
         for d in daemons:
@@ -192,11 +210,11 @@ def report(r: dict) -> None:
     print(f"{'device':30} {'seq MB/s':>9} {'ratio':>6} {'4K IOPS':>8} {'ratio':>6}")
     local = r["local_file"]
     print(f"{'local sparse file (baseline)':30} {local['seq_mb_s']:9.1f} {'1.00':>6} "
-          f"{local['iops_4k']:8d} {'1.00':>6}")
+          f"{local['iops_4k']:8.0f} {'1.00':>6}")
     for name, label in (("cached_chain", "(a) writable, cached chain"),
                         ("cold_chain", "(b) writable, cold chain")):
         x = r[name]
-        print(f"{label:30} {x['seq_mb_s']:9.1f} {x['seq_ratio']:6.2f} {x['iops_4k']:8d} "
+        print(f"{label:30} {x['seq_mb_s']:9.1f} {x['seq_ratio']:6.2f} {x['iops_4k']:8.0f} "
               f"{x['iops_ratio']:6.2f}")
     print("target: (a) >= 0.3x the local file")
     print(f"{'commit of':12} {'seconds':>8} {'changed MiB':>12} {'stored MiB':>11}")

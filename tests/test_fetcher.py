@@ -1,4 +1,5 @@
-"""The chunk fetcher without a mount: single flight, failures and cancellation."""
+"""The chunk fetcher and blob files without a mount: single flight, failures,
+cancellation and readahead from the cache."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import trio
 
 from layerfs.cache.chunkcache import ChunkCache
 from layerfs.errors import StoreUnreachable
-from layerfs.formats.chunktable import RAW, ChunkEntry
+from layerfs.formats.chunktable import FILE_START, RAW, ChunkEntry, ChunkTable
+from layerfs.node.blobfiles import BlobFile
 from layerfs.node.fetcher import ChunkFetcher, FetchError
 
 DATA = b"chunk bytes " * 1000
@@ -120,3 +122,48 @@ def test_a_hung_store_is_eio_within_the_timeout(tmp_path):
 
     trio.run(main)
     store.release.set()
+
+
+class PackStore:
+    """Serves byte ranges of one pack; counts the calls."""
+
+    def __init__(self, pack: bytes) -> None:
+        self.pack = pack
+        self.calls = 0
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        self.calls += 1
+        return self.pack[start:end]
+
+
+def test_sequential_reads_bring_the_next_cached_chunks_of_the_file_into_memory(tmp_path):
+    """Readahead from the cache only: a stream's next chunks come into memory,
+    never past its file's end, never from the store; a random read brings none."""
+    size = 4096
+    chunks = [bytes([i]) * size for i in range(12)]
+    entries = [ChunkEntry(i * size, size, hashlib.sha256(c).digest(), "sha256:" + "0" * 64,
+                          i * size, size, RAW, FILE_START if i in (0, 8) else 0)
+               for i, c in enumerate(chunks)]
+    store = PackStore(b"".join(chunks))
+    f = fetcher(tmp_path, store)
+    for i, c in enumerate(chunks):
+        if i != 6:  # not cached: the kernel's readahead, not the daemon's, fetches it
+            f.cache.write(entries[i].sha256.hex(), c)
+    blob = BlobFile("sha256:" + "1" * 64, ChunkTable(entries, 12 * size, size), f, 16)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            f.nursery = nursery
+            assert await blob.read(9 * size, 100) == chunks[9][:100]  # starts no stream
+            await trio.sleep(0.2)
+            assert entries[10].sha256 not in f.memory
+            for i in range(5):  # a stream: chunks 0-4, reading ahead 0, 1, 2, 3, 4 chunks
+                assert await blob.read(i * size, size) == chunks[i]
+            await trio.sleep(0.2)
+            f.nursery = None
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    in_memory = [i for i, e in enumerate(entries) if e.sha256 in f.memory]
+    assert in_memory == [0, 1, 2, 3, 4, 5, 7, 9]  # 6 is not cached; 8 starts a file
+    assert store.calls == 0

@@ -1,8 +1,10 @@
 """Lazy blob files: a layer's logical data blob, read through its chunk table.
 
 Plain classes the FUSE adapter calls; tests can use them without a mount. A
-read maps its byte range to chunks, gets each from the fetcher (in parallel),
-copies the overlapping slices and leaves zeros for holes and padding.
+read maps its byte range to chunks, gets each from the fetcher (in parallel)
+and answers with views of the overlapping slices, zeros for holes and
+padding: a read inside one chunk copies nothing, any other read copies its
+bytes once.
 Readahead is the kernel's (EROFS and FUSE readahead windows, see the
 daemon); the first touch of each chunk is recorded in order (the layer's
 access trace).
@@ -16,11 +18,27 @@ from typing import TypeAlias
 
 import trio
 
-from ..formats.chunktable import ChunkEntry, ChunkTable
+from ..formats.chunktable import FILE_START, ChunkEntry, ChunkTable
 from .fetcher import ChunkFetcher
 
 FIRST_BLOB_INODE = 16
+CACHED_READAHEAD = 8  # at most this many chunks read ahead from the cache into memory
+RECENT_READS = 32  # streams (read ends) remembered per blob to tell sequential reads
 Buffer: TypeAlias = bytes | bytearray | memoryview
+ZEROS = bytes(1 << 20)  # shared by every hole a read returns
+
+
+def zeros(n: int) -> Buffer:
+    """``n`` zero bytes, without allocating when ``n`` is at most 1 MiB."""
+    return memoryview(ZEROS)[:n] if n <= len(ZEROS) else bytes(n)
+
+
+def joined(parts: list[Buffer]) -> Buffer:
+    """One buffer of the parts: the part itself when there is one, else one copy
+    (``bytes.join`` allocates once and does not zero first)."""
+    if len(parts) == 1:
+        return parts[0]
+    return b"".join(parts)
 
 
 @dataclass(eq=False)
@@ -33,6 +51,7 @@ class BlobFile:
     touched: set[int] = field(default_factory=set)
     trace: list[int] = field(default_factory=list)
     bytes_read: int = 0
+    ends: dict[int, int] = field(default_factory=dict)  # end of a recent read → its stream's reads
 
     def __post_init__(self) -> None:
         self.offsets = [e.blob_offset for e in self.table.entries]
@@ -52,38 +71,71 @@ class BlobFile:
         return range(first, last)
 
     async def read(self, off: int, size: int) -> Buffer:
-        """The bytes of ``[off, off + size)``; a view into the chunk when one
-        chunk holds them all (no copy), else a new buffer."""
+        """The bytes of ``[off, off + size)``: a view into the chunk when one
+        chunk holds them all (no copy), else one new buffer (one copy)."""
+        return joined(await self.read_parts(off, size))
+
+    async def read_parts(self, off: int, size: int) -> list[Buffer]:
+        """``[off, off + size)`` (cut at the end of the blob) as views into
+        its chunks, in order, with zeros for holes; chunks come in parallel."""
         end = min(off + size, self.size)
         if off >= end:
-            return b""
+            return []
         entries = self.table.entries
         wanted = [i for i in self.span(off, end)
                   if entries[i].blob_offset + entries[i].length > off]
         self._record(wanted)
         self.bytes_read += end - off
-        if len(wanted) == 1:  # the common case: one chunk, one copy
-            entry = entries[wanted[0]]
-            data = await self.fetcher.get(entry)
-            lo, hi = off - entry.blob_offset, end - entry.blob_offset
-            if lo >= 0 and hi <= entry.length:
-                return memoryview(data)[lo:hi]
-        out = bytearray(end - off)
+        depth = min(self._stream_length(off, end) - 1, CACHED_READAHEAD)
+        if depth > 0 and wanted:
+            self._read_ahead(wanted[-1], depth)
+        datas: list[Buffer] = [b""] * len(wanted)
 
-        async def copy(i: int) -> None:
-            entry = entries[i]
-            data = await self.fetcher.get(entry)
-            lo = max(off, entry.blob_offset)
-            hi = min(end, entry.blob_offset + entry.length)
-            out[lo - off : hi - off] = data[lo - entry.blob_offset : hi - entry.blob_offset]
+        async def get(k: int) -> None:
+            datas[k] = await self.fetcher.get(entries[wanted[k]])
 
         if len(wanted) == 1:
-            await copy(wanted[0])
+            await get(0)
         elif wanted:
             async with trio.open_nursery() as nursery:
-                for i in wanted:
-                    nursery.start_soon(copy, i)
-        return out
+                for k in range(len(wanted)):
+                    nursery.start_soon(get, k)
+        parts: list[Buffer] = []
+        pos = off
+        for k, i in enumerate(wanted):
+            entry = entries[i]
+            lo, hi = max(pos, entry.blob_offset), min(end, entry.blob_offset + entry.length)
+            if hi <= lo:
+                continue
+            if lo > pos:
+                parts.append(zeros(lo - pos))
+            parts.append(memoryview(datas[k])[lo - entry.blob_offset : hi - entry.blob_offset])
+            pos = hi
+        if pos < end:
+            parts.append(zeros(end - pos))
+        return parts
+
+    def _stream_length(self, off: int, end: int) -> int:
+        """How many reads in a row, this one included, ended where the next one
+        started (1 for a read that continues none; several streams may
+        interleave). Remembers where this one ends."""
+        length = self.ends.pop(off, 0) + 1
+        self.ends[end] = length
+        if len(self.ends) > RECENT_READS:
+            del self.ends[next(iter(self.ends))]
+        return length
+
+    def _read_ahead(self, last: int, depth: int) -> None:
+        """Bring up to ``depth`` chunks after ``last``, of the same file, into
+        memory if they are in the cache: their disk reads overlap the kernel's
+        next requests. The depth grows with the stream, so a file read only in
+        part costs few extra reads. Chunks not in the cache are left to the
+        kernel's readahead, which stops at the file's end."""
+        entries = self.table.entries
+        for i in range(last + 1, min(last + 1 + depth, len(entries))):
+            if entries[i].flags & FILE_START:
+                break
+            self.fetcher.warm(entries[i])
 
     def _record(self, indexes: list[int]) -> None:
         for i in indexes:

@@ -28,7 +28,7 @@ import trio
 
 from ..errors import UsageError
 from ..formats import lsmt
-from .blobfiles import BlobFile
+from .blobfiles import BlobFile, Buffer, joined, zeros
 
 log = logging.getLogger(__name__)
 SECTOR = lsmt.SECTOR
@@ -80,16 +80,23 @@ class SealedChain:
     def virtual_size(self) -> int:
         return self.layers[0].virtual_size if self.layers else 0
 
-    async def read_sectors(self, sector: int, count: int) -> bytearray:
-        out = bytearray(count * SECTOR)
+    async def read_parts(self, sector: int, count: int) -> list[Buffer]:
+        """The sectors as views into chunks and zeros, ``count * SECTOR`` bytes."""
+        parts: list[Buffer] = []
         for start, length, m in self.map.lookup(sector, count):
             if m is None or m.zeroed:
+                parts.append(zeros(length * SECTOR))
                 continue
             blob = self.layers[m.tag].blob
-            data = await blob.read((m.moffset + start - m.offset) * SECTOR, length * SECTOR)
-            pos = (start - sector) * SECTOR
-            out[pos : pos + len(data)] = data
-        return out
+            got = await blob.read_parts((m.moffset + start - m.offset) * SECTOR, length * SECTOR)
+            parts += padded(got, length * SECTOR)
+        return parts
+
+
+def padded(parts: list[Buffer], size: int) -> list[Buffer]:
+    """``parts`` followed by the zeros that make them ``size`` bytes long."""
+    short = size - sum(len(p) for p in parts)
+    return parts + [zeros(short)] if short > 0 else parts
 
 
 @dataclass
@@ -188,30 +195,33 @@ class WritableDisk:
         os.fsync(self.index_fd)
 
     # -- I/O (trio) --
-    async def read(self, off: int, size: int) -> bytes | memoryview:
+    async def read(self, off: int, size: int) -> Buffer:
         end = min(off + size, self.size)
         if off >= end:
             return b""
         first, last = off // SECTOR, -(-end // SECTOR)
-        raw = await self.read_sectors(first, last - first)
+        raw = joined(await self.read_parts(first, last - first))
+        if off == first * SECTOR and end == last * SECTOR:
+            return raw
         return memoryview(raw)[off - first * SECTOR : end - first * SECTOR]
 
-    async def read_sectors(self, sector: int, count: int) -> bytearray:
-        out = bytearray(count * SECTOR)
+    async def read_parts(self, sector: int, count: int) -> list[Buffer]:
+        """The sectors as buffers, in order: the writable layer's, then the
+        chain's (views into its chunks), then zeros."""
+        parts: list[Buffer] = []
         for start, length, m in self.map.lookup(sector, count):
-            pos = (start - sector) * SECTOR
-            data: bytes | bytearray
+            data: list[Buffer]
             if m is not None:
                 fpos = (m.moffset + start - m.offset) * SECTOR
-                data = await trio.to_thread.run_sync(os.pread, self.data_fd, length * SECTOR,
-                                                     fpos, limiter=self.io)
+                data = [await trio.to_thread.run_sync(os.pread, self.data_fd, length * SECTOR,
+                                                      fpos, limiter=self.io)]
             elif self.chain is not None and start < self.chain.virtual_size // SECTOR:
                 n = min(length, self.chain.virtual_size // SECTOR - start)
-                data = await self.chain.read_sectors(start, n)
+                data = await self.chain.read_parts(start, n)
             else:
-                continue
-            out[pos : pos + len(data)] = data
-        return out
+                data = []
+            parts += padded(data, length * SECTOR)
+        return parts
 
     async def write(self, off: int, buf: bytes) -> int:
         if off + len(buf) > self.size:
@@ -221,7 +231,7 @@ class WritableDisk:
         async with self.lock:
             first, last = off // SECTOR, -(-(off + len(buf)) // SECTOR)
             if off % SECTOR or (off + len(buf)) % SECTOR:
-                whole = await self.read_sectors(first, last - first)
+                whole = bytearray(joined(await self.read_parts(first, last - first)))
                 whole[off - first * SECTOR : off - first * SECTOR + len(buf)] = buf
                 data = bytes(whole)
             else:

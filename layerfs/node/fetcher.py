@@ -57,6 +57,9 @@ class MemoryChunks:
             self._items.move_to_end(sha)
         return data
 
+    def __contains__(self, sha: bytes) -> bool:
+        return sha in self._items
+
     def put(self, sha: bytes, data: bytes) -> None:
         if sha in self._items or len(data) > self.limit:
             return
@@ -116,6 +119,21 @@ class ChunkFetcher:
         finally:
             del self._flights[entry.sha256]
             flight.done.set()
+
+    def warm(self, entry: ChunkEntry) -> None:
+        """Read a chunk that is in the cache into memory in the background (a
+        sequential reader's next chunk); never a store fetch for it."""
+        sha = entry.sha256
+        if (self.nursery is None or sha in self.memory or sha in self._flights
+                or sha in self._unwritten or not self.cache.contains(sha.hex())):
+            return
+        self.nursery.start_soon(self._warm, entry)
+
+    async def _warm(self, entry: ChunkEntry) -> None:
+        try:
+            await self.get(entry)
+        except FetchError:
+            pass  # logged; the reader that wants it tries again
 
     async def fetch_all(self, entries: list[ChunkEntry], workers: int) -> None:
         """Fetch every chunk not yet cached with a bounded pool of workers (the
