@@ -299,11 +299,12 @@ def test_s3_unreachable_endpoint(aws_env: None) -> None:
     endpoint = f"http://127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
     store = S3Store("layerfs-test", endpoint=endpoint, retry=RetryPolicy(attempts=2, base_delay=0))
     started = time.monotonic()
-    with pytest.raises(StoreUnreachable) as info:
-        store.get("refs/x")
+    for call in (lambda: store.get("refs/x"), lambda: store.get("refs/x", 0, 10)):
+        with pytest.raises(StoreUnreachable) as info:
+            call()
+        assert endpoint in str(info.value)
+        assert info.value.exit_code == 8
     assert time.monotonic() - started < 10
-    assert endpoint in str(info.value)
-    assert info.value.exit_code == 8
 
 
 def test_s3_makes_one_attempt_per_retry(aws_env: None) -> None:
@@ -318,7 +319,8 @@ def test_s3_makes_one_attempt_per_retry(aws_env: None) -> None:
 
 def test_s3_missing_bucket(s3_server: S3Server) -> None:
     store = S3Store(f"missing-{uuid.uuid4().hex[:8]}", endpoint=s3_server.endpoint)
-    for call in (lambda: store.get("refs/x"), lambda: store.list(), lambda: store.put("k", b"")):
+    for call in (lambda: store.get("refs/x"), lambda: store.get("refs/x", 1, 5),
+                 lambda: store.list(), lambda: store.put("k", b"")):
         with pytest.raises(StoreError, match="does not exist") as info:
             call()
         assert type(info.value) is StoreError
@@ -334,9 +336,24 @@ def test_s3_bad_credentials_are_access_denied(
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     store = S3Store("layerfs-test", "denied", endpoint=s3_server.endpoint, retry=INSTANT)
-    for call in (lambda: store.get("refs/x"), lambda: store.put("refs/x", b"1"), store.list):
+    for call in (lambda: store.get("refs/x"), lambda: store.get("refs/x", 0, 1),
+                 lambda: store.put("refs/x", b"1"), store.list):
         with pytest.raises(AccessDenied):
             call()
+
+
+def test_s3_ranged_get_presigns_again_after_a_403(s3_server: S3Server) -> None:
+    """A reused presigned URL that the server refuses (credentials rotated) is
+    signed again once; the read succeeds."""
+    store = S3Store("layerfs-test", f"t/{uuid.uuid4().hex}", endpoint=s3_server.endpoint)
+    store.put("blobs/p", DATA)
+    assert store.get("blobs/p", 10, 20) == DATA[10:20]
+    key = store._key("blobs/p")
+    url, at = store.ranges._urls[key]
+    tampered = url.replace("X-Amz-Signature=", "X-Amz-Signature=0")
+    store.ranges._urls[key] = (tampered, at)
+    assert store.get("blobs/p", 30, 40) == DATA[30:40]
+    assert store.ranges._urls[key][0] != tampered
 
 
 def test_s3_honours_if_none_match(s3_server: S3Server) -> None:

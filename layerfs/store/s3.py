@@ -5,7 +5,8 @@ given an endpoint (constructor argument, else ``AWS_ENDPOINT_URL_S3`` /
 ``AWS_ENDPOINT_URL``). Credentials come from the standard AWS chain. botocore
 makes one attempt per call; :class:`~layerfs.store.base.RetryPolicy` does the
 retries. One boto3 client per store, shared by all threads (clients are thread
-safe). Errors are mapped to :mod:`layerfs.errors`.
+safe); ranged GETs (chunk fetches) go through :mod:`layerfs.store.s3ranges`
+(presigned by that client). Errors are mapped to :mod:`layerfs.errors`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from botocore.config import Config
 from ..errors import AccessDenied, StoreError, StoreUnreachable, TransientStoreError, UsageError
 from .base import ObjectInfo, RetryPolicy, Store
 from .keys import check_key, check_prefix
+from .s3ranges import Missing, RangeReader
 
 NOT_FOUND = {"NoSuchKey", "NotFound", "404"}
 DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch",
@@ -50,6 +52,7 @@ def client_config() -> Config:
         read_timeout=30,
         retries={"total_max_attempts": 1, "mode": "standard"},
         max_pool_connections=32,
+        signature_version="s3v4",  # presigned URLs too (botocore presigns with SigV2 otherwise)
     )
 
 
@@ -102,6 +105,7 @@ class S3Store(Store):
         if retry is not None:
             self.retry = retry
         self.client = make_client(self.endpoint)
+        self.ranges = RangeReader(self.client, bucket, self.where)
         self._conditional_put = True
 
     @classmethod
@@ -171,19 +175,22 @@ class S3Store(Store):
             if self._head(key) is None:
                 raise self.missing(key)
             return b""
-        ranged = first > 0 or end is not None
-        kwargs = {"Range": f"bytes={first}-{'' if end is None else end - 1}"} if ranged else {}
+        if first > 0 or end is not None:  # chunk fetches: the lean path
+            try:
+                return self.ranges.get(full, first, end)
+            except Missing as exc:
+                if exc.code != "NoSuchBucket":
+                    raise self.missing(key) from None
+                raise StoreError(f"bucket {self.bucket!r} does not exist at {self.where}") from None
+            except bx.BotoCoreError as exc:  # presigning: credentials
+                raise self._error(exc, key, "get") from exc
         try:
-            response = self.client.get_object(Bucket=self.bucket, Key=full, **kwargs)
+            response = self.client.get_object(Bucket=self.bucket, Key=full)
             data: bytes = response["Body"].read()
         except bx.ClientError as exc:
-            if _code(exc)[0] == "InvalidRange":  # start at or past the end
-                return b""
             raise self._error(exc, key, "get") from exc
         except bx.BotoCoreError as exc:
             raise self._error(exc, key, "get") from exc
-        if ranged and "ContentRange" not in response:  # server ignored Range
-            data = data[first:end]
         return data
 
     def _head(self, key: str) -> ObjectInfo | None:
@@ -290,4 +297,5 @@ class S3Store(Store):
             raise self._error(exc, "", "create bucket") from exc
 
     def close(self) -> None:
+        self.ranges.close()
         self.client.close()

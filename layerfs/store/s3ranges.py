@@ -1,0 +1,115 @@
+"""Ranged GETs of S3 objects without boto3's per-call machinery.
+
+A chunk fetch is one ranged GET of a pack. Through a boto3 client such a call
+costs about 2 ms of CPU (request building, signing, event hooks, response
+parsing), as much as the network time of a small chunk and more than its
+hashing and decompression together. Here boto3 still does everything S3
+specific (credentials, region, endpoint, addressing style, signing): it
+presigns a GET of each object once, and the URL is reused for every range of
+that object with a ``Range`` header (not part of the signature), over one
+urllib3 connection pool. A URL is reused for ``REUSE_SECONDS`` and signed for
+``SIGNED_SECONDS``; a 403 on a reused URL (rotated or expired credentials)
+presigns again once. Status codes and connection failures map to the same
+:mod:`layerfs.errors` as the boto3 path.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Any
+
+import urllib3
+
+from ..errors import AccessDenied, StoreError, StoreUnreachable, TransientStoreError
+
+SIGNED_SECONDS = 3600
+REUSE_SECONDS = 600  # well inside the signature's life and short-lived credentials
+MAX_URLS = 4096  # presigned URLs kept (one per recently read object)
+_CODE = re.compile(rb"<Code>([^<]*)</Code>")
+
+UNREACHABLE = (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError)
+TRANSIENT_IO = (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError,
+                urllib3.exceptions.IncompleteRead)  # fmt: skip
+
+
+class Missing(Exception):
+    """The object (or its bucket) is not there; the caller says which."""
+
+    def __init__(self, code: str) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+class RangeReader:
+    """Ranged GETs of ``bucket`` objects; thread safe."""
+
+    def __init__(self, client: Any, bucket: str, where: str, pool_size: int = 32,
+                 connect_timeout: float = 3.0, read_timeout: float = 30.0) -> None:
+        self.client = client
+        self.bucket = bucket
+        self.where = where
+        self.pool = urllib3.PoolManager(
+            maxsize=pool_size, block=False, retries=False,
+            timeout=urllib3.Timeout(connect=connect_timeout, read=read_timeout))
+        self._urls: dict[str, tuple[str, float]] = {}  # key → (URL, presigned at)
+        self._lock = threading.Lock()
+
+    def _url(self, key: str, fresh: bool) -> str:
+        now = time.monotonic()
+        with self._lock:
+            known = self._urls.get(key)
+        if known is not None and not fresh and now - known[1] < REUSE_SECONDS:
+            return known[0]
+        url: str = self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=SIGNED_SECONDS)
+        with self._lock:
+            if len(self._urls) >= MAX_URLS:
+                self._urls.clear()
+            self._urls[key] = (url, now)
+        return url
+
+    def get(self, key: str, start: int, end: int | None) -> bytes:
+        """Bytes ``[start, end)`` of ``key`` (to its end with ``end`` None); b""
+        for a range that starts at or past the end. Raises Missing, or the
+        errors of :mod:`layerfs.errors`."""
+        headers = {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
+        for fresh in (False, True):
+            reply = self._request(self._url(key, fresh), headers, key)
+            if reply.status in (200, 206):
+                data: bytes = reply.data
+                if reply.status == 200:  # the server ignored Range
+                    data = data[start:end]
+                return data
+            if reply.status != 403 or fresh:
+                break
+        return self._failed(reply, key)
+
+    def _request(self, url: str, headers: dict[str, str], key: str) -> Any:
+        try:
+            return self.pool.request("GET", url, headers=headers, preload_content=True,
+                                     redirect=False)
+        except UNREACHABLE as exc:
+            raise StoreUnreachable(f"{self.where}: {exc}") from exc
+        except TRANSIENT_IO as exc:
+            raise TransientStoreError(f"get {key} at {self.where}: {exc}") from exc
+        except urllib3.exceptions.HTTPError as exc:
+            raise StoreError(f"get {key} at {self.where}: {exc}") from exc
+
+    def _failed(self, reply: Any, key: str) -> bytes:
+        found = _CODE.search(reply.data or b"")
+        code = found.group(1).decode(errors="replace") if found else str(reply.status)
+        what = f"get {key} at {self.where}: {code} (HTTP {reply.status})"
+        if reply.status == 416 or code == "InvalidRange":
+            return b""
+        if reply.status == 404 or code in ("NoSuchKey", "NoSuchBucket"):
+            raise Missing(code)
+        if reply.status == 403:
+            raise AccessDenied(what)
+        if reply.status >= 500 or reply.status == 429 or code == "SlowDown":
+            raise TransientStoreError(what)
+        raise StoreError(what)
+
+    def close(self) -> None:
+        self.pool.clear()
