@@ -4,12 +4,13 @@ cancellation and readahead from the cache."""
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 
 import pytest
 import trio
 
-from layerfs.cache.chunkcache import ChunkCache
+from layerfs.cache.chunkcache import BLOCK, ChunkCache
 from layerfs.errors import StoreUnreachable
 from layerfs.formats.chunktable import FILE_START, RAW, ChunkEntry, ChunkTable
 from layerfs.node.blobfiles import BlobFile
@@ -167,3 +168,26 @@ def test_sequential_reads_bring_the_next_cached_chunks_of_the_file_into_memory(t
     in_memory = [i for i, e in enumerate(entries) if e.sha256 in f.memory]
     assert in_memory == [0, 1, 2, 3, 4, 5, 7, 9]  # 6 is not cached; 8 starts a file
     assert store.calls == 0
+
+
+def test_a_small_random_read_of_a_cached_chunk_reads_only_its_blocks(tmp_path):
+    data = os.urandom(BLOCK * 8)
+    entry = ChunkEntry(0, len(data), hashlib.sha256(data).digest(), "sha256:" + "0" * 64, 0,
+                       len(data), RAW, FILE_START)
+    store = PackStore(data)
+    f = fetcher(tmp_path, store)
+    f.cache.write(entry.sha256.hex(), data)
+    blob = BlobFile("sha256:" + "2" * 64, ChunkTable([entry], len(data), len(data)), f, 16)
+    path = f.cache._path(entry.sha256.hex())
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) - len(data) + 6 * BLOCK] ^= 1  # damage block 6: a read of block 2 is served
+    path.write_bytes(raw)
+
+    async def main() -> None:
+        assert await blob.read(2 * BLOCK + 5, 4096) == data[2 * BLOCK + 5 : 2 * BLOCK + 4101]
+        assert entry.sha256 not in f.memory  # a part, not the chunk
+        assert await blob.read(6 * BLOCK, 4096) == data[6 * BLOCK : 6 * BLOCK + 4096]
+
+    trio.run(main)
+    assert store.calls == 1  # block 6 was damaged: dropped, the chunk fetched again
+    assert f.cache.snapshot()["corrupt"] == 1

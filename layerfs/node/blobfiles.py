@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import TypeAlias
 
 import trio
 
 from ..formats.chunktable import FILE_START, ChunkEntry, ChunkTable
-from .fetcher import ChunkFetcher
+from .fetcher import Buffer, ChunkFetcher
 
 FIRST_BLOB_INODE = 16
 CACHED_READAHEAD = 8  # at most this many chunks read ahead from the cache into memory
+PART_READ_FRACTION = 4  # a random read of at most 1/4 of a cached chunk reads just that
 RECENT_READS = 32  # streams (read ends) remembered per blob to tell sequential reads
-Buffer: TypeAlias = bytes | bytearray | memoryview
 ZEROS = bytes(1 << 20)  # shared by every hole a read returns
 
 
@@ -77,39 +76,46 @@ class BlobFile:
 
     async def read_parts(self, off: int, size: int) -> list[Buffer]:
         """``[off, off + size)`` (cut at the end of the blob) as views into
-        its chunks, in order, with zeros for holes; chunks come in parallel."""
+        its chunks, in order, with zeros for holes; chunks come in parallel.
+        A read that continues a stream reads ahead from the cache; a read that
+        does not and needs a small part of a chunk gets only that part."""
         end = min(off + size, self.size)
         if off >= end:
             return []
         entries = self.table.entries
-        wanted = [i for i in self.span(off, end)
-                  if entries[i].blob_offset + entries[i].length > off]
-        self._record(wanted)
+        pieces = [(i, max(off, e.blob_offset), min(end, e.blob_offset + e.length))
+                  for i in self.span(off, end) if (e := entries[i]).blob_offset + e.length > off]
+        pieces = [(i, lo, hi) for i, lo, hi in pieces if hi > lo]
+        self._record([i for i, _, _ in pieces])
         self.bytes_read += end - off
         depth = min(self._stream_length(off, end) - 1, CACHED_READAHEAD)
-        if depth > 0 and wanted:
-            self._read_ahead(wanted[-1], depth)
-        datas: list[Buffer] = [b""] * len(wanted)
+        if depth > 0 and pieces:
+            self._read_ahead(pieces[-1][0], depth)
+        datas: list[Buffer] = [b""] * len(pieces)
 
         async def get(k: int) -> None:
-            datas[k] = await self.fetcher.get(entries[wanted[k]])
+            i, lo, hi = pieces[k]
+            entry = entries[i]
+            lo, hi = lo - entry.blob_offset, hi - entry.blob_offset
+            if depth <= 0 and (hi - lo) * PART_READ_FRACTION <= entry.length:
+                datas[k] = await self.fetcher.get_range(entry, lo, hi)
+            else:
+                datas[k] = memoryview(await self.fetcher.get(entry))[lo:hi]
 
-        if len(wanted) == 1:
+        if len(pieces) == 1:
             await get(0)
-        elif wanted:
+        elif pieces:
             async with trio.open_nursery() as nursery:
-                for k in range(len(wanted)):
+                for k in range(len(pieces)):
                     nursery.start_soon(get, k)
         parts: list[Buffer] = []
         pos = off
-        for k, i in enumerate(wanted):
-            entry = entries[i]
-            lo, hi = max(pos, entry.blob_offset), min(end, entry.blob_offset + entry.length)
-            if hi <= lo:
+        for (_, lo, hi), data in zip(pieces, datas, strict=True):
+            if hi <= pos:  # entries never overlap in a valid table; never answer more
                 continue
             if lo > pos:
                 parts.append(zeros(lo - pos))
-            parts.append(memoryview(datas[k])[lo - entry.blob_offset : hi - entry.blob_offset])
+            parts.append(memoryview(data)[max(pos - lo, 0):])
             pos = hi
         if pos < end:
             parts.append(zeros(end - pos))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import trio
 
@@ -23,6 +24,8 @@ from ..chunks import fetch_chunk
 from ..errors import LayerfsError, StoreUnreachable, TransientStoreError
 from ..formats.chunktable import ChunkEntry
 from ..store.base import Store
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
 
 log = logging.getLogger(__name__)
 STORE_COOLDOWN = 2.0  # seconds uncached reads fail fast after the store failed
@@ -119,6 +122,23 @@ class ChunkFetcher:
         finally:
             del self._flights[entry.sha256]
             flight.done.set()
+
+    async def get_range(self, entry: ChunkEntry, lo: int, hi: int) -> Buffer:
+        """Bytes ``[lo, hi)`` of one chunk. From memory or a flight if there;
+        else, if the chunk is cached, only the cache file's blocks that hold
+        them (a small random read: the chunk is not kept in memory); else the
+        whole chunk, as :meth:`get`."""
+        sha = entry.sha256
+        cached = (sha not in self.memory and sha not in self._flights
+                  and sha not in self._unwritten and self.cache.contains(sha.hex()))
+        if cached:
+            with trio.move_on_after(self.timeout):
+                part = await trio.to_thread.run_sync(self.cache.read_range, sha.hex(), lo, hi,
+                                                     limiter=self.io_limit,
+                                                     abandon_on_cancel=True)
+                if part is not None and len(part) == hi - lo:
+                    return part
+        return memoryview(await self.get(entry))[lo:hi]
 
     def warm(self, entry: ChunkEntry) -> None:
         """Read a chunk that is in the cache into memory in the background (a
