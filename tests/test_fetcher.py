@@ -166,7 +166,8 @@ def test_sequential_reads_bring_the_next_cached_chunks_of_the_file_into_memory(t
 
     trio.run(main)
     in_memory = [i for i, e in enumerate(entries) if e.sha256 in f.memory]
-    assert in_memory == [0, 1, 2, 3, 4, 5, 7, 9]  # 6 is not cached; 8 starts a file
+    # 6 is not cached; 8 starts a file; the random read took a part of 9
+    assert in_memory == [0, 1, 2, 3, 4, 5, 7]
     assert store.calls == 0
 
 
