@@ -5,9 +5,11 @@ read maps its byte range to chunks, gets each from the fetcher (in parallel)
 and answers with views of the overlapping slices, zeros for holes and
 padding: a read inside one chunk copies nothing, any other read copies its
 bytes once.
-Readahead is the kernel's (EROFS and FUSE readahead windows, see the
-daemon); the first touch of each chunk is recorded in order (the layer's
-access trace).
+Readahead from the store is the kernel's (EROFS and FUSE readahead windows,
+see the daemon); a sequential stream's next cached chunks are read into
+memory ahead of it, and a small random read of a cached chunk reads only the
+blocks it needs. The first touch of each chunk is recorded in order (the
+layer's access trace).
 """
 
 from __future__ import annotations
@@ -38,6 +40,24 @@ def joined(parts: list[Buffer]) -> Buffer:
     if len(parts) == 1:
         return parts[0]
     return b"".join(parts)
+
+
+def laid_out(pieces: list[tuple[int, int, int]], datas: list[Buffer], off: int,
+             end: int) -> list[Buffer]:
+    """The pieces' bytes (``(index, lo, hi)`` blob ranges, in order) as the
+    buffers of ``[off, end)``, with zeros where no piece covers it."""
+    parts: list[Buffer] = []
+    pos = off
+    for (_, lo, hi), data in zip(pieces, datas, strict=True):
+        if hi <= pos:  # entries never overlap in a valid table; never answer more
+            continue
+        if lo > pos:
+            parts.append(zeros(lo - pos))
+        parts.append(memoryview(data)[max(pos - lo, 0):])
+        pos = hi
+    if pos < end:
+        parts.append(zeros(end - pos))
+    return parts
 
 
 @dataclass(eq=False)
@@ -108,18 +128,7 @@ class BlobFile:
             async with trio.open_nursery() as nursery:
                 for k in range(len(pieces)):
                     nursery.start_soon(get, k)
-        parts: list[Buffer] = []
-        pos = off
-        for (_, lo, hi), data in zip(pieces, datas, strict=True):
-            if hi <= pos:  # entries never overlap in a valid table; never answer more
-                continue
-            if lo > pos:
-                parts.append(zeros(lo - pos))
-            parts.append(memoryview(data)[max(pos - lo, 0):])
-            pos = hi
-        if pos < end:
-            parts.append(zeros(end - pos))
-        return parts
+        return laid_out(pieces, datas, off, end)
 
     def _stream_length(self, off: int, end: int) -> int:
         """How many reads in a row, this one included, ended where the next one

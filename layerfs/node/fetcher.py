@@ -129,9 +129,7 @@ class ChunkFetcher:
         them (a small random read: the chunk is not kept in memory); else the
         whole chunk, as :meth:`get`."""
         sha = entry.sha256
-        cached = (sha not in self.memory and sha not in self._flights
-                  and sha not in self._unwritten and self.cache.contains(sha.hex()))
-        if cached:
+        if self._only_in_cache(sha):
             with trio.move_on_after(self.timeout):
                 part = await trio.to_thread.run_sync(self.cache.read_range, sha.hex(), lo, hi,
                                                      limiter=self.io_limit,
@@ -143,11 +141,14 @@ class ChunkFetcher:
     def warm(self, entry: ChunkEntry) -> None:
         """Read a chunk that is in the cache into memory in the background (a
         sequential reader's next chunk); never a store fetch for it."""
-        sha = entry.sha256
-        if (self.nursery is None or sha in self.memory or sha in self._flights
-                or sha in self._unwritten or not self.cache.contains(sha.hex())):
-            return
-        self.nursery.start_soon(self._warm, entry)
+        if self.nursery is not None and self._only_in_cache(entry.sha256):
+            self.nursery.start_soon(self._warm, entry)
+
+    def _only_in_cache(self, sha: bytes) -> bool:
+        """The chunk is in the cache index and in neither memory, a flight nor
+        the pending writes (an index lookup, no I/O)."""
+        return (sha not in self.memory and sha not in self._flights
+                and sha not in self._unwritten and self.cache.contains(sha.hex()))
 
     async def _warm(self, entry: ChunkEntry) -> None:
         try:
