@@ -371,20 +371,25 @@ def make_tasks(p: Params, layers: list[dict], envs: list[dict]) -> list[dict]:
 
 def union_bytes(doc: dict, count: int) -> int:
     """Bytes of the distinct 1 MiB file chunks the first ``count`` tasks read (what a
-    lazy node must fetch at least, tiny inline files aside)."""
-    sizes = {path: size for lay in doc["layers"].values() for path, size in lay["file_list"]}
-    touched: set[tuple[str, int]] = set()
+    lazy node must fetch at least, tiny inline files aside). A path names a file of
+    the topmost layer of the task's env that has it: equal paths in other layers
+    (two bases) are other files."""
+    sizes = {name: dict(lay["file_list"]) for name, lay in doc["layers"].items()}
+    env_layers = {env["ref"]: env["layers"] for env in doc["envs"]}
+    touched: set[tuple[str, str, int]] = set()
     total = 0
     for task in doc["tasks"][:count]:
+        layers = env_layers[task["env"]]  # top first
         items = [i for name in task["start_layers"] for i in doc["layers"][name]["hot"]]
         for path, off, n in items + task["reads"]:
-            size = sizes.get(path, 0)
+            owner = next((name for name in layers if path in sizes[name]), None)
+            size = sizes[owner][path] if owner else 0
             if size <= 4000:
                 continue
             end = size if n < 0 else min(size, off + n)
             for c in range(off // MiB, (end - 1) // MiB + 1):
-                if (path, c) not in touched:
-                    touched.add((path, c))
+                if (owner, path, c) not in touched:
+                    touched.add((owner, path, c))
                     total += min(MiB, size - c * MiB)
     return total
 
