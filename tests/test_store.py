@@ -36,6 +36,7 @@ from layerfs.store import (
 from layerfs.store.file import FileStore
 from layerfs.store.keys import TEMP_MARK
 from layerfs.store.s3 import S3Store
+from layerfs.store.s3ranges import Missing, RangeReader, Unsupported
 
 DATA = bytes(range(256)) * 4  # 1024 bytes
 INSTANT = RetryPolicy(attempts=4, base_delay=0)
@@ -399,6 +400,52 @@ ERROR_MAP: list[tuple[Exception, type[StoreError]]] = [
 def test_s3_error_mapping(aws_env: None, exc: Exception, expected: type[StoreError]) -> None:
     store = S3Store("bkt", "pre", endpoint="http://127.0.0.1:9")
     assert type(store._error(exc, "refs/k", "get")) is expected
+
+
+class Reply:
+    def __init__(self, status: int, code: str = "") -> None:
+        self.status = status
+        self.data = f"<Error><Code>{code}</Code></Error>".encode() if code else b""
+
+
+RANGE_ERRORS: list[tuple[Reply, type[Exception] | None]] = [
+    (Reply(416, "InvalidRange"), None),
+    (Reply(404, "NoSuchKey"), Missing),
+    (Reply(404, "NoSuchBucket"), Missing),
+    (Reply(403, "AccessDenied"), AccessDenied),
+    (Reply(503, "SlowDown"), TransientStoreError),
+    (Reply(500), TransientStoreError),
+    (Reply(301, "PermanentRedirect"), Unsupported),
+    (Reply(400, "AuthorizationQueryParametersError"), Unsupported),
+    (Reply(400, "InvalidArgument"), StoreError),
+]
+
+
+@pytest.mark.parametrize(("reply", "expected"), RANGE_ERRORS,
+                         ids=lambda v: f"{v.status}" if isinstance(v, Reply) else "")
+def test_s3_ranged_get_error_mapping(reply: Reply, expected: type[Exception] | None) -> None:
+    reader = RangeReader(None, "bkt", "http://127.0.0.1:9")
+    if expected is None:
+        assert reader._failed(reply, "k") == b""
+    else:
+        with pytest.raises(expected) as info:
+            reader._failed(reply, "k")
+        assert type(info.value) is expected
+
+
+def test_s3_ranged_gets_fall_back_to_boto3_where_refused(s3_server: S3Server) -> None:
+    store = S3Store("layerfs-test", f"t/{uuid.uuid4().hex}", endpoint=s3_server.endpoint)
+    store.put("blobs/p", DATA)
+    assert store.ranges is not None
+
+    def refuse(key: str, start: int, end: int | None) -> bytes:
+        raise Unsupported("query authentication refused")
+
+    store.ranges.get = refuse  # type: ignore[method-assign]
+    assert store.get("blobs/p", 1, 5) == DATA[1:5]
+    assert store.ranges is None  # from now on, boto3 calls
+    assert store.get("blobs/p", 1000, None) == DATA[1000:]
+    assert store.get("blobs/p", 2000, None) == b""
 
 
 def test_s3_no_such_bucket_message(aws_env: None) -> None:

@@ -11,6 +11,7 @@ safe); ranged GETs (chunk fetches) go through :mod:`layerfs.store.s3ranges`
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -24,8 +25,9 @@ from botocore.config import Config
 from ..errors import AccessDenied, StoreError, StoreUnreachable, TransientStoreError, UsageError
 from .base import ObjectInfo, RetryPolicy, Store
 from .keys import check_key, check_prefix
-from .s3ranges import Missing, RangeReader
+from .s3ranges import Missing, RangeReader, Unsupported
 
+log = logging.getLogger(__name__)
 NOT_FOUND = {"NoSuchKey", "NotFound", "404"}
 DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch",
           "AllAccessDisabled", "ExpiredToken", "InvalidToken", "AccountProblem"}  # fmt: skip
@@ -105,7 +107,7 @@ class S3Store(Store):
         if retry is not None:
             self.retry = retry
         self.client = make_client(self.endpoint)
-        self.ranges = RangeReader(self.client, bucket, self.where)
+        self.ranges: RangeReader | None = RangeReader(self.client, bucket, self.where)
         self._conditional_put = True
 
     @classmethod
@@ -175,22 +177,32 @@ class S3Store(Store):
             if self._head(key) is None:
                 raise self.missing(key)
             return b""
-        if first > 0 or end is not None:  # chunk fetches: the lean path
+        ranged = first > 0 or end is not None
+        if ranged and self.ranges is not None:  # chunk fetches: the lean path
             try:
                 return self.ranges.get(full, first, end)
             except Missing as exc:
                 if exc.code != "NoSuchBucket":
                     raise self.missing(key) from None
                 raise StoreError(f"bucket {self.bucket!r} does not exist at {self.where}") from None
+            except Unsupported as exc:
+                log.warning("%s: presigned ranged GETs refused (%s); using boto3 calls",
+                            self.where, exc)
+                self.ranges = None
             except bx.BotoCoreError as exc:  # presigning: credentials
                 raise self._error(exc, key, "get") from exc
+        kwargs = {"Range": f"bytes={first}-{'' if end is None else end - 1}"} if ranged else {}
         try:
-            response = self.client.get_object(Bucket=self.bucket, Key=full)
+            response = self.client.get_object(Bucket=self.bucket, Key=full, **kwargs)
             data: bytes = response["Body"].read()
         except bx.ClientError as exc:
+            if _code(exc)[0] == "InvalidRange":  # start at or past the end
+                return b""
             raise self._error(exc, key, "get") from exc
         except bx.BotoCoreError as exc:
             raise self._error(exc, key, "get") from exc
+        if ranged and "ContentRange" not in response:  # server ignored Range
+            data = data[first:end]
         return data
 
     def _head(self, key: str) -> ObjectInfo | None:
@@ -297,5 +309,6 @@ class S3Store(Store):
             raise self._error(exc, "", "create bucket") from exc
 
     def close(self) -> None:
-        self.ranges.close()
+        if self.ranges is not None:
+            self.ranges.close()
         self.client.close()

@@ -10,7 +10,9 @@ that object with a ``Range`` header (not part of the signature), over one
 urllib3 connection pool. A URL is reused for ``REUSE_SECONDS`` and signed for
 ``SIGNED_SECONDS``; a 403 on a reused URL (rotated or expired credentials)
 presigns again once. Status codes and connection failures map to the same
-:mod:`layerfs.errors` as the boto3 path.
+:mod:`layerfs.errors` as the boto3 path; an endpoint that redirects or refuses
+query authentication raises :class:`Unsupported`, and the store goes back to
+boto3 calls.
 """
 
 from __future__ import annotations
@@ -40,6 +42,15 @@ class Missing(Exception):
     def __init__(self, code: str) -> None:
         super().__init__(code)
         self.code = code
+
+
+class Unsupported(Exception):
+    """The endpoint does not serve presigned ranged GETs here (a redirect to
+    another region, query authentication refused): use the client's calls."""
+
+
+REFUSED_CODES = {"AuthorizationQueryParametersError", "NotImplemented", "InvalidRequest",
+                 "PermanentRedirect", "TemporaryRedirect", "AuthorizationHeaderMalformed"}
 
 
 class RangeReader:
@@ -105,6 +116,8 @@ class RangeReader:
             return b""
         if reply.status == 404 or code in ("NoSuchKey", "NoSuchBucket"):
             raise Missing(code)
+        if 300 <= reply.status < 400 or code in REFUSED_CODES:
+            raise Unsupported(what)
         if reply.status == 403:
             raise AccessDenied(what)
         if reply.status >= 500 or reply.status == 429 or code == "SlowDown":
