@@ -36,7 +36,7 @@ demo: deps
 
 lint: deps
 	$(VENV)/bin/ruff check layerfs builder cache tools tests bench
-	$(VENV)/bin/mypy layerfs builder tools
+	$(VENV)/bin/mypy layerfs builder cache tools
 
 bench-build: deps
 	$(PY) bench/build.py

@@ -1,12 +1,11 @@
 """The node's chunk cache: content addressed, bounded, LRU, crash safe.
 
-One file per chunk, ``ROOT/cache/<sha[:2]>/<sha>``: a 24-byte header (magic,
-data length, block count), the xxh3-64 of each 64 KiB block of the data, then
-the chunk's uncompressed bytes. Files are written to a temporary name and
-renamed into place; every read checks the length and the xxh3 of each block
-it returns, so a torn or corrupted file is never served: it is removed and
-reported as a miss. A read of part of a chunk (``read_range``, a random
-small read) reads and checks only the blocks it needs. The LRU order lives in
+One file per chunk, ``ROOT/cache/<sha[:2]>/<sha>``, laid out and checked as
+:mod:`~layerfs.cache.chunkfile` says: a whole read checks the whole chunk's
+xxh3-64, a read of part of a chunk (``read_range``, a random small read) reads
+and checks only the 16 KiB blocks that hold it. Files are written to a
+temporary name and renamed into place, and every read is checked, so a torn
+or corrupted file is never served: it is removed and reported as a miss. The LRU order lives in
 memory and is rebuilt at start from the files' access stamps; the cache is
 shared by every layer and version, since equal bytes have equal sha256.
 
@@ -18,46 +17,15 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TypeAlias
 
-import xxhash
+from .chunkfile import Buffer, file_header, file_size, part_data, whole_data
 
 log = logging.getLogger(__name__)
-
-MAGIC = b"LFSCACH2"
-MAGIC_V1 = b"LFSCACH1"  # magic, xxh3-64 of the data, data length: still read
-HEADER = struct.Struct("<8sQQ")  # magic, data length, block count
-BLOCK = 64 << 10  # bytes per checksummed block
-DIGEST = struct.Struct("<Q")
-Buffer: TypeAlias = bytes | memoryview
-
-
-def blocks_of(length: int) -> int:
-    return -(-length // BLOCK)
-
-
-def pack_file_header(data: Buffer) -> bytes:
-    """The header and block digests that precede ``data`` in its cache file."""
-    view = memoryview(data)
-    digests = b"".join(DIGEST.pack(xxhash.xxh3_64_intdigest(view[i : i + BLOCK]))
-                       for i in range(0, len(view), BLOCK))
-    return HEADER.pack(MAGIC, len(view), blocks_of(len(view))) + digests
-
-
-def blocks_intact(head: Buffer, first: int, data: Buffer) -> bool:
-    """Whether ``data``, blocks ``first``... of a chunk, match their digests in ``head``."""
-    view = memoryview(data)
-    for k, i in enumerate(range(0, len(view), BLOCK)):
-        pos = HEADER.size + (first + k) * DIGEST.size
-        if DIGEST.unpack_from(head, pos)[0] != xxhash.xxh3_64_intdigest(view[i : i + BLOCK]):
-            return False
-    return True
 
 
 @dataclass
@@ -140,23 +108,13 @@ class ChunkCache:
         path = self._path(sha)
         try:
             with open(path, "rb", buffering=0) as f:
-                raw = f.read()
+                data = whole_data(f.read())
         except FileNotFoundError:
             self._forget(sha)
             return None
-        if len(raw) >= HEADER.size:
-            magic, length, nblocks = HEADER.unpack_from(raw)
-            if magic == MAGIC_V1:
-                length, nblocks = nblocks, 0
-            start = HEADER.size + nblocks * DIGEST.size
-            data = memoryview(raw)[start:]
-            if magic == MAGIC_V1 and length == len(data):
-                if xxhash.xxh3_64_intdigest(data) == DIGEST.unpack_from(raw, 8)[0]:
-                    return data
-            elif (magic == MAGIC and length == len(data) and nblocks == blocks_of(length)
-                    and blocks_intact(raw, 0, data)):
-                return data
-        return self._damaged(sha, path)
+        if data is None:
+            self._damaged(sha, path)
+        return data
 
     def _read_part(self, sha: str, lo: int, hi: int) -> Buffer | None:
         path = self._path(sha)
@@ -166,37 +124,24 @@ class ChunkCache:
             self._forget(sha)
             return None
         try:
-            head = os.pread(fd, HEADER.size, 0)
-            if head[:8] == MAGIC_V1:
-                whole = self._read_file(sha)
-                return None if whole is None else memoryview(whole)[lo:hi]
-            if len(head) == HEADER.size:
-                magic, length, nblocks = HEADER.unpack(head)
-                if magic == MAGIC and nblocks == blocks_of(length) and 0 <= lo <= hi <= length:
-                    start = HEADER.size + nblocks * DIGEST.size
-                    first, last = lo // BLOCK, blocks_of(hi)
-                    digests = os.pread(fd, start - HEADER.size, HEADER.size)
-                    want = min(last * BLOCK, length) - first * BLOCK
-                    data = os.pread(fd, want, start + first * BLOCK)
-                    if (len(digests) == start - HEADER.size and len(data) == want
-                            and blocks_intact(head + digests, first, data)):
-                        return memoryview(data)[lo - first * BLOCK : hi - first * BLOCK]
+            data = part_data(fd, lo, hi)
         finally:
             os.close(fd)
-        return self._damaged(sha, path)
+        if data is None:
+            self._damaged(sha, path)
+        return data
 
     def _damaged(self, sha: str, path: Path) -> None:
         log.warning("cache file %s is damaged; dropped, will refetch", path)
         with self._lock:
             self.stats.corrupt += 1
         self._drop(sha)
-        return None
 
     def write(self, sha: str, data: bytes) -> None:
         """Store verified chunk bytes. Room is made first (least recently used
         chunks evicted, the new file's size reserved), so the files on disk,
         temporary ones included, stay within the limit."""
-        size = HEADER.size + blocks_of(len(data)) * DIGEST.size + len(data)
+        size = file_size(len(data))
         with self._lock:
             if sha in self._lru:
                 return
@@ -206,7 +151,7 @@ class ChunkCache:
             path = self._path(sha)
             path.parent.mkdir(exist_ok=True)
             tmp = self.tmp / f"{sha}.{threading.get_ident()}"
-            header = pack_file_header(data)
+            header = file_header(data)
             with open(tmp, "wb") as f:
                 f.write(header)
                 f.write(data)

@@ -7,7 +7,8 @@ import os
 
 import xxhash
 
-from layerfs.cache.chunkcache import BLOCK, HEADER, MAGIC_V1, ChunkCache
+from layerfs.cache.chunkcache import ChunkCache
+from layerfs.cache.chunkfile import BLOCK, HEADER, HEADER_V1, MAGIC_V1
 
 DATA = os.urandom(BLOCK * 6 + 1000)
 SHA = hashlib.sha256(DATA).hexdigest()
@@ -57,7 +58,7 @@ def test_files_of_the_first_format_are_still_read(tmp_path):
     cache = ChunkCache(tmp_path / "cache", 64 << 20)
     path = cache._path(SHA)
     path.parent.mkdir(parents=True)
-    path.write_bytes(HEADER.pack(MAGIC_V1, xxhash.xxh3_64_intdigest(DATA), len(DATA)) + DATA)
+    path.write_bytes(HEADER_V1.pack(MAGIC_V1, xxhash.xxh3_64_intdigest(DATA), len(DATA)) + DATA)
     cache = ChunkCache(tmp_path / "cache", 64 << 20)  # indexes it at start
     assert cache.read(SHA) == DATA
     assert cache.read_range(SHA, 10, BLOCK * 2) == DATA[10 : BLOCK * 2]

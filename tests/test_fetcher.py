@@ -10,7 +10,8 @@ import threading
 import pytest
 import trio
 
-from layerfs.cache.chunkcache import BLOCK, ChunkCache
+from layerfs.cache.chunkcache import ChunkCache
+from layerfs.cache.chunkfile import BLOCK
 from layerfs.errors import StoreUnreachable
 from layerfs.formats.chunktable import FILE_START, RAW, ChunkEntry, ChunkTable
 from layerfs.node.blobfiles import BlobFile

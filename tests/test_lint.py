@@ -30,6 +30,6 @@ def test_ruff():
 
 
 def test_mypy():
-    proc = subprocess.run([tool("mypy"), "layerfs", "builder", "tools"], cwd=ROOT,
+    proc = subprocess.run([tool("mypy"), "layerfs", "builder", "cache", "tools"], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,0 +1,89 @@
+"""The layout of one cache file, and checking what is read from it.
+
+A cache file is a 32-byte header — magic ``LFSCACH2``, data length, block
+size, block count, xxh3-64 of the whole data — then the xxh3-64 of each
+block of the data (16 KiB blocks), then the chunk's uncompressed bytes. A
+whole read checks the whole digest (one hash call); a read of part of the
+chunk reads and checks only the blocks that hold it. Files of the first
+format (``LFSCACH1``: magic, xxh3-64, length, then the data) are still read;
+a part of one costs a whole read.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import TypeAlias
+
+import xxhash
+
+MAGIC = b"LFSCACH2"
+MAGIC_V1 = b"LFSCACH1"
+HEADER = struct.Struct("<8sQIIQ")  # magic, length, block size, block count, xxh3 of all
+HEADER_V1 = struct.Struct("<8sQQ")  # magic, xxh3 of all, length
+DIGEST = struct.Struct("<Q")
+BLOCK = 16 << 10
+FIRST_READ = 4096  # the header and (for chunks up to 8 MiB) every block digest
+Buffer: TypeAlias = bytes | memoryview
+
+
+def blocks_of(length: int, block: int = BLOCK) -> int:
+    return -(-length // block)
+
+
+def xxh(data: Buffer) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def file_header(data: Buffer) -> bytes:
+    """The header and block digests that precede ``data`` in its cache file."""
+    view = memoryview(data)
+    digests = b"".join(DIGEST.pack(xxh(view[i : i + BLOCK])) for i in range(0, len(view), BLOCK))
+    return HEADER.pack(MAGIC, len(view), BLOCK, blocks_of(len(view)), xxh(view)) + digests
+
+
+def file_size(length: int) -> int:
+    return HEADER.size + blocks_of(length) * DIGEST.size + length
+
+
+def whole_data(raw: bytes) -> Buffer | None:
+    """The chunk's bytes from a whole cache file, or None if it is damaged."""
+    view = memoryview(raw)
+    if raw[:8] == MAGIC_V1 and len(raw) >= HEADER_V1.size:
+        _, digest, length = HEADER_V1.unpack_from(raw)
+        data = view[HEADER_V1.size :]
+    elif raw[:8] == MAGIC and len(raw) >= HEADER.size:
+        _, length, block, nblocks, digest = HEADER.unpack_from(raw)
+        if block <= 0 or nblocks != blocks_of(length, block):
+            return None
+        data = view[HEADER.size + nblocks * DIGEST.size :]
+    else:
+        return None
+    return data if len(data) == length and xxh(data) == digest else None
+
+
+def part_data(fd: int, lo: int, hi: int) -> Buffer | None:
+    """Bytes ``[lo, hi)`` of the chunk in the open cache file ``fd``, or None
+    if the blocks that hold them (or the header) are damaged or missing."""
+    head = os.pread(fd, FIRST_READ, 0)
+    if head[:8] == MAGIC_V1:
+        data = whole_data(head + os.pread(fd, os.fstat(fd).st_size, len(head)))
+        return None if data is None or hi > len(data) else memoryview(data)[lo:hi]
+    if head[:8] != MAGIC or len(head) < HEADER.size:
+        return None
+    _, length, block, nblocks, _ = HEADER.unpack_from(head)
+    if block <= 0 or nblocks != blocks_of(length, block) or not 0 <= lo <= hi <= length:
+        return None
+    start = HEADER.size + nblocks * DIGEST.size
+    if len(head) < start:
+        head += os.pread(fd, start - len(head), len(head))
+    first, last = lo // block, blocks_of(hi, block)
+    want = min(last * block, length) - first * block
+    data = os.pread(fd, want, start + first * block)
+    if len(head) < start or len(data) != want:
+        return None
+    for k, i in enumerate(range(0, want, block)):
+        expected = DIGEST.unpack_from(head, HEADER.size + (first + k) * DIGEST.size)[0]
+        if xxh(memoryview(data)[i : i + block]) != expected:
+            return None
+    return memoryview(data)[lo - first * block : hi - first * block]
