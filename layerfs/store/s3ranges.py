@@ -8,11 +8,11 @@ specific (credentials, region, endpoint, addressing style, signing): it
 presigns a GET of each object once, and the URL is reused for every range of
 that object with a ``Range`` header (not part of the signature), over one
 urllib3 connection pool. A URL is reused for ``REUSE_SECONDS`` and signed for
-``SIGNED_SECONDS``; a 403 on a reused URL (rotated or expired credentials)
-presigns again once. Status codes and connection failures map to the same
-:mod:`layerfs.errors` as the boto3 path; an endpoint that redirects or refuses
-query authentication raises :class:`Unsupported`, and the store goes back to
-boto3 calls.
+``SIGNED_SECONDS``; a 400 or 403 on a reused URL (rotated credentials, an
+expired session token) presigns again once. Status codes and connection
+failures map to the same :mod:`layerfs.errors` as the boto3 path; an endpoint
+that redirects or refuses query authentication raises :class:`Unsupported`,
+and the store goes back to boto3 calls.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class RangeReader:
                 if reply.status == 200:  # the server ignored Range
                     data = data[start:end]
                 return data
-            if reply.status != 403 or fresh:
+            if reply.status not in (400, 403) or fresh:  # 400: ExpiredToken
                 break
         return self._failed(reply, key)
 
