@@ -21,6 +21,17 @@ def drop_caches() -> None:
         f.write("3\n")
 
 
+def print_footer(logs: dict, oddities: list[str], total: str) -> None:
+    """The end of a benchmark's report: the daemons' log scan (its first problem
+    lines), the oddities seen, the total time."""
+    print(f"daemon logs: {logs['logs']} runs, {logs['problem_lines']} warning/error lines")
+    for line in logs["first"][:5]:
+        print(f"  {line}")
+    for odd in oddities:
+        print(f"oddity: {odd}")
+    print(f"total {total}")
+
+
 def clear_dir(path: Path, oddities: list[str]) -> Path:
     """Detach what is mounted under ``path`` (noting it) and remove it."""
     left = detach_mounts(path)

@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import corpus
-from daemons import DaemonRuns, clear_dir, drop_caches
+from daemons import DaemonRuns, clear_dir, drop_caches, print_footer
 
 from layerfs.node.daemon import mounts_under
 from layerfs.node.process import DaemonProcess, detach_mounts
@@ -961,13 +961,7 @@ def main() -> None:
         if m in result and w["union_read_bytes"]:
             print(f"{m} fetched / distinct chunks read (lower bound): "
                   f"{result[m]['bytes_fetched'] / w['union_read_bytes']:.2f}x")
-    logs = out["daemon_logs"]
-    print(f"daemon logs: {logs['logs']} runs, {logs['problem_lines']} warning/error lines")
-    for line in logs["first"][:5]:
-        print(f"  {line}")
-    for odd in bench.oddities:
-        print(f"oddity: {odd}")
-    print(f"total {elapsed:.0f} s")
+    print_footer(out["daemon_logs"], bench.oddities, f"{elapsed:.0f} s")
 
 
 if __name__ == "__main__":

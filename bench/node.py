@@ -49,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemons import DaemonRuns, clear_dir, drop_caches
+from daemons import DaemonRuns, clear_dir, drop_caches, print_footer
 
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.chunks import materialize_blob
@@ -703,13 +703,7 @@ def main() -> None:
     print(f"\n{'measure':62} {'layerfs':>9} {'baseline':>9} {'ratio':>7}  target")
     for measure, a, b, ratio, target in rows:
         print(f"{measure:62} {a:>9} {b:>9} {ratio:>7}  {target}")
-    logs = result["daemon_logs"]
-    print(f"daemon logs: {logs['logs']} runs, {logs['problem_lines']} warning/error lines")
-    for line in logs["first"][:5]:
-        print(f"  {line}")
-    for odd in bench.oddities:
-        print(f"oddity: {odd}")
-    print(f"total {elapsed:.0f} s")
+    print_footer(result["daemon_logs"], bench.oddities, f"{elapsed:.0f} s")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import corpus
-from daemons import DaemonRuns, clear_dir, drop_caches
+from daemons import DaemonRuns, clear_dir, drop_caches, print_footer
 from lazy_vs_prefetch import Throttle, git_head, store_port
 
 from layerfs.builder.env import create_env
@@ -434,11 +434,8 @@ def main() -> None:
     if warm:
         print(f"{'warm':6} {'':7} {summary['warm']['test_s_p50']:7.2f}")
     print(f"\ncold start lazy / eager: {ratio:.2f}x (p50 of {args.reps})")
-    logs = result["daemon_logs"]
-    print(f"daemon logs: {logs['logs']} runs, {logs['problem_lines']} warning/error lines")
-    for odd in bench.oddities:
-        print(f"oddity: {odd}")
-    print(f"total {elapsed:.0f} s (preparing {prep_s:.0f} s)")
+    print_footer(result["daemon_logs"], bench.oddities,
+                 f"{elapsed:.0f} s (preparing {prep_s:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@ One file per chunk, ``ROOT/cache/<sha[:2]>/<sha>``, laid out and checked as
 xxh3-64, a read of part of a chunk (``read_range``, a random small read) reads
 and checks only the 16 KiB blocks that hold it. Files are written to a
 temporary name and renamed into place, and every read is checked, so a torn
-or corrupted file is never served: it is removed and reported as a miss. The LRU order lives in
-memory and is rebuilt at start from the files' access stamps; the cache is
-shared by every layer and version, since equal bytes have equal sha256.
+or corrupted file is never served: it is removed and reported as a miss. The
+LRU order lives in memory and is rebuilt at start from the files' access
+stamps; the cache is shared by every layer and version, since equal bytes
+have equal sha256.
 
 Thread safety: every public method may be called from any thread; one lock
 guards the LRU index and counters, never file I/O.
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .chunkfile import Buffer, file_header, file_size, part_data, whole_data
+from .chunkfile import Buffer, file_header, file_size, part_data, whole_file
 
 log = logging.getLogger(__name__)
 
@@ -84,19 +85,20 @@ class ChunkCache:
 
     def read(self, sha: str) -> Buffer | None:
         """The chunk's bytes if cached and intact, else None (a miss)."""
-        return self._counted(sha, self._read_file)
+        return self._counted(sha, whole_file)
 
     def read_range(self, sha: str, lo: int, hi: int) -> Buffer | None:
         """Bytes ``[lo, hi)`` of the chunk, reading and checking only the
         blocks that hold them; None on a miss (or a damaged file, dropped)."""
-        return self._counted(sha, lambda s: self._read_part(s, lo, hi))
+        return self._counted(sha, lambda fd: part_data(fd, lo, hi))
 
-    def _counted(self, sha: str, read: Callable[[str], Buffer | None]) -> Buffer | None:
+    def _counted(self, sha: str, read: Callable[[int], Buffer | None]) -> Buffer | None:
+        """``read`` of the chunk's open cache file, counted as a hit or a miss."""
         with self._lock:
             known = sha in self._lru
             if known:
                 self._lru.move_to_end(sha)
-        data = read(sha) if known else None
+        data = self._read_checked(sha, read) if known else None
         with self._lock:
             if data is None:
                 self.stats.misses += 1
@@ -104,19 +106,8 @@ class ChunkCache:
                 self.stats.hits += 1
         return data
 
-    def _read_file(self, sha: str) -> Buffer | None:
-        path = self._path(sha)
-        try:
-            with open(path, "rb", buffering=0) as f:
-                data = whole_data(f.read())
-        except FileNotFoundError:
-            self._forget(sha)
-            return None
-        if data is None:
-            self._damaged(sha, path)
-        return data
-
-    def _read_part(self, sha: str, lo: int, hi: int) -> Buffer | None:
+    def _read_checked(self, sha: str, read: Callable[[int], Buffer | None]) -> Buffer | None:
+        """``read`` of the cache file; a file gone is forgotten, a damaged one dropped."""
         path = self._path(sha)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -124,7 +115,7 @@ class ChunkCache:
             self._forget(sha)
             return None
         try:
-            data = part_data(fd, lo, hi)
+            data = read(fd)
         finally:
             os.close(fd)
         if data is None:

@@ -62,12 +62,17 @@ def whole_data(raw: bytes) -> Buffer | None:
     return data if len(data) == length and xxh(data) == digest else None
 
 
+def whole_file(fd: int) -> Buffer | None:
+    """The chunk's bytes from the open cache file ``fd``, or None if damaged."""
+    return whole_data(os.pread(fd, os.fstat(fd).st_size, 0))
+
+
 def part_data(fd: int, lo: int, hi: int) -> Buffer | None:
     """Bytes ``[lo, hi)`` of the chunk in the open cache file ``fd``, or None
     if the blocks that hold them (or the header) are damaged or missing."""
     head = os.pread(fd, FIRST_READ, 0)
     if head[:8] == MAGIC_V1:
-        data = whole_data(head + os.pread(fd, os.fstat(fd).st_size, len(head)))
+        data = whole_file(fd)
         return None if data is None or hi > len(data) else memoryview(data)[lo:hi]
     if head[:8] != MAGIC or len(head) < HEADER.size:
         return None
