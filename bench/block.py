@@ -12,7 +12,7 @@ measurement:
   alternating which goes first, medians reported;
 * commit time and stored bytes against the amount of data written.
 
-    python bench/block.py [--size-mb 512] [--reps 3] [--work bench/work/block]
+    python bench/block.py [--size-mb 512] [--reps 5] [--work bench/work/block]
 
 Prints a table and writes bench/results/block.json.
 """
@@ -124,7 +124,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mb", type=int, default=512, help="disk size")
     ap.add_argument("--iops-reads", type=int, default=3000)
-    ap.add_argument("--reps", type=int, default=3,
+    ap.add_argument("--reps", type=int, default=5,
                     help="repetitions of the local and cached-chain measurements (medians)")
     ap.add_argument("--work", default=str(HERE / "work" / "block"))
     ap.add_argument("--out", default=str(HERE / "results" / "block.json"))

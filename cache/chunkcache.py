@@ -3,7 +3,8 @@
 One file per chunk, ``ROOT/cache/<sha[:2]>/<sha>``, laid out and checked as
 :mod:`~layerfs.cache.chunkfile` says: a whole read checks the whole chunk's
 xxh3-64, a read of part of a chunk (``read_range``, a random small read) reads
-and checks only the 16 KiB blocks that hold it. Files are written to a
+and checks only the 16 KiB blocks that hold it (with the digests of those
+blocks kept in memory for recently used files, one read of the file). Files are written to a
 temporary name and renamed into place, and every read is checked, so a torn
 or corrupted file is never served: it is removed and reported as a miss. The
 LRU order lives in memory and is rebuilt at start from the files' access
@@ -24,9 +25,20 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .chunkfile import Buffer, file_header, file_size, part_data, whole_file
+from .chunkfile import (
+    BlockLayout,
+    Buffer,
+    file_header,
+    file_size,
+    layout_of,
+    part_data,
+    read_layout,
+    whole_file,
+)
 
 log = logging.getLogger(__name__)
+
+LAYOUTS = 16384  # block layouts kept in memory (about 0.5 KiB each for 1 MiB chunks)
 
 
 @dataclass
@@ -54,6 +66,8 @@ class ChunkCache:
         self.limit = limit
         self.stats = CacheStats(limit=limit)
         self._lru: OrderedDict[str, int] = OrderedDict()  # sha hex → file size
+        # sha hex → block layout of its file, for the most recently used files
+        self._layouts: OrderedDict[str, BlockLayout] = OrderedDict()
         self._lock = threading.Lock()
         self._reserved = 0  # bytes of files being written
         self.tmp.mkdir(parents=True, exist_ok=True)
@@ -90,7 +104,27 @@ class ChunkCache:
     def read_range(self, sha: str, lo: int, hi: int) -> Buffer | None:
         """Bytes ``[lo, hi)`` of the chunk, reading and checking only the
         blocks that hold them; None on a miss (or a damaged file, dropped)."""
-        return self._counted(sha, lambda fd: part_data(fd, lo, hi))
+        return self._counted(sha, lambda fd: part_data(fd, lo, hi, self._layout(sha, fd)))
+
+    def _layout(self, sha: str, fd: int) -> BlockLayout | None:
+        """The block layout of the chunk's file: from memory, else its header."""
+        with self._lock:
+            layout = self._layouts.get(sha)
+            if layout is not None:
+                self._layouts.move_to_end(sha)
+                return layout
+        layout = read_layout(fd)
+        if layout is not None:
+            self._remember(sha, layout)
+        return layout
+
+    def _remember(self, sha: str, layout: BlockLayout | None) -> None:
+        with self._lock:
+            if layout is None or sha not in self._lru:
+                return
+            self._layouts[sha] = layout
+            while len(self._layouts) > LAYOUTS:
+                self._layouts.popitem(last=False)
 
     def _counted(self, sha: str, read: Callable[[int], Buffer | None]) -> Buffer | None:
         """``read`` of the chunk's open cache file, counted as a hit or a miss."""
@@ -156,6 +190,7 @@ class ChunkCache:
                 self.stats.size += size
                 self.stats.entries += 1
             self.stats.bytes_written += size
+        self._remember(sha, layout_of(header))
 
     def note_miss(self) -> None:
         """A lookup that found no entry in the index (and so read no file)."""
@@ -168,6 +203,7 @@ class ChunkCache:
 
     def _forget(self, sha: str) -> None:
         with self._lock:
+            self._layouts.pop(sha, None)
             size = self._lru.pop(sha, None)
             if size is not None:
                 self.stats.size -= size
@@ -182,6 +218,7 @@ class ChunkCache:
         with self._lock:
             while self.stats.size + self._reserved > self.limit and self._lru:
                 sha, size = self._lru.popitem(last=False)
+                self._layouts.pop(sha, None)
                 self.stats.size -= size
                 self.stats.entries -= 1
                 self.stats.evictions += 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import struct
+from dataclasses import dataclass
 from typing import TypeAlias
 
 import xxhash
@@ -67,28 +68,64 @@ def whole_file(fd: int) -> Buffer | None:
     return whole_data(os.pread(fd, os.fstat(fd).st_size, 0))
 
 
-def part_data(fd: int, lo: int, hi: int) -> Buffer | None:
-    """Bytes ``[lo, hi)`` of the chunk in the open cache file ``fd``, or None
-    if the blocks that hold them (or the header) are damaged or missing."""
-    head = os.pread(fd, FIRST_READ, 0)
-    if head[:8] == MAGIC_V1:
-        data = whole_file(fd)
-        return None if data is None or hi > len(data) else memoryview(data)[lo:hi]
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where a cache file's data starts and the digest of each of its blocks.
+    It depends only on the chunk's bytes, so it holds for every file ever
+    written for that chunk and can be kept in memory."""
+
+    length: int
+    block: int
+    start: int  # offset of the data in the file
+    digests: bytes
+
+    def digest(self, i: int) -> int:
+        return int(DIGEST.unpack_from(self.digests, i * DIGEST.size)[0])
+
+
+def layout_of(head: Buffer) -> BlockLayout | None:
+    """The layout a ``LFSCACH2`` header describes, if ``head`` holds all of it."""
+    head = bytes(head)
     if head[:8] != MAGIC or len(head) < HEADER.size:
         return None
     _, length, block, nblocks, _ = HEADER.unpack_from(head)
-    if block <= 0 or nblocks != blocks_of(length, block) or not 0 <= lo <= hi <= length:
-        return None
     start = HEADER.size + nblocks * DIGEST.size
-    if len(head) < start:
-        head += os.pread(fd, start - len(head), len(head))
-    first, last = lo // block, blocks_of(hi, block)
-    want = min(last * block, length) - first * block
-    data = os.pread(fd, want, start + first * block)
-    if len(head) < start or len(data) != want:
+    if block <= 0 or nblocks != blocks_of(length, block) or len(head) < start:
         return None
+    return BlockLayout(length, block, start, head[HEADER.size : start])
+
+
+def read_layout(fd: int) -> BlockLayout | None:
+    """The layout of the open cache file ``fd``; None for a first-format or
+    damaged file."""
+    head = os.pread(fd, FIRST_READ, 0)
+    if head[:8] == MAGIC and len(head) >= HEADER.size:
+        nblocks = HEADER.unpack_from(head)[3]
+        start = HEADER.size + nblocks * DIGEST.size
+        if len(head) < start and nblocks < 1 << 24:
+            head += os.pread(fd, start - len(head), len(head))
+    return layout_of(head)
+
+
+def part_data(fd: int, lo: int, hi: int, layout: BlockLayout | None = None) -> Buffer | None:
+    """Bytes ``[lo, hi)`` of the chunk in the open cache file ``fd``, or None
+    if the blocks that hold them (or the header) are damaged or missing.
+    ``layout``, when known, saves reading the header."""
+    if layout is None:
+        layout = read_layout(fd)
+    if layout is None:
+        data = whole_file(fd)  # a first-format file, or a damaged one
+        return None if data is None or hi > len(data) else memoryview(data)[lo:hi]
+    if not 0 <= lo <= hi <= layout.length:
+        return None
+    block = layout.block
+    first, last = lo // block, blocks_of(hi, block)
+    want = min(last * block, layout.length) - first * block
+    data = os.pread(fd, want, layout.start + first * block)
+    if len(data) != want:
+        return None
+    view = memoryview(data)
     for k, i in enumerate(range(0, want, block)):
-        expected = DIGEST.unpack_from(head, HEADER.size + (first + k) * DIGEST.size)[0]
-        if xxh(memoryview(data)[i : i + block]) != expected:
+        if xxh(view[i : i + block]) != layout.digest(first + k):
             return None
-    return memoryview(data)[lo - first * block : hi - first * block]
+    return view[lo - first * block : hi - first * block]

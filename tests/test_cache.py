@@ -41,6 +41,25 @@ def test_a_damaged_block_is_never_served(tmp_path):
     assert cache.read(SHA) is None  # gone from the index: a miss, fetched again
 
 
+def test_a_restarted_cache_learns_block_layouts_from_headers(tmp_path):
+    cached(tmp_path)
+    cache = ChunkCache(tmp_path / "cache", 64 << 20)  # after a restart: nothing in memory
+    assert SHA not in cache._layouts
+    assert cache.read_range(SHA, BLOCK + 3, BLOCK + 50) == DATA[BLOCK + 3 : BLOCK + 50]
+    assert SHA in cache._layouts
+    path = cache._path(SHA)
+    raw = bytearray(path.read_bytes())
+    raw[HEADER.size + 8 * 2] ^= 1  # the stored digest of block 2
+    path.write_bytes(raw)
+    # the digests known in memory still check the data, which is intact
+    assert cache.read_range(SHA, 2 * BLOCK, 2 * BLOCK + 9) == DATA[2 * BLOCK : 2 * BLOCK + 9]
+    fresh = ChunkCache(tmp_path / "cache", 64 << 20)
+    assert fresh.read_range(SHA, 2 * BLOCK, 2 * BLOCK + 9) is None  # read from the header
+    assert SHA not in fresh._layouts and not path.exists()
+    fresh.write(SHA, DATA)  # fetched again: the new file's layout is the one kept
+    assert fresh.read_range(SHA, 2 * BLOCK, 2 * BLOCK + 9) == DATA[2 * BLOCK : 2 * BLOCK + 9]
+
+
 def test_a_torn_file_is_never_served(tmp_path):
     cache = cached(tmp_path)
     path = cache._path(SHA)
