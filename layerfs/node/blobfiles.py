@@ -23,7 +23,7 @@ from ..formats.chunktable import FILE_START, ChunkEntry, ChunkTable
 from .fetcher import Buffer, ChunkFetcher
 
 FIRST_BLOB_INODE = 16
-CACHED_READAHEAD = 8  # at most this many chunks read ahead from the cache into memory
+CACHED_READAHEAD = 16  # at most this many chunks read ahead from the cache into memory
 PART_READ_FRACTION = 4  # a random read of at most 1/4 of a cached chunk reads just that
 RECENT_READS = 32  # streams (read ends) remembered per blob to tell sequential reads
 ZEROS = bytes(1 << 20)  # shared by every hole a read returns

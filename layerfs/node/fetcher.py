@@ -75,7 +75,7 @@ class MemoryChunks:
 
 class ChunkFetcher:
     def __init__(self, store: Store, cache: ChunkCache, *, timeout: float = 30.0,
-                 parallel: int = 16, io_threads: int = 8, memory: int = 64 << 20) -> None:
+                 parallel: int = 16, io_threads: int = 16, memory: int = 64 << 20) -> None:
         self.store = store
         self.cache = cache
         self.timeout = timeout
