@@ -3,16 +3,17 @@
 One file per chunk, ``ROOT/cache/<sha[:2]>/<sha>``, laid out and checked as
 :mod:`~layerfs.cache.chunkfile` says: a whole read checks the whole chunk's
 xxh3-64, a read of part of a chunk (``read_range``, a random small read) reads
-and checks only the 16 KiB blocks that hold it (with the digests of those
-blocks kept in memory for recently used files, one read of the file). Files are written to a
-temporary name and renamed into place, and every read is checked, so a torn
+and checks only the 16 KiB blocks that hold it (the block digests of recently
+used files are kept in memory, so that is one read of the file). Files are
+written to a temporary name and renamed into place, and every read is
+checked, so a torn
 or corrupted file is never served: it is removed and reported as a miss. The
 LRU order lives in memory and is rebuilt at start from the files' access
 stamps; the cache is shared by every layer and version, since equal bytes
 have equal sha256.
 
 Thread safety: every public method may be called from any thread; one lock
-guards the LRU index and counters, never file I/O.
+guards the LRU index, the block layouts and the counters, never file I/O.
 """
 
 from __future__ import annotations

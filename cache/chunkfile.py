@@ -4,7 +4,9 @@ A cache file is a 32-byte header — magic ``LFSCACH2``, data length, block
 size, block count, xxh3-64 of the whole data — then the xxh3-64 of each
 block of the data (16 KiB blocks), then the chunk's uncompressed bytes. A
 whole read checks the whole digest (one hash call); a read of part of the
-chunk reads and checks only the blocks that hold it. Files of the first
+chunk reads and checks only the blocks that hold it, with the header's
+``BlockLayout`` (where the data starts, each block's digest) read from the
+file or, when the caller kept it, from memory. Files of the first
 format (``LFSCACH1``: magic, xxh3-64, length, then the data) are still read;
 a part of one costs a whole read.
 """
