@@ -109,12 +109,11 @@ def read_layout(fd: int) -> BlockLayout | None:
     return layout_of(head)
 
 
-def part_data(fd: int, lo: int, hi: int, layout: BlockLayout | None = None) -> Buffer | None:
+def part_data(fd: int, lo: int, hi: int, layout: BlockLayout | None) -> Buffer | None:
     """Bytes ``[lo, hi)`` of the chunk in the open cache file ``fd``, or None
-    if the blocks that hold them (or the header) are damaged or missing.
-    ``layout``, when known, saves reading the header."""
-    if layout is None:
-        layout = read_layout(fd)
+    if the blocks that hold them are damaged or missing. ``layout`` is the
+    file's (from :func:`read_layout` or memory); None for a file without one
+    (first format, or a damaged header), which is read whole."""
     if layout is None:
         data = whole_file(fd)  # a first-format file, or a damaged one
         return None if data is None or hi > len(data) else memoryview(data)[lo:hi]
