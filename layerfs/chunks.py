@@ -1,7 +1,9 @@
 """Reading chunks back from the store: range read, decompress, verify.
 
-Used by ``layerfs verify``, by tools that assemble a local copy of a layer's
-data blob, and by the node's fetcher.
+Chunks that lie one after another in a pack form a run, which one range read
+fetches; each chunk of it is still decoded and verified on its own. Used by
+``layerfs verify``, by tools that assemble a local copy of a layer's data
+blob, and by the node's fetcher.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import hashlib
 import os
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from itertools import chain
 
 import zstandard
 
@@ -17,8 +20,11 @@ from .errors import IntegrityError
 from .formats.chunktable import ZSTD, ChunkEntry, ChunkTable
 from .store.base import Store, blob_key
 
+RUN_SPAN = 8 << 20  # at most this many stored bytes in one range read of a run
+RUN_GAP = 64 << 10  # a run reads over at most this many bytes between two chunks
 
-def decode_chunk(entry: ChunkEntry, stored: bytes) -> bytes:
+
+def decode_chunk(entry: ChunkEntry, stored: bytes | memoryview) -> bytes:
     """Stored bytes → the chunk's bytes, checked against its sha256."""
     if len(stored) != entry.stored_length:
         raise IntegrityError(_where(entry), f"short read ({len(stored)} bytes)")
@@ -30,7 +36,7 @@ def decode_chunk(entry: ChunkEntry, stored: bytes) -> bytes:
         except zstandard.ZstdError as exc:
             raise IntegrityError(_where(entry), f"cannot decompress ({exc})") from None
     else:
-        data = stored
+        data = stored if isinstance(stored, bytes) else bytes(stored)
     if len(data) != entry.length or hashlib.sha256(data).digest() != entry.sha256:
         raise IntegrityError(_where(entry), "sha256 mismatch")
     return data
@@ -46,11 +52,57 @@ def fetch_chunk(store: Store, entry: ChunkEntry) -> bytes:
     return decode_chunk(entry, stored)
 
 
+def pack_runs(entries: Iterable[ChunkEntry], span: int = RUN_SPAN,
+              gap: int = RUN_GAP) -> Iterator[list[ChunkEntry]]:
+    """The entries, in the order given, cut into runs: each next entry of a run
+    starts in the same pack at most ``gap`` bytes after the previous one ends,
+    and a run's stored bytes from its first to its last entry are at most
+    ``span`` (a single entry may be longer)."""
+    run: list[ChunkEntry] = []
+    for entry in entries:
+        if run:
+            last = run[-1]
+            after = entry.pack_offset - (last.pack_offset + last.stored_length)
+            end = entry.pack_offset + entry.stored_length
+            if (entry.pack != last.pack or not 0 <= after <= gap
+                    or end - run[0].pack_offset > span):
+                yield run
+                run = []
+        run.append(entry)
+    if run:
+        yield run
+
+
+def fetch_run(store: Store, run: list[ChunkEntry]) -> list[bytes | IntegrityError]:
+    """One range read for a run (see :func:`pack_runs`); each chunk's bytes, or
+    the IntegrityError that chunk alone failed with."""
+    base = run[0].pack_offset
+    stored = memoryview(store.get(blob_key(run[0].pack), base,
+                                  run[-1].pack_offset + run[-1].stored_length))
+    out: list[bytes | IntegrityError] = []
+    for entry in run:
+        at = entry.pack_offset - base
+        try:
+            out.append(decode_chunk(entry, stored[at:at + entry.stored_length]))
+        except IntegrityError as exc:
+            out.append(exc)
+    return out
+
+
 def fetch_chunks(store: Store, entries: Iterable[ChunkEntry],
                  workers: int = 8) -> Iterator[tuple[ChunkEntry, bytes]]:
-    """Fetch and verify chunks in parallel, yielding them in the given order."""
+    """Fetch and verify chunks in parallel, a run per range read, yielding them
+    in the given order; raises the first IntegrityError."""
+    def one(run: list[ChunkEntry]) -> list[tuple[ChunkEntry, bytes]]:
+        out = []
+        for entry, result in zip(run, fetch_run(store, run), strict=True):
+            if isinstance(result, IntegrityError):
+                raise result
+            out.append((entry, result))
+        return out
+
     with ThreadPoolExecutor(workers) as pool:
-        yield from pool.map(lambda e: (e, fetch_chunk(store, e)), entries)
+        yield from chain.from_iterable(pool.map(one, pack_runs(entries)))
 
 
 def materialize_blob(store: Store, table: ChunkTable, path: str) -> None:

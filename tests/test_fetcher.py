@@ -12,10 +12,12 @@ import trio
 
 from layerfs.cache.chunkcache import ChunkCache
 from layerfs.cache.chunkfile import BLOCK
+from layerfs.chunks import pack_runs
 from layerfs.errors import StoreUnreachable
 from layerfs.formats.chunktable import FILE_START, RAW, ChunkEntry, ChunkTable
 from layerfs.node.blobfiles import BlobFile
 from layerfs.node.fetcher import ChunkFetcher, FetchError
+from layerfs.store.base import blob_key
 
 DATA = b"chunk bytes " * 1000
 ENTRY = ChunkEntry(0, len(DATA), hashlib.sha256(DATA).digest(), "sha256:" + "0" * 64, 0,
@@ -193,3 +195,104 @@ def test_a_small_random_read_of_a_cached_chunk_reads_only_its_blocks(tmp_path):
     trio.run(main)
     assert store.calls == 1  # block 6 was damaged: dropped, the chunk fetched again
     assert f.cache.snapshot()["corrupt"] == 1
+
+
+def run_entries(sizes: list[int], pack: str, start: int = 0,
+                gaps: dict[int, int] | None = None) -> tuple[list[ChunkEntry], bytes]:
+    """Chunks of the given sizes stored one after another in ``pack`` (with
+    ``gaps[i]`` bytes before chunk i); their entries and the pack's bytes."""
+    entries, stored, at = [], b"", start
+    for i, size in enumerate(sizes):
+        gap = (gaps or {}).get(i, 0)
+        stored += b"\0" * gap
+        at += gap
+        data = os.urandom(size)
+        entries.append(ChunkEntry(at, size, hashlib.sha256(data).digest(), pack, at, size, RAW))
+        stored += data
+        at += size
+    return entries, b"\0" * start + stored
+
+
+def test_pack_runs_join_neighbours_in_one_pack_up_to_a_span():
+    a, b = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    first, _ = run_entries([100, 100, 100, 100], a, gaps={2: 50, 3: 70_000})
+    other, _ = run_entries([100], b)
+    runs = list(pack_runs(first + other + first[:1]))
+    assert runs == [first[:3], first[3:], other, first[:1]]  # gap 50 joins, 70,000 cuts
+    assert [len(r) for r in pack_runs(first[:3], span=250)] == [2, 1]
+    assert [len(r) for r in pack_runs(first[:3], gap=0)] == [2, 1]
+
+
+class RangeStore:
+    """Serves ranges of packs by key; records each call."""
+
+    def __init__(self, packs: dict[str, bytes]) -> None:
+        self.packs = {blob_key(name): data for name, data in packs.items()}
+        self.calls: list[tuple[str, int | None, int | None]] = []
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        self.calls.append((key, start, end))
+        return self.packs[key][start:end]
+
+
+def test_a_full_prefetch_reads_each_run_once_and_verifies_each_chunk(tmp_path):
+    """Eight chunks in two packs: two range reads. A damaged chunk is a FetchError
+    and never cached; its neighbours in the run are cached; the next prefetch
+    fetches only what is missing."""
+    a, b = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    in_a, pack_a = run_entries([5000] * 5, a)
+    in_b, pack_b = run_entries([3000] * 3, b)
+    damaged = bytearray(pack_a)
+    damaged[in_a[2].pack_offset + 10] ^= 1
+    store = RangeStore({a: bytes(damaged), b: pack_b})
+    f = fetcher(tmp_path, store)
+    entries = in_b + in_a + in_a[:1]  # out of pack order, one chunk twice
+
+    async def main() -> None:
+        with pytest.raises(FetchError, match="sha256 mismatch"):
+            await f.fetch_all(entries, workers=1)  # pack a first: its run fails
+        assert store.calls == [(blob_key(a), 0, 5 * 5000)]
+        cached = {e.sha256 for e in entries if f.cache.contains(e.sha256.hex())}
+        assert cached == {e.sha256 for e in in_a} - {in_a[2].sha256}
+        store.packs[blob_key(a)] = pack_a
+        store.calls.clear()
+        await f.fetch_all(entries, workers=1)
+        assert store.calls == [(blob_key(a), 2 * 5000, 3 * 5000), (blob_key(b), 0, 3 * 3000)]
+
+    trio.run(main)
+    assert all(f.cache.read(e.sha256.hex()) is not None for e in entries)
+
+
+def test_a_trace_prefetch_keeps_its_order_and_shares_its_runs_with_readers(tmp_path):
+    """Trace order 3 4 5 0 1: two runs, in that order; a reader of chunk 4 while
+    its run is in flight waits for that run instead of reading the store again."""
+    a = "sha256:" + "a" * 64
+    entries, pack = run_entries([4096] * 6, a)
+    store = RangeStore({a: pack})
+    release = threading.Event()
+    plain_get = store.get
+
+    def slow_get(key: str, start: int | None = None, end: int | None = None) -> bytes:
+        release.wait(10)
+        return plain_get(key, start, end)
+
+    store.get = slow_get  # type: ignore[method-assign]
+    f = fetcher(tmp_path, store)
+    got: list[bytes] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(f.prefetch, [entries[i] for i in (3, 4, 5, 0, 1)])
+            await trio.sleep(0.1)
+            nursery.start_soon(lambda: _append(got, f.get(entries[4])))
+            await trio.sleep(0.1)
+            release.set()
+
+    trio.run(main)
+    assert got == [pack[4 * 4096:5 * 4096]]
+    assert store.calls == [(blob_key(a), 3 * 4096, 6 * 4096), (blob_key(a), 0, 2 * 4096)]
+    assert all(f.cache.contains(entries[i].sha256.hex()) for i in (0, 1, 3, 4, 5))
+
+
+async def _append(out: list, awaitable) -> None:
+    out.append(await awaitable)

@@ -8,6 +8,8 @@ in time, and its failure (store down, corrupt chunk, timeout) reaches every
 reader that waited for it, then is forgotten so the next read tries again.
 After the store failed to answer, uncached reads fail at once for
 ``STORE_COOLDOWN`` seconds, so that one read(2) never waits several timeouts.
+Prefetches (eager and trace) fetch runs of chunks that lie one after another
+in a pack with one range read; each chunk of a run has its own flight.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import TypeAlias
 import trio
 
 from ..cache.chunkcache import ChunkCache
-from ..chunks import fetch_chunk
-from ..errors import LayerfsError, StoreUnreachable, TransientStoreError
+from ..chunks import fetch_chunk, fetch_run, pack_runs
+from ..errors import IntegrityError, LayerfsError, StoreUnreachable, TransientStoreError
 from ..formats.chunktable import ChunkEntry
 from ..store.base import Store
 
@@ -157,22 +159,133 @@ class ChunkFetcher:
             pass  # logged; the reader that wants it tries again
 
     async def fetch_all(self, entries: list[ChunkEntry], workers: int) -> None:
-        """Fetch every chunk not yet cached with a bounded pool of workers (the
-        eager ``--prefetch full``); raises the first FetchError."""
-        todo = iter(entries)
+        """Fetch every chunk not yet cached, in pack order, a run per range read,
+        with a bounded pool of workers (the eager ``--prefetch full``); raises
+        the first FetchError."""
+        wanted = sorted((e for e in self._unique(entries) if not self._have(e.sha256)),
+                        key=lambda e: e.location)
+        todo = pack_runs(wanted)
+        failed: list[FetchError] = []
 
         async def worker() -> None:
-            for entry in todo:
-                if self.memory.get(entry.sha256) is not None:
-                    continue
-                if self.cache.contains(entry.sha256.hex()):  # an index lookup, no I/O
-                    continue
-                await self.get(entry)
+            for run in todo:
+                try:
+                    await self.get_run(run)
+                except FetchError as exc:
+                    failed.append(exc)
+                    nursery.cancel_scope.cancel()
+                    return
 
         async with trio.open_nursery() as nursery:
             for _ in range(workers):
                 nursery.start_soon(worker)
+        if failed:
+            raise failed[0]
         await self.writes_done()
+
+    @staticmethod
+    def _unique(entries: list[ChunkEntry]) -> list[ChunkEntry]:
+        """The entries without repeats of a chunk (its first entry kept)."""
+        seen: set[bytes] = set()
+        unique = []
+        for entry in entries:
+            if entry.sha256 not in seen:
+                seen.add(entry.sha256)
+                unique.append(entry)
+        return unique
+
+    def _have(self, sha: bytes) -> bool:
+        """In memory, waiting for its cache file, or in the cache index (no I/O)."""
+        return (sha in self.memory or sha in self._unwritten
+                or self.cache.contains(sha.hex()))
+
+    async def get_run(self, run: list[ChunkEntry]) -> None:
+        """Bring the chunks of a run (see ``pack_runs``) into the cache: one range
+        read for those no one has or fetches yet, a wait for those in flight;
+        raises the first FetchError."""
+        mine: list[ChunkEntry] = []
+        theirs: list[ChunkEntry] = []
+        for entry in self._unique(run):
+            if entry.sha256 in self._flights:
+                theirs.append(entry)
+            elif not self._have(entry.sha256):
+                mine.append(entry)
+        for part in pack_runs(mine):
+            if len(part) == 1:
+                await self.get(part[0])
+            else:
+                await self._lead_run(part)
+        for entry in theirs:
+            await self.get(entry)
+
+    async def _lead_run(self, run: list[ChunkEntry]) -> None:
+        """Fetch a run as the owner of each of its chunks' flights; the bytes go
+        to the cache (not to memory: a prefetch must not push out what readers
+        use). Waiters get their chunk's bytes or its FetchError."""
+        flights = [_Flight() for _ in run]
+        for entry, flight in zip(run, flights, strict=True):
+            self._flights[entry.sha256] = flight
+        try:
+            results = await self._load_run(run)
+            for flight, result in zip(flights, results, strict=True):
+                if isinstance(result, FetchError):
+                    flight.error = result
+                else:
+                    flight.data = result
+            for entry, flight in zip(run, flights, strict=True):
+                if flight.data is not None:
+                    await self._write_behind(entry.sha256, flight.data)
+            failed = next((f.error for f in flights if f.error is not None), None)
+            if failed is not None:
+                raise failed
+        except FetchError as exc:
+            for flight in flights:
+                if flight.data is None and flight.error is None:
+                    flight.error = exc
+            raise
+        finally:
+            for entry, flight in zip(run, flights, strict=True):
+                del self._flights[entry.sha256]
+                flight.done.set()
+
+    async def _load_run(self, run: list[ChunkEntry]) -> list[bytes | FetchError]:
+        """Each chunk of a run from one range read of the store, or the FetchError
+        of that chunk alone (a corrupt chunk); raises FetchError for a failed read."""
+        where = f"{len(run)} chunks of pack {run[0].pack[7:23]} @ {run[0].pack_offset}"
+        for _ in run:
+            self.cache.note_miss()
+        with trio.move_on_after(self.timeout) as scope:
+            if trio.current_time() < self.store_down_until:
+                raise FetchError(where, "store unavailable (failed just now)")
+            async with self.fetch_limit:
+                try:
+                    results = await trio.to_thread.run_sync(self._fetch_run, run,
+                                                            abandon_on_cancel=True)
+                except (StoreUnreachable, TransientStoreError) as exc:
+                    self._store_failed()
+                    log.error("%s: %s", where, exc)
+                    raise FetchError(where, str(exc)) from exc
+                except LayerfsError as exc:
+                    log.error("%s: %s", where, exc)
+                    raise FetchError(where, str(exc)) from exc
+            return [self._failed_chunk(e, r) if isinstance(r, IntegrityError) else r
+                    for e, r in zip(run, results, strict=True)]
+        assert scope.cancelled_caught
+        self._store_failed()
+        log.error("%s: no answer from the store within %.0fs", where, self.timeout)
+        raise FetchError(where, f"timed out after {self.timeout:.0f}s")
+
+    @staticmethod
+    def _failed_chunk(entry: ChunkEntry, exc: IntegrityError) -> FetchError:
+        sha = entry.sha256.hex()
+        log.error("chunk %s: %s", sha[:16], exc)
+        return FetchError(f"chunk {sha[:16]}", str(exc))
+
+    def _fetch_run(self, run: list[ChunkEntry]) -> list[bytes | IntegrityError]:
+        """Worker thread: one range read of the run, each chunk decoded and verified."""
+        results = fetch_run(self.store, run)
+        self.cache.note_fetched(sum(len(r) for r in results if isinstance(r, bytes)))
+        return results
 
     async def _load(self, entry: ChunkEntry) -> tuple[bytes, bool]:
         """The chunk's bytes and whether they came from the store."""
@@ -246,17 +359,14 @@ class ChunkFetcher:
         """Fetch chunks in the background at low priority, in order, with up to
         ``workers`` at a time (all prefetches share ``background_limit``); a
         worker stops at its first error, which is only logged."""
-        todo = iter(entries)
+        todo = pack_runs(e for e in entries
+                         if not (e.sha256 in self._flights or self._have(e.sha256)))
 
         async def worker() -> None:
-            for entry in todo:
-                if (self.memory.get(entry.sha256) is not None or entry.sha256 in self._flights
-                        or entry.sha256 in self._unwritten
-                        or self.cache.contains(entry.sha256.hex())):
-                    continue
+            for run in todo:
                 async with self.background_limit:
                     try:
-                        await self.get(entry)
+                        await self.get_run(run)
                     except FetchError:
                         return
 
