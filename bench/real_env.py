@@ -320,7 +320,7 @@ def main() -> None:
     ap.add_argument("--rate-mbit", type=float, default=1000.0)
     ap.add_argument("--latency-ms", type=float, default=1.0)
     ap.add_argument("--throttle", choices=("auto", "tc", "proxy", "none"), default="auto")
-    ap.add_argument("--read-timeout", type=float, default=600.0)
+    ap.add_argument("--read-timeout", type=float, default=30.0)
     ap.add_argument("--store", default=None, help="store URL (default: the bench's SeaweedFS)")
     ap.add_argument("--s3-endpoint", default=None)
     ap.add_argument("--work", default=str(HERE / "work" / "real"))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .chunks import fetch_chunk
+from .chunks import fetch_run, pack_runs
 from .errors import LayerfsError
+from .formats.chunktable import ChunkEntry
 from .manifest import LayerManifest
 from .registry import Registry
 
@@ -23,8 +25,8 @@ class VerifyReport:
 
 
 def verify_layer(reg: Registry, digest: str, workers: int = 8) -> VerifyReport:
-    from concurrent.futures import ThreadPoolExecutor
-
+    """Read back the meta image, the chunk table and every chunk (a run of
+    neighbouring chunks per range read); each problem is one line."""
     manifest = reg.any_layer(digest)
     report = VerifyReport(f"{manifest.name}@{manifest.version}")
     try:
@@ -35,17 +37,19 @@ def verify_layer(reg: Registry, digest: str, workers: int = 8) -> VerifyReport:
         report.problems.append(str(exc))
         return report
 
-    def check(entry):
+    def check(run: list[ChunkEntry]) -> list[tuple[ChunkEntry, str | None]]:
         try:
-            fetch_chunk(reg.store, entry)
-            return None
-        except LayerfsError as exc:
-            return str(exc)
+            results = fetch_run(reg.store, run)
+        except LayerfsError as exc:  # the read itself failed: every chunk of the run
+            return [(entry, str(exc)) for entry in run]
+        return [(entry, str(r) if isinstance(r, LayerfsError) else None)
+                for entry, r in zip(run, results, strict=True)]
 
     with ThreadPoolExecutor(workers) as pool:
-        for entry, problem in zip(table.entries, pool.map(check, table.entries), strict=True):
-            report.chunks += 1
-            report.bytes += entry.length
-            if problem:
-                report.problems.append(problem)
+        for checked in pool.map(check, pack_runs(table.entries)):
+            for entry, problem in checked:
+                report.chunks += 1
+                report.bytes += entry.length
+                if problem:
+                    report.problems.append(problem)
     return report
