@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from layerfs.node.process import DaemonProcess, detach_mounts
 
@@ -46,8 +47,10 @@ class DaemonRuns:
     looks wrong (an exit code, leftover mounts) is appended to ``oddities``."""
 
     def __init__(self, work: Path, oddities: list[str], cache_size: str,
-                 read_timeout: float = 60.0, request_timeout: float = 1800.0) -> None:
+                 read_timeout: float = 60.0, request_timeout: float = 1800.0,
+                 daemon_args: list[str] | None = None) -> None:
         self.work = work
+        self.daemon_args = daemon_args or []  # more options for every daemon
         self.oddities = oddities
         self.cache_size = cache_size
         self.read_timeout = read_timeout
@@ -60,10 +63,20 @@ class DaemonRuns:
         log = self.work / "logs" / f"{len(self.logs) + 1:03d}-{tag}.log"
         log.unlink(missing_ok=True)
         self.logs.append(log)
-        node = DaemonProcess(root, store_args, self.cache_size, self.read_timeout, log,
-                             request_timeout=self.request_timeout)
+        node = DaemonProcess(root, [*store_args, *self.daemon_args], self.cache_size,
+                             self.read_timeout, log, request_timeout=self.request_timeout)
         self.running.append(node)
         return node.start()
+
+    @staticmethod
+    def add_arguments(ap: Any) -> None:
+        ap.add_argument("--miss-span", default=None,
+                        help="the daemons' --miss-span (default: the daemon's own)")
+
+    @staticmethod
+    def options(args: Any) -> list[str]:
+        """The daemon options the command line asked for."""
+        return ["--miss-span", args.miss_span] if args.miss_span is not None else []
 
     def finish(self, node: DaemonProcess, remove_root: bool = False) -> None:
         """Stop ``node``; detach what it left mounted; remove its root if asked."""

@@ -505,7 +505,8 @@ class Bench:
         self.disk = disk
         self.tasks = doc["tasks"][: args.sandboxes]
         self.oddities: list[str] = []
-        self.daemons = DaemonRuns(work, self.oddities, args.cache_size, args.read_timeout)
+        self.daemons = DaemonRuns(work, self.oddities, args.cache_size, args.read_timeout,
+                                  daemon_args=DaemonRuns.options(args))
 
     def root(self, name: str) -> Path:
         return self.disk.mnt / name
@@ -801,6 +802,7 @@ def main() -> None:
     ap.add_argument("--think-scale", type=float, default=1.0,
                     help="multiplies every task's think time")
     ap.add_argument("--cache-size", default="20G", help="the daemon's --cache-size")
+    DaemonRuns.add_arguments(ap)
     ap.add_argument("--read-timeout", type=float, default=30.0,
                     help="the daemon's --read-timeout (default: the daemon's own)")
     ap.add_argument("--pass-timeout", type=float, default=1200.0,
@@ -895,6 +897,7 @@ def main() -> None:
         "params": {"sandboxes": args.sandboxes, "concurrency": args.concurrency,
                    "modes": args.modes, "think_scale": args.think_scale,
                    "cache_size": args.cache_size, "read_timeout": args.read_timeout,
+                   "miss_span": args.miss_span,
                    "node_disk": args.node_disk, "node_disk_device": disk.device,
                    "store": url, "tasks_file": str(tasks_path)},
         "link": throttle.describe() | {"check": check},

@@ -277,7 +277,8 @@ class Bench:
         self.store_url = "file://" + str(self.store_dir)
         self.store = FileStore(str(self.store_dir))
         self.oddities: list[str] = []
-        self.daemons = DaemonRuns(work, self.oddities, args.cache_size, request_timeout=900)
+        self.daemons = DaemonRuns(work, self.oddities, args.cache_size, request_timeout=900,
+                                  daemon_args=DaemonRuns.options(args))
 
     def node(self, tag: str, store_args: list[str] | None = None) -> DaemonProcess:
         """A daemon on a fresh, empty ROOT (no cache, no replica)."""
@@ -553,6 +554,7 @@ def main() -> None:
     ap.add_argument("--get-parallel", type=int, default=4,
                     help="threads for the store GET baseline")
     ap.add_argument("--cache-size", default="16G", help="the daemons' --cache-size")
+    DaemonRuns.add_arguments(ap)
     ap.add_argument("--many", type=int, default=200, help="sandboxes up at once")
     ap.add_argument("--only", default="up,warm,cold,cold-s3,meta,many",
                     help="comma-separated subset of up,warm,cold,cold-s3,meta,many")
@@ -669,7 +671,8 @@ def main() -> None:
         rows.append((f"{r['sandboxes']} sandboxes at once: up/s, daemon RSS MiB all up",
                      f"{r['up_per_second']:.0f}", f"{r['rss_all_up_kb'] / 1024:.0f}", "-", "-"))
     result = {
-        "params": {"sizes": args.sizes, "read_size": read_label, "meta_files": args.meta_files,
+        "params": {"miss_span": args.miss_span, "sizes": args.sizes, "read_size": read_label,
+                   "meta_files": args.meta_files,
                    "meta_dirs": args.meta_dirs, "samples": args.samples, "reps": args.reps,
                    "get_parallel": args.get_parallel, "cache_size": args.cache_size,
                    "chunk_size": MiB, "quick": args.quick},

@@ -261,7 +261,8 @@ class Bench:
         self.env = env
         self.cmd = cmd
         self.oddities: list[str] = []
-        self.daemons = DaemonRuns(work, self.oddities, "20G", args.read_timeout)
+        self.daemons = DaemonRuns(work, self.oddities, "20G", args.read_timeout,
+                                  daemon_args=DaemonRuns.options(args))
 
     def node(self, tag: str) -> DaemonProcess:
         root = clear_dir(self.work / "node" / tag, self.oddities)
@@ -321,6 +322,7 @@ def main() -> None:
     ap.add_argument("--latency-ms", type=float, default=1.0)
     ap.add_argument("--throttle", choices=("auto", "tc", "proxy", "none"), default="auto")
     ap.add_argument("--read-timeout", type=float, default=30.0)
+    DaemonRuns.add_arguments(ap)
     ap.add_argument("--store", default=None, help="store URL (default: the bench's SeaweedFS)")
     ap.add_argument("--s3-endpoint", default=None)
     ap.add_argument("--work", default=str(HERE / "work" / "real"))
@@ -395,7 +397,8 @@ def main() -> None:
     ratio = summary["lazy"]["cold_start_s_p50"] / summary["eager"]["cold_start_s_p50"]
     result = {
         "params": {"project": args.project, "wheels": wheels, "reps": args.reps,
-                   "read_timeout": args.read_timeout, "command": cmd},
+                   "read_timeout": args.read_timeout, "miss_span": args.miss_span,
+                   "command": cmd},
         "link": throttle.describe(),
         "machine": {"cpus": os.cpu_count(), "kernel": platform.release()},
         "layerfs_commit": git_head(),

@@ -296,3 +296,32 @@ def test_a_trace_prefetch_keeps_its_order_and_shares_its_runs_with_readers(tmp_p
 
 async def _append(out: list, awaitable) -> None:
     out.append(await awaitable)
+
+
+def test_a_miss_on_a_small_chunk_brings_the_chunks_after_it_in_its_pack(tmp_path):
+    """miss_span 3 chunks: a read of chunk 0 fetches 0-2 with one range read, a
+    read of 1 then needs no store, one of 3 fetches 3-5 (the span stops at the
+    end of the pack's chunks). A damaged neighbour fails alone: the read that
+    brought it along succeeds; reading it is an error, then it is fetched again."""
+    a = "sha256:" + "a" * 64
+    entries, pack = run_entries([4096] * 6, a)
+    damaged = bytearray(pack)
+    damaged[4 * 4096 + 1] ^= 1
+    store = RangeStore({a: bytes(damaged)})
+    f = ChunkFetcher(store, ChunkCache(tmp_path / "cache", 1 << 20), miss_span=3 * 4096)
+    blob = BlobFile("sha256:" + "3" * 64, ChunkTable(entries, len(pack), 4096), f, 16)
+
+    async def main() -> None:
+        assert await blob.read(0, 100) == pack[:100]
+        assert await blob.read(4096, 4096) == pack[4096:8192]
+        assert store.calls == [(blob_key(a), 0, 3 * 4096)]
+        assert await blob.read(3 * 4096, 10) == pack[3 * 4096:3 * 4096 + 10]
+        assert store.calls[1:] == [(blob_key(a), 3 * 4096, 6 * 4096)]
+        with pytest.raises(FetchError, match="sha256 mismatch"):
+            await blob.read(4 * 4096, 10)
+        store.packs[blob_key(a)] = pack
+        assert await blob.read(4 * 4096, 10) == pack[4 * 4096:4 * 4096 + 10]
+        assert store.calls[2:] == [(blob_key(a), 4 * 4096, 5 * 4096)] * 2  # 5 is cached
+
+    trio.run(main)
+    assert f.cache.snapshot()["entries"] == 6

@@ -40,10 +40,14 @@ def json_option(fn):
               help="Kernel readahead window of the FUSE blob and disk files.")
 @click.option("--layer-readahead", default="1M", show_default=True,
               help="Kernel readahead window of the EROFS layer mounts.")
+@click.option("--miss-span", default="0", show_default=True,
+              help="A read that misses a smaller chunk fetches it together with the chunks "
+                   "after it in its pack, up to this many bytes in all (0: alone).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size: str,
-           read_timeout: float, readahead: str, layer_readahead: str, log_level: str) -> None:
+           read_timeout: float, readahead: str, layer_readahead: str, miss_span: str,
+           log_level: str) -> None:
     """Run the node daemon in the foreground (logs to stderr)."""
     logging.getLogger().setLevel(log_level.upper())
     if os.geteuid() != 0:
@@ -51,7 +55,8 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
     cfg = DaemonConfig(root=root, store_url=store_url, s3_endpoint=s3_endpoint,
                        cache_size=parse_size(cache_size), read_timeout=read_timeout,
                        readahead=parse_size(readahead),
-                       layer_readahead=parse_size(layer_readahead))
+                       layer_readahead=parse_size(layer_readahead),
+                       miss_span=parse_size(miss_span))
     Daemon(cfg).run()
 
 

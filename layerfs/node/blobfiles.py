@@ -8,8 +8,9 @@ bytes once.
 Readahead from the store is the kernel's (EROFS and FUSE readahead windows,
 see the daemon); a sequential stream's next cached chunks are read into
 memory ahead of it, and a small random read of a cached chunk reads only the
-blocks it needs. The first touch of each chunk is recorded in order (the
-layer's access trace).
+blocks it needs. A miss on a small chunk may bring the chunks after it in its
+pack along (the fetcher's ``miss_span``). The first touch of each chunk is
+recorded in order (the layer's access trace).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .fetcher import Buffer, ChunkFetcher
 FIRST_BLOB_INODE = 16
 CACHED_READAHEAD = 16  # at most this many chunks read ahead from the cache into memory
 PART_READ_FRACTION = 4  # a random read of at most 1/4 of a cached chunk reads just that
+MISS_NEIGHBOURS = 64  # at most this many following chunks come along with a miss
 RECENT_READS = 32  # streams (read ends) remembered per blob to tell sequential reads
 ZEROS = bytes(1 << 20)  # shared by every hole a read returns
 
@@ -117,7 +119,10 @@ class BlobFile:
             i, lo, hi = pieces[k]
             entry = entries[i]
             lo, hi = lo - entry.blob_offset, hi - entry.blob_offset
-            if depth <= 0 and (hi - lo) * PART_READ_FRACTION <= entry.length:
+            if self.fetcher.missing(entry):  # from the store, with the chunks after it
+                after = entries[i + 1:i + 1 + MISS_NEIGHBOURS]
+                datas[k] = memoryview(await self.fetcher.get(entry, after))[lo:hi]
+            elif depth <= 0 and (hi - lo) * PART_READ_FRACTION <= entry.length:
                 datas[k] = await self.fetcher.get_range(entry, lo, hi)
             else:
                 datas[k] = memoryview(await self.fetcher.get(entry))[lo:hi]

@@ -46,6 +46,7 @@ class DaemonConfig:
     fetch_parallel: int = 16
     readahead: int = 4 << 20  # kernel readahead window of the blob and disk files
     layer_readahead: int = 1 << 20  # kernel readahead window of the EROFS layer mounts
+    miss_span: int = 0  # a small chunk's miss fetches the chunks after it, up to this
 
 
 def mounts_under(root: Path) -> list[str]:
@@ -84,7 +85,7 @@ class Daemon:
         self.replica = Replica(self.root)
         self.cache = ChunkCache(self.root / "cache", cfg.cache_size)
         self.fetcher = ChunkFetcher(self.store, self.cache, timeout=cfg.read_timeout,
-                                    parallel=cfg.fetch_parallel)
+                                    parallel=cfg.fetch_parallel, miss_span=cfg.miss_span)
         self.blobs = BlobDirectory()
         self.disks = DiskManager(self.root, self.reg, self.replica, self.blobs, self.fetcher)
         self.fs = NodeFS(self.blobs, self.disks)

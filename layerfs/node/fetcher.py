@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -77,8 +78,10 @@ class MemoryChunks:
 
 class ChunkFetcher:
     def __init__(self, store: Store, cache: ChunkCache, *, timeout: float = 30.0,
-                 parallel: int = 16, io_threads: int = 16, memory: int = 64 << 20) -> None:
+                 parallel: int = 16, io_threads: int = 16, memory: int = 64 << 20,
+                 miss_span: int = 0) -> None:
         self.store = store
+        self.miss_span = miss_span
         self.cache = cache
         self.timeout = timeout
         self.parallel = parallel
@@ -92,21 +95,55 @@ class ChunkFetcher:
         self.nursery: trio.Nursery | None = None
         self.store_down_until = 0.0
 
-    async def get(self, entry: ChunkEntry) -> bytes:
-        """The verified bytes of one chunk; raises FetchError within the timeout."""
+    async def get(self, entry: ChunkEntry, after: Sequence[ChunkEntry] = ()) -> bytes:
+        """The verified bytes of one chunk; raises FetchError within the timeout.
+        ``after``: the entries that follow it in its blob; if the chunk comes
+        from the store, those that follow it in its pack come along, up to
+        ``miss_span`` stored bytes in all (see :meth:`missing`)."""
         while True:
             data = self.memory.get(entry.sha256) or self._unwritten.get(entry.sha256)
             if data is not None:
                 return data
             flight = self._flights.get(entry.sha256)
             if flight is None:
-                return await self._lead(entry)
+                run = self._miss_run(entry, after) if after else [entry]
+                if len(run) == 1:
+                    return await self._lead(entry)
+                result = (await self._lead_run(run))[0]
+                if isinstance(result, FetchError):
+                    raise result
+                self.memory.put(entry.sha256, result)
+                return result
             await flight.done.wait()
             if flight.data is not None:
                 return flight.data
             if flight.error is not None:
                 raise flight.error
             # the fetch was abandoned (its owner was cancelled): start another
+
+    def missing(self, entry: ChunkEntry) -> bool:
+        """A miss that :meth:`get` would fetch with the chunks after it: a chunk
+        smaller than ``miss_span`` that no one has or fetches (no I/O)."""
+        return (entry.stored_length < self.miss_span and entry.sha256 not in self._flights
+                and not self._have(entry.sha256))
+
+    def _miss_run(self, entry: ChunkEntry, after: Sequence[ChunkEntry]) -> list[ChunkEntry]:
+        """``entry`` and the chunks right after it in its pack, up to the first
+        one someone has or fetches, within ``miss_span`` stored bytes; just
+        ``entry`` if it is cached."""
+        if self.cache.contains(entry.sha256.hex()):
+            return [entry]
+        run, total, shas = [entry], entry.stored_length, {entry.sha256}
+        for nxt in after:
+            last = run[-1]
+            if (nxt.pack != entry.pack or nxt.pack_offset != last.pack_offset + last.stored_length
+                    or total + nxt.stored_length > self.miss_span or nxt.sha256 in shas
+                    or nxt.sha256 in self._flights or self._have(nxt.sha256)):
+                break
+            run.append(nxt)
+            total += nxt.stored_length
+            shas.add(nxt.sha256)
+        return run
 
     async def _lead(self, entry: ChunkEntry) -> bytes:
         """Fetch as the one owner of this chunk's flight. Waiters get the bytes or
@@ -213,15 +250,19 @@ class ChunkFetcher:
         for part in pack_runs(mine):
             if len(part) == 1:
                 await self.get(part[0])
-            else:
-                await self._lead_run(part)
+                continue
+            failed = next((r for r in await self._lead_run(part) if isinstance(r, FetchError)),
+                          None)
+            if failed is not None:
+                raise failed
         for entry in theirs:
             await self.get(entry)
 
-    async def _lead_run(self, run: list[ChunkEntry]) -> None:
-        """Fetch a run as the owner of each of its chunks' flights; the bytes go
-        to the cache (not to memory: a prefetch must not push out what readers
-        use). Waiters get their chunk's bytes or its FetchError."""
+    async def _lead_run(self, run: list[ChunkEntry]) -> list[bytes | FetchError]:
+        """Fetch a run as the owner of each of its chunks' flights; each chunk's
+        bytes or FetchError (raises FetchError if the read itself failed). The
+        bytes go to the cache (not to memory: a prefetch must not push out what
+        readers use). Waiters get their chunk's bytes or its FetchError."""
         flights = [_Flight() for _ in run]
         for entry, flight in zip(run, flights, strict=True):
             self._flights[entry.sha256] = flight
@@ -235,9 +276,7 @@ class ChunkFetcher:
             for entry, flight in zip(run, flights, strict=True):
                 if flight.data is not None:
                     await self._write_behind(entry.sha256, flight.data)
-            failed = next((f.error for f in flights if f.error is not None), None)
-            if failed is not None:
-                raise failed
+            return results
         except FetchError as exc:
             for flight in flights:
                 if flight.data is None and flight.error is None:
