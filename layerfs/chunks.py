@@ -20,7 +20,7 @@ from .errors import IntegrityError
 from .formats.chunktable import ZSTD, ChunkEntry, ChunkTable
 from .store.base import Store, blob_key
 
-RUN_SPAN = 8 << 20  # at most this many stored bytes in one range read of a run
+RUN_SPAN = 4 << 20  # at most this many stored bytes in one range read of a run
 RUN_GAP = 64 << 10  # a run reads over at most this many bytes between two chunks
 
 
