@@ -141,8 +141,8 @@ class PackStore:
 
 
 def test_sequential_reads_bring_the_next_cached_chunks_of_the_file_into_memory(tmp_path):
-    """Readahead from the cache only: a stream's next chunks come into memory,
-    never past its file's end, never from the store; a random read brings none."""
+    """A stream's next cached chunks come into memory, never past its file's
+    end; a random read brings none; a short stream fetches nothing ahead."""
     size = 4096
     chunks = [bytes([i]) * size for i in range(12)]
     entries = [ChunkEntry(i * size, size, hashlib.sha256(c).digest(), "sha256:" + "0" * 64,
@@ -151,7 +151,7 @@ def test_sequential_reads_bring_the_next_cached_chunks_of_the_file_into_memory(t
     store = PackStore(b"".join(chunks))
     f = fetcher(tmp_path, store)
     for i, c in enumerate(chunks):
-        if i != 6:  # not cached: the kernel's readahead, not the daemon's, fetches it
+        if i != 6:  # not cached
             f.cache.write(entries[i].sha256.hex(), c)
     blob = BlobFile("sha256:" + "1" * 64, ChunkTable(entries, 12 * size, size), f, 16)
 
@@ -169,7 +169,8 @@ def test_sequential_reads_bring_the_next_cached_chunks_of_the_file_into_memory(t
 
     trio.run(main)
     in_memory = [i for i, e in enumerate(entries) if e.sha256 in f.memory]
-    # 6 is not cached; 8 starts a file; the random read took a part of 9
+    # 6 is not cached, and 5 chunks read fetch 1 ahead (5); 8 starts a file; the
+    # random read took a part of 9
     assert in_memory == [0, 1, 2, 3, 4, 5, 7]
     assert store.calls == 0
 
@@ -325,3 +326,32 @@ def test_a_miss_on_a_small_chunk_brings_the_chunks_after_it_in_its_pack(tmp_path
 
     trio.run(main)
     assert f.cache.snapshot()["entries"] == 6
+
+
+def test_a_stream_fetches_ahead_a_quarter_of_what_it_has_read(tmp_path):
+    """One 20-chunk file, nothing cached, read chunk by chunk: after 12 chunks
+    the 3 after them are fetched (one range read for neighbours), not more."""
+    a = "sha256:" + "a" * 64
+    entries, pack = run_entries([4096] * 20, a)
+    entries[0] = ChunkEntry(*[getattr(entries[0], f) for f in ("blob_offset", "length",
+                              "sha256", "pack", "pack_offset", "stored_length",
+                              "compression")], FILE_START)
+    store = RangeStore({a: pack})
+    f = fetcher(tmp_path, store)
+    blob = BlobFile("sha256:" + "4" * 64, ChunkTable(entries, len(pack), 4096), f, 16)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            f.nursery = nursery
+            for i in range(12):
+                assert await blob.read(i * 4096, 4096) == pack[i * 4096:(i + 1) * 4096]
+                await trio.sleep(0.02)
+            await f.writes_done()
+            f.nursery = None
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    present = [i for i, e in enumerate(entries) if not f.absent(e.sha256)]
+    assert present == list(range(15))
+    assert len(store.calls) <= 13  # 0-3 on demand, then ahead: 4, 5, 6, 7, 8-9, 10, 11, 12, 13-14
+    assert any(end - start == 2 * 4096 for _, start, end in store.calls)

@@ -5,10 +5,11 @@ read maps its byte range to chunks, gets each from the fetcher (in parallel)
 and answers with views of the overlapping slices, zeros for holes and
 padding: a read inside one chunk copies nothing, any other read copies its
 bytes once.
-Readahead from the store is the kernel's (EROFS and FUSE readahead windows,
-see the daemon); a sequential stream's next cached chunks are read into
-memory ahead of it, and a small random read of a cached chunk reads only the
-blocks it needs. A miss on a small chunk may bring the chunks after it in its
+Readahead is mostly the kernel's (EROFS and FUSE readahead windows, see the
+daemon); a sequential stream's next cached chunks are read into memory ahead
+of it, a few of its next uncached ones are fetched (a quarter of what it has
+read), and a small random read of a cached chunk reads only the blocks it
+needs. A miss on a small chunk may bring the chunks after it in its
 pack along (the fetcher's ``miss_span``). The first touch of each chunk is
 recorded in order (the layer's access trace).
 """
@@ -26,6 +27,8 @@ from .fetcher import Buffer, ChunkFetcher
 FIRST_BLOB_INODE = 16
 CACHED_READAHEAD = 16  # at most this many chunks read ahead from the cache into memory
 PART_READ_FRACTION = 4  # a random read of at most 1/4 of a cached chunk reads just that
+STORE_READAHEAD = 4  # at most this many chunks a stream fetches ahead from the store
+STORE_AHEAD_SHARE = 4  # ... and at most 1/4 of what it has read so far
 MISS_NEIGHBOURS = 64  # at most this many following chunks come along with a miss
 RECENT_READS = 32  # streams (read ends) remembered per blob to tell sequential reads
 ZEROS = bytes(1 << 20)  # shared by every hole a read returns
@@ -72,7 +75,8 @@ class BlobFile:
     touched: set[int] = field(default_factory=set)
     trace: list[int] = field(default_factory=list)
     bytes_read: int = 0
-    ends: dict[int, int] = field(default_factory=dict)  # end of a recent read → its stream's reads
+    # end of a recent read → its stream's (reads, bytes) so far
+    ends: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.offsets = [e.blob_offset for e in self.table.entries]
@@ -110,9 +114,11 @@ class BlobFile:
         pieces = [(i, lo, hi) for i, lo, hi in pieces if hi > lo]
         self._record([i for i, _, _ in pieces])
         self.bytes_read += end - off
-        depth = min(self._stream_length(off, end) - 1, CACHED_READAHEAD)
+        reads, streamed = self._stream(off, end)
+        depth = min(reads - 1, CACHED_READAHEAD)
+        ahead = min(streamed // (STORE_AHEAD_SHARE * self.table.chunk_size), STORE_READAHEAD)
         if depth > 0 and pieces:
-            self._read_ahead(pieces[-1][0], depth)
+            self._read_ahead(pieces[-1][0], depth, ahead)
         datas: list[Buffer] = [b""] * len(pieces)
 
         async def get(k: int) -> None:
@@ -135,27 +141,38 @@ class BlobFile:
                     nursery.start_soon(get, k)
         return laid_out(pieces, datas, off, end)
 
-    def _stream_length(self, off: int, end: int) -> int:
+    def _stream(self, off: int, end: int) -> tuple[int, int]:
         """How many reads in a row, this one included, ended where the next one
-        started (1 for a read that continues none; several streams may
-        interleave). Remembers where this one ends."""
-        length = self.ends.pop(off, 0) + 1
-        self.ends[end] = length
+        started, and how many bytes they read ((1, its size) for a read that
+        continues none; several streams may interleave). Remembers where this
+        one ends."""
+        reads, streamed = self.ends.pop(off, (0, 0))
+        stream = self.ends[end] = (reads + 1, streamed + end - off)
         if len(self.ends) > RECENT_READS:
             del self.ends[next(iter(self.ends))]
-        return length
+        return stream
 
-    def _read_ahead(self, last: int, depth: int) -> None:
+    def _read_ahead(self, last: int, depth: int, ahead: int) -> None:
         """Bring up to ``depth`` chunks after ``last``, of the same file, into
         memory if they are in the cache: their disk reads overlap the kernel's
         next requests. The depth grows with the stream, so a file read only in
-        part costs few extra reads. Chunks not in the cache are left to the
-        kernel's readahead, which stops at the file's end."""
+        part costs few extra reads. Of the first ``ahead`` chunks, those no one
+        has or fetches come from the store (``ahead`` grows with the bytes the
+        stream has read, so a read that stops early costs at most a quarter
+        more); the rest is left to the kernel's readahead, which stops at the
+        file's end."""
         entries = self.table.entries
-        for i in range(last + 1, min(last + 1 + depth, len(entries))):
-            if entries[i].flags & FILE_START:
+        fetch = []
+        for n, i in enumerate(range(last + 1, min(last + 1 + depth, len(entries)))):
+            entry = entries[i]
+            if entry.flags & FILE_START:
                 break
-            self.fetcher.warm(entries[i])
+            if n < ahead and self.fetcher.absent(entry.sha256):
+                fetch.append(entry)
+            else:
+                self.fetcher.warm(entry)
+        if fetch:
+            self.fetcher.fetch_ahead(fetch)
 
     def _record(self, indexes: list[int]) -> None:
         for i in indexes:

@@ -14,6 +14,7 @@ in a pack with one range read; each chunk of a run has its own flight.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -124,8 +125,7 @@ class ChunkFetcher:
     def missing(self, entry: ChunkEntry) -> bool:
         """A miss that :meth:`get` would fetch with the chunks after it: a chunk
         smaller than ``miss_span`` that no one has or fetches (no I/O)."""
-        return (entry.stored_length < self.miss_span and entry.sha256 not in self._flights
-                and not self._have(entry.sha256))
+        return entry.stored_length < self.miss_span and self.absent(entry.sha256)
 
     def _miss_run(self, entry: ChunkEntry, after: Sequence[ChunkEntry]) -> list[ChunkEntry]:
         """``entry`` and the chunks right after it in its pack, up to the first
@@ -195,6 +195,26 @@ class ChunkFetcher:
         except FetchError:
             pass  # logged; the reader that wants it tries again
 
+    def absent(self, sha: bytes) -> bool:
+        """No one has or fetches the chunk (no I/O)."""
+        return sha not in self._flights and not self._have(sha)
+
+    def fetch_ahead(self, entries: list[ChunkEntry]) -> None:
+        """Fetch from the store, in the background, the chunks a long sequential
+        stream reads next (runs of neighbours; kept in memory too); a failure
+        is only logged: the reader that wants the chunk tries again."""
+        if self.nursery is None:
+            return
+        for run in pack_runs(e for e in entries if self.absent(e.sha256)):
+            self.nursery.start_soon(self._fetch_ahead, run)
+
+    async def _fetch_ahead(self, run: list[ChunkEntry]) -> None:
+        if len(run) == 1:
+            await self._warm(run[0])
+            return
+        with contextlib.suppress(FetchError):
+            await self._lead_run(run, keep=True)
+
     async def fetch_all(self, entries: list[ChunkEntry], workers: int) -> None:
         """Fetch every chunk not yet cached, in pack order, a run per range read,
         with a bounded pool of workers (the eager ``--prefetch full``); raises
@@ -258,11 +278,13 @@ class ChunkFetcher:
         for entry in theirs:
             await self.get(entry)
 
-    async def _lead_run(self, run: list[ChunkEntry]) -> list[bytes | FetchError]:
+    async def _lead_run(self, run: list[ChunkEntry],
+                        keep: bool = False) -> list[bytes | FetchError]:
         """Fetch a run as the owner of each of its chunks' flights; each chunk's
         bytes or FetchError (raises FetchError if the read itself failed). The
-        bytes go to the cache (not to memory: a prefetch must not push out what
-        readers use). Waiters get their chunk's bytes or its FetchError."""
+        bytes go to the cache, and to memory only if ``keep`` (a prefetch must
+        not push out what readers use). Waiters get their chunk's bytes or its
+        FetchError."""
         flights = [_Flight() for _ in run]
         for entry, flight in zip(run, flights, strict=True):
             self._flights[entry.sha256] = flight
@@ -275,6 +297,8 @@ class ChunkFetcher:
                     flight.data = result
             for entry, flight in zip(run, flights, strict=True):
                 if flight.data is not None:
+                    if keep:
+                        self.memory.put(entry.sha256, flight.data)
                     await self._write_behind(entry.sha256, flight.data)
             return results
         except FetchError as exc:
