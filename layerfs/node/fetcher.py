@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import TypeAlias, TypeVar
 
 import trio
 
@@ -32,6 +32,8 @@ from ..store.base import Store
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+R = TypeVar("R")
 STORE_COOLDOWN = 2.0  # seconds uncached reads fail fast after the store failed
 MAX_UNWRITTEN = 64  # fetched chunks whose cache files may be pending at once
 
@@ -318,25 +320,30 @@ class ChunkFetcher:
         for _ in run:
             self.cache.note_miss()
         with trio.move_on_after(self.timeout) as scope:
-            if trio.current_time() < self.store_down_until:
-                raise FetchError(where, "store unavailable (failed just now)")
-            async with self.fetch_limit:
-                try:
-                    results = await trio.to_thread.run_sync(self._fetch_run, run,
-                                                            abandon_on_cancel=True)
-                except (StoreUnreachable, TransientStoreError) as exc:
-                    self._store_failed()
-                    log.error("%s: %s", where, exc)
-                    raise FetchError(where, str(exc)) from exc
-                except LayerfsError as exc:
-                    log.error("%s: %s", where, exc)
-                    raise FetchError(where, str(exc)) from exc
+            results = await self._from_store(where, self._fetch_run, run)
             return [self._failed_chunk(e, r) if isinstance(r, IntegrityError) else r
                     for e, r in zip(run, results, strict=True)]
         assert scope.cancelled_caught
         self._store_failed()
         log.error("%s: no answer from the store within %.0fs", where, self.timeout)
         raise FetchError(where, f"timed out after {self.timeout:.0f}s")
+
+    async def _from_store(self, where: str, fetch: Callable[[T], R], arg: T) -> R:
+        """``fetch(arg)`` in a worker thread under ``fetch_limit``; its errors as
+        FetchError with a log line, a store outage also opening the fail-fast
+        window (during which it fails at once)."""
+        if trio.current_time() < self.store_down_until:
+            raise FetchError(where, "store unavailable (failed just now)")
+        async with self.fetch_limit:
+            try:
+                return await trio.to_thread.run_sync(fetch, arg, abandon_on_cancel=True)
+            except (StoreUnreachable, TransientStoreError) as exc:
+                self._store_failed()
+                log.error("%s: %s", where, exc)
+                raise FetchError(where, str(exc)) from exc
+            except LayerfsError as exc:
+                log.error("%s: %s", where, exc)
+                raise FetchError(where, str(exc)) from exc
 
     @staticmethod
     def _failed_chunk(entry: ChunkEntry, exc: IntegrityError) -> FetchError:
@@ -361,20 +368,7 @@ class ChunkFetcher:
                     return data, False
             else:
                 self.cache.note_miss()
-            if trio.current_time() < self.store_down_until:
-                raise FetchError(f"chunk {sha[:16]}", "store unavailable (failed just now)")
-            async with self.fetch_limit:
-                try:
-                    data = await trio.to_thread.run_sync(self._fetch, entry,
-                                                         abandon_on_cancel=True)
-                except (StoreUnreachable, TransientStoreError) as exc:
-                    self._store_failed()
-                    log.error("chunk %s: %s", sha[:16], exc)
-                    raise FetchError(f"chunk {sha[:16]}", str(exc)) from exc
-                except LayerfsError as exc:
-                    log.error("chunk %s: %s", sha[:16], exc)
-                    raise FetchError(f"chunk {sha[:16]}", str(exc)) from exc
-            return data, True
+            return await self._from_store(f"chunk {sha[:16]}", self._fetch, entry), True
         assert scope.cancelled_caught
         self._store_failed()
         log.error("chunk %s: no answer from the store within %.0fs", sha[:16], self.timeout)
