@@ -355,3 +355,36 @@ def test_a_stream_fetches_ahead_a_quarter_of_what_it_has_read(tmp_path):
     assert present == list(range(15))
     assert len(store.calls) <= 13  # 0-3 on demand, then ahead: 4, 5, 6, 7, 8-9, 10, 11, 12, 13-14
     assert any(end - start == 2 * 4096 for _, start, end in store.calls)
+
+
+def test_a_background_run_waits_while_readers_fetch(tmp_path):
+    """Two readers' fetches going on: a trace replay's run does not start (its
+    bytes would queue ahead of theirs on the link); it starts once they end."""
+    a, b = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    read_set, pack_a = run_entries([4096] * 2, a)
+    traced, pack_b = run_entries([4096] * 3, b)
+    store = RangeStore({a: pack_a, b: pack_b})
+    release = threading.Event()
+    plain_get = store.get
+
+    def get(key: str, start: int | None = None, end: int | None = None) -> bytes:
+        if key == blob_key(a):
+            release.wait(10)
+        return plain_get(key, start, end)
+
+    store.get = get  # type: ignore[method-assign]
+    f = fetcher(tmp_path, store)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for entry in read_set:
+                nursery.start_soon(f.get, entry)
+            await trio.sleep(0.1)
+            nursery.start_soon(f.prefetch, traced)
+            await trio.sleep(0.2)
+            assert [k for k, _, _ in store.calls] == []  # readers blocked, replay waiting
+            release.set()
+        assert [k for k, _, _ in store.calls][-1] == blob_key(b)
+
+    trio.run(main)
+    assert all(f.cache.contains(e.sha256.hex()) for e in read_set + traced)

@@ -36,6 +36,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 STORE_COOLDOWN = 2.0  # seconds uncached reads fail fast after the store failed
 MAX_UNWRITTEN = 64  # fetched chunks whose cache files may be pending at once
+BACKGROUND_SPAN = 1 << 20  # a background run's range read: small, not to hold up readers' fetches
+QUIET = 1  # a background run starts only while at most this many readers' fetches go on
 
 
 class FetchError(LayerfsError):
@@ -97,6 +99,8 @@ class ChunkFetcher:
         self._written = trio.lowlevel.ParkingLot()  # woken when _unwritten empties
         self.nursery: trio.Nursery | None = None
         self.store_down_until = 0.0
+        self._reader_fetches = 0  # store reads that readers (or an eager up) wait for
+        self._quiet = trio.lowlevel.ParkingLot()  # woken when they drop to QUIET
 
     async def get(self, entry: ChunkEntry, after: Sequence[ChunkEntry] = ()) -> bytes:
         """The verified bytes of one chunk; raises FetchError within the timeout.
@@ -258,10 +262,15 @@ class ChunkFetcher:
         return (sha in self.memory or sha in self._unwritten
                 or self.cache.contains(sha.hex()))
 
-    async def get_run(self, run: list[ChunkEntry]) -> None:
+    async def get_run(self, run: list[ChunkEntry], background: bool = False) -> None:
         """Bring the chunks of a run (see ``pack_runs``) into the cache: one range
         read for those no one has or fetches yet, a wait for those in flight;
-        raises the first FetchError."""
+        raises the first FetchError. A ``background`` run first waits until at
+        most ``QUIET`` readers' fetches go on: on a shared link its bytes would
+        queue ahead of theirs."""
+        if background:
+            while self._reader_fetches > QUIET:
+                await self._quiet.park()
         mine: list[ChunkEntry] = []
         theirs: list[ChunkEntry] = []
         for entry in self._unique(run):
@@ -270,18 +279,18 @@ class ChunkFetcher:
             elif not self._have(entry.sha256):
                 mine.append(entry)
         for part in pack_runs(mine):
-            if len(part) == 1:
+            if len(part) == 1 and not background:
                 await self.get(part[0])
                 continue
-            failed = next((r for r in await self._lead_run(part) if isinstance(r, FetchError)),
-                          None)
+            results = await self._lead_run(part, for_reader=not background)
+            failed = next((r for r in results if isinstance(r, FetchError)), None)
             if failed is not None:
                 raise failed
         for entry in theirs:
             await self.get(entry)
 
-    async def _lead_run(self, run: list[ChunkEntry],
-                        keep: bool = False) -> list[bytes | FetchError]:
+    async def _lead_run(self, run: list[ChunkEntry], keep: bool = False,
+                        for_reader: bool = True) -> list[bytes | FetchError]:
         """Fetch a run as the owner of each of its chunks' flights; each chunk's
         bytes or FetchError (raises FetchError if the read itself failed). The
         bytes go to the cache, and to memory only if ``keep`` (a prefetch must
@@ -291,7 +300,7 @@ class ChunkFetcher:
         for entry, flight in zip(run, flights, strict=True):
             self._flights[entry.sha256] = flight
         try:
-            results = await self._load_run(run)
+            results = await self._load_run(run, for_reader)
             for flight, result in zip(flights, results, strict=True):
                 if isinstance(result, FetchError):
                     flight.error = result
@@ -313,14 +322,15 @@ class ChunkFetcher:
                 del self._flights[entry.sha256]
                 flight.done.set()
 
-    async def _load_run(self, run: list[ChunkEntry]) -> list[bytes | FetchError]:
+    async def _load_run(self, run: list[ChunkEntry],
+                        for_reader: bool = True) -> list[bytes | FetchError]:
         """Each chunk of a run from one range read of the store, or the FetchError
         of that chunk alone (a corrupt chunk); raises FetchError for a failed read."""
         where = f"{len(run)} chunks of pack {run[0].pack[7:23]} @ {run[0].pack_offset}"
         for _ in run:
             self.cache.note_miss()
         with trio.move_on_after(self.timeout) as scope:
-            results = await self._from_store(where, self._fetch_run, run)
+            results = await self._from_store(where, self._fetch_run, run, for_reader)
             return [self._failed_chunk(e, r) if isinstance(r, IntegrityError) else r
                     for e, r in zip(run, results, strict=True)]
         assert scope.cancelled_caught
@@ -328,22 +338,29 @@ class ChunkFetcher:
         log.error("%s: no answer from the store within %.0fs", where, self.timeout)
         raise FetchError(where, f"timed out after {self.timeout:.0f}s")
 
-    async def _from_store(self, where: str, fetch: Callable[[T], R], arg: T) -> R:
+    async def _from_store(self, where: str, fetch: Callable[[T], R], arg: T,
+                          for_reader: bool = True) -> R:
         """``fetch(arg)`` in a worker thread under ``fetch_limit``; its errors as
         FetchError with a log line, a store outage also opening the fail-fast
-        window (during which it fails at once)."""
+        window (during which it fails at once). Counted in ``_reader_fetches``
+        unless it is a background fetch."""
         if trio.current_time() < self.store_down_until:
             raise FetchError(where, "store unavailable (failed just now)")
-        async with self.fetch_limit:
-            try:
+        self._reader_fetches += for_reader
+        try:
+            async with self.fetch_limit:
                 return await trio.to_thread.run_sync(fetch, arg, abandon_on_cancel=True)
-            except (StoreUnreachable, TransientStoreError) as exc:
-                self._store_failed()
-                log.error("%s: %s", where, exc)
-                raise FetchError(where, str(exc)) from exc
-            except LayerfsError as exc:
-                log.error("%s: %s", where, exc)
-                raise FetchError(where, str(exc)) from exc
+        except (StoreUnreachable, TransientStoreError) as exc:
+            self._store_failed()
+            log.error("%s: %s", where, exc)
+            raise FetchError(where, str(exc)) from exc
+        except LayerfsError as exc:
+            log.error("%s: %s", where, exc)
+            raise FetchError(where, str(exc)) from exc
+        finally:
+            self._reader_fetches -= for_reader
+            if self._reader_fetches <= QUIET:
+                self._quiet.unpark_all()
 
     @staticmethod
     def _failed_chunk(entry: ChunkEntry, exc: IntegrityError) -> FetchError:
@@ -416,14 +433,13 @@ class ChunkFetcher:
         """Fetch chunks in the background at low priority, in order, with up to
         ``workers`` at a time (all prefetches share ``background_limit``); a
         worker stops at its first error, which is only logged."""
-        todo = pack_runs(e for e in entries
-                         if not (e.sha256 in self._flights or self._have(e.sha256)))
+        todo = pack_runs((e for e in entries if self.absent(e.sha256)), span=BACKGROUND_SPAN)
 
         async def worker() -> None:
             for run in todo:
                 async with self.background_limit:
                     try:
-                        await self.get_run(run)
+                        await self.get_run(run, background=True)
                     except FetchError:
                         return
 
