@@ -8,8 +8,11 @@ in time, and its failure (store down, corrupt chunk, timeout) reaches every
 reader that waited for it, then is forgotten so the next read tries again.
 After the store failed to answer, uncached reads fail at once for
 ``STORE_COOLDOWN`` seconds, so that one read(2) never waits several timeouts.
-Prefetches (eager and trace) fetch runs of chunks that lie one after another
-in a pack with one range read; each chunk of a run has its own flight.
+Prefetches (eager, trace, a long stream's next chunks, and with
+``miss_span`` a small chunk's neighbours) fetch runs of chunks that lie one
+after another in a pack with one range read; each chunk of a run has its own
+flight. Background runs (trace replay) wait while readers' fetches go on.
+Invariants: docs/node.md.
 """
 
 from __future__ import annotations
