@@ -288,6 +288,33 @@ def test_prefetch_full_fetches_everything_before_up_returns(node):
     node.cli("down", "s1")
 
 
+def test_prefetch_full_with_a_corrupt_chunk_fails_and_leaves_nothing_up(node, store):
+    """The damaged chunk sits in the middle of a run of neighbours: `up` fails
+    with one line naming it, no sandbox stays up or mounted; once the pack is
+    repaired `up` succeeds without fetching the run's good chunks again."""
+    reg = Registry(store)
+    table = reg.chunk_table(reg.layer(reg.resolve("layers", "base@1")))
+    by_pack = sorted(table.entries, key=lambda e: e.location)
+    victim = by_pack[len(by_pack) // 2]
+    good = bytes(store.get(blob_key(victim.pack)))
+    bad = bytearray(good)
+    bad[victim.pack_offset + 10] ^= 0x55
+    store.put(blob_key(victim.pack), bytes(bad))
+    proc = node.cli("up", "e@1", "--id", "f1", "--prefetch", "full", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert victim.sha256.hex()[:16] in lines[0] and "integrity check failed" in lines[0]
+    assert node.request("ps")["sandboxes"] == []
+    assert not [m for m in mounts_under(node.root) if "/sandboxes/" in m]
+    fetched = node.request("stats")["cache"]["bytes_fetched"]
+    store.put(blob_key(victim.pack), good)
+    up(node, "f2", "e@1", "--prefetch", "full")
+    again = node.request("stats")["cache"]["bytes_fetched"] - fetched
+    whole = sum({e.sha256: e.length for e in table.entries}.values())
+    assert victim.length <= again < whole  # the victim's good neighbours were kept
+    node.cli("down", "f2")
+
+
 def test_200_sandboxes_on_shared_layers(node):
     ids = [f"m{i:03d}" for i in range(200)]
     with ThreadPoolExecutor(16) as pool:
