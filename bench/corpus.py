@@ -130,9 +130,13 @@ class Params:
     max_frac: float = 0.13
     think_s: tuple[float, float] = (8.0, 24.0)
     write_mb: tuple[float, float] = (1.0, 32.0)
+    chunk_kib: int = 1024  # the layers' chunk size
 
     def key(self) -> dict:
-        return {"gen": GEN, "task_gen": TASK_GEN, **asdict(self)}
+        key = {"gen": GEN, "task_gen": TASK_GEN, **asdict(self)}
+        if self.chunk_kib == Params.chunk_kib:  # the key the default corpus always had
+            del key["chunk_kib"]
+        return key
 
 
 # -- generated sources ----------------------------------------------------------
@@ -234,8 +238,9 @@ def layer_specs(p: Params) -> list[dict]:
             size = int(total * ROLE_SHARE[role] * w / sum(weights))
             short = {"base": "base", "toolchain": "tc", "workspace": "ws"}[role]
             prefix = {"base": "", "toolchain": f"opt/tc{i}", "workspace": f"workspace/repo{i:02d}"}
-            key = [GEN, p.seed, role, i, size]
-            version = f"g{GEN}-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]}"
+            key = [GEN, p.seed, role, i, size]  # the files; the chunk size only names the build
+            built = key if p.chunk_kib == Params.chunk_kib else [*key, f"{p.chunk_kib}K"]
+            version = f"g{GEN}-{hashlib.sha256(json.dumps(built).encode()).hexdigest()[:12]}"
             specs.append({"name": f"bench/corpus/{short}-{i:02d}", "version": version,
                           "role": role, "index": i, "size": size, "prefix": prefix[role],
                           "key": key})
@@ -370,7 +375,7 @@ def make_tasks(p: Params, layers: list[dict], envs: list[dict]) -> list[dict]:
 
 
 def union_bytes(doc: dict, count: int) -> int:
-    """Bytes of the distinct 1 MiB file chunks the first ``count`` tasks read (what a
+    """Bytes of the distinct file chunks the first ``count`` tasks read (what a
     lazy node must fetch at least, tiny inline files aside). A path names a file of
     the topmost layer of the task's env that has it: equal paths in other layers
     (two bases) are other files."""
@@ -378,6 +383,7 @@ def union_bytes(doc: dict, count: int) -> int:
     env_layers = {env["ref"]: env["layers"] for env in doc["envs"]}
     touched: set[tuple[str, str, int]] = set()
     total = 0
+    chunk = doc["key"].get("chunk_kib", Params.chunk_kib) * KiB
     for task in doc["tasks"][:count]:
         layers = env_layers[task["env"]]  # top first
         items = [i for name in task["start_layers"] for i in doc["layers"][name]["hot"]]
@@ -387,10 +393,10 @@ def union_bytes(doc: dict, count: int) -> int:
             if size <= 4000:
                 continue
             end = size if n < 0 else min(size, off + n)
-            for c in range(off // MiB, (end - 1) // MiB + 1):
+            for c in range(off // chunk, (end - 1) // chunk + 1):
                 if (owner, path, c) not in touched:
                     touched.add((owner, path, c))
-                    total += min(MiB, size - c * MiB)
+                    total += min(chunk, size - c * chunk)
     return total
 
 
@@ -428,7 +434,8 @@ def seaweedfs(data_dir: Path = SEAWEED_DIR) -> Iterator[Any]:
         server.stop()
 
 
-def push(store: Store, layers: list[dict], srcdir: Path) -> dict[str, float]:
+def push(store: Store, layers: list[dict], srcdir: Path,
+         chunk_size: int) -> dict[str, float]:
     """Build and publish every layer whose ref is missing; seconds per built layer."""
     reg = Registry(store)
     took = {}
@@ -438,7 +445,8 @@ def push(store: Store, layers: list[dict], srcdir: Path) -> dict[str, float]:
             print(f"pushing {lay['name']}@{lay['version']}...", flush=True)
             start = time.perf_counter()
             res = build_layer(store, str(srcdir / lay["name"].rsplit("/", 1)[1]),
-                              BuildOptions(lay["name"], lay["version"], role=lay["role"]))
+                              BuildOptions(lay["name"], lay["version"], role=lay["role"],
+                                           chunk_size=chunk_size))
             digest = res.digest
             took[lay["name"]] = round(time.perf_counter() - start, 2)
         lay["digest"] = digest
@@ -461,7 +469,7 @@ def build_corpus(p: Params, work: Path, store: Store, store_info: dict) -> dict:
         if lay["role"] != "workspace":
             lay["hot"] = pick_hot(random.Random(f"{p.seed}-hot-{lay['name']}"), lay["files"],
                                   HOT_FRAC[lay["role"]])
-    built = push(store, layers, srcdir)
+    built = push(store, layers, srcdir, p.chunk_kib * KiB)
     rng = random.Random(f"{p.seed}-envs")
     bases = [lay for lay in layers if lay["role"] == "base"]
     tcs = [lay for lay in layers if lay["role"] == "toolchain"]
@@ -500,6 +508,7 @@ def summary(doc: dict) -> dict:
         r["stored_bytes"] += lay["stored_bytes"]
     env_bytes = [e["bytes"] for e in doc["envs"]]
     return {"key": doc["key"], "store": doc["store"], "roles": by_role,
+            "chunk_kib": doc["key"].get("chunk_kib", Params.chunk_kib),
             "total_bytes": sum(lay["bytes"] for lay in layers),
             "envs": len(doc["envs"]), "env_bytes_min": min(env_bytes),
             "env_bytes_max": max(env_bytes), "tasks": len(doc["tasks"]),
@@ -520,7 +529,8 @@ def print_summary(s: dict) -> None:
           f"{s['tasks']} tasks reading {s['read_fraction_min']:.1%} / "
           f"{s['read_fraction_p50']:.1%} / {s['read_fraction_max']:.1%} (min/p50/max) of "
           f"their env, {s['reads_per_task_p50']} task-specific reads (p50) after the start set")
-    print("distinct bytes read by the first N tasks (1 MiB chunks of files): " + ", ".join(
+    print(f"distinct bytes read by the first N tasks ({s['chunk_kib']} KiB chunks of files): "
+          + ", ".join(
         f"{n}: {b / 1e6:.0f} MB ({b / s['total_bytes']:.0%})"
         for n, b in s["union_read_bytes"].items()))
 
@@ -562,11 +572,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--total-gb", type=float, default=d.total_gb)
     ap.add_argument("--tasks", type=int, default=d.tasks, help="tasks in the list")
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--chunk-kib", type=int, default=d.chunk_kib, help="the layers' chunk size")
 
 
 def params_of(args: argparse.Namespace) -> Params:
     return Params(bases=args.bases, toolchains=args.toolchains, workspaces=args.workspaces,
-                  total_gb=args.total_gb, tasks=args.tasks, seed=args.seed)
+                  total_gb=args.total_gb, tasks=args.tasks, seed=args.seed,
+                  chunk_kib=args.chunk_kib)
 
 
 def main() -> None:

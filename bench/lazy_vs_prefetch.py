@@ -954,7 +954,8 @@ def main() -> None:
     print(f"\nworkload: {len(tasks)} sandboxes over {w['envs_used']} envs, "
           f"{w['layer_bytes_used'] / 1e9:.2f} GB of layers, "
           f"{w['read_bytes'] / 1e9:.2f} GB read in all, {w['union_read_bytes'] / 1e9:.2f} GB "
-          f"distinct (1 MiB chunks); link {throttle.label()}")
+          f"distinct ({doc['key'].get('chunk_kib', corpus.Params.chunk_kib)} KiB chunks); "
+          f"link {throttle.label()}")
     print_tables(result, rows)
     for m in ("lazy", "lazy+trace"):
         if m in result and w["union_read_bytes"]:
