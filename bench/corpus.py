@@ -26,8 +26,12 @@ are pushed unless their ref exists. Without ``--store`` a SeaweedFS S3 server
 ``bench/work/seaweedfs`` for the push and stopped after; bench/lazy_vs_prefetch.py
 starts it again on the same data.
 
-    python bench/corpus.py [--bases 4 --toolchains 3 --workspaces 24] [--total-gb 4]
-                           [--tasks 256] [--seed 42] [--store URL [--s3-endpoint URL]]
+    python bench/corpus.py [--bases 4 --toolchains 3 --workspaces 24] [--total-gb 3]
+                           [--tasks 256] [--seed 42] [--chunk-kib 1024]
+                           [--store URL [--s3-endpoint URL]] [--work DIR]
+
+``--chunk-kib`` builds the same files into layers of another chunk size (their
+versions name it; put them in another ``--work`` dir so both task lists stay).
 
 Writes the task list to bench/work/corpus/tasks.json (``--tasks-out``), a
 summary to bench/results/corpus.json, and prints a table.
