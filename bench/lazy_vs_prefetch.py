@@ -37,6 +37,7 @@ delay in the kernel), else the proxy. The choice and its reason go into the JSON
     python bench/lazy_vs_prefetch.py [--sandboxes 96] [--concurrency 8]
         [--rate-mbit 1000] [--latency-ms 1] [--modes eager,cached,lazy,lazy+trace]
         [--tasks bench/work/corpus/tasks.json] [--store URL --s3-endpoint URL]
+        [--miss-span SIZE] (the daemons' --miss-span)
 
 Needs root. Prints a table and writes bench/results/lazy_vs_prefetch.json and
 bench/results/lazy_vs_prefetch.png.

@@ -24,6 +24,7 @@ image's bytes, and the test's result line.
 
     python bench/real_env.py [--project iniconfig] [--wheels pytest,attrs] [--reps 3]
                              [--rate-mbit 1000] [--latency-ms 1] [--throttle auto]
+                             [--miss-span 128K] (the daemons' --miss-span)
 
 Needs root. Prints a table and writes bench/results/real_env.json.
 """
