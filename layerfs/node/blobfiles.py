@@ -125,7 +125,7 @@ class BlobFile:
             i, lo, hi = pieces[k]
             entry = entries[i]
             lo, hi = lo - entry.blob_offset, hi - entry.blob_offset
-            if self.fetcher.missing(entry):  # from the store, with the chunks after it
+            if self.fetcher.takes_neighbours(entry):  # a miss: from the store, with the next
                 after = entries[i + 1:i + 1 + MISS_NEIGHBOURS]
                 datas[k] = memoryview(await self.fetcher.get(entry, after))[lo:hi]
             elif depth <= 0 and (hi - lo) * PART_READ_FRACTION <= entry.length:

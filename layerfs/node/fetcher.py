@@ -109,7 +109,7 @@ class ChunkFetcher:
         """The verified bytes of one chunk; raises FetchError within the timeout.
         ``after``: the entries that follow it in its blob; if the chunk comes
         from the store, those that follow it in its pack come along, up to
-        ``miss_span`` stored bytes in all (see :meth:`missing`)."""
+        ``miss_span`` stored bytes in all (see :meth:`takes_neighbours`)."""
         while True:
             data = self.memory.get(entry.sha256) or self._unwritten.get(entry.sha256)
             if data is not None:
@@ -131,7 +131,7 @@ class ChunkFetcher:
                 raise flight.error
             # the fetch was abandoned (its owner was cancelled): start another
 
-    def missing(self, entry: ChunkEntry) -> bool:
+    def takes_neighbours(self, entry: ChunkEntry) -> bool:
         """A miss that :meth:`get` would fetch with the chunks after it: a chunk
         smaller than ``miss_span`` that no one has or fetches (no I/O)."""
         return entry.stored_length < self.miss_span and self.absent(entry.sha256)
@@ -147,7 +147,7 @@ class ChunkFetcher:
             last = run[-1]
             if (nxt.pack != entry.pack or nxt.pack_offset != last.pack_offset + last.stored_length
                     or total + nxt.stored_length > self.miss_span or nxt.sha256 in shas
-                    or nxt.sha256 in self._flights or self._have(nxt.sha256)):
+                    or not self.absent(nxt.sha256)):
                 break
             run.append(nxt)
             total += nxt.stored_length
@@ -190,7 +190,7 @@ class ChunkFetcher:
         """Read a chunk that is in the cache into memory in the background (a
         sequential reader's next chunk); never a store fetch for it."""
         if self.nursery is not None and self._only_in_cache(entry.sha256):
-            self.nursery.start_soon(self._warm, entry)
+            self.nursery.start_soon(self._get_quietly, entry)
 
     def _only_in_cache(self, sha: bytes) -> bool:
         """The chunk is in the cache index and in neither memory, a flight nor
@@ -198,7 +198,8 @@ class ChunkFetcher:
         return (sha not in self.memory and sha not in self._flights
                 and sha not in self._unwritten and self.cache.contains(sha.hex()))
 
-    async def _warm(self, entry: ChunkEntry) -> None:
+    async def _get_quietly(self, entry: ChunkEntry) -> None:
+        """``get`` in the background: a failure is logged where it happened."""
         try:
             await self.get(entry)
         except FetchError:
@@ -219,7 +220,7 @@ class ChunkFetcher:
 
     async def _fetch_ahead(self, run: list[ChunkEntry]) -> None:
         if len(run) == 1:
-            await self._warm(run[0])
+            await self._get_quietly(run[0])
             return
         with contextlib.suppress(FetchError):
             await self._lead_run(run, keep=True)
