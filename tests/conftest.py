@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from s3server import DUMMY_AWS_ENV, S3Server, find_weed, start_server
+from users import local_user  # noqa: F401  (a fixture for every test module)
 
 from layerfs.errors import StoreError
 from layerfs.store import Store, open_store
