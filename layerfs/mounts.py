@@ -2,7 +2,8 @@
 
 util-linux ``mount`` turns a file source into a loop device; EROFS file-backed
 mounts need the syscall itself: source = the meta image file, ``device=`` the
-blob file.
+blob file. Layer and sandbox mounts are ``nosuid,nodev`` (:data:`SAFE_FLAGS`):
+a layer may ship setuid-root programs and device nodes, and neither may work.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import os
 import threading
 
 MS_RDONLY = 1
+MS_NOSUID = 2
 MS_NODEV = 4
+SAFE_FLAGS = MS_NOSUID | MS_NODEV  # on every mount of layer content
 MNT_DETACH = 2
 BDI = "/sys/class/bdi"
 _bdi_lock = threading.Lock()  # one EROFS mount at a time while its bdi is found
@@ -51,7 +54,7 @@ def mount_erofs(meta_image: str, blob: str | None, target: str, *, directio: boo
     appears with the mount).
     """
     data = f"device={blob}" if blob else ""
-    flags = MS_RDONLY | MS_NODEV
+    flags = MS_RDONLY | SAFE_FLAGS
     with _bdi_lock:
         before = _erofs_bdis() if readahead else set()
         if directio:
@@ -68,7 +71,6 @@ def mount_erofs(meta_image: str, blob: str | None, target: str, *, directio: boo
         _write_readahead(name, readahead)
 
 
-
 def _erofs_bdis() -> set[str]:
     return {name for name in os.listdir(BDI) if name.startswith("erofs-")}
 
@@ -76,6 +78,7 @@ def _erofs_bdis() -> set[str]:
 def _write_readahead(bdi: str, nbytes: int) -> None:
     with open(f"{BDI}/{bdi}/read_ahead_kb", "w") as f:
         f.write(str(max(nbytes // 1024, 4)))
+
 
 def set_readahead(path: str, nbytes: int) -> None:
     """Set the kernel readahead window of the file system mounted at ``path``

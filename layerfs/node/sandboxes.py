@@ -4,7 +4,9 @@ Each layer is mounted once per node with kernel EROFS (file-backed: source =
 its local meta image, ``device=`` its lazy FUSE blob file) at
 ``ROOT/layers/<hex>``, reference-counted across the sandboxes that use it.
 A sandbox is an overlayfs mount at ``ROOT/sandboxes/<id>/rootfs`` with the
-layer mounts as lowerdirs (top first) and its own ``upper``/``work``.
+layer mounts as lowerdirs (top first) and its own ``upper``/``work``. Both
+kinds of mount are ``nosuid,nodev``; ``ROOT/sandboxes/<id>`` is root's alone
+(0700), since its ``upper`` keeps the mode of the sandbox's ``/``.
 
 mount(2) and umount(2) run in worker threads: mounting an EROFS image whose
 device lives on the daemon's own FUSE mount makes the kernel call back into
@@ -27,7 +29,7 @@ from typing import Any
 import trio
 
 from ..errors import LayerfsError, UsageError
-from ..mounts import mount, mount_erofs, umount
+from ..mounts import SAFE_FLAGS, mount, mount_erofs, umount
 from ..registry import ENVS, LAYERS, Registry
 from .blobfiles import BlobDirectory, BlobFile
 from .fetcher import ChunkFetcher
@@ -188,8 +190,8 @@ class Sandboxes:
             await trio.to_thread.run_sync(make_dirs, sdir, fresh)
             lower = ":".join(str(m.path) for m in mounted)
             opts = f"lowerdir={lower},upperdir={sdir / 'upper'},workdir={sdir / 'work'}"
-            await trio.to_thread.run_sync(mount, "overlay", str(sdir / "rootfs"), "overlay", 0,
-                                          opts, limiter=self.layers.mount_limit)
+            await trio.to_thread.run_sync(mount, "overlay", str(sdir / "rootfs"), "overlay",
+                                          SAFE_FLAGS, opts, limiter=self.layers.mount_limit)
         except BaseException:
             for digest in acquired:
                 await self.layers.release(digest)
@@ -277,8 +279,12 @@ class Sandboxes:
 
 
 def make_dirs(sdir: Path, fresh: bool) -> None:
+    """The sandbox's directories, closed to everyone but root (the parent is:
+    ``upper``'s own mode is what the sandbox sees as the mode of ``/``)."""
+    sdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(sdir, 0o700)
     for sub in ("upper", "work", "rootfs"):
-        (sdir / sub).mkdir(parents=True, exist_ok=not fresh)
+        (sdir / sub).mkdir(exist_ok=not fresh)
 
 
 def trace_key(digest: str) -> str:
