@@ -35,6 +35,17 @@ def build_disk_cmd(out: Output, reg: Registry, image: str, name: str, version: s
     out.emit(doc, text)
 
 
+def disk_size_of(text: str, option: str) -> int:
+    """A disk size given on the command line: zero, negative or garbage is refused."""
+    try:
+        size = parse_size(text)
+    except (click.BadParameter, OverflowError):
+        raise UsageError(f"{option}: not a size: {text!r}") from None
+    if size <= 0:
+        raise UsageError(f"{option}: a disk size must be positive, not {text!r}")
+    return size
+
+
 @click.group()
 def disk() -> None:
     """Writable disks (LSMT) served read-write at ROOT/fuse/disks/ID."""
@@ -48,9 +59,10 @@ def disk() -> None:
 @json_option
 def disk_create(sid: str, size: str | None, base: str | None, root: str, as_json: bool) -> None:
     """Create writable disk ID (empty, or over the sealed chain of --base)."""
-    if not size and not base:
+    if size is None and not base:
         raise UsageError("give --size, --base or both")
-    res = call(root, {"op": "disk-create", "id": sid, "size": parse_size(size) if size else None,
+    res = call(root, {"op": "disk-create", "id": sid,
+                      "size": None if size is None else disk_size_of(size, "--size"),
                       "base": base})
     Output(as_json).emit(res["disk"], res["disk"]["path"])
 
@@ -120,8 +132,9 @@ def vm_up(env_ref: str | None, layers: tuple[str, ...], vid: str, disk_size: str
     plus one writable disk."""
     import json
 
+    disk_size_bytes = disk_size_of(disk_size, "--disk-size")
     res = call(root, {"op": "vm-up", "id": vid, "env": env_ref, "layers": list(layers),
-                      "disk_size": parse_size(disk_size), "base_disk": base_disk})
+                      "disk_size": disk_size_bytes, "base_disk": base_disk})
     vmd = res["vm"]
     click.echo(json.dumps({"drives": vmd["drives"], "layers": vmd["layers"]}, indent=2))
 

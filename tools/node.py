@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grp
 import logging
 import os
 import shutil
@@ -43,11 +44,14 @@ def json_option(fn):
 @click.option("--miss-span", default="0", show_default=True,
               help="A read that misses a smaller chunk fetches it together with the chunks "
                    "after it in its pack, up to this many bytes in all (0: alone).")
+@click.option("--fuse-group", metavar="GROUP",
+              help="A group (name or gid) whose members may open the files under ROOT/fuse "
+                   "and the meta images, e.g. a VMM's user (default: root only).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size: str,
            read_timeout: float, readahead: str, layer_readahead: str, miss_span: str,
-           log_level: str) -> None:
+           fuse_group: str | None, log_level: str) -> None:
     """Run the node daemon in the foreground (logs to stderr)."""
     logging.getLogger().setLevel(log_level.upper())
     if os.geteuid() != 0:
@@ -56,8 +60,17 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
                        cache_size=parse_size(cache_size), read_timeout=read_timeout,
                        readahead=parse_size(readahead),
                        layer_readahead=parse_size(layer_readahead),
-                       miss_span=parse_size(miss_span))
+                       miss_span=parse_size(miss_span),
+                       fuse_group=group_id(fuse_group) if fuse_group else None)
     Daemon(cfg).run()
+
+
+def group_id(group: str) -> int:
+    """A group name or number → its gid; an unknown group is a usage error."""
+    try:
+        return grp.getgrgid(int(group)).gr_gid if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise UsageError(f"--fuse-group: no such group {group!r}") from None
 
 
 @click.command()

@@ -1,8 +1,11 @@
 """The node daemon: owns ROOT, serves the FUSE mount and the control API.
 
 Start-up: unmount whatever an earlier (crashed) daemon left mounted under
-ROOT, keep the cache and the replica, mount FUSE, bring back the sandboxes
-that were up (or mark them lost), then accept requests. SIGTERM/SIGINT: stop
+ROOT, close ROOT to other users (:func:`secure_root`, on an existing ROOT
+too), check that ROOT can host file-backed EROFS mounts at all
+(:func:`probe_erofs_mounts`), keep the cache and the replica, mount FUSE,
+bring back the sandboxes that were up (or mark them lost), then accept
+requests. SIGTERM/SIGINT: stop
 accepting work, unmount overlays, then EROFS mounts, then FUSE, and exit 0.
 """
 
@@ -19,10 +22,12 @@ import pyfuse3
 import trio
 
 from ..cache.chunkcache import ChunkCache
-from ..errors import UsageError
-from ..mounts import set_readahead, umount
+from ..errors import LayerfsError, UsageError
+from ..formats.erofs import write_meta_image
+from ..mounts import mount_erofs, set_readahead, umount
 from ..registry import Registry
 from ..store import open_store
+from ..tree import FileTree
 from .blobfiles import BlobDirectory
 from .control import ControlServer
 from .diskmanager import DiskManager
@@ -34,6 +39,16 @@ from .sandboxes import LayerMounts, Sandboxes, trace_key
 log = logging.getLogger(__name__)
 DEFAULT_ROOT = "/var/lib/layerfs"
 DISK_OPS = ("disk-create", "disk-ls", "disk-rm", "disk-commit", "vm-up", "vm-down")
+DEFAULT_VM_DISK = 10 << 30
+ROOT_ONLY_DIRS = ("cache", "fuse", "layers", "sandboxes", "disks", "replica.lmdb")
+PROBE = ".mount-probe"
+
+
+class RootUnsuitable(LayerfsError):
+    """ROOT {} ({}) cannot host file-backed EROFS mounts ({}): put it on a disk file system \
+such as ext4 or xfs"""
+
+    exit_code = 2
 
 
 @dataclass
@@ -47,6 +62,7 @@ class DaemonConfig:
     readahead: int = 4 << 20  # kernel readahead window of the blob and disk files
     layer_readahead: int = 1 << 20  # kernel readahead window of the EROFS layer mounts
     miss_span: int = 0  # a small chunk's miss fetches the chunks after it, up to this
+    fuse_group: int | None = None  # a gid that may open ROOT/fuse files besides root (a VMM's)
 
 
 def mounts_under(root: Path) -> list[str]:
@@ -61,9 +77,69 @@ def mounts_under(root: Path) -> list[str]:
     return sorted(set(found), key=lambda p: (-p.count("/"), p))
 
 
+def secure_root(root: Path, fuse_group: int | None) -> None:
+    """ROOT and its directories belong to root and are closed to other users,
+    whatever modes an existing ROOT had. Nobody else needs to traverse ROOT:
+    runtimes start as root and enter a sandbox's rootfs themselves, and the
+    kernel's overlay and EROFS mounts reach their directories with the
+    mounter's credentials. With a FUSE group, its members may traverse ROOT
+    and ``meta/`` (0710) to open the meta images and FUSE files that
+    ``vm up`` names, and nothing else."""
+    group, traverse = (0, 0o700) if fuse_group is None else (fuse_group, 0o710)
+    root.mkdir(parents=True, exist_ok=True)
+    restrict(root, group, traverse)
+    (root / "meta").mkdir(exist_ok=True)
+    restrict(root / "meta", group, traverse)
+    for name in ROOT_ONLY_DIRS:
+        (root / name).mkdir(exist_ok=True)
+        restrict(root / name, 0, 0o700)
+
+
+def restrict(path: Path, gid: int, mode: int) -> None:
+    os.chown(path, 0, gid)
+    os.chmod(path, mode)
+
+
+def probe_erofs_mounts(root: Path) -> None:
+    """Mount a tiny EROFS image from ``ROOT/meta`` for real, then unmount it.
+    Some file systems cannot back a file-backed EROFS mount: on tmpfs, every
+    layer mount would fail with "Block device required" (its files have no
+    page-cache read path the kernel's EROFS can use)."""
+    image, target = root / "meta" / f"{PROBE}.erofs", root / "layers" / PROBE
+    image.write_bytes(write_meta_image(FileTree(), 0, 20))  # an empty tree, 1 MiB chunks
+    target.mkdir(exist_ok=True)
+    try:
+        mount_erofs(str(image), None, str(target))
+    except OSError as exc:
+        raise RootUnsuitable(root, fs_type(root / "meta"), exc.strerror) from None
+    else:
+        umount(str(target))
+    finally:
+        image.unlink(missing_ok=True)
+        target.rmdir()
+
+
+def fs_type(path: Path) -> str:
+    """The type of the file system ``path`` lies on, from mountinfo."""
+    best, kind = "", "unknown file system"
+    target = str(path.resolve())
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            fields = line.split()
+            point = fields[4].encode().decode("unicode_escape")
+            inside = target == point or target.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best):
+                best, kind = point, fields[fields.index("-") + 1]
+    return kind
+
+
 def clean_stale_mounts(root: Path) -> int:
+    """Detach what an earlier daemon left mounted below ROOT; ROOT itself may be
+    a mount point (a file system of its own) and stays."""
     count = 0
     for point in mounts_under(root):
+        if point == str(root.resolve()):
+            continue
         try:
             umount(point, lazy=True)
             count += 1
@@ -78,8 +154,8 @@ class Daemon:
         self.cfg = cfg
         self.root = Path(cfg.root).resolve()
         clean_stale_mounts(self.root)  # a crashed daemon's mounts (dead FUSE included)
-        for sub in ("meta", "cache", "fuse", "layers", "sandboxes", "disks"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        secure_root(self.root, cfg.fuse_group)
+        probe_erofs_mounts(self.root)
         self.store = open_store(cfg.store_url, s3_endpoint=cfg.s3_endpoint)
         self.reg = Registry(self.store)
         self.replica = Replica(self.root)
@@ -88,7 +164,7 @@ class Daemon:
                                     parallel=cfg.fetch_parallel, miss_span=cfg.miss_span)
         self.blobs = BlobDirectory()
         self.disks = DiskManager(self.root, self.reg, self.replica, self.blobs, self.fetcher)
-        self.fs = NodeFS(self.blobs, self.disks)
+        self.fs = NodeFS(self.blobs, self.disks, cfg.fuse_group)
         self.layers = LayerMounts(self.root, self.reg, self.replica, self.blobs, self.fetcher,
                                   readahead=cfg.layer_readahead)
         self.sandboxes = Sandboxes(self.root, self.reg, self.replica, self.layers)
@@ -99,8 +175,10 @@ class Daemon:
 
     async def _main(self) -> None:
         options = set(pyfuse3.default_options)
-        options.update({"fsname=layerfs", "allow_other"})
-        options.discard("default_permissions")
+        # allow_other: root's own mounts and loop devices are not the daemon's
+        # process; default_permissions: the kernel enforces NodeFS's modes
+        options.update({"fsname=layerfs", "allow_other", "default_permissions", "nosuid",
+                        "nodev"})
         pyfuse3.init(self.fs, str(self.root / "fuse"), options)
         try:
             async with trio.open_nursery() as nursery:
@@ -180,7 +258,7 @@ class Daemon:
             return await d.commit(req.get("id", ""), req.get("name", ""), req.get("version", ""))
         if op == "vm-up":
             return {"vm": await d.vm_up(req.get("id", ""), req.get("env"), req.get("layers") or [],
-                                        int(req.get("disk_size") or 10 << 30),
+                                        req.get("disk_size", DEFAULT_VM_DISK),
                                         req.get("base_disk"))}
         if op == "vm-down":
             return {"vm": await d.vm_down(req.get("id", ""), bool(req.get("keep")))}

@@ -84,6 +84,8 @@ class DiskManager:
             raise UsageError(f"invalid disk id {sid!r} (expected [A-Za-z0-9][A-Za-z0-9._-]*)")
         if sid in self.disks or sid in self._busy or (self.dir / sid).exists():
             raise SandboxError(f"disk {sid}", "already exists")
+        if size is not None:
+            check_disk_size(size)
         self._busy.add(sid)
         try:
             chain: SealedChain | None = None
@@ -92,8 +94,9 @@ class DiskManager:
             if base:
                 chain, used = await self.load_chain(base)
                 base_digest = await trio.to_thread.run_sync(self.reg.resolve, LAYERS, base)
-            size = size or (chain.virtual_size if chain else 0)
-            if not size or size % SECTOR:
+            if size is None:
+                size = chain.virtual_size if chain else 0
+            if size <= 0 or size % SECTOR:
                 for d in used:
                     self.blobs.remove(d)
                 raise UsageError(f"disk size {size} is not a positive multiple of 512")
@@ -190,6 +193,7 @@ class DiskManager:
             raise SandboxError(f"vm {vid}", "already exists")
         if bool(env) == bool(layer_refs):
             raise UsageError("give an env or --layer refs, not both or neither")
+        check_disk_size(disk_size)
 
         def resolve() -> list[str]:
             if env:
@@ -240,6 +244,13 @@ class DiskManager:
                 await trio.to_thread.run_sync(disk.close_files)
             except OSError as exc:
                 log.error("closing disk %s: %s", disk.state.id, exc)
+
+
+def check_disk_size(size: object) -> int:
+    """A disk size must be a whole, positive number of 512-byte sectors."""
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0 or size % SECTOR:
+        raise UsageError(f"disk size {size!r} is not a positive multiple of 512")
+    return size
 
 
 def commit_source(disk: WritableDisk, changes: list[lsmt.Mapping]) -> DiskSource:

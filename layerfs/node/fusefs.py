@@ -8,6 +8,16 @@ Thin: every operation maps to :class:`~layerfs.node.blobfiles.BlobDirectory`,
 exception into an errno, since pyfuse3 lets any other exception end its main
 loop. Blob contents are immutable, so entries and attributes get long
 timeouts and opened files keep the kernel's page cache.
+
+Who may open what: only root, and the members of the configured FUSE group
+(``layerfs daemon --fuse-group``, for a VMM user; none by default). Every
+file and directory is root's, with that group (or root's): directories 0550,
+blobs 0440, disks 0660. The mount has ``default_permissions``, so the kernel
+checks these modes against the caller's full credentials on every path walk
+and open (cached entries included); ``open`` and ``opendir`` check the caller
+again here (:meth:`NodeFS.check_caller`). The kernel's EROFS mounts and loop
+devices open their blob or disk as root (the daemon's mount call, ``losetup``)
+and read through that open file, so no read or write is checked again.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pyfuse3
+import trio
 
 from ..errors import LayerfsError
 from .blobfiles import BlobDirectory, Buffer
@@ -34,6 +45,10 @@ BLOBS = 2
 DISKS = 3
 DIRS = {ROOT: {b"blobs": BLOBS, b"disks": DISKS}, BLOBS: {}, DISKS: {}}
 TIMEOUT = 3600.0
+ROOT_UID = 0
+DIR_MODE = 0o550
+BLOB_MODE = 0o440
+DISK_MODE = 0o660
 
 
 def fuse_errors(fn: F) -> F:
@@ -62,26 +77,42 @@ class NodeFS(pyfuse3.Operations):
     """``blobs/``: the layers' lazy blob files (read-only); ``disks/``: the
     writable disks (read-write)."""
 
-    def __init__(self, blobs: BlobDirectory, disks: DiskManager) -> None:
+    def __init__(self, blobs: BlobDirectory, disks: DiskManager,
+                 fuse_group: int | None = None) -> None:
         super().__init__()
         self.blobs = blobs
         self.disks = disks
-        self.uid, self.gid = os.getuid(), os.getgid()
+        self.fuse_group = fuse_group  # the gid that may open files besides root
+        self.gid = 0 if fuse_group is None else fuse_group
+
+    async def check_caller(self, ctx: Any) -> None:
+        """EACCES unless the caller is root or in the FUSE group (its primary
+        gid, else its supplementary groups, read from /proc in a thread)."""
+        if ctx.uid == ROOT_UID:
+            return
+        if self.fuse_group is not None:
+            if ctx.gid == self.fuse_group:
+                return
+            if self.fuse_group in await trio.to_thread.run_sync(supplementary_groups, ctx.pid):
+                return
+        log.warning("refused uid %d gid %d (pid %d): not root or the FUSE group",
+                    ctx.uid, ctx.gid, ctx.pid)
+        raise pyfuse3.FUSEError(errno.EACCES)
 
     def _attrs(self, inode: int) -> pyfuse3.EntryAttributes:
         attr = pyfuse3.EntryAttributes()
         attr.st_ino = inode
-        attr.st_uid, attr.st_gid = self.uid, self.gid
+        attr.st_uid, attr.st_gid = ROOT_UID, self.gid
         attr.st_blksize = 4096
         attr.entry_timeout = attr.attr_timeout = TIMEOUT
         if inode in DIRS:
-            attr.st_mode = stat.S_IFDIR | 0o555
+            attr.st_mode = stat.S_IFDIR | DIR_MODE
             attr.st_nlink = 2
             attr.entry_timeout = attr.attr_timeout = 1.0  # blob set changes
             return attr
         disk = self.disks.by_inode.get(inode)
         if disk is not None:
-            attr.st_mode = stat.S_IFREG | 0o600
+            attr.st_mode = stat.S_IFREG | DISK_MODE
             attr.st_nlink = 1
             attr.st_size = disk.size
             attr.st_blocks = (disk.size + 511) // 512
@@ -90,7 +121,7 @@ class NodeFS(pyfuse3.Operations):
         blob = self.blobs.by_inode.get(inode)
         if blob is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
-        attr.st_mode = stat.S_IFREG | 0o444
+        attr.st_mode = stat.S_IFREG | BLOB_MODE
         attr.st_nlink = 1
         attr.st_size = blob.size
         attr.st_blocks = (blob.size + 511) // 512
@@ -119,6 +150,7 @@ class NodeFS(pyfuse3.Operations):
 
     @fuse_errors
     async def opendir(self, inode: int, ctx: Any):
+        await self.check_caller(ctx)
         self._children(inode)
         return inode
 
@@ -134,6 +166,7 @@ class NodeFS(pyfuse3.Operations):
 
     @fuse_errors
     async def open(self, inode: int, flags: int, ctx: Any):
+        await self.check_caller(ctx)
         if inode in self.disks.by_inode:
             return pyfuse3.FileInfo(fh=inode, keep_cache=False)
         if inode not in self.blobs.by_inode:
@@ -193,3 +226,13 @@ class NodeFS(pyfuse3.Operations):
         st.f_ffree = st.f_favail = 0
         st.f_namemax = 255
         return st
+
+
+def supplementary_groups(pid: int) -> set[int]:
+    """The groups of process ``pid`` (empty if it is gone or unknown)."""
+    if pid <= 0:
+        return set()
+    try:
+        return set(pyfuse3.get_sup_groups(pid))
+    except (OSError, ValueError):
+        return set()

@@ -39,6 +39,7 @@ class DaemonProcess:
         self.log_path = log_path or root.parent / f"{root.name}-daemon.log"
         self.request_timeout = request_timeout
         self.proc: subprocess.Popen | None = None
+        self.extra_args: list[str] = []  # more `layerfs daemon` options
 
     def start(self, timeout: float = 60.0) -> DaemonProcess:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -47,7 +48,7 @@ class DaemonProcess:
             self.proc = subprocess.Popen(
                 [*LAYERFS, "daemon", "--root", str(self.root), *self.store_args,
                  "--cache-size", self.cache_size, "--read-timeout", str(self.read_timeout),
-                 "--log-level", "info"], stdout=log, stderr=log)
+                 "--log-level", "info", *self.extra_args], stdout=log, stderr=log)
         proc = self.proc
         if not wait_ready(self.root, lambda: proc.poll() is None, timeout):
             raise RuntimeError(f"daemon did not start:\n{self.log()[-4000:]}")
