@@ -5,8 +5,8 @@ ROOT, close ROOT to other users (:func:`secure_root`, on an existing ROOT
 too), check that ROOT can host file-backed EROFS mounts at all
 (:func:`probe_erofs_mounts`), keep the cache and the replica, mount FUSE,
 bring back the sandboxes that were up (or mark them lost), then accept
-requests. SIGTERM/SIGINT: stop
-accepting work, unmount overlays, then EROFS mounts, then FUSE, and exit 0.
+requests. SIGTERM/SIGINT: stop accepting work, unmount overlays, then EROFS
+mounts, then FUSE, and exit 0.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def probe_erofs_mounts(root: Path) -> None:
     try:
         mount_erofs(str(image), None, str(target))
     except OSError as exc:
-        raise RootUnsuitable(root, fs_type(root / "meta"), exc.strerror) from None
+        raise RootUnsuitable(root, fs_type(root / "meta"), os.strerror(exc.errno or 0)) from None
     else:
         umount(str(target))
     finally:
