@@ -30,7 +30,7 @@ from layerfs.formats.chunktable import ChunkTable
 from layerfs.node.blobfiles import BlobDirectory
 from layerfs.node.daemon import mounts_under
 from layerfs.node.fusefs import NodeFS
-from layerfs.node.process import DaemonProcess, detach_mounts
+from layerfs.node.process import LAYERFS, DaemonProcess, detach_mounts
 from layerfs.store.file import FileStore
 
 CHUNK = 65536
@@ -256,6 +256,11 @@ def test_the_fuse_group_opens_a_vms_drives_and_nothing_else(node_parent, hostile
         node.cli("vm", "down", "v1")
     finally:
         assert node.cleanup() == [], "mounts left behind"
+    unknown = subprocess.run([*LAYERFS, "daemon", "--root", str(node_parent / "other"),
+                              "--fuse-group", "no-such-group-here"], capture_output=True,
+                             text=True, timeout=60)
+    assert unknown.returncode == 2 and unknown.stderr.splitlines() == [
+        "layerfs: error: --fuse-group: no such group 'no-such-group-here'"]
 
 
 def test_fuse_open_checks_the_callers_uid_and_group():
