@@ -269,7 +269,7 @@ def test_fuse_open_checks_the_callers_uid_and_group():
     supplementary (a process's groups, found from its pid)."""
     need_root()  # a process with a supplementary group of our choosing
     blobs = BlobDirectory()
-    blob = blobs.add("sha256:" + "ab" * 32, ChunkTable([], 4096, CHUNK), None)  # type: ignore[arg-type]
+    blob = blobs.add("sha256:" + "ab" * 32, ChunkTable([], 4096, CHUNK), None)
     disks = SimpleNamespace(by_inode={}, disks={})
     stranger = SimpleNamespace(uid=4321, gid=4321, pid=0, umask=0)
 
@@ -281,8 +281,8 @@ def test_fuse_open_checks_the_callers_uid_and_group():
         except pyfuse3.FUSEError as exc:
             return os.strerror(exc.errno)
 
-    closed = NodeFS(blobs, disks)  # type: ignore[arg-type]
-    by_group = NodeFS(blobs, disks, fuse_group=4242)  # type: ignore[arg-type]
+    closed = NodeFS(blobs, disks)
+    by_group = NodeFS(blobs, disks, fuse_group=4242)
     assert trio.run(opens, closed, SimpleNamespace(uid=0, gid=0, pid=0, umask=0)) == "ok"
     assert trio.run(opens, closed, stranger) == os.strerror(13)
     assert trio.run(opens, closed, SimpleNamespace(uid=4321, gid=0, pid=0, umask=0)) \
