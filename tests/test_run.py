@@ -256,3 +256,15 @@ def test_a_sandbox_that_is_not_up_is_one_line(node):
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr == "layerfs: error: sandbox nope is not up\n"
+
+
+def test_crun_runs_the_same_bundle(node):
+    proc = run(node, "grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; echo $$; exit 4",
+               "--runtime", "crun")
+    if "cgroups in hybrid mode not supported" in proc.stderr:
+        pytest.skip("crun cannot run containers on this host's hybrid cgroup setup")
+    assert proc.returncode == 4, proc.stderr
+    fields = status_fields(proc.stdout)
+    assert int(fields["CapEff"], 16) == sum(1 << bit for bit in DOCKER_CAPS.values())
+    assert fields["NoNewPrivs"] == "1"
+    assert proc.stdout.split()[-1] == "1"
