@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ DOCKER_CAPS = {"CHOWN": 0, "DAC_OVERRIDE": 1, "FOWNER": 3, "FSETID": 4, "KILL": 
 MASKED = ("/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
           "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
           "/sys/firmware", "/sys/devices/virtual/powercap")
+READ_ONLY = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
 
 # The classic chroot escape: chroot into a subdirectory while the working
 # directory stays outside it, climb with "..", chroot there; then report which
@@ -193,14 +195,21 @@ def test_proc_is_masked_and_read_only(node):
     assert present, "none of the masked paths exists on this host"
     script = "; ".join(f"echo {path}: $(ls {path} 2>/dev/null | wc -l) "
                        f"$(cat {path} 2>/dev/null | wc -c)" for path in present)
-    proc = run(node, script + "; echo x > /proc/sys/kernel/hostname && echo written; "
-               "echo x > /proc/sysrq-trigger && echo sysrq; "
-               "mkdir /sys/probe && echo sys-written")
-    assert "written" not in proc.stdout and "sysrq" not in proc.stdout, proc.stdout
-    masked = dict(line.split(": ") for line in proc.stdout.splitlines())
+    # Writes that would change nothing if they went through (the value read back
+    # in), so that this test cannot harm a host that fails it.
+    proc = run(node, script + "; v=$(cat /proc/sys/vm/swappiness); "
+               "echo $v > /proc/sys/vm/swappiness && echo written; "
+               "cat /proc/self/mountinfo")
+    lines = proc.stdout.splitlines()
+    assert "written" not in lines, proc.stdout
+    assert "Read-only file system" in proc.stderr
+    masked = dict(line.split(": ") for line in lines if line.startswith("/"))
     # A masked file reads as /dev/null; a masked directory is an empty tmpfs.
     assert all(masked[path] in ("0 0", "1 0") for path in present), masked
-    assert "Read-only file system" in proc.stderr
+    mounts = {line.split()[4]: line.split()[5].split(",") for line in lines
+              if not line.startswith("/")}
+    read_only = ["/sys", *(path for path in READ_ONLY if os.path.exists(path))]
+    assert all("ro" in mounts.get(path, ()) for path in read_only), mounts
 
 
 def test_no_new_user_namespace(node):
@@ -210,27 +219,36 @@ def test_no_new_user_namespace(node):
 
 def test_signals_reach_the_command(node):
     script = 'trap "echo got-term; exit 5" TERM; echo ready; while :; do sleep 1; done'
-    proc = start(node, script)
-    assert proc.stdout.readline() == "ready\n"
-    proc.send_signal(signal.SIGTERM)
-    out, _err = proc.communicate(timeout=60)
+    with started(node, script) as proc:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        out, _err = proc.communicate(timeout=60)
     assert proc.returncode == 5
     assert out == "got-term\n"
 
 
 def test_a_second_signal_kills_the_container(node):
-    proc = start(node, 'trap "" TERM INT; echo ready; sleep 1000')
-    assert proc.stdout.readline() == "ready\n"
-    proc.send_signal(signal.SIGTERM)  # ignored by the command
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=60)
+    with started(node, 'trap "" TERM INT; echo ready; sleep 1000') as proc:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)  # ignored by the command
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGKILL
 
 
-def start(node: NodeDaemon, script: str) -> subprocess.Popen:
+@contextmanager
+def started(node: NodeDaemon, script: str) -> Iterator[subprocess.Popen]:
+    """``layerfs run s1 -- sh -c SCRIPT`` in the background; stopped if a check fails."""
     argv = [*LAYERFS, "run", "--root", str(node.root), "s1", "--", "sh", "-c", script]
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        for _ in range(2):  # two signals: the second kills the container
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
 
 
 def test_a_terminal_on_stdin_gives_the_command_a_terminal(node):
