@@ -5,14 +5,14 @@ from __future__ import annotations
 import grp
 import logging
 import os
-import shutil
-import subprocess
+import resource
 import sys
 from typing import Any
 
 import click
 
 from layerfs.errors import UsageError
+from layerfs.node import bundle, runner
 from layerfs.node.control import call
 from layerfs.node.daemon import DEFAULT_ROOT, Daemon, DaemonConfig
 
@@ -147,20 +147,29 @@ def stats(root: str, as_json: bool) -> None:
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.argument("sid", metavar="ID")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.option("--runtime", "runtime_name", envvar="LAYERFS_RUNTIME", default=runner.DEFAULT_RUNTIME,
+              show_default=True, type=click.Choice(runner.RUNTIMES),
+              help="The OCI runtime, found on PATH [env: LAYERFS_RUNTIME].")
+@click.option("--network", default="none", show_default=True,
+              type=click.Choice(bundle.NETWORK_MODES),
+              help="none: a new network namespace with only loopback; host: the node's.")
 @root_option
-def run(sid: str, cmd: tuple[str, ...], root: str) -> None:
-    """Run CMD inside sandbox ID (new mount and pid namespaces, /proc, minimal /dev);
-    exit with CMD's status. Use: layerfs run ID -- CMD..."""
+def run(sid: str, cmd: tuple[str, ...], runtime_name: str, network: str, root: str) -> None:
+    """Run CMD in sandbox ID as a container (OCI runtime: pivot_root; new pid, mount, ipc,
+    uts and network namespaces; Docker's default capabilities; no_new_privs); exit with
+    CMD's status. Use: layerfs run [OPTIONS] ID -- CMD..."""
     rows: list[dict[str, Any]] = call(root, {"op": "ps"})["sandboxes"]
     match = [r for r in rows if r["id"] == sid]
     if not match or match[0]["state"] != "up":
         raise UsageError(f"sandbox {sid} is not up")
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        raise UsageError("unshare (util-linux) is required for `layerfs run`")
-    argv = [unshare, "--mount", "--pid", "--fork", "--kill-child", sys.executable, "-m",
-            "layerfs.node.runner", match[0]["rootfs"], *cmd]
-    sys.exit(subprocess.call(argv))
+    container = runner.prepare(root, runtime_name, sid)
+    terminal = sys.stdin.isatty()
+    process = bundle.ProcessSpec(args=cmd, env=bundle.default_env(os.environ.get("TERM")),
+                                 terminal=terminal)
+    config = bundle.runtime_config(match[0]["rootfs"], process, hostname=sid[:63],
+                                   network=network,
+                                   nofile=resource.getrlimit(resource.RLIMIT_NOFILE))
+    sys.exit(runner.run(container, config))
 
 
 @click.group()

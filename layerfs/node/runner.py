@@ -1,54 +1,126 @@
-"""Run a command inside a sandbox rootfs (``layerfs run``).
+"""Run a command in a sandbox as a container (``layerfs run``).
 
-Started by ``unshare --mount --pid --fork`` so it is PID 1 of a new PID
-namespace in a new mount namespace; it mounts /proc and a minimal /dev inside
-the rootfs, chroots and execs the command, whose exit status becomes ours.
+Writes an OCI bundle (``bundle.runtime_config``) in a per-run directory
+``ROOT/run/bundles/<container id>/`` (``ROOT/run`` is mode 0700), runs it in the
+foreground with an OCI runtime (``runc`` or ``crun``, its state under
+``ROOT/run/state/<runtime>``), passes
+stdin/stdout/stderr through, forwards SIGINT/SIGTERM/SIGHUP to the container (a
+second one kills it), and afterwards deletes the container and its bundle.
+The runtime's exit status (the command's, or 128 + signal) becomes ours.
 """
 
 from __future__ import annotations
 
 import os
-import stat
+import secrets
+import shutil
+import signal
+import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
 
-from ..mounts import mount
+from ..errors import UsageError
+from .bundle import write_bundle
 
-MS_REC, MS_PRIVATE, MS_NOSUID, MS_NOEXEC = 0x4000, 1 << 18, 2, 8
-DEVICES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8),
-           "urandom": (1, 9), "tty": (5, 0)}
-
-
-def prepare(rootfs: str) -> None:
-    mount("none", "/", "", MS_REC | MS_PRIVATE)
-    for sub in ("proc", "dev", "tmp"):
-        os.makedirs(os.path.join(rootfs, sub), exist_ok=True)
-    mount("proc", os.path.join(rootfs, "proc"), "proc", MS_NOSUID | MS_NOEXEC)
-    dev = os.path.join(rootfs, "dev")
-    mount("tmpfs", dev, "tmpfs", MS_NOSUID, "mode=755,size=1m")
-    for name, (major, minor) in DEVICES.items():
-        os.mknod(os.path.join(dev, name), stat.S_IFCHR | 0o666, os.makedev(major, minor))
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
-        os.symlink(target, os.path.join(dev, name))
+RUNTIMES = ("runc", "crun")
+DEFAULT_RUNTIME = "runc"
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) < 2:
-        print("usage: runner ROOTFS CMD...", file=sys.stderr)
-        return 2
-    rootfs, cmd = argv[0], argv[1:]
-    prepare(rootfs)
-    os.chroot(rootfs)
-    os.chdir("/")
-    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-           "HOME": "/root", "TERM": os.environ.get("TERM", "dumb")}
+@dataclass(frozen=True)
+class Container:
+    """One run: the runtime binary, its state root, the container id and bundle dir."""
+
+    runtime: str
+    state_root: str
+    container_id: str
+    bundle_dir: str
+
+    def command(self, *args: str) -> list[str]:
+        """``RUNTIME --root STATE ARGS...``"""
+        return [self.runtime, "--root", self.state_root, *args]
+
+
+def find_runtime(name: str) -> str:
+    """The path of runtime ``name`` (runc or crun) on PATH, or one clear error."""
+    if name not in RUNTIMES:
+        raise UsageError(f"unknown runtime {name!r} (expected one of {', '.join(RUNTIMES)})")
+    path = shutil.which(name)
+    if path is None:
+        raise UsageError(f"the OCI runtime {name} is not on PATH (Debian package {name})")
+    return path
+
+
+def container_id(sandbox_id: str) -> str:
+    """A container id unique to this run: the sandbox id and 12 random hex digits."""
+    return f"{sandbox_id}-{secrets.token_hex(6)}"
+
+
+def prepare(root: str, runtime_name: str, sandbox_id: str) -> Container:
+    """Find the runtime and name this run's container, bundle dir and state root."""
+    runtime = find_runtime(runtime_name)
+    run_dir = os.path.join(root, "run")
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    os.chmod(run_dir, 0o700)
+    cid = container_id(sandbox_id)
+    return Container(runtime=runtime, state_root=os.path.join(run_dir, "state", runtime_name),
+                     container_id=cid, bundle_dir=os.path.join(run_dir, "bundles", cid))
+
+
+def run(container: Container, config: dict[str, Any]) -> int:
+    """Run ``config`` as ``container`` in the foreground; return its exit status."""
+    write_bundle(container.bundle_dir, config)
     try:
-        os.execvpe(cmd[0], cmd, env)
-    except OSError as exc:
-        print(f"layerfs: error: cannot run {cmd[0]!r} in the sandbox: {exc.strerror}",
-              file=sys.stderr)
-        return 127
+        proc = subprocess.Popen(
+            container.command("run", "--bundle", container.bundle_dir, container.container_id),
+            # Without a terminal, a Ctrl-C meant for us reaches the runtime only by our
+            # forwarding (once); with one, the runtime owns the terminal's foreground.
+            process_group=None if config["process"]["terminal"] else 0)
+        with forwarding_signals(container, proc):
+            status = proc.wait()
+    finally:
+        delete(container)
+    return status if status >= 0 else 128 - status
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+@contextmanager
+def forwarding_signals(container: Container, proc: subprocess.Popen) -> Iterator[None]:
+    """Forward SIGINT/SIGTERM/SIGHUP to the runtime (which forwards them to the
+    container's process); on the second one, kill the container."""
+    received: list[int] = []
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            _signal_quietly(proc, signum)
+        else:
+            subprocess.run(container.command("kill", container.container_id, "KILL"),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _signal_quietly(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        proc.send_signal(signum)
+    except ProcessLookupError:
+        pass
+
+
+def delete(container: Container) -> None:
+    """Remove the container if the runtime left it (it normally deletes it on exit),
+    then the bundle directory."""
+    state = os.path.join(container.state_root, container.container_id)
+    if os.path.lexists(state):
+        subprocess.run(container.command("delete", "--force", container.container_id),
+                       stdout=subprocess.DEVNULL, stderr=sys.stderr)
+    shutil.rmtree(container.bundle_dir, ignore_errors=True)

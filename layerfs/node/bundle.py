@@ -1,0 +1,182 @@
+"""OCI runtime bundles for sandboxes: the ``config.json`` a runtime (runc, crun)
+runs a sandbox's rootfs with, and the bundle directory that holds it.
+
+The configuration follows the OCI runtime spec 1.0.2 and sets Docker's safe
+defaults: pivot_root into the rootfs, new pid, mount, ipc and uts namespaces
+(and a new, empty network namespace unless the host's is asked for), Docker's
+default capability set with ``noNewPrivileges``, masked and read-only /proc
+paths, a private /dev, /sys read-only, and a seccomp profile that refuses the
+system calls Docker's default profile refuses to a container without
+CAP_SYS_ADMIN (new user namespaces, keyrings, bpf, kernel modules, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+OCI_VERSION = "1.0.2"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+DEFAULT_NOFILE = (1024, 1024)  # soft, hard: Docker's default
+
+# Docker's default capability set (moby's oci/caps/defaults.go).
+DEFAULT_CAPABILITIES = (
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+)
+MASKED_PATHS = (
+    "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+    "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
+    "/sys/firmware", "/sys/devices/virtual/powercap",
+)
+READONLY_PATHS = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
+
+NETWORK_MODES = ("none", "host")
+
+# System calls refused with EPERM: those Docker's default seccomp profile does not
+# allow a container without CAP_SYS_ADMIN and friends, and that reach kernel state
+# shared with the host (keyrings, bpf, perf, modules, clocks, swap, accounting).
+DENIED_SYSCALLS = (
+    "acct", "add_key", "bpf", "clock_adjtime", "clock_settime", "create_module",
+    "delete_module", "finit_module", "fsconfig", "fsmount", "fsopen", "fspick",
+    "get_kernel_syms", "init_module", "io_uring_enter", "io_uring_register",
+    "io_uring_setup", "ioperm", "iopl", "kcmp", "kexec_file_load", "kexec_load", "keyctl",
+    "lookup_dcookie", "mount", "mount_setattr", "move_mount", "nfsservctl",
+    "open_by_handle_at", "open_tree", "perf_event_open", "pivot_root", "quotactl", "reboot",
+    "request_key", "setdomainname", "sethostname", "setns", "settimeofday", "stime",
+    "swapoff", "swapon", "syslog", "umount", "umount2", "uselib", "userfaultfd", "ustat",
+    "vhangup",
+)
+# Namespace flags of clone(2)/unshare(2) (CLONE_NEWNS ... CLONE_NEWNET, CLONE_NEWCGROUP,
+# CLONE_NEWTIME): a container without CAP_SYS_ADMIN makes no namespaces, in particular
+# no user namespace that would hand it every capability over a new set of mounts.
+NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
+                   0x40000000, 0x00000080)
+EPERM, ENOSYS = 1, 38
+SECCOMP_ARCHES = {"x86_64": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+                  "aarch64": ["SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"]}
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """What runs in the container: argv, environment, working directory and user.
+    An image's config (Env, Entrypoint + Cmd, WorkingDir, User) maps onto it."""
+
+    args: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str = "/"
+    uid: int = 0
+    gid: int = 0
+    additional_gids: tuple[int, ...] = ()
+    terminal: bool = False
+
+    def env_list(self) -> list[str]:
+        """The environment as the spec's ``KEY=value`` list, with a default PATH."""
+        env = {"PATH": DEFAULT_PATH, **self.env}
+        return [f"{key}={value}" for key, value in env.items()]
+
+
+def default_env(term: str | None) -> dict[str, str]:
+    """PATH, HOME and TERM for a root process without an image config."""
+    return {"PATH": DEFAULT_PATH, "HOME": "/root", "TERM": term or "dumb"}
+
+
+def runtime_config(rootfs: str, process: ProcessSpec, hostname: str,
+                   network: str = "none",
+                   nofile: tuple[int, int] = DEFAULT_NOFILE) -> dict[str, Any]:
+    """The OCI runtime config.json for running ``process`` in ``rootfs``."""
+    if network not in NETWORK_MODES:
+        raise ValueError(f"network must be one of {NETWORK_MODES}, not {network!r}")
+    return {
+        "ociVersion": OCI_VERSION,
+        "process": _process(process, nofile),
+        "root": {"path": rootfs, "readonly": False},
+        "hostname": hostname,
+        "mounts": _mounts(),
+        "linux": _linux(network),
+    }
+
+
+def _process(process: ProcessSpec, nofile: tuple[int, int]) -> dict[str, Any]:
+    if not process.args:
+        raise ValueError("a container process needs at least one argument")
+    caps = list(DEFAULT_CAPABILITIES)
+    user: dict[str, Any] = {"uid": process.uid, "gid": process.gid}
+    if process.additional_gids:
+        user["additionalGids"] = list(process.additional_gids)
+    return {
+        "terminal": process.terminal,
+        "user": user,
+        "args": list(process.args),
+        "env": process.env_list(),
+        "cwd": process.cwd,
+        "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
+        "rlimits": [{"type": "RLIMIT_NOFILE", "soft": nofile[0], "hard": nofile[1]}],
+        "noNewPrivileges": True,
+    }
+
+
+def _mounts() -> list[dict[str, Any]]:
+    return [
+        {"destination": "/proc", "type": "proc", "source": "proc",
+         "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620",
+                     "gid=5"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+         "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+        {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
+         "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+         "options": ["nosuid", "noexec", "nodev", "ro"]},
+    ]
+
+
+def _linux(network: str) -> dict[str, Any]:
+    namespaces = [{"type": kind} for kind in ("pid", "mount", "ipc", "uts")]
+    if network == "none":
+        namespaces.append({"type": "network"})
+    return {
+        "namespaces": namespaces,
+        "maskedPaths": list(MASKED_PATHS),
+        "readonlyPaths": list(READONLY_PATHS),
+        "resources": {"devices": [{"allow": False, "access": "rwm"}]},
+        "rootfsPropagation": "private",
+        "seccomp": seccomp_profile(),
+    }
+
+
+def seccomp_profile() -> dict[str, Any]:
+    """Allow by default; refuse calls on host kernel state, and new namespaces."""
+    rules: list[dict[str, Any]] = [
+        {"names": list(DENIED_SYSCALLS), "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM},
+        # clone3 passes its flags in memory a filter cannot read: ENOSYS makes
+        # libc fall back to clone(2), whose flags the rules below check.
+        {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS},
+    ]
+    for flag in NAMESPACE_FLAGS:  # one rule per flag: refused when (flags & flag) == flag
+        arg = {"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}
+        rules.append({"names": ["clone", "unshare"], "action": "SCMP_ACT_ERRNO",
+                      "errnoRet": EPERM, "args": [arg]})
+    profile: dict[str, Any] = {"defaultAction": "SCMP_ACT_ALLOW", "syscalls": rules}
+    arches = SECCOMP_ARCHES.get(os.uname().machine)
+    if arches:
+        profile["architectures"] = arches
+    return profile
+
+
+def write_bundle(directory: str, config: Mapping[str, Any]) -> str:
+    """Write ``config`` as ``directory/config.json`` (directory made 0700); return the path."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    os.chmod(directory, 0o700)
+    path = os.path.join(directory, "config.json")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(config, f, indent=1)
+    return path

@@ -1,0 +1,288 @@
+"""``layerfs run`` for real: a command in a sandbox of a real daemon, run as an
+OCI container by runc, and what the container isolates (capabilities,
+namespaces, the host's and other sandboxes' files, mounts, devices, /proc)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from nodes import NodeDaemon
+from support import build, need_root
+
+from layerfs.node.process import LAYERFS
+from layerfs.store import open_store
+
+APPLETS = ("sh", "cat", "echo", "grep", "hostname", "id", "ls", "mkdir", "mknod", "mount",
+           "readlink", "sleep", "true", "tty", "unshare", "head", "wc")
+# Docker's default capabilities by their numbers in linux/capability.h.
+DOCKER_CAPS = {"CHOWN": 0, "DAC_OVERRIDE": 1, "FOWNER": 3, "FSETID": 4, "KILL": 5, "SETGID": 6,
+               "SETUID": 7, "SETPCAP": 8, "NET_BIND_SERVICE": 10, "NET_RAW": 13,
+               "SYS_CHROOT": 18, "MKNOD": 27, "AUDIT_WRITE": 29, "SETFCAP": 31}
+MASKED = ("/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+          "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
+          "/sys/firmware", "/sys/devices/virtual/powercap")
+READ_ONLY = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
+
+# The classic chroot escape: chroot into a subdirectory while the working
+# directory stays outside it, climb with "..", chroot there; then report which
+# of the given paths the process reaches.
+ESCAPE_C = r"""
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    mkdir("/.escape", 0700);
+    if (chroot("/.escape") != 0) { perror("chroot"); return 2; }
+    for (int i = 0; i < 256; i++) chdir("..");
+    if (chroot(".") != 0) { perror("chroot ."); return 2; }
+    for (int i = 1; i < argc; i++) {
+        struct stat st;
+        printf("%s %s\n", stat(argv[i], &st) == 0 ? "reachable" : "absent", argv[i]);
+    }
+    return 0;
+}
+"""
+
+
+def make_rootfs(root: Path, work: Path) -> Path:
+    """A busybox rootfs with a static chroot-escape helper at /bin/escape."""
+    for sub in ("bin", "etc", "proc", "dev", "sys", "tmp", "mnt"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    shutil.copy("/bin/busybox", root / "bin" / "busybox")
+    for applet in APPLETS:
+        (root / "bin" / applet).symlink_to("busybox")
+    (root / "etc" / "os-release").write_text("NAME=run-base\n")
+    source = work / "escape.c"
+    source.write_text(ESCAPE_C)
+    subprocess.run(["gcc", "-static", "-O2", "-o", str(root / "bin" / "escape"), str(source)],
+                   check=True, capture_output=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
+    """A daemon on a file:// store with layer base@1, and sandboxes s1 and s2 up
+    (``run`` does not depend on the store backend, which test_node covers)."""
+    need_root()
+    work = tmp_path_factory.mktemp("run")
+    url = "file://" + str(work / "store")
+    store = open_store(url, None)
+    try:
+        build(store, str(make_rootfs(work / "base", work)), name="base")
+    finally:
+        store.close()
+    daemon = NodeDaemon(work / "node", ["--store", url], cache_size="64M").start()
+    try:
+        for sid in ("s1", "s2"):
+            daemon.cli("up", "--layer", "base@1", "--id", sid)
+        yield daemon
+    finally:
+        left = daemon.cleanup()
+        assert left == [], f"mounts left behind: {left}"
+
+
+def run(node: NodeDaemon, script: str, *options: str,
+        input: str | None = None) -> subprocess.CompletedProcess:
+    """``layerfs run [OPTIONS] s1 -- sh -c SCRIPT``, capturing its output."""
+    argv = [*LAYERFS, "run", *options, "--root", str(node.root), "s1", "--", "sh", "-c", script]
+    return subprocess.run(argv, capture_output=True, text=True, input=input or "", timeout=120)
+
+
+def status_fields(text: str) -> dict[str, str]:
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
+
+
+def test_status_and_output_pass_through_and_nothing_is_left(node):
+    proc = run(node, "echo out; echo err >&2; cat; exit 7", input="from stdin\n")
+    assert proc.returncode == 7, proc.stderr
+    assert proc.stdout == "out\nfrom stdin\n"
+    assert proc.stderr == "err\n"
+    assert os.listdir(node.root / "run" / "bundles") == []  # each run's bundle is removed
+    assert os.stat(node.root / "run").st_mode & 0o077 == 0
+    listed = subprocess.run(["runc", "--root", str(node.root / "run" / "state" / "runc"),
+                             "list", "-q"], capture_output=True, text=True, check=True)
+    assert listed.stdout == ""  # and its container deleted
+
+
+def test_a_missing_command_fails(node):
+    argv = [*LAYERFS, "run", "--root", str(node.root), "s1", "--", "/bin/no-such-command"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "no-such-command" in proc.stderr
+    assert os.listdir(node.root / "run" / "bundles") == []
+
+
+def test_capabilities_are_dockers_default_with_no_new_privs(node):
+    proc = run(node, "cat /proc/self/status")
+    assert proc.returncode == 0, proc.stderr
+    fields = status_fields(proc.stdout)
+    expected = sum(1 << bit for bit in DOCKER_CAPS.values())
+    for name in ("CapEff", "CapPrm", "CapBnd"):
+        assert int(fields[name], 16) == expected, (name, fields[name])
+    assert int(fields["CapAmb"], 16) == 0 and int(fields["CapInh"], 16) == 0
+    assert fields["NoNewPrivs"] == "1"
+    assert fields["Seccomp"] == "2"  # a seccomp filter is installed
+
+
+def test_the_command_has_its_own_namespaces(node):
+    proc = run(node, "echo $$; hostname; ls /sys/class/net; "
+                     "for ns in pid mnt ipc uts net; do readlink /proc/self/ns/$ns; done")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.split()
+    assert lines[0] == "1"  # PID 1 of its own pid namespace
+    assert lines[1] != socket.gethostname()
+    assert lines[2] == "lo"  # a new network namespace: only loopback
+    inside = lines[3:]
+    outside = [os.readlink(f"/proc/self/ns/{ns}") for ns in ("pid", "mnt", "ipc", "uts", "net")]
+    assert len(inside) == 5 and all(a != b for a, b in zip(inside, outside, strict=True))
+
+
+def test_host_network_on_request(node):
+    proc = run(node, "readlink /proc/self/ns/net", "--network", "host")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == os.readlink("/proc/self/ns/net")
+
+
+def test_a_chroot_escape_finds_only_the_sandbox(node, tmp_path):
+    """Root in the container climbs out of a chroot: it must land in the sandbox's
+    own root, not the host's (the old chroot runner let it read everything)."""
+    marker = tmp_path / "host-secret"
+    marker.write_text("host only")
+    rows = {row["id"]: row for row in node.request("ps")["sandboxes"]}
+    other = Path(rows["s2"]["rootfs"])
+    (other / "other-secret").write_text("s2 only")
+    upper = node.root / "sandboxes" / "s2" / "upper" / "other-secret"
+    assert upper.exists()
+    host_paths = [str(marker), str(upper), str(node.root / "control.sock"),
+                  str(node.root / "sandboxes")]
+    argv = [*LAYERFS, "run", "--root", str(node.root), "s1", "--", "/bin/escape",
+            "/etc/os-release", *host_paths]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = {path: state for state, path in (line.split(" ", 1)
+                                            for line in proc.stdout.splitlines())}
+    assert seen["/etc/os-release"] == "reachable"  # it did climb, to the sandbox's root
+    assert {path: seen[path] for path in host_paths} == dict.fromkeys(host_paths, "absent")
+
+
+def test_no_mounts_and_no_host_devices(node):
+    proc = run(node, "mount -t devtmpfs devtmpfs /mnt && echo mounted; ls /mnt")
+    assert "mounted" not in proc.stdout
+    assert proc.stdout.strip() == "", proc.stdout  # nothing of the host's /dev
+    major, minor = host_disk()
+    proc = run(node, f"mknod /dev/hostdisk b {major} {minor} && head -c 512 /dev/hostdisk "
+                     "| wc -c")
+    assert proc.stdout.strip() in ("", "0"), proc.stdout  # the device cgroup refuses it
+
+
+def host_disk() -> tuple[int, int]:
+    """Major and minor of the host's first block device in /proc/partitions."""
+    rows = [line.split() for line in Path("/proc/partitions").read_text().splitlines()[2:]]
+    assert rows, "no block device on this host"
+    return int(rows[0][0]), int(rows[0][1])
+
+
+def test_proc_is_masked_and_read_only(node):
+    present = [path for path in MASKED if os.path.exists(path)]
+    assert present, "none of the masked paths exists on this host"
+    script = "; ".join(f"echo {path}: $(ls {path} 2>/dev/null | wc -l) "
+                       f"$(cat {path} 2>/dev/null | wc -c)" for path in present)
+    # Writes that would change nothing if they went through (the value read back
+    # in), so that this test cannot harm a host that fails it.
+    proc = run(node, script + "; v=$(cat /proc/sys/vm/swappiness); "
+               "echo $v > /proc/sys/vm/swappiness && echo written; "
+               "cat /proc/self/mountinfo")
+    lines = proc.stdout.splitlines()
+    assert "written" not in lines, proc.stdout
+    assert "Read-only file system" in proc.stderr
+    masked = dict(line.split(": ") for line in lines if line.startswith("/"))
+    # A masked file reads as /dev/null; a masked directory is an empty tmpfs.
+    assert all(masked[path] in ("0 0", "1 0") for path in present), masked
+    mounts = {line.split()[4]: line.split()[5].split(",") for line in lines
+              if not line.startswith("/")}
+    read_only = ["/sys", *(path for path in READ_ONLY if os.path.exists(path))]
+    assert all("ro" in mounts.get(path, ()) for path in read_only), mounts
+
+
+def test_no_new_user_namespace(node):
+    proc = run(node, "unshare -U -r id && echo unshared")
+    assert "unshared" not in proc.stdout, proc.stdout
+
+
+def test_signals_reach_the_command(node):
+    script = 'trap "echo got-term; exit 5" TERM; echo ready; while :; do sleep 1; done'
+    with started(node, script) as proc:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        out, _err = proc.communicate(timeout=60)
+    assert proc.returncode == 5
+    assert out == "got-term\n"
+
+
+def test_a_second_signal_kills_the_container(node):
+    with started(node, 'trap "" TERM INT; echo ready; sleep 1000') as proc:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)  # ignored by the command
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGKILL
+
+
+@contextmanager
+def started(node: NodeDaemon, script: str) -> Iterator[subprocess.Popen]:
+    """``layerfs run s1 -- sh -c SCRIPT`` in the background; stopped if a check fails."""
+    argv = [*LAYERFS, "run", "--root", str(node.root), "s1", "--", "sh", "-c", script]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        for _ in range(2):  # two signals: the second kills the container
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+
+
+def test_a_terminal_on_stdin_gives_the_command_a_terminal(node):
+    command = " ".join([*LAYERFS, "run", "--root", str(node.root), "s1", "--", "sh", "-c",
+                        "'tty; exit 3'"])
+    proc = subprocess.run(["script", "-q", "-e", "-c", command, "/dev/null"],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "/dev/pts/" in proc.stdout or "/dev/console" in proc.stdout, proc.stdout
+
+
+def test_a_missing_runtime_is_one_line(node):
+    argv = [*LAYERFS, "run", "--runtime", "crun", "--root", str(node.root), "s1", "--", "true"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PATH": "/nonexistent"})
+    assert proc.returncode == 2
+    assert proc.stderr == ("layerfs: error: the OCI runtime crun is not on PATH "
+                           "(Debian package crun)\n")
+
+
+def test_a_sandbox_that_is_not_up_is_one_line(node):
+    argv = [*LAYERFS, "run", "--root", str(node.root), "nope", "--", "true"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == "layerfs: error: sandbox nope is not up\n"
+
+
+def test_crun_runs_the_same_bundle(node):
+    proc = run(node, "grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; echo $$; exit 4",
+               "--runtime", "crun")
+    if "cgroups in hybrid mode not supported" in proc.stderr:
+        pytest.skip("crun cannot run containers on this host's hybrid cgroup setup")
+    assert proc.returncode == 4, proc.stderr
+    fields = status_fields(proc.stdout)
+    assert int(fields["CapEff"], 16) == sum(1 << bit for bit in DOCKER_CAPS.values())
+    assert fields["NoNewPrivs"] == "1"
+    assert proc.stdout.split()[-1] == "1"
