@@ -11,19 +11,28 @@ objects to the second, hence the margin).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
-from support import build
+import trio
+from nodes import NodeDaemon
+from support import build, need_root
 
 import layerfs.gc as gcmod
+import layerfs.node.disks as disks_mod
 from layerfs.errors import BlobVanished, StoreError
 from layerfs.gc import collect
+from layerfs.node.disks import DiskState, WritableDisk
 from layerfs.node.process import LAYERFS
 from layerfs.registry import LAYERS, Registry, ref_key
 from layerfs.store.base import BLOB_PREFIX, blob_key
@@ -37,8 +46,6 @@ HOUR = 3600
 
 
 def write_tree(root, seed: int, files: int = 12, size: int = 60_000) -> None:
-    import random
-
     rng = random.Random(seed)
     os.makedirs(root, exist_ok=True)
     for i in range(files):
@@ -235,3 +242,160 @@ def test_gc_removes_temporaries_of_killed_puts_after_the_grace(tmp_path):
     done = gc_cli(root)
     assert done["deleted_temporaries"] == 1 and not (root / old.key).exists()
     assert [t.key for t in FileStore(root).list_temporaries()] == [young.key]
+
+
+# -- writable disks on a full ROOT --
+
+MiB = 1 << 20
+WRITE = 128 << 10
+
+
+@contextmanager
+def small_ext4(tmp_path, size: int = 24 * MiB) -> Iterator[Path]:
+    """A fresh ext4 of ``size`` bytes, loop-mounted under tmp_path."""
+    image, mnt = tmp_path / "small.ext4", tmp_path / "small"
+    with open(image, "wb") as f:
+        f.truncate(size)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
+    mnt.mkdir()
+    subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def fill(fd: int, model: bytearray, rng: random.Random) -> list[int]:
+    """Write the disk front to back until ROOT is full, then a few more writes
+    (new data and overwrites); the model holds what was acknowledged. The
+    errnos of the writes that failed."""
+    errors: list[int] = []
+    offsets = list(range(0, len(model), WRITE))
+    for off in offsets:
+        data = rng.randbytes(WRITE)
+        try:
+            done = os.pwrite(fd, data, off)
+        except OSError as exc:
+            errors.append(exc.errno or 0)
+            if len(errors) >= 8:
+                break
+            continue
+        model[off : off + done] = data[:done]
+    for off in rng.sample(offsets[:16], 4):  # overwrites of acknowledged data
+        data = rng.randbytes(WRITE)
+        try:
+            model[off : off + os.pwrite(fd, data, off)] = data
+        except OSError as exc:
+            errors.append(exc.errno or 0)
+    return errors
+
+
+def read_all(path: Path, size: int) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(size)
+
+
+def test_writable_disk_on_a_full_root_fails_writes_and_keeps_what_it_acknowledged(tmp_path):
+    need_root()
+    size = 64 * MiB  # more than ROOT can hold
+    with small_ext4(tmp_path) as small:
+        node = NodeDaemon(small / "node", ["--store", f"file://{tmp_path}/store"])
+        node.log_path = tmp_path / "daemon.log"
+        node.start()
+        try:
+            node.cli("disk", "create", "w", "--size", str(size))
+            path = node.root / "fuse" / "disks" / "w"
+            model = bytearray(size)
+            fd = os.open(path, os.O_RDWR)
+            try:
+                errors = fill(fd, model, random.Random(7))
+                os.fsync(fd)  # every write either failed or is stored
+            finally:
+                os.close(fd)
+            assert errors and set(errors) <= {errno.ENOSPC, errno.EIO}
+            assert read_all(path, size) == model
+            node.kill()
+            node.start()
+            assert read_all(path, size) == model
+            assert "index log cut" not in node.log()
+        finally:
+            node.cleanup()
+
+
+def run_disk(tmp_path, steps, create: bool = True) -> None:
+    """Run ``steps(disk)`` on the 32 MiB WritableDisk in tmp_path (a fresh one,
+    unless ``create`` is False: then as a restarted daemon opens it)."""
+    if create:
+        WritableDisk.create(tmp_path / "u", DiskState("u", 32 * MiB))
+
+    async def main() -> None:
+        disk = WritableDisk(tmp_path / "u", WritableDisk.load_state(tmp_path / "u"), None)
+        disk.open_files()
+        try:
+            await steps(disk)
+        finally:
+            disk.close_files()
+
+    trio.run(main)
+
+
+def test_short_index_write_fails_the_write_and_leaves_no_entry(tmp_path, monkeypatch):
+    """A 9 MiB write has two index entries; ROOT fills up after the first one is
+    stored (a short write, then ENOSPC). The write must fail, and a later write
+    must read back right, before and after a restart."""
+    model = bytearray(32 * MiB)
+    first, big, small = b"a" * MiB, b"b" * (9 * MiB), b"c" * MiB
+
+    def index_full_after_one_entry(real):
+        def pwrite(fd, data, offset):
+            if len(data) == 32:  # the two index entries of the big write
+                return real(fd, bytes(data[:16]), offset)
+            if len(data) == 16 and fd == state["index_fd"]:  # the rest of them
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(fd, data, offset)
+        return pwrite
+
+    state: dict[str, int] = {}
+
+    async def steps(disk):
+        await disk.write(0, first)
+        model[0 : MiB] = first
+        state["index_fd"] = disk.index_fd
+        with monkeypatch.context() as patch:
+            patch.setattr(disks_mod.os, "pwrite", index_full_after_one_entry(os.pwrite))
+            with pytest.raises(OSError) as info:
+                await disk.write(0, big)
+            assert info.value.errno == errno.ENOSPC
+        await disk.write(20 * MiB, small)
+        model[20 * MiB : 21 * MiB] = small
+        assert bytes(await disk.read(0, disk.size)) == model
+        await disk.flush()
+
+    run_disk(tmp_path, steps)
+    reopened = {}
+
+    async def read(disk):
+        reopened["data"] = bytes(await disk.read(0, disk.size))
+
+    run_disk(tmp_path, read, create=False)
+    assert reopened["data"] == model
+
+
+def test_failed_fsync_fails_every_later_fsync_and_write(tmp_path, monkeypatch):
+    """Linux reports a lost writeback once; the disk must keep saying so."""
+    async def steps(disk):
+        await disk.write(0, b"x" * 4096)
+
+        def eio(fd):
+            raise OSError(errno.EIO, "Input/output error")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(disks_mod.os, "fsync", eio)
+            with pytest.raises(OSError):
+                await disk.flush()
+        for attempt in (disk.flush(), disk.write(4096, b"y" * 4096)):
+            with pytest.raises(OSError) as info:
+                await attempt
+            assert info.value.errno == errno.EIO
+
+    run_disk(tmp_path, steps)
