@@ -13,8 +13,9 @@ from .common import Output, human_bytes, store_options
 @click.command()
 @click.option("--dry-run", is_flag=True, help="Only list what is unreachable.")
 @click.option("--grace", type=float, default=DEFAULT_GRACE, show_default=True,
-              help="Keep unreachable blobs younger than this many seconds "
-                   "(a push in progress writes its ref last).")
+              help="Keep unreachable blobs and temporaries younger than this many seconds "
+                   "(a push refreshes what it reuses and writes its ref last; keep it "
+                   "above a minute).")
 @store_options
 def gc(out: Output, reg: Registry, dry_run: bool, grace: float) -> None:
     """Delete blobs no layer or env ref reaches, and temporary files of interrupted writes."""
