@@ -22,7 +22,7 @@ from layerfs.names import check_name, check_version
 from layerfs.registry import LAYERS, Registry
 from layerfs.store.base import Store
 
-from .layer import MAX_CHUNK, MIN_CHUNK, now_utc
+from .layer import MAX_CHUNK, MIN_CHUNK, now_utc, publish_verified
 from .pipeline import DEFAULT_CHUNK_SIZE, ChunkPipeline, DedupIndex
 
 BLOCK = 4096
@@ -181,8 +181,10 @@ def publish_disk(store: Store, src: DiskSource, name: str, version: str,
         virtual_size=src.virtual_size, uuid=uid, parent=parent, parent_ref=parent_ref,
         index_offset=layout.index_offset, index_entries=entries + (-entries % lsmt.INDEX_ALIGN),
         created=now_utc(), stats=stats, dedup_sources=sources)
-    digest, _ = store.put_blob(manifest.to_bytes())
-    reg.publish(LAYERS, name, version, digest)
+    manifest_bytes = manifest.to_bytes()
+    digest, _ = store.put_blob(manifest_bytes)
+    held = {table_digest: table, digest: manifest_bytes}
+    publish_verified(reg, name, version, digest, result.reused, held)
     return DiskResult(ref, digest, manifest, published=True)
 
 

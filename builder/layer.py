@@ -1,5 +1,8 @@
 """Build a layer from a source and publish it: packs, chunk table, meta, manifest, ref.
 
+The ref is written by :func:`publish_verified`, which then checks that every
+blob the push reused (and did not write) survived a concurrent gc.
+
 A version is immutable. If ``name@version`` already exists, the source is
 built again without uploading anything and compared: the same content is a
 success that writes nothing, other content is :class:`VersionExists`.
@@ -10,16 +13,17 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import zstandard
 
-from layerfs.errors import SourceError, UsageError, VersionExists
+from layerfs.errors import BlobVanished, SourceError, UsageError, VersionExists
 from layerfs.formats.erofs import ErofsError, write_meta_image
 from layerfs.manifest import ROLES, BlobRef, LayerManifest, MetaRef
 from layerfs.names import check_name, check_version
-from layerfs.registry import LAYERS, Registry
-from layerfs.store.base import Store, sha256_digest
+from layerfs.registry import LAYERS, Registry, ref_key
+from layerfs.store.base import Store, blob_key, sha256_digest
 
 from .assembler import LayerAssembler
 from .dirsource import DirectorySource
@@ -28,6 +32,7 @@ from .tarsource import TarSource, looks_like_tar
 
 MIN_CHUNK, MAX_CHUNK = 4096, 16 << 20
 META_ZSTD_LEVEL = 9
+VERIFY_WORKERS = 8
 
 
 @dataclass
@@ -125,9 +130,32 @@ def build_layer(store: Store, src: str, opts: BuildOptions,
         blob_size=result.table.blob_size, created=now_utc(), stats=stats,
         dedup_sources=sources,
     )
-    digest, _ = store.put_blob(manifest.to_bytes())
-    reg.publish(LAYERS, opts.name, opts.version, digest)
+    manifest_bytes = manifest.to_bytes()
+    digest, _ = store.put_blob(manifest_bytes)
+    held = {table_digest: table, meta_digest: packed_meta, digest: manifest_bytes}
+    publish_verified(reg, opts.name, opts.version, digest, result.reused, held)
     return BuildResult(ref, digest, manifest, published=True)
+
+
+def publish_verified(reg: Registry, name: str, version: str, digest: str,
+                     reused: set[str], held: dict[str, bytes]) -> None:
+    """Write the layer ref, then check that the blobs a concurrent gc could have
+    taken meanwhile are still there: the packs this push reused and the blobs
+    it holds (``held``: digest → bytes; written again if gone). A reused pack
+    that is gone takes the ref back (if this call wrote it) and fails the push."""
+    created = reg.publish(LAYERS, name, version, digest)
+    digests = sorted(reused | held.keys())
+    with ThreadPoolExecutor(VERIFY_WORKERS, thread_name_prefix="verify") as pool:
+        present = list(pool.map(lambda d: reg.store.exists(blob_key(d)), digests))
+    missing = [d for d, ok in zip(digests, present, strict=True) if not ok]
+    lost = [d for d in missing if d not in held]
+    for d in missing:
+        if d in held:
+            reg.store.put_blob(held[d], d)
+    if lost:
+        if created:
+            reg.store.delete(ref_key(LAYERS, name, version))
+        raise BlobVanished(f"pack {lost[0]}", f"{name}@{version} was published")
 
 
 def _dedup_index(reg: Registry, opts: BuildOptions, existing: str | None):

@@ -8,13 +8,16 @@ timing. A chunk is, in this order of preference: a hole (all zeros, not
 stored), a repeat of a chunk earlier in this layer (same blob address), a
 chunk already in the store (referenced where it is), or new (appended to the
 current pack). Full packs are uploaded by a small thread pool while the build
-goes on.
+goes on. Before the build publishes, :meth:`ChunkPipeline.finish` refreshes every
+pack it reuses (and its own packs written long ago), so that gc's grace period
+covers them until the ref is written (docs/builder.md, "gc and concurrent pushes").
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,6 +26,7 @@ from typing import IO
 
 import zstandard
 
+from layerfs.errors import BlobVanished
 from layerfs.formats.chunktable import FILE_START, RAW, ZSTD, ChunkEntry, ChunkTable
 from layerfs.manifest import LayerStats
 from layerfs.store.base import Store, sha256_digest
@@ -32,6 +36,8 @@ BLOCK = 4096
 DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_PACK_SIZE = 16 << 20
 ZSTD_LEVEL = 3
+FRESH_SECONDS = 60.0  # own packs written this recently are not refreshed again
+REFRESH_WORKERS = 8
 
 
 class DedupIndex:
@@ -78,6 +84,7 @@ class PipelineResult:
     table: ChunkTable
     blob_blocks: int
     stats: LayerStats = field(default_factory=LayerStats)
+    reused: set[str] = field(default_factory=set)  # packs refreshed, not written, by this push
 
 
 class ChunkPipeline:
@@ -114,6 +121,9 @@ class ChunkPipeline:
         self._blob_end = 0
         self._pack = bytearray()
         self._pack_digests: list[str] = []
+        self._written_at: dict[str, float] = {}  # own pack → when its put_blob started
+        self._reused: set[str] = set()  # packs this push found stored and refreshed
+        self._found: set[str] = set()  # own packs put_blob found already stored
         self._next_block = 0
 
     # -- worker side --
@@ -232,7 +242,11 @@ class ChunkPipeline:
 
     def _upload(self, data: bytes, digest: str) -> int:
         try:
+            started = time.time()
             _, uploaded = self.store.put_blob(data, digest)
+            self._written_at[digest] = started
+            if not uploaded:  # already stored (a retried build): put_blob refreshed it
+                self._found.add(digest)
             return len(data) if uploaded else 0
         finally:
             self._upload_slots.release()
@@ -252,9 +266,32 @@ class ChunkPipeline:
                 if uploaded:
                     self.stats.uploaded_bytes += uploaded
                     self.stats.uploaded_packs += 1
+            if self.upload:
+                self._refresh_packs()
         finally:
             self.close()
         return self._result()
+
+    def _packs_to_refresh(self) -> set[str]:
+        """Packs of other layers this build references, and own packs written
+        more than FRESH_SECONDS ago (or found already stored by their put_blob)."""
+        own = set(self._pack_digests)
+        foreign = {loc.pack for loc in self._stored.values()
+                   if isinstance(loc, ChunkEntry) and loc.pack not in own}
+        stale = time.time() - FRESH_SECONDS
+        old_own = {d for d in own if self._written_at.get(d, 0.0) < stale}
+        return foreign | old_own
+
+    def _refresh_packs(self) -> None:
+        """Refresh every pack the build relies on but did not just write; one that
+        is gone fails the build (the ref is not written)."""
+        packs = sorted(self._packs_to_refresh())
+        with ThreadPoolExecutor(REFRESH_WORKERS, thread_name_prefix="refresh") as pool:
+            present = list(pool.map(self.store.refresh_blob, packs))
+        for digest, ok in zip(packs, present, strict=True):
+            if not ok:
+                raise BlobVanished(f"pack {digest}", "this layer was built")
+        self._reused = set(packs) | self._found
 
     def _result(self) -> PipelineResult:
         entries = []
@@ -272,7 +309,7 @@ class ChunkPipeline:
         self.stats.unique_chunks = len(self._stored)
         self.stats.blob_bytes = table.blob_size
         self.stats.stored_bytes = table.stored_bytes()
-        return PipelineResult(table, self._next_block, self.stats)
+        return PipelineResult(table, self._next_block, self.stats, set(self._reused))
 
     def close(self) -> None:
         for pending in self._inflight:

@@ -105,6 +105,12 @@ class StoreUnreachable(StoreError):
     exit_code = 8
 
 
+class BlobVanished(StoreError):
+    """{} vanished from the store while {}; nothing was published, build again"""
+
+    exit_code = 7
+
+
 class TransientStoreError(StoreError):
     """transient store error: {}"""
 

@@ -1,9 +1,14 @@
-"""Garbage collection: delete blobs that no ref reaches.
+"""Garbage collection: delete blobs that no ref reaches, and leftovers of
+interrupted writes.
 
 Reachable: every ref's manifest; a layer manifest's meta image, chunk table and
 the packs its chunk table names; an env manifest's layer manifests (and theirs).
-Blobs younger than the grace period are kept even when unreachable, since a
-push in progress uploads its packs before it writes its ref.
+An unreachable blob is deleted only if it was last written or refreshed more
+than the grace period before this run started, and only after a fresh look at
+its age right before the delete: a push refreshes every blob it reuses before it
+writes its ref (see docs/builder.md, "gc and concurrent pushes"). Temporary
+files of the file store (``.tmp~*``, left by a killed writer) older than the
+grace period are deleted too.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from dataclasses import dataclass, field
 from .errors import LayerfsError
 from .manifest import manifest_kind
 from .registry import ENVS, LAYERS, Registry
-from .store.base import BLOB_PREFIX
+from .store.base import BLOB_PREFIX, ObjectInfo, Store
 
 DEFAULT_GRACE = 3600.0
 
@@ -26,6 +31,8 @@ class GcReport:
     deleted: int = 0
     deleted_bytes: int = 0
     kept_young: int = 0
+    temporaries: list[dict] = field(default_factory=list)  # leftovers of interrupted writes
+    deleted_temporaries: int = 0
 
 
 def reachable_blobs(reg: Registry) -> set[str]:
@@ -54,7 +61,20 @@ def reachable_blobs(reg: Registry) -> set[str]:
     return seen
 
 
+def _entry(info: ObjectInfo, now: float, cutoff: float) -> dict:
+    return {"size": info.size, "age_s": round(now - info.mtime, 1),
+            "young": info.mtime >= cutoff}
+
+
+def _still_old(store: Store, key: str, cutoff: float) -> bool:
+    """Look again right before deleting: a push may have refreshed the blob since
+    the listing (or another gc deleted it)."""
+    info = store.head(key)
+    return info is not None and info.mtime < cutoff
+
+
 def collect(reg: Registry, dry_run: bool = True, grace: float = DEFAULT_GRACE) -> GcReport:
+    cutoff = time.time() - grace  # taken before the refs are read
     live = reachable_blobs(reg)
     report = GcReport(reachable=len(live))
     now = time.time()
@@ -62,13 +82,29 @@ def collect(reg: Registry, dry_run: bool = True, grace: float = DEFAULT_GRACE) -
         digest = "sha256:" + info.key[len(BLOB_PREFIX):]
         if digest in live:
             continue
-        young = now - info.mtime < grace
-        report.unreachable.append({"digest": digest, "size": info.size,
-                                   "age_s": round(now - info.mtime, 1), "young": young})
-        if young:
+        entry = {"digest": digest} | _entry(info, now, cutoff)
+        report.unreachable.append(entry)
+        if entry["young"]:
             report.kept_young += 1
         elif not dry_run:
+            if not _still_old(reg.store, info.key, cutoff):
+                entry["young"] = True
+                report.kept_young += 1
+                continue
             reg.store.delete(info.key)
             report.deleted += 1
             report.deleted_bytes += info.size
+    _collect_temporaries(reg.store, report, dry_run, now, cutoff)
     return report
+
+
+def _collect_temporaries(store: Store, report: GcReport, dry_run: bool, now: float,
+                         cutoff: float) -> None:
+    """Temporary files of interrupted writes; a write in progress keeps its file young."""
+    for info in store.list_temporaries():
+        entry = {"key": info.key} | _entry(info, now, cutoff)
+        report.temporaries.append(entry)
+        if not entry["young"] and not dry_run:
+            store.delete_temporary(info.key)
+            report.deleted_temporaries += 1
+            report.deleted_bytes += info.size

@@ -1,4 +1,4 @@
-"""The gc command: delete blobs that no ref reaches."""
+"""The gc command: delete blobs that no ref reaches, and leftovers of interrupted writes."""
 
 from __future__ import annotations
 
@@ -13,25 +13,35 @@ from .common import Output, human_bytes, store_options
 @click.command()
 @click.option("--dry-run", is_flag=True, help="Only list what is unreachable.")
 @click.option("--grace", type=float, default=DEFAULT_GRACE, show_default=True,
-              help="Keep unreachable blobs younger than this many seconds "
-                   "(a push in progress writes its ref last).")
+              help="Keep unreachable blobs and temporaries younger than this many seconds "
+                   "(a push refreshes what it reuses and writes its ref last; keep it "
+                   "above a minute).")
 @store_options
 def gc(out: Output, reg: Registry, dry_run: bool, grace: float) -> None:
-    """Delete blobs no layer or env ref reaches."""
+    """Delete blobs no layer or env ref reaches, and temporary files of interrupted writes."""
     rep = collect(reg, dry_run=dry_run, grace=grace)
     doc = {"dry_run": dry_run, "reachable": rep.reachable, "unreachable": rep.unreachable,
            "deleted": rep.deleted, "deleted_bytes": rep.deleted_bytes,
-           "kept_young": rep.kept_young}
+           "kept_young": rep.kept_young, "temporaries": rep.temporaries,
+           "deleted_temporaries": rep.deleted_temporaries}
 
     def text() -> str:
         lines = [f"{u['digest']} {human_bytes(u['size']):>10}  age {u['age_s']:.0f}s"
                  + ("  (kept: younger than --grace)" if u["young"] else "")
                  for u in rep.unreachable]
+        lines += [f"{t['key']} {human_bytes(t['size']):>10}  age {t['age_s']:.0f}s  temporary"
+                  + ("  (kept: younger than --grace)" if t["young"] else "")
+                  for t in rep.temporaries]
         total = sum(u["size"] for u in rep.unreachable)
         verb = "would delete" if dry_run else "deleted"
         count = len(rep.unreachable) - rep.kept_young if dry_run else rep.deleted
         lines.append(f"{rep.reachable} reachable, {len(rep.unreachable)} unreachable "
                      f"({human_bytes(total)}); {verb} {count}")
+        if rep.temporaries:
+            old = sum(1 for t in rep.temporaries if not t["young"])
+            gone = old if dry_run else rep.deleted_temporaries
+            lines.append(f"{len(rep.temporaries)} temporary files of interrupted writes; "
+                         f"{verb} {gone}")
         return "\n".join(lines)
 
     out.emit(doc, text)

@@ -14,10 +14,18 @@ syncs the data file, then the index file. On open, the log is read up to its
 first entry that is torn, out of range or points past the data file, and cut
 there: a crash loses at most writes that were not flushed, and a torn entry is
 never used.
+
+A write that cannot be stored whole (ROOT full: a short write or ENOSPC, or
+EIO) fails with that errno and leaves no trace: both files are cut back to
+where they ended before it, so no index entry of it survives to point at data
+a later write overwrites. A failed ``fsync``, or a failed cut, marks the disk
+failed: every later write and ``fsync`` answers EIO, since Linux forgets a
+writeback error once it has reported it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -93,6 +101,18 @@ class SealedChain:
         return parts
 
 
+def pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset``, or raise (a short write that cannot
+    go on is ENOSPC)."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[written:]
+        offset += written
+
+
 def padded(parts: list[Buffer], size: int) -> list[Buffer]:
     """``parts`` followed by the zeros that make them ``size`` bytes long."""
     short = size - sum(len(p) for p in parts)
@@ -118,6 +138,7 @@ class WritableDisk:
         self.map = lsmt.SegmentMap()
         self.log: list[lsmt.Mapping] = []
         self.data_end = DATA_START
+        self.failed: OSError | None = None  # a lost write or fsync: refuse writes from now
         self.lock = trio.Lock()  # orders writes and commits; reads never take it
         self.io = trio.CapacityLimiter(4)
 
@@ -182,17 +203,44 @@ class WritableDisk:
         os.close(self.data_fd)
         os.close(self.index_fd)
 
+    def _check_usable(self) -> None:
+        if self.failed is not None:
+            raise OSError(errno.EIO, f"disk {self.state.id} failed earlier: {self.failed}")
+
     def _append(self, sector: int, data: bytes) -> list[lsmt.Mapping]:
+        """Store ``data`` and its index entries whole, or raise and store nothing."""
+        self._check_usable()
         moffset = self.data_end
-        os.pwrite(self.data_fd, data, moffset * SECTOR)
         maps = lsmt.split_extent(sector, len(data) // SECTOR, moffset)
         pos = lsmt.HT_SPACE + 16 * len(self.log)
-        os.pwrite(self.index_fd, b"".join(m.pack() for m in maps), pos)
+        try:
+            pwrite_all(self.data_fd, data, moffset * SECTOR)
+            pwrite_all(self.index_fd, b"".join(m.pack() for m in maps), pos)
+        except OSError as exc:
+            log.warning("disk %s: write of %d bytes failed: %s", self.state.id, len(data), exc)
+            self._cut_back(moffset * SECTOR, pos)
+            raise
         return maps
 
+    def _cut_back(self, data_size: int, index_size: int) -> None:
+        """Drop what a failed write left in either file (truncating needs no space)."""
+        try:
+            os.ftruncate(self.index_fd, index_size)
+            os.ftruncate(self.data_fd, data_size)
+        except OSError as exc:
+            self.failed = exc
+            log.error("disk %s: cannot undo a failed write (%s); refusing writes", self.state.id,
+                      exc)
+
     def sync(self) -> None:
-        os.fsync(self.data_fd)
-        os.fsync(self.index_fd)
+        self._check_usable()
+        try:
+            os.fsync(self.data_fd)
+            os.fsync(self.index_fd)
+        except OSError as exc:
+            self.failed = exc
+            log.error("disk %s: fsync failed (%s); refusing writes", self.state.id, exc)
+            raise OSError(errno.EIO, f"fsync of disk {self.state.id} failed: {exc}") from exc
 
     # -- I/O (trio) --
     async def read(self, off: int, size: int) -> Buffer:

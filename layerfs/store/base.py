@@ -91,6 +91,17 @@ class Store(ABC):
     @abstractmethod
     def _delete(self, key: str) -> None: ...
 
+    def _refresh(self, key: str) -> bool:
+        """Set ``key``'s modification time to now; False if ``key`` does not exist."""
+        raise NotImplementedError(f"{type(self).__name__} cannot refresh objects")
+
+    def _temporaries(self) -> Iterator[ObjectInfo]:
+        """Leftovers of interrupted writes (the file store's temporary files)."""
+        return iter(())
+
+    def _delete_temporary(self, key: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} keeps no temporary files")
+
     # -- the API the rest of layerfs uses --
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """Whole object, or bytes ``[start, end)`` of it."""
@@ -109,6 +120,21 @@ class Store(ABC):
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
 
+    def refresh(self, key: str) -> bool:
+        """Make ``key`` young again (its mtime becomes now), so that gc's grace
+        period counts from this call; False if ``key`` does not exist."""
+        return self.retry.run(f"refresh {key}", lambda: self._refresh(key))
+
+    def list_temporaries(self) -> list[ObjectInfo]:
+        """Leftovers of interrupted writes, sorted by key; their keys are only
+        good for :meth:`delete_temporary`."""
+        items = self.retry.run("list temporaries", lambda: list(self._temporaries()))
+        return sorted(items, key=lambda o: o.key)
+
+    def delete_temporary(self, key: str) -> None:
+        """Delete a leftover that :meth:`list_temporaries` named."""
+        self.retry.run(f"delete {key}", lambda: self._delete_temporary(key))
+
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Objects whose key starts with ``prefix``, sorted by key."""
         items = self.retry.run(f"list {prefix}", lambda: list(self._list(prefix)))
@@ -120,13 +146,20 @@ class Store(ABC):
 
     # -- content-addressed blobs --
     def put_blob(self, data: bytes | memoryview, digest: str | None = None) -> tuple[str, bool]:
-        """Write-once blob named by its sha256; returns (digest, uploaded)."""
+        """Write-once blob named by its sha256; returns (digest, uploaded).
+
+        A blob that is already stored is refreshed instead of written, so a push
+        that reuses it gets the same grace period against gc as one that wrote it.
+        """
         digest = digest or sha256_digest(data)
         key = blob_key(digest)
-        if self.exists(key):
+        if self.refresh(key):
             return digest, False
         self.put(key, data)
         return digest, True
+
+    def refresh_blob(self, digest: str) -> bool:
+        return self.refresh(blob_key(digest))
 
     def get_blob(self, digest: str, verify: bool = True) -> bytes:
         data = self.get(blob_key(digest))

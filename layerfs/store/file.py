@@ -2,8 +2,10 @@
 
 Also what runs on shared POSIX file systems (3FS, NFS). Writes are atomic: the
 bytes go to a temporary file in the target directory (named ``.tmp~<random>``,
-never listed), are fsynced, and are renamed (``put``) or hard-linked
-(``put_if_absent``) into place, after which the directory is fsynced.
+never listed as an object), are fsynced, and are renamed (``put``) or
+hard-linked (``put_if_absent``) into place, after which the directory is
+fsynced. A writer killed mid-way leaves its temporary file behind:
+``list_temporaries`` finds those for gc. ``refresh`` is ``utime(2)``.
 """
 
 from __future__ import annotations
@@ -156,7 +158,52 @@ class FileStore(Store):
             return None
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
+    def _temporaries(self) -> Iterator[ObjectInfo]:
+        try:
+            yield from self._walk_temporaries(self.root, "")
+        except OSError as exc:
+            raise self._error(exc, "", "list temporary files in", reading=False) from exc
+
+    def _walk_temporaries(self, directory: Path, key_prefix: str) -> Iterator[ObjectInfo]:
+        try:
+            entries = list(os.scandir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for entry in entries:
+            key = key_prefix + entry.name
+            if entry.name.startswith(TEMP_MARK):
+                if entry.is_file(follow_symlinks=False):
+                    info = self._entry_info(entry, key)
+                    if info is not None:
+                        yield info
+            elif entry.is_dir(follow_symlinks=False):
+                yield from self._walk_temporaries(Path(entry.path), key + "/")
+
+    def _temporary_path(self, key: str) -> Path:
+        folder, _, name = key.rpartition("/")
+        if not name.startswith(TEMP_MARK) or "\0" in name:
+            raise ValueError(f"not a temporary file key: {key!r}")
+        return (self.root / check_key(folder) if folder else self.root) / name
+
+    def _delete_temporary(self, key: str) -> None:
+        try:
+            self._temporary_path(key).unlink()
+        except OSError as exc:
+            if exc.errno in NOT_AN_OBJECT:
+                return
+            raise self._error(exc, key, "delete", reading=False) from exc
+
     # -- writes --
+    def _refresh(self, key: str) -> bool:
+        path = self._path(key)
+        try:
+            os.utime(path)
+        except OSError as exc:
+            if exc.errno in NOT_AN_OBJECT:
+                return False
+            raise self._error(exc, key, "refresh", reading=False) from exc
+        return True
+
     def _put(self, key: str, data: bytes | memoryview) -> None:
         path = self._path(key)
         try:

@@ -271,6 +271,23 @@ class S3Store(Store):
         self._put(key, data)
         return True
 
+    def _refresh(self, key: str) -> bool:
+        """Copy the object onto itself with new metadata: S3 gives it a new
+        LastModified (SeaweedFS copies only metadata; about 250 per second here).
+        Copying a missing source fails, so a refresh never recreates a key."""
+        full = self._key(key)
+        try:
+            self.client.copy_object(Bucket=self.bucket, Key=full, MetadataDirective="REPLACE",
+                                    CopySource={"Bucket": self.bucket, "Key": full},
+                                    Metadata={"layerfs-refreshed": "1"})
+        except bx.ClientError as exc:
+            if _code(exc)[0] in NOT_FOUND:
+                return False
+            raise self._error(exc, key, "refresh") from exc
+        except bx.BotoCoreError as exc:
+            raise self._error(exc, key, "refresh") from exc
+        return True
+
     def _delete(self, key: str) -> None:
         try:
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
