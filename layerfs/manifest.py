@@ -181,10 +181,12 @@ def manifest_head(data: bytes, digest: str = "") -> ManifestHead:
     """The kind, name and version of any manifest, checked (the rest is not parsed)."""
     what = _what("manifest", digest)
     doc = _load(data, what)
-    head = [doc.get(key) for key in ("kind", "name", "version")]
-    for key, value in zip(("kind", "name", "version"), head, strict=True):
+    head: list[str] = []
+    for key in ("kind", "name", "version"):
+        value = doc.get(key)
         if not isinstance(value, str):
             raise IntegrityError(what, f"field {key}: expected a string")
+        head.append(value)
     _check_head(head[0], head[1], head[2], what)
     return ManifestHead(head[0], head[1], head[2])
 
