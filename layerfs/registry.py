@@ -8,7 +8,9 @@ A ref is trusted only as far as the manifest it points at agrees: resolving
 ``name@version`` (and listing refs) checks that the manifest is of the ref's
 kind and names that same ``name@version`` (:class:`RefMismatch` otherwise), and
 an env's layers must be the layers its manifest says they are. A ref file that
-is not one ``sha256:<hex>`` line is an :class:`IntegrityError`.
+is not one ``sha256:<hex>`` line is an :class:`IntegrityError`. A meta image is
+handed out only after its digest and its structure
+(:mod:`layerfs.formats.erofscheck`) are checked.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .errors import (
     VersionExists,
 )
 from .formats.chunktable import ChunkTable
+from .formats.erofscheck import check_meta_image
 from .manifest import DiskManifest, EnvManifest, LayerManifest, ManifestHead, manifest_head
 from .names import DIGEST_RE, Ref, version_sort_key
 from .store.base import Store, blob_key, sha256_digest
@@ -35,7 +38,7 @@ from .store.base import Store, blob_key, sha256_digest
 LAYERS, ENVS = "layers", "envs"
 MAX_CHAIN = 255
 MAX_REF_BYTES = 1024  # a ref is one digest line; anything longer is not a ref
-MANIFEST_CACHE = 1024  # manifests kept in memory (immutable, named by digest)
+HEADS_KEPT = 4096  # manifest heads (kind, name, version) remembered by digest
 KINDS_OF = {LAYERS: ("erofs", "lsmt"), ENVS: ("env",)}
 
 
@@ -72,7 +75,7 @@ class Registry:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._manifests: OrderedDict[str, bytes] = OrderedDict()
+        self._heads: OrderedDict[str, ManifestHead] = OrderedDict()
         self._lock = threading.Lock()
 
     # -- refs --
@@ -85,7 +88,7 @@ class Registry:
 
     def check_binding(self, kind: str, name: str, version: str, digest: str) -> ManifestHead:
         """The manifest at ``digest`` must be of ``kind`` and name ``name@version``."""
-        head = manifest_head(self.manifest_bytes(digest), digest)
+        head = self._head(digest)
         if head.kind not in KINDS_OF[kind] or (head.name, head.version) != (name, version):
             raise RefMismatch(kind[:-1], f"{name}@{version}",
                               f"{head.kind} {head.name}@{head.version}")
@@ -143,18 +146,23 @@ class Registry:
 
     # -- manifests --
     def manifest_bytes(self, digest: str) -> bytes:
-        """A manifest blob (digest-checked), kept in a small in-memory cache."""
+        """A manifest blob, checked against its digest."""
+        return self.store.get_blob(digest)
+
+    def _head(self, digest: str) -> ManifestHead:
+        """The kind and name@version of the manifest at ``digest``. Kept in memory:
+        a digest-checked manifest never changes, so neither does what it says."""
         with self._lock:
-            data = self._manifests.get(digest)
-            if data is not None:
-                self._manifests.move_to_end(digest)
-                return data
-        data = self.store.get_blob(digest)
+            head = self._heads.get(digest)
+            if head is not None:
+                self._heads.move_to_end(digest)
+                return head
+        head = manifest_head(self.manifest_bytes(digest), digest)
         with self._lock:
-            self._manifests[digest] = data
-            while len(self._manifests) > MANIFEST_CACHE:
-                self._manifests.popitem(last=False)
-        return data
+            self._heads[digest] = head
+            while len(self._heads) > HEADS_KEPT:
+                self._heads.popitem(last=False)
+        return head
 
     def layer(self, digest: str) -> LayerManifest:
         data = self.manifest_bytes(digest)
@@ -211,8 +219,20 @@ class Registry:
         return manifest
 
     def chunk_table(self, manifest: LayerManifest | DiskManifest) -> ChunkTable:
+        """The layer's chunk table; its blob and chunk sizes must be the manifest's."""
         data = self.store.get_blob(manifest.chunk_table.digest)
-        return ChunkTable.from_bytes(data, f"chunk table of {manifest.name}@{manifest.version}")
+        table = ChunkTable.from_bytes(data, f"chunk table of {manifest.name}@{manifest.version}")
+        self.check_table(manifest, table)
+        return table
+
+    @staticmethod
+    def check_table(manifest: LayerManifest | DiskManifest, table: ChunkTable) -> None:
+        """A chunk table's blob and chunk sizes must be its manifest's."""
+        if (table.blob_size, table.chunk_size) != (manifest.blob_size, manifest.chunk_size):
+            raise IntegrityError(f"chunk table of {manifest.name}@{manifest.version}",
+                                 f"blob size {table.blob_size} and chunk size "
+                                 f"{table.chunk_size}, the manifest says {manifest.blob_size} "
+                                 f"and {manifest.chunk_size}")
 
     def meta_image(self, manifest: LayerManifest) -> bytes:
         """The layer's EROFS meta image, fetched, decompressed and verified."""
@@ -227,6 +247,8 @@ class Registry:
             raise IntegrityError(what, f"cannot decompress ({exc})") from None
         if len(image) != manifest.meta.raw_size or sha256_digest(image) != manifest.meta.raw_digest:
             raise IntegrityError(what, "content does not match its digest")
+        check_meta_image(image, manifest.blob_size, manifest.chunk_size,
+                         f"{manifest.name}@{manifest.version}")
         return image
 
     def layer_by_ref(self, text: str) -> tuple[str, LayerManifest]:
