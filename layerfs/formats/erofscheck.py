@@ -36,7 +36,7 @@ from __future__ import annotations
 import stat
 import struct
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import BadMetaImage
 from .crc32c import crc32c
@@ -116,15 +116,12 @@ class _Inode:
     nlink: int
     isize: int
     xattr_size: int
+    fmt: int = field(init=False)  # the file type bits of mode
+    body: int = field(init=False)  # byte offset just past the inode and its xattrs
 
-    @property
-    def fmt(self) -> int:
-        return stat.S_IFMT(self.mode)
-
-    @property
-    def body(self) -> int:
-        """Byte offset just past the inode and its xattrs."""
-        return self.pos + self.isize + self.xattr_size
+    def __post_init__(self) -> None:
+        self.fmt = self.mode & 0o170000
+        self.body = self.pos + self.isize + self.xattr_size
 
 
 def check_meta_image(image: bytes, blob_size: int, chunk_size: int, what: str) -> ImageShape:
