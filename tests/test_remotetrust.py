@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from nodes import NodeDaemon
 from support import build, need_root
 from test_cli import layerfs, one_line_error
+from test_erofscheck import layout_of, reseal
 
 from layerfs.builder.env import create_env
 from layerfs.errors import IntegrityError, LayerfsError, RefMismatch
@@ -244,11 +245,11 @@ def republish_with_meta(store: Store, digest: str, image: bytes, ref: str) -> st
 def chunk_past_blob(store: Store, digest: str) -> bytes:
     """The layer's meta image with its first chunk index pointing past the blob."""
     reg = Registry(store)
-    image = bytearray(reg.meta_image(reg.layer(digest)))
-    first = bytes([0, 0, 1, 0, 0, 0, 0, 0])  # advise 0, device 1, block 0
-    at = image.index(first, 1280)
+    manifest = reg.layer(digest)
+    image = bytearray(reg.meta_image(manifest))
+    at = layout_of(bytes(image), manifest.blob_size, manifest.chunk_size).chunk_indexes[0]
     image[at + 4 : at + 8] = (1 << 20).to_bytes(4, "little")
-    return bytes(image)
+    return reseal(image)
 
 
 def test_verify_refuses_a_meta_image_with_a_chunk_outside_the_blob(store, store_args,
