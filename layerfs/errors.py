@@ -115,3 +115,15 @@ class TransientStoreError(StoreError):
     """transient store error: {}"""
 
     exit_code = 8
+
+
+class RefMismatch(IntegrityError):
+    """integrity check failed for {} ref {}: it points at a manifest of {}"""
+
+    exit_code = 6
+
+
+class BadMetaImage(IntegrityError):
+    """integrity check failed for the meta image of {}: {}"""
+
+    exit_code = 6

@@ -3,18 +3,32 @@
 Manifests are stored as blobs (named by the sha256 of their canonical JSON).
 A layer manifest names its meta image and chunk table by digest; an env
 manifest names its layers by reference and manifest digest, top first.
+
+Parsing is typed and strict: every field must be present (or have a default),
+of its declared type (``int`` is never ``bool`` or ``float``), in range, and
+digests, names, versions and references well formed; anything else, unknown
+fields included, is one :class:`IntegrityError` naming the field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import types
+import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import IntegrityError
+from .errors import IntegrityError, InvalidName, InvalidReference
+from .names import DIGEST_RE, Ref, check_name, check_version
 
 SCHEMA = 1
 ROLES = ("base", "toolchain", "workspace", "disk")
+KINDS = ("erofs", "lsmt", "env")
+MAX_INT = 2**63 - 1
+MAX_TEXT = 4096  # longest free-text field (created, uuid)
+MAX_LIST = 1 << 16  # most layers of an env, dedup sources of a layer
+MIN_CHUNK, MAX_CHUNK = 4096, 16 << 20
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -75,15 +89,12 @@ class LayerManifest:
         return canonical_json(asdict(self))
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> LayerManifest:
-        doc = _load(data, "layer manifest")
-        try:
-            doc["meta"] = MetaRef(**doc["meta"])
-            doc["chunk_table"] = BlobRef(**doc["chunk_table"])
-            doc["stats"] = LayerStats(**doc.get("stats", {}))
-            return cls(**doc)
-        except (KeyError, TypeError) as exc:
-            raise IntegrityError("layer manifest", f"missing or unknown field: {exc}") from None
+    def from_bytes(cls, data: bytes, digest: str = "") -> LayerManifest:
+        what = _what("layer manifest", digest)
+        manifest = _typed(cls, _load(data, what), what, "")
+        _check_layer(manifest, what)
+        _check_meta(manifest.meta, what)
+        return manifest
 
 
 @dataclass
@@ -112,14 +123,15 @@ class DiskManifest:
         return canonical_json(asdict(self))
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> DiskManifest:
-        doc = _load(data, "disk manifest")
-        try:
-            doc["chunk_table"] = BlobRef(**doc["chunk_table"])
-            doc["stats"] = LayerStats(**doc.get("stats", {}))
-            return cls(**doc)
-        except (KeyError, TypeError) as exc:
-            raise IntegrityError("disk manifest", f"missing or unknown field: {exc}") from None
+    def from_bytes(cls, data: bytes, digest: str = "") -> DiskManifest:
+        what = _what("disk manifest", digest)
+        manifest = _typed(cls, _load(data, what), what, "")
+        _check_layer(manifest, what)
+        if manifest.parent is not None:
+            _check_digest(manifest.parent, what, "parent")
+        if manifest.parent_ref is not None:
+            _check_ref(manifest.parent_ref, what, "parent_ref")
+        return manifest
 
 
 @dataclass
@@ -144,24 +156,148 @@ class EnvManifest:
         return [layer.digest for layer in self.layers]
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> EnvManifest:
-        doc = _load(data, "env manifest")
-        try:
-            doc["layers"] = [EnvLayer(**x) for x in doc["layers"]]
-            return cls(**doc)
-        except (KeyError, TypeError) as exc:
-            raise IntegrityError("env manifest", f"missing or unknown field: {exc}") from None
+    def from_bytes(cls, data: bytes, digest: str = "") -> EnvManifest:
+        what = _what("env manifest", digest)
+        manifest = _typed(cls, _load(data, what), what, "")
+        _check_head(manifest.kind, manifest.name, manifest.version, what)
+        if not manifest.layers:
+            raise IntegrityError(what, "field layers: empty")
+        for i, layer in enumerate(manifest.layers):
+            _check_ref(layer.ref, what, f"layers[{i}].ref")
+            _check_digest(layer.digest, what, f"layers[{i}].digest")
+        return manifest
+
+
+@dataclass(frozen=True)
+class ManifestHead:
+    """What every manifest says of itself: its kind and ``name@version``."""
+
+    kind: str
+    name: str
+    version: str
+
+
+def manifest_head(data: bytes, digest: str = "") -> ManifestHead:
+    """The kind, name and version of any manifest, checked (the rest is not parsed)."""
+    what = _what("manifest", digest)
+    doc = _load(data, what)
+    head: list[str] = []
+    for key in ("kind", "name", "version"):
+        value = doc.get(key)
+        if not isinstance(value, str):
+            raise IntegrityError(what, f"field {key}: expected a string")
+        head.append(value)
+    _check_head(head[0], head[1], head[2], what)
+    return ManifestHead(head[0], head[1], head[2])
+
+
+def manifest_kind(data: bytes) -> str:
+    return manifest_head(data).kind
+
+
+# -- the typed parse --
+
+def _what(kind: str, digest: str) -> str:
+    return f"{kind} {digest}" if digest else kind
 
 
 def _load(data: bytes, what: str) -> dict:
     try:
         doc = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise IntegrityError(what, "not JSON") from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or type(doc["schema"]) is not int:
         raise IntegrityError(what, "unknown schema")
     return doc
 
 
-def manifest_kind(data: bytes) -> str:
-    return str(_load(data, "manifest").get("kind", ""))
+def _typed(cls: type, doc: object, what: str, path: str) -> Any:
+    """``doc`` (parsed JSON) as an instance of dataclass ``cls``, every field typed."""
+    if not isinstance(doc, dict):
+        raise IntegrityError(what, f"field {path or 'manifest'}: expected an object")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(str(k) for k in doc if k not in known)
+    if unknown:
+        raise IntegrityError(what, f"unknown field {path}{unknown[0][:64]!r}")
+    values = {}
+    for name, fld in known.items():
+        if name not in doc:
+            if (fld.default is dataclasses.MISSING
+                    and fld.default_factory is dataclasses.MISSING):
+                raise IntegrityError(what, f"missing field {path}{name}")
+            continue
+        values[name] = _value(hints[name], doc[name], what, f"{path}{name}")
+    return cls(**values)
+
+
+def _value(hint: Any, value: object, what: str, path: str) -> Any:
+    """``value`` checked against the type ``hint`` (int, str, X | None, list[X], a dataclass)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _value(inner, value, what, path)
+    if origin is list:
+        if not isinstance(value, list) or len(value) > MAX_LIST:
+            raise IntegrityError(what, f"field {path}: expected a list")
+        (inner,) = typing.get_args(hint)
+        return [_value(inner, v, what, f"{path}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(hint):
+        return _typed(typing.cast(type, hint), value, what, f"{path}.")
+    if hint is int:
+        if type(value) is not int or not 0 <= value <= MAX_INT:
+            raise IntegrityError(what, f"field {path}: expected an integer in [0, 2^63)")
+        return value
+    if hint is str:
+        if not isinstance(value, str) or len(value) > MAX_TEXT:
+            raise IntegrityError(what, f"field {path}: expected a string")
+        return value
+    raise AssertionError(f"no typed parse for {hint!r}")
+
+
+# -- what the fields mean --
+
+def _check_head(kind: str, name: str, version: str, what: str) -> None:
+    if kind not in KINDS:
+        raise IntegrityError(what, f"field kind: unknown kind {kind[:32]!r}")
+    try:
+        check_name(name)
+        check_version(version)
+    except InvalidName as exc:
+        raise IntegrityError(what, str(exc)) from None
+
+
+def _check_digest(digest: str, what: str, path: str) -> None:
+    if not DIGEST_RE.fullmatch(digest):
+        raise IntegrityError(what, f"field {path}: not sha256:<64 hex>")
+
+
+def _check_ref(text: str, what: str, path: str) -> None:
+    try:
+        Ref.parse(text)
+    except (InvalidName, InvalidReference):
+        raise IntegrityError(what, f"field {path}: not name@version or sha256:<hex>") from None
+
+
+def _check_layer(manifest: LayerManifest | DiskManifest, what: str) -> None:
+    _check_head(manifest.kind, manifest.name, manifest.version, what)
+    want = "erofs" if isinstance(manifest, LayerManifest) else "lsmt"
+    if manifest.kind != want:
+        raise IntegrityError(what, f"field kind: {manifest.kind} in a {want} manifest")
+    if manifest.role not in ROLES or (manifest.role == "disk") != (want == "lsmt"):
+        raise IntegrityError(what, f"field role: {manifest.role[:32]!r}")
+    size = manifest.chunk_size
+    if not MIN_CHUNK <= size <= MAX_CHUNK or size & (size - 1):
+        raise IntegrityError(what, "field chunk_size: not a power of two from 4 KiB to 16 MiB")
+    _check_digest(manifest.chunk_table.digest, what, "chunk_table.digest")
+    for i, source in enumerate(manifest.dedup_sources):
+        _check_ref(source, what, f"dedup_sources[{i}]")
+
+
+def _check_meta(meta: MetaRef, what: str) -> None:
+    _check_digest(meta.digest, what, "meta.digest")
+    _check_digest(meta.raw_digest, what, "meta.raw_digest")
+    if meta.compression != "zstd":
+        raise IntegrityError(what, f"field meta.compression: unknown {meta.compression[:32]!r}")

@@ -3,26 +3,60 @@
 ``refs/layers/<name>/<version>`` and ``refs/envs/<name>/<version>`` hold a
 manifest digest. A ref is written last and only once: publishing other content
 under an existing version is :class:`VersionExists`.
+
+A ref is trusted only as far as the manifest it points at agrees: resolving
+``name@version`` (and listing refs) checks that the manifest is of the ref's
+kind and names that same ``name@version`` (:class:`RefMismatch` otherwise), and
+an env's layers must be the layers its manifest says they are. A ref file that
+is not one ``sha256:<hex>`` line is an :class:`IntegrityError`. A meta image is
+handed out only after its digest and its structure
+(:mod:`layerfs.formats.erofscheck`) are checked.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import zstandard
 
-from .errors import IntegrityError, ObjectNotFound, RefNotFound, VersionExists
+from .errors import (
+    IntegrityError,
+    InvalidName,
+    ObjectNotFound,
+    RefMismatch,
+    RefNotFound,
+    VersionExists,
+)
 from .formats.chunktable import ChunkTable
-from .manifest import DiskManifest, EnvManifest, LayerManifest, manifest_kind
-from .names import Ref, check_digest, version_sort_key
+from .formats.erofscheck import check_meta_image
+from .manifest import DiskManifest, EnvManifest, LayerManifest, ManifestHead, manifest_head
+from .names import DIGEST_RE, Ref, version_sort_key
 from .store.base import Store, blob_key, sha256_digest
 
 LAYERS, ENVS = "layers", "envs"
 MAX_CHAIN = 255
+MAX_REF_BYTES = 1024  # a ref is one digest line; anything longer is not a ref
+HEADS_KEPT = 4096  # manifest heads (kind, name, version) remembered by digest
+KINDS_OF = {LAYERS: ("erofs", "lsmt"), ENVS: ("env",)}
 
 
 def ref_key(kind: str, name: str, version: str) -> str:
     return f"refs/{kind}/{name}/{version}"
+
+
+def parse_ref_file(data: bytes, what: str) -> str:
+    """The digest a ref file holds: one ``sha256:<hex>`` line, else an integrity error."""
+    if len(data) > MAX_REF_BYTES:
+        raise IntegrityError(what, f"ref file of {len(data)} bytes is not a digest")
+    try:
+        text = data.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise IntegrityError(what, "ref file is not ASCII text") from None
+    if not DIGEST_RE.fullmatch(text):
+        raise IntegrityError(what, f"ref file holds {text[:80]!r}, not sha256:<64 hex>")
+    return text
 
 
 @dataclass(frozen=True)
@@ -41,14 +75,24 @@ class Registry:
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self._heads: OrderedDict[str, ManifestHead] = OrderedDict()
+        self._lock = threading.Lock()
 
     # -- refs --
     def read_ref(self, kind: str, name: str, version: str) -> str | None:
         try:
-            text = self.store.get_text(ref_key(kind, name, version)).strip()
+            data = self.store.get(ref_key(kind, name, version))
         except ObjectNotFound:
             return None
-        return check_digest(text)
+        return parse_ref_file(data, f"{kind[:-1]} ref {name}@{version}")
+
+    def check_binding(self, kind: str, name: str, version: str, digest: str) -> ManifestHead:
+        """The manifest at ``digest`` must be of ``kind`` and name ``name@version``."""
+        head = self._head(digest)
+        if head.kind not in KINDS_OF[kind] or (head.name, head.version) != (name, version):
+            raise RefMismatch(kind[:-1], f"{name}@{version}",
+                              f"{head.kind} {head.name}@{head.version}")
+        return head
 
     def resolve(self, kind: str, text: str) -> str:
         """``name@version`` or ``sha256:...`` → manifest digest."""
@@ -61,6 +105,7 @@ class Registry:
         digest = self.read_ref(kind, ref.name, ref.version)
         if digest is None:
             raise RefNotFound(kind[:-1], text)
+        self.check_binding(kind, ref.name, ref.version, digest)
         return digest
 
     def publish(self, kind: str, name: str, version: str, digest: str) -> bool:
@@ -73,39 +118,73 @@ class Registry:
         return False
 
     def list_refs(self, kind: str, name: str | None = None) -> list[RefEntry]:
+        """Every ref of ``kind`` (or of ``name``), each a well-formed digest line."""
         prefix = f"refs/{kind}/" + (f"{name}/" if name else "")
         out = []
         for info in self.store.list(prefix):
             rest = info.key[len(f"refs/{kind}/") :]
             ref_name, _, version = rest.rpartition("/")
-            digest = self.store.get_text(info.key).strip()
+            what = f"{kind[:-1]} ref {rest}"
+            try:
+                Ref.parse(f"{ref_name}@{version}")
+            except InvalidName:
+                raise IntegrityError(what, "not a valid name@version") from None
+            digest = parse_ref_file(self.store.get(info.key), what)
             out.append(RefEntry(kind, ref_name, version, digest))
         out.sort(key=lambda r: (r.name, version_sort_key(r.version)))
         return out
+
+    def checked_refs(self, kind: str, name: str | None = None) -> list[RefEntry]:
+        """:meth:`list_refs`, each ref checked against the manifest it points at."""
+        entries = self.list_refs(kind, name)
+        for entry in entries:
+            self.check_binding(kind, entry.name, entry.version, entry.digest)
+        return entries
 
     def versions(self, kind: str, name: str) -> list[str]:
         return [r.version for r in self.list_refs(kind, name)]
 
     # -- manifests --
+    def manifest_bytes(self, digest: str) -> bytes:
+        """A manifest blob, checked against its digest."""
+        return self.store.get_blob(digest)
+
+    def _head(self, digest: str) -> ManifestHead:
+        """The kind and name@version of the manifest at ``digest``. Kept in memory:
+        a digest-checked manifest never changes, so neither does what it says."""
+        with self._lock:
+            head = self._heads.get(digest)
+            if head is not None:
+                self._heads.move_to_end(digest)
+                return head
+        head = manifest_head(self.manifest_bytes(digest), digest)
+        with self._lock:
+            self._heads[digest] = head
+            while len(self._heads) > HEADS_KEPT:
+                self._heads.popitem(last=False)
+        return head
+
     def layer(self, digest: str) -> LayerManifest:
-        manifest = LayerManifest.from_bytes(self.store.get_blob(digest))
-        if manifest.kind != "erofs":
-            raise IntegrityError(digest, f"not an erofs layer manifest ({manifest.kind})")
-        return manifest
+        data = self.manifest_bytes(digest)
+        kind = manifest_head(data, digest).kind
+        if kind != "erofs":
+            raise IntegrityError(digest, f"not an erofs layer manifest ({kind})")
+        return LayerManifest.from_bytes(data, digest)
 
     def disk(self, digest: str) -> DiskManifest:
-        manifest = DiskManifest.from_bytes(self.store.get_blob(digest))
-        if manifest.kind != "lsmt":
-            raise IntegrityError(digest, f"not an LSMT layer manifest ({manifest.kind})")
-        return manifest
+        data = self.manifest_bytes(digest)
+        kind = manifest_head(data, digest).kind
+        if kind != "lsmt":
+            raise IntegrityError(digest, f"not an LSMT layer manifest ({kind})")
+        return DiskManifest.from_bytes(data, digest)
 
     def any_layer(self, digest: str) -> LayerManifest | DiskManifest:
-        data = self.store.get_blob(digest)
-        kind = manifest_kind(data)
+        data = self.manifest_bytes(digest)
+        kind = manifest_head(data, digest).kind
         if kind == "lsmt":
-            return DiskManifest.from_bytes(data)
+            return DiskManifest.from_bytes(data, digest)
         if kind == "erofs":
-            return LayerManifest.from_bytes(data)
+            return LayerManifest.from_bytes(data, digest)
         raise IntegrityError(digest, f"not a layer manifest ({kind})")
 
     def disk_chain(self, digest: str) -> list[tuple[str, DiskManifest]]:
@@ -124,14 +203,36 @@ class Registry:
         return chain
 
     def env(self, digest: str) -> EnvManifest:
-        manifest = EnvManifest.from_bytes(self.store.get_blob(digest))
-        if manifest.kind != "env":
+        """An env manifest whose layers are the layers it names: each layer given
+        as ``name@version`` must have a manifest naming that ``name@version``."""
+        data = self.manifest_bytes(digest)
+        if manifest_head(data, digest).kind != "env":
             raise IntegrityError(digest, "not an env manifest")
+        manifest = EnvManifest.from_bytes(data, digest)
+        for layer in manifest.layers:
+            ref = Ref.parse(layer.ref)
+            if ref.digest is not None and ref.digest != layer.digest:
+                raise RefMismatch("layer", layer.ref, f"{layer.digest} in env "
+                                  f"{manifest.name}@{manifest.version}")
+            if ref.name is not None and ref.version is not None:
+                self.check_binding(LAYERS, ref.name, ref.version, layer.digest)
         return manifest
 
     def chunk_table(self, manifest: LayerManifest | DiskManifest) -> ChunkTable:
+        """The layer's chunk table; its blob and chunk sizes must be the manifest's."""
         data = self.store.get_blob(manifest.chunk_table.digest)
-        return ChunkTable.from_bytes(data, f"chunk table of {manifest.name}@{manifest.version}")
+        table = ChunkTable.from_bytes(data, f"chunk table of {manifest.name}@{manifest.version}")
+        self.check_table(manifest, table)
+        return table
+
+    @staticmethod
+    def check_table(manifest: LayerManifest | DiskManifest, table: ChunkTable) -> None:
+        """A chunk table's blob and chunk sizes must be its manifest's."""
+        if (table.blob_size, table.chunk_size) != (manifest.blob_size, manifest.chunk_size):
+            raise IntegrityError(f"chunk table of {manifest.name}@{manifest.version}",
+                                 f"blob size {table.blob_size} and chunk size "
+                                 f"{table.chunk_size}, the manifest says {manifest.blob_size} "
+                                 f"and {manifest.chunk_size}")
 
     def meta_image(self, manifest: LayerManifest) -> bytes:
         """The layer's EROFS meta image, fetched, decompressed and verified."""
@@ -146,6 +247,8 @@ class Registry:
             raise IntegrityError(what, f"cannot decompress ({exc})") from None
         if len(image) != manifest.meta.raw_size or sha256_digest(image) != manifest.meta.raw_digest:
             raise IntegrityError(what, "content does not match its digest")
+        check_meta_image(image, manifest.blob_size, manifest.chunk_size,
+                         f"{manifest.name}@{manifest.version}")
         return image
 
     def layer_by_ref(self, text: str) -> tuple[str, LayerManifest]:

@@ -40,7 +40,7 @@ def create(out: Output, reg: Registry, ref: str, layers: tuple[str, ...]) -> Non
 def ls(out: Output, reg: Registry, name: str | None) -> None:
     """List envs (all, or the versions of NAME)."""
     rows = []
-    for entry in reg.list_refs(ENVS, name):
+    for entry in reg.checked_refs(ENVS, name):
         m = reg.env(entry.digest)
         rows.append({"ref": str(entry), "digest": entry.digest, "created": m.created,
                      "layers": [layer.ref for layer in m.layers]})

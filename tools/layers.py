@@ -56,7 +56,7 @@ def build(out: Output, reg: Registry, src: str, name: str, version: str, role: s
 def ls(out: Output, reg: Registry, name: str | None) -> None:
     """List layers (all, or the versions of NAME)."""
     rows: list[dict[str, Any]] = []
-    for entry in reg.list_refs(LAYERS, name):
+    for entry in reg.checked_refs(LAYERS, name):
         m = reg.any_layer(entry.digest)
         rows.append({"ref": str(entry), "digest": entry.digest, "role": m.role,
                      "file_bytes": m.stats.file_bytes, "created": m.created})

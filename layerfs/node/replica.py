@@ -69,7 +69,8 @@ class Replica:
         manifest = reg.layer(digest)
         table_bytes = reg.store.get_blob(manifest.chunk_table.digest)
         table = ChunkTable.from_bytes(table_bytes)
-        image = reg.meta_image(manifest)
+        reg.check_table(manifest, table)
+        image = reg.meta_image(manifest)  # digest and structure (erofscheck) checked
         meta = self.meta_dir / (digest.removeprefix("sha256:") + ".erofs")
         tmp = meta.with_suffix(f".tmp{os.getpid()}")
         with open(tmp, "wb") as f:

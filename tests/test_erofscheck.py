@@ -1,0 +1,342 @@
+"""The structural check of meta images: what layerfs writes passes, targeted
+corruptions are refused, and fuzzed mutants are either refused or accepted by
+fsck.erofs too (a sample also mounted by the kernel, watching dmesg)."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from gentree import make_tree
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support import build, need_root
+
+from layerfs.chunks import materialize_blob
+from layerfs.errors import BadMetaImage
+from layerfs.formats import erofscheck
+from layerfs.formats.crc32c import crc32c
+from layerfs.formats.erofs import BLOCK, SB_OFFSET
+from layerfs.formats.erofscheck import check_meta_image
+from layerfs.mounts import mount_erofs, umount
+from layerfs.registry import Registry
+from layerfs.store import open_store
+
+CHUNK = 65536
+
+
+def reseal(image: bytes | bytearray) -> bytes:
+    """``image`` with its superblock checksum recomputed (so the structure is what's tested)."""
+    img = bytearray(image)
+    img[SB_OFFSET + 4 : SB_OFFSET + 8] = b"\0\0\0\0"
+    checksum = crc32c(bytes(img[SB_OFFSET:BLOCK])) ^ 0xFFFFFFFF
+    img[SB_OFFSET + 4 : SB_OFFSET + 8] = struct.pack("<I", checksum)
+    return bytes(img)
+
+
+@dataclass
+class Layout:
+    """Where the fields of a checked image are: for field-targeted mutations."""
+
+    inodes: list[int]  # byte offsets of inodes
+    chunk_indexes: list[int]  # byte offsets of chunk index entries
+    dirents: list[int]  # byte offsets of dirents
+    names: dict[int, bytes]  # each dirent's name
+
+
+class _Recorder(erofscheck._Checker):
+    """The checker, noting where inodes, chunk indexes and dirents lie."""
+
+    def __init__(self, img: memoryview, blob_size: int, chunk_size: int) -> None:
+        super().__init__(img, blob_size, chunk_size)
+        self.layout = Layout([], [], [], {})
+
+    def _inode(self, nid: int) -> erofscheck._Inode:
+        self.layout.inodes.append(nid * 32)
+        return super()._inode(nid)
+
+    def _chunks(self, node: erofscheck._Inode) -> None:
+        start = -(-node.body // 8) * 8
+        count = -(-node.size // self.chunk_size)
+        self.layout.chunk_indexes += [start + 8 * i for i in range(count)]
+        super()._chunks(node)
+
+    def _pieces(self, node: erofscheck._Inode) -> list[memoryview]:
+        pieces = super()._pieces(node)
+        if node.fmt == 0o040000:
+            nblocks = len(pieces)
+            for i in range(nblocks):
+                inline = node.layout == erofscheck.LAYOUT_FLAT_INLINE and i == nblocks - 1
+                at = node.body if inline else (node.i_u + i) * BLOCK
+                first = struct.unpack_from("<H", self.img, at + 8)[0]
+                self.layout.dirents += [at + 12 * k for k in range(first // 12)]
+                for k, (name, _, _) in enumerate(self._dir_block(node.nid, pieces[i])):
+                    self.layout.names[at + 12 * k] = name
+        return pieces
+
+
+@dataclass
+class Sample:
+    """A built layer: its meta image, blob file and sizes."""
+
+    image: bytes
+    blob: Path
+    blob_size: int
+    chunk_size: int
+    layout: Layout
+
+
+def layout_of(image: bytes, blob_size: int, chunk_size: int) -> Layout:
+    rec = _Recorder(memoryview(image), blob_size, chunk_size)
+    rec.run()
+    return rec.layout
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory: pytest.TempPathFactory) -> Sample:
+    """A small but feature-rich layer (gentree: xattrs, links, devices, holes)."""
+    need_root()
+    work = tmp_path_factory.mktemp("erofscheck")
+    src = make_tree(str(work / "src"), seed=3, chunk_size=CHUNK, big_dir=300,
+                    long_names=True)
+    store = open_store("file://" + str(work / "store"))
+    result = build(store, src, name="s", chunk_size=CHUNK)
+    reg = Registry(store)
+    manifest = reg.layer(result.digest)
+    image = reg.meta_image(manifest)
+    blob = work / "blob.img"
+    materialize_blob(store, reg.chunk_table(manifest), str(blob))
+    store.close()
+    return Sample(image, blob, manifest.blob_size, manifest.chunk_size,
+                  layout_of(image, manifest.blob_size, manifest.chunk_size))
+
+
+def refused(image: bytes, sample: Sample) -> str:
+    with pytest.raises(BadMetaImage) as info:
+        check_meta_image(image, sample.blob_size, sample.chunk_size, "s@1")
+    return str(info.value)
+
+
+def test_what_layerfs_writes_passes(sample):
+    shape = check_meta_image(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+    assert shape.inodes == len(sample.layout.inodes) and shape.dirs > 1
+    assert shape.chunk_indexes == len(sample.layout.chunk_indexes) > 0
+
+
+def _u32(image: bytes, at: int, value: int) -> bytes:
+    img = bytearray(image)
+    struct.pack_into("<I", img, at, value)
+    return bytes(img)
+
+
+def _u16(image: bytes, at: int, value: int) -> bytes:
+    img = bytearray(image)
+    struct.pack_into("<H", img, at, value)
+    return bytes(img)
+
+
+def _u64(image: bytes, at: int, value: int) -> bytes:
+    img = bytearray(image)
+    struct.pack_into("<Q", img, at, value)
+    return bytes(img)
+
+
+def _subdir_dirent(sample: Sample) -> int:
+    """A dirent of a subdirectory (not . or ..)."""
+    for at in sample.layout.dirents:
+        ftype = sample.image[at + 10]
+        if ftype == 2 and sample.layout.names[at] not in (b".", b".."):
+            return at
+    raise AssertionError("no subdirectory")
+
+
+def test_targeted_corruptions_are_refused(sample):
+    img, lay = sample.image, sample.layout
+    sb = SB_OFFSET
+    root_nid = struct.unpack_from("<H", img, sb + 14)[0]
+    index = lay.chunk_indexes[0]
+    cases = [
+        (img[: len(img) - BLOCK], "blocks"),
+        (img[:-100], "multiple of 4096"),
+        (bytes([img[0]]) + img[1:sb + 20] + bytes([img[sb + 20] ^ 1]) + img[sb + 21:],
+         "checksum"),
+        (reseal(_u32(img, sb + 80, 0x4 | 0x8 | 0x2)), "feature_incompat"),  # compressed
+        (reseal(_u32(img, sb + 80, 0x4 | 0x8 | 0x40)), "feature_incompat"),  # unknown
+        (reseal(_u16(img, sb + 84, 1)), "compression"),
+        (reseal(_u32(img, sb + 8, 0x1 | 0x10)), "feature_compat"),
+        (reseal(bytes(img[: sb + 12]) + b"\x0d" + img[sb + 13:]), "block size"),
+        (reseal(_u16(img, sb + 86, 2)), "one extra device"),
+        (reseal(_u32(img, 9 * 128 + 64, sample.blob_size // BLOCK + 1)), "larger than the blob"),
+        (reseal(_u32(img, sb + 16, 3)), "inode"),
+        (reseal(_u16(img, sb + 14, lay.inodes[-1] // 32)), "not a directory"),
+        (reseal(_u16(img, sb + 14, 2)), "outside the inode area"),
+        (reseal(_u32(img, index + 4, 1 << 24)), "outside the blob"),
+        (reseal(_u16(img, index + 2, 0)), "outside the blob"),
+        (reseal(_u16(img, index + 2, 7)), "outside the blob"),
+        (reseal(_u16(img, index, 1)), "advise"),
+        (reseal(_u64(img, _subdir_dirent(sample), root_nid)), "reached twice"),
+        (reseal(_u64(img, _subdir_dirent(sample), 1 << 40)), "outside the inode area"),
+        (reseal(_u64(img, _subdir_dirent(sample), lay.inodes[1] // 32 + 1)), ""),
+        (reseal(_u16(img, lay.dirents[0] + 8, 11)), "nameoff"),
+        (reseal(_u16(img, lay.inodes[1], 0x10)), "i_format"),
+        (reseal(_u16(img, lay.inodes[1], 0x6 | (img[lay.inodes[1]] & 1))), "layout"),
+        (reseal(_u16(img, lay.inodes[1] + 2, 0x3FF)), "xattr"),
+        (reseal(_u16(img, lay.inodes[0] + 4, 0o170755)), "file type"),
+    ]
+    wrong = []
+    for i, (mutant, words) in enumerate(cases):
+        try:
+            check_meta_image(mutant, sample.blob_size, sample.chunk_size, "s@1")
+            wrong.append((i, words, "accepted"))
+            continue
+        except BadMetaImage as exc:
+            message = str(exc)
+        assert message.startswith("integrity check failed for the meta image of s@1: ")
+        if words not in message:
+            wrong.append((i, words, message))
+    assert wrong == [], "\n".join(map(str, wrong))
+
+
+def _fsck(image: bytes, blob: Path, work: Path) -> subprocess.CompletedProcess:
+    meta = work / "mutant.img"
+    meta.write_bytes(image)
+    return subprocess.run(["fsck.erofs", f"--device={blob}", str(meta)], capture_output=True,
+                          text=True, timeout=60)
+
+
+def _dmesg() -> list[str]:
+    proc = subprocess.run(["dmesg"], capture_output=True, text=True)
+    return proc.stdout.splitlines() if proc.returncode == 0 else []
+
+
+def _mount_and_walk(image: bytes, blob: Path, work: Path) -> list[str]:
+    """Mount the image, read every file and xattr, unmount; new erofs kernel warnings."""
+    meta, mnt = work / "mounted.img", work / "mnt"
+    meta.write_bytes(image)
+    mnt.mkdir(exist_ok=True)
+    before = len(_dmesg())
+    mount_erofs(str(meta), str(blob), str(mnt))
+    try:
+        for top, dirs, files in os.walk(mnt):
+            for name in dirs + files:
+                path = os.path.join(top, name)
+                os.listxattr(path, follow_symlinks=False)
+                if os.path.isfile(path) and not os.path.islink(path):
+                    with open(path, "rb") as f:
+                        while f.read(1 << 20):
+                            pass
+    finally:
+        umount(str(mnt))
+    new = _dmesg()[before:]
+    return [line for line in new if "erofs" in line.lower()
+            and ("WARNING" in line or "BUG" in line or "Call Trace" in line)]
+
+
+def mutants(sample_layout: Layout, size: int) -> st.SearchStrategy:
+    """(kind, offset, value or length, reseal) describing one mutation."""
+    fields = (sample_layout.inodes + sample_layout.chunk_indexes + sample_layout.dirents
+              + [SB_OFFSET + k for k in range(0, 128, 2)] + [9 * 128 + 64, 9 * 128 + 68])
+    anywhere = st.integers(0, size - 1)
+    return st.one_of(
+        st.tuples(st.just("flip"), anywhere, st.integers(0, 7), st.booleans()),
+        st.tuples(st.just("set"), anywhere, st.integers(0, 255), st.booleans()),
+        st.tuples(st.just("truncate"), anywhere, st.just(0), st.just(False)),
+        st.tuples(st.just("field"), st.sampled_from(fields), st.integers(0, 15),
+                  st.sampled_from([0, 1, 2, 0xFF, 0xFFFF, 0xFFFFFFFF, 1 << 31, 40, 4096])),
+    )
+
+
+def apply(image: bytes, mutation: tuple) -> bytes:
+    kind, at, arg, extra = mutation
+    img = bytearray(image)
+    if kind == "truncate":
+        return bytes(img[:at])
+    if kind == "flip":
+        img[at] ^= 1 << arg
+        return reseal(img) if extra else bytes(img)
+    if kind == "set":
+        img[at] = arg
+        return reseal(img) if extra else bytes(img)
+    at += 2 * (arg % 8) if at >= BLOCK or at < SB_OFFSET else 0
+    width = 4 if extra > 0xFFFF else 2
+    if at + width <= len(img):
+        img[at : at + width] = (extra & ((1 << 8 * width) - 1)).to_bytes(width, "little")
+    return reseal(img)
+
+
+def run_fuzz(sample: Sample, work: Path, mutations: list[tuple], mount_every: int) -> dict:
+    """Every mutant refused or accepted by fsck.erofs too; some accepted ones mounted."""
+    counts = {"refused": 0, "accepted": 0, "mounted": 0}
+    for mutation in mutations:
+        mutant = apply(sample.image, mutation)
+        try:
+            check_meta_image(mutant, sample.blob_size, sample.chunk_size, "s@1")
+        except BadMetaImage:
+            counts["refused"] += 1
+            continue
+        counts["accepted"] += 1
+        fsck = _fsck(mutant, sample.blob, work)
+        assert fsck.returncode == 0, (mutation, fsck.stdout, fsck.stderr)
+        if mount_every and counts["accepted"] % mount_every == 1:
+            assert _mount_and_walk(mutant, sample.blob, work) == [], mutation
+            counts["mounted"] += 1
+    return counts
+
+
+def test_fuzzed_mutants_are_refused_or_sound(sample, tmp_path):
+    """Bit flips, byte sets, truncations and field-targeted values (superblock, device
+    slot, inodes, chunk indexes, dirents), resealed or not."""
+    need_root()
+    seen: list[tuple] = []
+
+    @settings(max_examples=300, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(mutation=mutants(sample.layout, len(sample.image)))
+    def collect(mutation: tuple) -> None:
+        seen.append(mutation)
+
+    collect()
+    counts = run_fuzz(sample, tmp_path, seen, mount_every=10)
+    assert counts["refused"] + counts["accepted"] == len(seen) and counts["refused"]
+
+
+def test_big_meta_image_passes(tmp_path):
+    """10k files in one directory tree, as layerfs writes them."""
+    need_root()
+    src = make_tree(str(tmp_path / "src"), seed=5, chunk_size=CHUNK, big_dir=10_000)
+    store = open_store("file://" + str(tmp_path / "store"))
+    reg = Registry(store)
+    manifest = reg.layer(build(store, src, name="big", chunk_size=CHUNK).digest)
+    shape = check_meta_image(reg.meta_image(manifest), manifest.blob_size, manifest.chunk_size,
+                             "big@1")
+    assert shape.inodes > 10_000
+    store.close()
+
+
+if __name__ == "__main__":  # a long fuzz run, outside the suite: python test_erofscheck.py N
+    import sys
+    import tempfile
+    import time
+    import warnings
+
+    cases = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000
+    warnings.simplefilter("ignore")  # .example() outside a test warns
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        work = Path(tmp)
+        src = make_tree(str(work / "src"), seed=3, chunk_size=CHUNK, big_dir=300)
+        fstore = open_store("file://" + str(work / "store"))
+        freg = Registry(fstore)
+        m = freg.layer(build(fstore, src, name="s", chunk_size=CHUNK).digest)
+        img = freg.meta_image(m)
+        materialize_blob(fstore, freg.chunk_table(m), str(work / "blob.img"))
+        smp = Sample(img, work / "blob.img", m.blob_size, m.chunk_size,
+                     layout_of(img, m.blob_size, m.chunk_size))
+        strategy = mutants(smp.layout, len(img))
+        drawn = [strategy.example() for _ in range(cases)]
+        t0 = time.monotonic()
+        result = run_fuzz(smp, work, drawn, mount_every=50)
+        print(cases, "cases", result, f"{time.monotonic() - t0:.0f}s")

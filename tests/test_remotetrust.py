@@ -1,0 +1,300 @@
+"""What a node and the CLI trust in a store: a ref must name the manifest it
+points at, an env's layers must be the layers it names, ref files and manifests
+are parsed strictly (one line for garbage, never a traceback), and a meta image
+must pass the structural check before anything mounts it."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from nodes import NodeDaemon
+from support import build, need_root
+from test_cli import layerfs, one_line_error
+from test_erofscheck import layout_of, reseal
+
+from layerfs.builder.env import create_env
+from layerfs.errors import IntegrityError, LayerfsError, RefMismatch
+from layerfs.manifest import (
+    DiskManifest,
+    EnvLayer,
+    EnvManifest,
+    LayerManifest,
+    MetaRef,
+    manifest_head,
+)
+from layerfs.registry import ENVS, LAYERS, Registry, ref_key
+from layerfs.store.base import Store, sha256_digest
+
+
+def small_tree(root: Path, text: str) -> str:
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "who").write_text(text)
+    (root / "big").write_bytes(random.Random(text).randbytes(200_000))
+    return str(root)
+
+
+@pytest.fixture
+def two_layers(tmp_path: Path, store: Store) -> tuple[str, str]:
+    """Layers a@1 and b@1 (different trees) and env e@1 = [a@1]; their digests."""
+    a = build(store, small_tree(tmp_path / "a", "a"), name="a", chunk_size=65536)
+    b = build(store, small_tree(tmp_path / "b", "b"), name="b", chunk_size=65536)
+    create_env(store, "e", "1", ["a@1"])
+    return a.digest, b.digest
+
+
+def point_ref(store: Store, kind: str, ref: str, data: bytes) -> None:
+    name, _, version = ref.rpartition("@")
+    store.put(ref_key(kind, name, version), data)
+
+
+def publish_manifest(store: Store, kind: str, ref: str, manifest_bytes: bytes) -> str:
+    digest, _ = store.put_blob(manifest_bytes)
+    point_ref(store, kind, ref, digest.encode() + b"\n")
+    return digest
+
+
+# -- finding 5a: a ref must name its manifest --
+
+def test_ref_rewritten_to_another_layers_manifest_is_refused(store, store_args, two_layers):
+    _, b = two_layers
+    point_ref(store, LAYERS, "a@1", b.encode() + b"\n")  # a@1 now serves b's tree
+    for args in (["verify", "a@1"], ["inspect", "a@1"], ["ls"]):
+        line = one_line_error(layerfs(*args, *store_args, check=False), code=6)
+        assert "a@1" in line and "b@1" in line, line
+    with pytest.raises(RefMismatch):
+        Registry(store).resolve(LAYERS, "a@1")
+    assert layerfs("verify", "b@1", *store_args).returncode == 0  # b itself is fine
+    # e@1 pinned a's manifest by digest when it was made: it still names a@1's tree
+    assert layerfs("verify", "e@1", *store_args).stdout.startswith("a@1: ")
+
+
+def test_env_ref_rewritten_or_env_naming_other_layers_is_refused(store, store_args,
+                                                                 two_layers):
+    a, b = two_layers
+    reg = Registry(store)
+    create_env(store, "f", "1", ["b@1"])
+    e_digest = reg.read_ref(ENVS, "e", "1").encode()
+    point_ref(store, ENVS, "e@1", reg.read_ref(ENVS, "f", "1").encode())
+    for args in (["verify", "e@1"], ["env", "ls"]):
+        line = one_line_error(layerfs(*args, *store_args, check=False), code=6)
+        assert "e@1" in line and "f@1" in line, line
+    point_ref(store, ENVS, "e@1", e_digest)
+    # an env manifest that says "a@1" but pins b's manifest
+    lying = EnvManifest("g", "1", [EnvLayer("a@1", b)], created="now")
+    publish_manifest(store, ENVS, "g@1", lying.to_bytes())
+    for args in (["verify", "g@1"], ["inspect", "g@1"], ["env", "ls"]):
+        line = one_line_error(layerfs(*args, *store_args, check=False), code=6)
+        assert "a@1" in line and "b@1" in line, line
+    pinned = EnvManifest("h", "1", [EnvLayer(a, b)], created="now")  # by digest, other digest
+    publish_manifest(store, ENVS, "h@1", pinned.to_bytes())
+    with pytest.raises(RefMismatch):
+        reg.env(reg.resolve(ENVS, "h@1"))
+
+
+# -- finding 11: garbage ref files and manifests are one line --
+
+GARBAGE_REFS = [b"\xff\xfe\x00garbage\n", b"not a digest\n", b"sha256:" + b"0" * 63 + b"\n",
+                b"", b"sha256:" + b"a" * 64 + b"\nsecond line\n", b"x" * 5000]
+
+
+@pytest.mark.parametrize("data", GARBAGE_REFS, ids=range(len(GARBAGE_REFS)))
+def test_garbage_ref_file_is_one_line(tmp_path, data):
+    store_args = ["--store", "file://" + str(tmp_path / "store")]
+    layerfs("build", small_tree(tmp_path / "src", "x"), "--name", "x", "--version", "1",
+            *store_args)
+    ref_file = tmp_path / "store" / "refs" / "layers" / "x" / "1"
+    ref_file.write_bytes(data)
+    for args in (["ls"], ["verify", "x@1"], ["inspect", "x@1"], ["gc", "--dry-run"]):
+        line = one_line_error(layerfs(*args, *store_args, check=False), code=6)
+        assert "x@1" in line or "x/1" in line, line
+
+
+def _layer_doc(store: Store, digest: str) -> dict:
+    return json.loads(store.get_blob(digest))
+
+
+OTHER_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True), st.text(max_size=20),
+    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(),
+                                                         max_size=3),
+    st.sampled_from(["sha256:" + "0" * 64, "sha256:XYZ", "../../etc", "a@1", "", "é"]),
+    st.integers(min_value=1, max_value=3).map(lambda n: json.loads("[" * n + "]" * n)),
+)
+
+
+def _paths(doc: object, prefix: tuple = ()) -> list[tuple]:
+    """Every path to a value in a JSON document."""
+    out = [prefix] if prefix else []
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+def _mutate(doc: dict, data: st.DataObject) -> dict:
+    """One of: replace a value by one of another type, remove it, add a field, nest it."""
+    doc = json.loads(json.dumps(doc))
+    path = data.draw(st.sampled_from(_paths(doc)))
+    parent = doc
+    for key in path[:-1]:
+        parent = parent[key]
+    last = path[-1]
+    how = data.draw(st.sampled_from(["replace", "remove", "add", "nest", "deep"]))
+    if how == "replace":
+        parent[last] = data.draw(OTHER_VALUES)
+    elif how == "remove":
+        del parent[last]
+    elif how == "add" and isinstance(parent, dict):
+        parent[data.draw(st.text(max_size=8))] = data.draw(OTHER_VALUES)
+    elif how == "nest":
+        parent[last] = {"value": parent[last]} if data.draw(st.booleans()) else [parent[last]]
+    else:
+        parent[last] = DEEP
+    return doc
+
+
+DEEP = "__deep__"  # stands for 5000 nested lists, spliced into the JSON text
+
+
+def _dumps(doc: dict) -> bytes:
+    return json.dumps(doc).replace(json.dumps(DEEP), "[" * 5000 + "]" * 5000).encode()
+
+
+@pytest.fixture(scope="module")
+def sample_manifests() -> dict[str, bytes]:
+    """One valid manifest of each kind, made without a store."""
+    meta = MetaRef("sha256:" + "1" * 64, 10, "sha256:" + "2" * 64, 4096)
+    blob = {"digest": "sha256:" + "3" * 64, "size": 64}
+    layer = LayerManifest.from_bytes(json.dumps({
+        "name": "a/b", "version": "1", "role": "base", "chunk_size": 65536,
+        "meta": meta.__dict__, "chunk_table": blob, "blob_size": 65536, "created": "now",
+        "dedup_sources": ["a/b@0"], "kind": "erofs", "schema": 1}).encode())
+    disk = DiskManifest("d", "2", 65536, layer.chunk_table, 8192, 4096, "u", "sha256:" + "4" * 64,
+                        "d@1", 4096, 256, "now")
+    env = EnvManifest("e", "3", [EnvLayer("a/b@1", "sha256:" + "5" * 64)], "now")
+    return {"layer": layer.to_bytes(), "disk": disk.to_bytes(), "env": env.to_bytes()}
+
+
+PARSERS = {"layer": LayerManifest.from_bytes, "disk": DiskManifest.from_bytes,
+           "env": EnvManifest.from_bytes}
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(sorted(PARSERS)), data=st.data())
+def test_mutated_manifests_are_a_layerfs_error_or_valid(sample_manifests, kind, data):
+    raw = _dumps(_mutate(json.loads(sample_manifests[kind]), data))
+    for parse in (PARSERS[kind], manifest_head, *PARSERS.values()):
+        try:
+            parse(raw)
+        except LayerfsError as exc:
+            assert isinstance(exc, IntegrityError) and "\n" not in str(exc)
+
+
+def test_mutated_manifests_through_the_cli_are_one_line(tmp_path, sample_manifests):
+    store_args = ["--store", "file://" + str(tmp_path / "store")]
+    layerfs("build", small_tree(tmp_path / "src", "m"), "--name", "m", "--version", "1",
+            *store_args)
+    from layerfs.store import open_store
+
+    store = open_store(store_args[1])
+    reg = Registry(store)
+    good = json.loads(store.get_blob(reg.read_ref(LAYERS, "m", "1")))
+    mutants = [{"chunk_size": "65536"}, {"meta": [good["meta"]]},
+               {"stats": {**good["stats"], "files": -1}}, {"role": 7},
+               {"meta": {**good["meta"], "raw_size": 2.5}}, {"blob_size": None},
+               {"chunk_table": {"digest": 5, "size": 1}}, {"extra": {"x": 1}},
+               {"dedup_sources": "m@0"}, {"created": ["now"]}]
+    for i, change in enumerate(mutants):
+        version = str(i + 2)
+        doc = {**good, "version": version, **change}
+        publish_manifest(store, LAYERS, f"m@{version}", _dumps(doc))
+        for args in (["inspect", f"m@{version}"], ["verify", f"m@{version}"], ["ls"]):
+            proc = layerfs(*args, *store_args, check=False)
+            one_line_error(proc, code=6)
+            assert "Traceback" not in proc.stderr
+        store.delete(ref_key(LAYERS, "m", version))  # ls must see the next one alone
+    store.close()
+
+
+# -- finding 5b through the registry and verify: a bad meta image is refused --
+
+def republish_with_meta(store: Store, digest: str, image: bytes, ref: str) -> str:
+    """A copy of layer ``digest`` as ``ref`` whose meta image is ``image`` (digests right)."""
+    reg = Registry(store)
+    manifest = reg.layer(digest)
+    stored = zstandard.ZstdCompressor().compress(image)
+    meta_digest, _ = store.put_blob(stored)
+    name, _, version = ref.rpartition("@")
+    bad = replace(manifest, name=name, version=version,
+                  meta=MetaRef(meta_digest, len(stored), sha256_digest(image), len(image)))
+    return publish_manifest(store, LAYERS, ref, bad.to_bytes())
+
+
+def chunk_past_blob(store: Store, digest: str) -> bytes:
+    """The layer's meta image with its first chunk index pointing past the blob."""
+    reg = Registry(store)
+    manifest = reg.layer(digest)
+    image = bytearray(reg.meta_image(manifest))
+    at = layout_of(bytes(image), manifest.blob_size, manifest.chunk_size).chunk_indexes[0]
+    image[at + 4 : at + 8] = (1 << 20).to_bytes(4, "little")
+    return reseal(image)
+
+
+def test_verify_refuses_a_meta_image_with_a_chunk_outside_the_blob(store, store_args,
+                                                                   two_layers):
+    a, _ = two_layers
+    republish_with_meta(store, a, chunk_past_blob(store, a), "bad@1")
+    proc = layerfs("verify", "bad@1", *store_args, check=False)
+    assert proc.returncode == 6 and "outside the blob" in proc.stdout, proc.stdout
+    assert proc.stderr.strip().splitlines() == ["layerfs: error: integrity check failed for "
+                                                "bad@1: 1 bad objects"], proc.stderr
+
+
+# -- the daemon --
+
+@pytest.fixture
+def node(tmp_path: Path, store: Store, store_location, two_layers) -> Iterator[NodeDaemon]:
+    need_root()
+    daemon = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="64M").start()
+    try:
+        yield daemon
+    finally:
+        left = daemon.cleanup()
+        assert left == [], f"mounts left behind: {left}"
+
+
+def _mounts() -> str:
+    return Path("/proc/self/mountinfo").read_text()
+
+
+def test_daemon_up_refuses_bad_refs_and_bad_meta_images(node, store, two_layers):
+    a, b = two_layers
+    republish_with_meta(store, a, chunk_past_blob(store, a), "bad@1")
+    create_env(store, "badenv", "1", ["bad@1"])
+    point_ref(store, LAYERS, "c@1", b.encode() + b"\n")  # c@1 points at b's manifest
+    point_ref(store, LAYERS, "g@1", b"\xff\xfe garbage")
+    cases = [(["--layer", "c@1"], "b@1"), (["--layer", "g@1"], "not ASCII"),
+             (["badenv@1"], "outside the blob"), (["--layer", "bad@1"], "outside the blob")]
+    for i, (args, words) in enumerate(cases):
+        proc = node.cli("up", *args, "--id", f"s{i}", check=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 6 and len(lines) == 1 and words in lines[0], proc.stderr
+        assert "internal error" not in proc.stderr
+    bad_hex = Registry(store).read_ref(LAYERS, "bad", "1").removeprefix("sha256:")
+    assert bad_hex not in _mounts()  # never mounted
+    assert not (node.root / "meta" / f"{bad_hex}.erofs").exists()
+    rootfs = Path(node.cli("up", "e@1", "--id", "ok").stdout.strip())
+    assert (rootfs / "etc" / "who").read_text() == "a"
+    node.cli("down", "ok")
