@@ -158,25 +158,33 @@ class ChunkCache:
         try:
             return read(fd)
         except Unusable as exc:
-            self._unusable(sha, path, exc)
+            self._unusable(sha, path, os.fstat(fd).st_ino, exc)
             return None
         finally:
             os.close(fd)
 
-    def _unusable(self, sha: str, path: Path, exc: Unusable) -> None:
-        """Drop a file that must not be served; count it, log a damaged one."""
+    def _unusable(self, sha: str, path: Path, inode: int, exc: Unusable) -> None:
+        """Drop a file that must not be served (its inode ``inode``); count and
+        log it once, though several readers may find the same file bad."""
+        try:
+            if os.stat(path).st_ino != inode:
+                return  # already dropped, and fetched again, by another reader
+        except FileNotFoundError:
+            return
         old = isinstance(exc, OldFormat)
         with self._lock:
+            if self._forget_locked(sha) is None:
+                return  # another reader dropped it first
             if old:
                 self.stats.outdated += 1
             else:
                 self.stats.corrupt += 1
             first_old = old and self.stats.outdated == 1
+        path.unlink(missing_ok=True)
         if not old:
             log.warning("cache file %s is damaged (%s); dropped, will refetch", path, exc)
         elif first_old:
             log.info("cache files of an earlier format (%s) are dropped and fetched again", exc)
-        self._drop(sha)
 
     def write(self, sha: str, data: bytes) -> None:
         """Store verified chunk bytes. Room is made first (least recently used
@@ -219,15 +227,16 @@ class ChunkCache:
 
     def _forget(self, sha: str) -> None:
         with self._lock:
-            self._layouts.pop(sha, None)
-            size = self._lru.pop(sha, None)
-            if size is not None:
-                self.stats.size -= size
-                self.stats.entries -= 1
+            self._forget_locked(sha)
 
-    def _drop(self, sha: str) -> None:
-        self._forget(sha)
-        self._path(sha).unlink(missing_ok=True)
+    def _forget_locked(self, sha: str) -> int | None:
+        """Take the chunk out of the index (lock held); its file size, if it was in."""
+        self._layouts.pop(sha, None)
+        size = self._lru.pop(sha, None)
+        if size is not None:
+            self.stats.size -= size
+            self.stats.entries -= 1
+        return size
 
     def _evict(self) -> None:
         victims = []

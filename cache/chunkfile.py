@@ -78,11 +78,16 @@ def _header(head: Buffer, sha: bytes) -> tuple[int, int, int, int]:
     if magic != MAGIC or len(head) < HEADER.size:
         raise Damaged("bad header")
     _, length, block, nblocks, digest, named = HEADER.unpack_from(head)
-    if named != sha:
-        raise Damaged(f"holds chunk {named.hex()}")
+    check_identity(named, sha)
     if block <= 0 or nblocks != blocks_of(length, block):
         raise Damaged("bad header")
     return length, block, nblocks, digest
+
+
+def check_identity(named: bytes, sha: bytes) -> None:
+    """The file names chunk ``sha``; else it holds another chunk (:class:`Damaged`)."""
+    if named != sha:
+        raise Damaged(f"holds chunk {named.hex()}")
 
 
 def whole_data(raw: bytes, sha: bytes) -> Buffer:

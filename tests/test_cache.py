@@ -10,7 +10,7 @@ import struct
 import xxhash
 
 from layerfs.cache.chunkcache import ChunkCache
-from layerfs.cache.chunkfile import BLOCK, HEADER, blocks_of
+from layerfs.cache.chunkfile import BLOCK, HEADER, Damaged, blocks_of
 
 DATA = os.urandom(BLOCK * 6 + 1000)
 SHA = hashlib.sha256(DATA).hexdigest()
@@ -105,6 +105,22 @@ def test_a_file_of_another_chunk_fails_the_block_digests_kept_in_memory(tmp_path
     assert SHA in cache._layouts
     assert cache.read_range(SHA, 10, 20) is None
     assert cache.snapshot()["corrupt"] == 1 and not cache._path(SHA).exists()
+
+
+def test_a_bad_file_found_by_two_readers_is_counted_once(tmp_path):
+    cache = swapped(tmp_path)
+    path = cache._path(SHA)
+    late = os.open(path, os.O_RDONLY)  # a second reader, which opened it too
+    try:
+        inode = os.fstat(late).st_ino
+        assert cache.read(SHA) is None  # the first reader drops it
+        cache._unusable(SHA, path, inode, Damaged("found late"))
+        assert cache.snapshot()["corrupt"] == 1
+        cache.write(SHA, DATA)  # fetched again; the late reader must not drop the new file
+        cache._unusable(SHA, path, inode, Damaged("found late"))
+        assert cache.read(SHA) == DATA and cache.snapshot()["corrupt"] == 1
+    finally:
+        os.close(late)
 
 
 def test_files_of_earlier_formats_are_dropped(tmp_path):

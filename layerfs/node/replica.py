@@ -40,7 +40,7 @@ from ..registry import Registry
 log = logging.getLogger(__name__)
 DBS = (b"layers", b"chunktables", b"sandboxes", b"traces")
 TMP_MARK = ".tmp"  # meta/<hex>.tmp<pid>: a meta image being written
-HASH_READ = 1 << 20
+HASH_READ = 256 << 10
 
 
 @dataclass
@@ -220,8 +220,10 @@ def open_matching(layer: ReplicaLayer) -> int | None:
 def fd_sha256(fd: int) -> str:
     """``sha256:<hex>`` of the open file ``fd``'s bytes, read from offset 0."""
     h = hashlib.sha256()
+    buf = bytearray(HASH_READ)  # one buffer, read into: no fresh pages per read
+    view = memoryview(buf)
     offset = 0
-    while block := os.pread(fd, HASH_READ, offset):
-        h.update(block)
-        offset += len(block)
+    while n := os.preadv(fd, [buf], offset):
+        h.update(view[:n])
+        offset += n
     return "sha256:" + h.hexdigest()
