@@ -10,7 +10,8 @@ at start.
 
 The local meta image is not trusted either: before every mount,
 :meth:`Replica.checked_meta` opens it, hashes the open file and compares the
-sha256 with the manifest's; the caller mounts that open file
+sha256 with the manifest's (or, right after fetching it, keeps open the file
+it wrote from the verified bytes); the caller mounts that open file
 (``/proc/self/fd/N``), so the bytes checked are the bytes the kernel mounts,
 even if the name is replaced meanwhile. A mismatch is logged, the image
 fetched again from the store and checked again.
@@ -104,34 +105,50 @@ class Replica:
 
     def fetch_layer(self, reg: Registry, digest: str) -> ReplicaLayer:
         """Pull a layer's manifest, meta image and chunk table (verified) once."""
+        layer, fd = self._fetch(reg, digest)
+        if fd is not None:
+            os.close(fd)
+        return layer
+
+    def _fetch(self, reg: Registry, digest: str) -> tuple[ReplicaLayer, int | None]:
+        """The layer, from the replica or else from the store; when its meta
+        image was written just now, also an fd of the file written, which
+        holds the bytes verified in memory (no need to hash them again)."""
         have = self.layer(digest)
         if have is not None:
-            return have
+            return have, None
         manifest = reg.layer(digest)
         table_bytes = reg.store.get_blob(manifest.chunk_table.digest)
         table = ChunkTable.from_bytes(table_bytes)
         image = reg.meta_image(manifest)
         # the image's structure is checked here, before it is first written or mounted
         meta = self.meta_dir / (digest.removeprefix("sha256:") + ".erofs")
-        write_atomically(meta, image)
-        with self.env.begin(write=True) as txn:
-            txn.put(digest.encode(), table_bytes, db=self.dbs["chunktables"])
-            txn.put(digest.encode(), manifest.to_bytes(), db=self.dbs["layers"])
-        return ReplicaLayer(digest, manifest, table, meta)
+        fd = write_atomically(meta, image)
+        try:
+            with self.env.begin(write=True) as txn:
+                txn.put(digest.encode(), table_bytes, db=self.dbs["chunktables"])
+                txn.put(digest.encode(), manifest.to_bytes(), db=self.dbs["layers"])
+        except BaseException:
+            os.close(fd)
+            raise
+        return ReplicaLayer(digest, manifest, table, meta), fd
 
     def checked_meta(self, reg: Registry, digest: str) -> CheckedMeta:
-        """The layer (fetched once) with its meta image open and checked
-        against the manifest's digest; a local image that does not match is
-        fetched again (one warning line). Raises IntegrityError if even the
-        fresh copy does not match."""
-        layer = self.fetch_layer(reg, digest)
-        fd = open_matching(layer)
+        """The layer (fetched once) with its meta image open and checked: the
+        file just written from the verified image, or the local file hashed
+        now against the manifest's digest. A local image that does not match
+        is fetched again (one warning line); IntegrityError if even that
+        copy does not match."""
+        layer, fd = self._fetch(reg, digest)
+        if fd is None:
+            fd = open_matching(layer)
         if fd is None:
             log.warning("local meta image %s does not match its manifest's digest; "
                         "fetching it again", layer.meta_path)
             layer.meta_path.unlink(missing_ok=True)
-            layer = self.fetch_layer(reg, digest)
-            fd = open_matching(layer)
+            layer, fd = self._fetch(reg, digest)
+            if fd is None:
+                fd = open_matching(layer)
             if fd is None:
                 raise IntegrityError(f"local meta image {layer.meta_path}",
                                      "does not match the manifest's digest")
@@ -183,17 +200,23 @@ class Replica:
             txn.put(digest.encode(), json.dumps(order).encode(), db=self.dbs["traces"])
 
 
-def write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> int:
     """``data`` into ``path`` through a temporary file, fsynced and renamed;
-    the temporary file is removed if any step fails (a full disk)."""
+    a read-only fd of the file written. The temporary file is removed if any
+    step fails (a full disk)."""
     tmp = path.with_name(f"{path.stem}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
+    fd = -1
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+            fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         os.rename(tmp, path)
+        return fd
     except BaseException:
+        if fd >= 0:
+            os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
 
