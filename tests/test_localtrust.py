@@ -6,6 +6,7 @@ kernel mounts, both store backends."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -153,3 +154,20 @@ def test_a_full_root_leaves_no_temporary_meta_images(tmp_path, store, store_loca
         assert node.request("ps")["sandboxes"] == []
     finally:
         assert node.cleanup() == []
+
+
+def test_vm_up_hands_out_only_a_checked_meta_image(node, store, two_layers):
+    up(node, "s0", "b@1")
+    node.cli("down", "s0")
+    up(node, "s1", "a@1")
+    node.cli("down", "s1")
+    victim = meta_path(node, two_layers["a"])
+    victim.write_bytes(meta_path(node, two_layers["b"]).read_bytes())
+    vm = json.loads(node.cli("vm", "up", "--layer", "a@1", "--id", "v1",
+                             "--disk-size", "16M").stdout)
+    drives = {d["drive_id"]: d for d in vm["drives"]}
+    meta = Path(drives[vm["layers"][0]["meta_drive"]]["path_on_host"])
+    reg = Registry(store)
+    want = reg.layer(two_layers["a"]).meta.raw_digest
+    assert "sha256:" + hashlib.sha256(meta.read_bytes()).hexdigest() == want
+    node.cli("vm", "down", "v1")
