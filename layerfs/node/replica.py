@@ -40,7 +40,7 @@ from ..registry import Registry
 
 log = logging.getLogger(__name__)
 DBS = (b"layers", b"chunktables", b"sandboxes", b"traces")
-TMP_MARK = ".tmp"  # meta/<hex>.tmp<pid>: a meta image being written
+TMP_MARK = ".tmp"  # meta/<hex>.tmp<pid>-<thread>: a meta image being written
 HASH_READ = 256 << 10
 
 
