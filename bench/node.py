@@ -18,7 +18,14 @@ control API:
 3. cold sequential reads through a sandbox on a fresh ROOT, against reading
    every pack the layer references, whole, with ``store.get``;
 4. ``os.walk`` + ``lstat`` of every entry (and ``find -printf ''``) of the
-   small-file tree through a sandbox, against the local EROFS mount.
+   small-file tree through a sandbox, against the local EROFS mount;
+5. the cost of the node's checks of its own disk (``--only trust``): the
+   sha256 check of a layer's local meta image before each mount (its time
+   per image, and a first and a second ``up`` against a daemon started with
+   that check patched out, the bench's baseline only), and the chunk-identity check of
+   every cache file read (in this process: whole reads of cached 1 MiB chunks
+   with the check against the same reads with it patched out, and the check's
+   own time per read as a share of the warm read's throughput).
 
 The kernel page cache is dropped (``sync; echo 3 > /proc/sys/vm/drop_caches``)
 before every timed read or walk and before every timed ``up``. Needs root.
@@ -31,6 +38,7 @@ Prints a table and writes bench/results/node.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -51,10 +59,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from daemons import DaemonRuns, clear_dir, drop_caches, print_footer
 
+import layerfs.node.process
 from layerfs.builder.layer import BuildOptions, build_layer
+from layerfs.cache import chunkfile
+from layerfs.cache.chunkcache import ChunkCache
 from layerfs.chunks import materialize_blob
 from layerfs.mounts import mount_erofs, umount
 from layerfs.node.process import DaemonProcess, detach_mounts
+from layerfs.node.replica import fd_sha256
 from layerfs.registry import LAYERS, Registry
 from layerfs.store.base import Store, blob_key
 from layerfs.store.file import FileStore
@@ -211,6 +223,31 @@ def ensure_local_copy(store: FileStore, digest: str, out: Path) -> tuple[Path, P
     return meta, blob
 
 
+# The baseline daemon of the meta image check: the same CLI with the check
+# patched out (the image is opened, not hashed). Only this benchmark starts it.
+UNCHECKED_DAEMON = [sys.executable, "-c", """
+import os, sys
+import layerfs.node.replica as replica
+replica.open_matching = lambda layer: os.open(layer.meta_path, os.O_RDONLY | os.O_CLOEXEC)
+from layerfs.tools.main import main
+sys.argv[0] = "layerfs"
+main()
+"""]
+
+
+def git_head() -> str:
+    """The commit the tree is at, with ``+changes`` if files differ from it."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty.strip() else "")
+
+
 # -- the machine ------------------------------------------------------------------
 
 def read_files(paths: list[Path], bufsize: int = MiB) -> tuple[int, float]:
@@ -267,6 +304,12 @@ def mbps(nbytes: int, seconds: float) -> float:
     return nbytes / 1e6 / seconds
 
 
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 # -- the benchmarks -------------------------------------------------------------
 
 class Bench:
@@ -287,6 +330,124 @@ class Bench:
 
     def finish(self, node: DaemonProcess) -> None:
         self.daemons.finish(node, remove_root=True)
+
+    def node_unchecked(self, tag: str) -> DaemonProcess:
+        """A daemon on a fresh ROOT without the meta image check (the baseline)."""
+        saved = layerfs.node.process.LAYERFS
+        layerfs.node.process.LAYERFS = UNCHECKED_DAEMON
+        try:
+            return self.node(tag)
+        finally:
+            layerfs.node.process.LAYERFS = saved
+
+    # 6. the checks of the node's own disk
+    def meta_check(self, layers: dict[str, dict]) -> dict:
+        """The sha256 check of each layer's meta image, page cache warm (as
+        on a first mount, right after the image was written) and cold (a
+        remount after a restart), in this process; median of 5 / 3."""
+        out = {}
+        for label, layer in layers.items():
+            reg = Registry(self.store)
+            image = self.work / "trust" / f"meta-{label.lower()}.erofs"
+            image.parent.mkdir(parents=True, exist_ok=True)
+            image.write_bytes(reg.meta_image(reg.layer(layer["digest"])))
+            fd = os.open(image, os.O_RDONLY)
+            try:
+                cold, warm = [], []
+                for _ in range(3):
+                    drop_caches()
+                    cold.append(timed(functools.partial(fd_sha256, fd)))
+                for _ in range(5):
+                    warm.append(timed(functools.partial(fd_sha256, fd)))
+            finally:
+                os.close(fd)
+            out[label] = {"meta_bytes": image.stat().st_size,
+                          "warm_ms": round(statistics.median(warm) * 1e3, 3),
+                          "cold_ms": round(statistics.median(cold) * 1e3, 3)}
+            print(f"  meta image check {label:>5} ({out[label]['meta_bytes'] / 1e6:.2f} MB): "
+                  f"{out[label]['warm_ms']:.2f} ms warm, {out[label]['cold_ms']:.2f} ms cold",
+                  flush=True)
+        return out
+
+    def up_checked(self, layers: dict[str, dict]) -> dict:
+        """``up`` (prefetch none) with the meta image check against a daemon
+        without it, alternating, ``samples`` each, on a fresh ROOT: the first
+        ``up`` (fetches the layer; mounts the file written from the verified
+        image) and, after ``down``, a second one, which mounts the local
+        image again (hashed first); page cache dropped before each."""
+        out = {}
+        for label, layer in layers.items():
+            runs: dict[str, list[float]] = {f"{side}_{n}": [] for side in ("checked", "unchecked")
+                                            for n in ("first", "again")}
+            for i in range(self.args.samples):
+                sides = ("checked", "unchecked") if i % 2 == 0 else ("unchecked", "checked")
+                for side in sides:
+                    tag = f"trust-up-{label}-{side}"
+                    node = self.node(tag) if side == "checked" else self.node_unchecked(tag)
+                    try:
+                        for n in ("first", "again"):
+                            drop_caches()
+                            start = time.perf_counter()
+                            node.request("up", id="s", layers=[layer["ref"]])
+                            runs[f"{side}_{n}"].append(time.perf_counter() - start)
+                            node.request("down", id="s")
+                    finally:
+                        self.finish(node)
+            out[label] = {key: [round(x, 4) for x in xs] for key, xs in runs.items()}
+            for n in ("first", "again"):
+                a = statistics.median(runs[f"checked_{n}"])
+                b = statistics.median(runs[f"unchecked_{n}"])
+                out[label].update({f"checked_{n}_p50_s": round(a, 4),
+                                   f"unchecked_{n}_p50_s": round(b, 4),
+                                   f"{n}_ratio": round(a / b, 4)})
+                print(f"  {n:5} up {label:>5}: {a:.3f} s checked, {b:.3f} s unchecked",
+                      flush=True)
+        return out
+
+    def cache_check(self, chunks: int = 256) -> dict:
+        """Whole reads of ``chunks`` cached 1 MiB chunks (page cache warm, so
+        that the check's share is as large as it can be) with the identity
+        check against the same reads with it patched out, alternating, 5
+        reps; and the check's own time per read (``timeit``)."""
+        import timeit
+
+        cache = ChunkCache(clear_dir(self.work / "trust" / "cache", self.oddities), 1 << 34)
+        shas = []
+        for i in range(chunks):
+            data = hashlib.sha256(str(i).encode()).digest() * (MiB // 32)
+            sha = hashlib.sha256(data).hexdigest()
+            cache.write(sha, data)
+            shas.append(sha)
+        real = chunkfile.check_identity
+        rates: dict[str, list[float]] = {"checked": [], "unchecked": []}
+
+        def read_all(side: str) -> None:
+            chunkfile.check_identity = real if side == "checked" else (lambda named, sha: None)
+            try:
+                start = time.perf_counter()
+                total = sum(len(cache.read(sha) or b"") for sha in shas)
+                rates[side].append(mbps(total, time.perf_counter() - start))
+            finally:
+                chunkfile.check_identity = real
+            if total != chunks * MiB:
+                self.oddities.append(f"cache check: read {total} of {chunks * MiB} bytes")
+
+        read_all("checked")  # one untimed pass: both sides start with the files cached
+        rates["checked"].clear()
+        for rep in range(5):
+            alternate(rep, lambda: read_all("checked"), lambda: read_all("unchecked"))
+        named = bytes.fromhex(shas[0])
+        loops = 200_000
+        check_ns = timeit.timeit(lambda: real(named, bytes.fromhex(shas[0])),
+                                 number=loops) / loops * 1e9
+        a, b = statistics.median(rates["checked"]), statistics.median(rates["unchecked"])
+        print(f"  cache reads: {a:.0f} MB/s checked, {b:.0f} MB/s unchecked; "
+              f"the check: {check_ns:.0f} ns per read", flush=True)
+        return {"chunks": chunks, "chunk_bytes": MiB,
+                "checked_mb_s": [round(x, 1) for x in rates["checked"]],
+                "unchecked_mb_s": [round(x, 1) for x in rates["unchecked"]],
+                "checked_p50_mb_s": round(a, 1), "unchecked_p50_mb_s": round(b, 1),
+                "ratio": round(a / b, 4), "check_ns_per_read": round(check_ns, 1)}
 
     # 5. many sandboxes at once
     def many(self, layer: dict, count: int) -> dict:
@@ -542,6 +703,35 @@ def layer_info(store: FileStore, digest: str) -> dict:
             "stored_bytes": table.stored_bytes()}
 
 
+def trust_rows(trust: dict, warm: dict | None) -> list[tuple[str, str, str, str, str]]:
+    """Table rows of the check costs; the cache check's share of the warm read
+    throughput is its time per 1 MiB chunk over that chunk's time at the
+    warm read's rate (this run's, if measured)."""
+    rows = []
+    for label, m in trust["meta_check"].items():
+        rows.append((f"meta image check {label} ({m['meta_bytes'] / 1e6:.2f} MB), ms: "
+                     "warm vs cold page cache", f"{m['warm_ms']:.2f}", f"{m['cold_ms']:.2f}",
+                     "-", "-"))
+    for label, u in trust["up"].items():
+        for n, what in (("first", "first up"), ("again", "up again (remount)")):
+            rows.append((f"{what} p50 {label} (s): meta check vs without",
+                         f"{u[f'checked_{n}_p50_s']:.3f}", f"{u[f'unchecked_{n}_p50_s']:.3f}",
+                         f"{u[f'{n}_ratio']:.3f}", "-"))
+    c = trust["cache_check"]
+    rows.append(("cache whole reads 1 MiB (MB/s): identity check vs without",
+                 f"{c['checked_p50_mb_s']:.0f}", f"{c['unchecked_p50_mb_s']:.0f}",
+                 f"{c['ratio']:.3f}", ">= 0.95"))
+    if warm is not None:
+        chunk_s = MiB / (warm["layerfs_p50_mb_s"] * 1e6)
+        share = c["check_ns_per_read"] * 1e-9 / chunk_s
+        trust["cache_check"]["share_of_warm_read"] = round(share, 6)
+        rate = warm["layerfs_p50_mb_s"]
+        rows.append((f"identity check per read (ns) vs 1 MiB at warm {rate:.0f} MB/s (ns)",
+                     f"{c['check_ns_per_read']:.0f}", f"{chunk_s * 1e9:.0f}",
+                     f"{share:.5f}", "<= 0.05"))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="100M,1G,4G", help="layer sizes for the up latency")
@@ -556,8 +746,8 @@ def main() -> None:
     ap.add_argument("--cache-size", default="16G", help="the daemons' --cache-size")
     DaemonRuns.add_arguments(ap)
     ap.add_argument("--many", type=int, default=200, help="sandboxes up at once")
-    ap.add_argument("--only", default="up,warm,cold,cold-s3,meta,many",
-                    help="comma-separated subset of up,warm,cold,cold-s3,meta,many")
+    ap.add_argument("--only", default="up,warm,cold,cold-s3,meta,many,trust",
+                    help="comma-separated subset of up,warm,cold,cold-s3,meta,many,trust")
     ap.add_argument("--quick", action="store_true",
                     help="sizes 50M,200M and a 5,000-file tree")
     ap.add_argument("--work", default=str(HERE / "work" / "node"))
@@ -625,6 +815,12 @@ def main() -> None:
         if "many" in only:
             print(f"{args.many} sandboxes up at once on a shared {labels[0]} layer", flush=True)
             result["many"] = bench.many(layers[labels[0]], args.many)
+        if "trust" in only:
+            print("cost of the checks of the node's own disk", flush=True)
+            checked = {**{lb: layers[lb] for lb in up_labels}, "tree": meta_layer}
+            result["trust"] = {"meta_check": bench.meta_check(checked),
+                               "up": bench.up_checked(checked),
+                               "cache_check": bench.cache_check()}
     finally:
         bench.daemons.stop_all()
         left = detach_mounts(work)
@@ -670,7 +866,10 @@ def main() -> None:
         r = result["many"]
         rows.append((f"{r['sandboxes']} sandboxes at once: up/s, daemon RSS MiB all up",
                      f"{r['up_per_second']:.0f}", f"{r['rss_all_up_kb'] / 1024:.0f}", "-", "-"))
+    if "trust" in result:
+        rows += trust_rows(result["trust"], result.get("warm_read"))
     result = {
+        "commit": git_head(),
         "params": {"miss_span": args.miss_span, "sizes": args.sizes, "read_size": read_label,
                    "meta_files": args.meta_files,
                    "meta_dirs": args.meta_dirs, "samples": args.samples, "reps": args.reps,

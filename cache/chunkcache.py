@@ -1,13 +1,16 @@
 """The node's chunk cache: content addressed, bounded, LRU, crash safe.
 
 One file per chunk, ``ROOT/cache/<sha[:2]>/<sha>``, laid out and checked as
-:mod:`~layerfs.cache.chunkfile` says: a whole read checks the whole chunk's
-xxh3-64, a read of part of a chunk (``read_range``, a random small read) reads
-and checks only the 16 KiB blocks that hold it (the block digests of recently
-used files are kept in memory, so that is one read of the file). Files are
-written to a temporary name and renamed into place, and every read is
-checked, so a torn
-or corrupted file is never served: it is removed and reported as a miss. The
+:mod:`~layerfs.cache.chunkfile` says: every read checks that the file holds
+the chunk asked for (the sha256 in its header), a whole read checks the whole
+chunk's xxh3-64, a read of part of a chunk (``read_range``, a random small
+read) reads and checks only the 16 KiB blocks that hold it (the block digests
+of recently used files are kept in memory, so that is one read of the file).
+Files are written to a temporary name and renamed into place, and every read
+is checked, so a torn or corrupted file, or one of another chunk, is never
+served: it is removed, counted as ``corrupt``, logged, and reported as a miss
+(the chunk is fetched again); a file of an earlier format is removed the same
+way, counted as ``outdated``. The
 LRU order lives in memory and is rebuilt at start from the files' access
 stamps; the cache is shared by every layer and version, since equal bytes
 have equal sha256.
@@ -29,6 +32,8 @@ from pathlib import Path
 from .chunkfile import (
     BlockLayout,
     Buffer,
+    OldFormat,
+    Unusable,
     file_header,
     file_size,
     layout_of,
@@ -49,7 +54,8 @@ class CacheStats:
     bytes_fetched: int = 0  # bytes of chunks fetched from the store (uncompressed)
     bytes_written: int = 0  # bytes written to cache files
     evictions: int = 0
-    corrupt: int = 0  # cache files found damaged and dropped
+    corrupt: int = 0  # cache files found damaged (or holding another chunk) and dropped
+    outdated: int = 0  # cache files of an earlier format, dropped
     entries: int = 0
     size: int = 0  # bytes in cache files
     limit: int = 0
@@ -100,34 +106,34 @@ class ChunkCache:
 
     def read(self, sha: str) -> Buffer | None:
         """The chunk's bytes if cached and intact, else None (a miss)."""
-        return self._counted(sha, whole_file)
+        return self._counted(sha, lambda fd: whole_file(fd, bytes.fromhex(sha)))
 
     def read_range(self, sha: str, lo: int, hi: int) -> Buffer | None:
         """Bytes ``[lo, hi)`` of the chunk, reading and checking only the
         blocks that hold them; None on a miss (or a damaged file, dropped)."""
         return self._counted(sha, lambda fd: part_data(fd, lo, hi, self._layout(sha, fd)))
 
-    def _layout(self, sha: str, fd: int) -> BlockLayout | None:
-        """The block layout of the chunk's file: from memory, else its header."""
+    def _layout(self, sha: str, fd: int) -> BlockLayout:
+        """The block layout of the chunk's file: from memory (learnt from this
+        chunk's bytes), else its header, which must name the chunk."""
         with self._lock:
             layout = self._layouts.get(sha)
             if layout is not None:
                 self._layouts.move_to_end(sha)
                 return layout
-        layout = read_layout(fd)
-        if layout is not None:
-            self._remember(sha, layout)
+        layout = read_layout(fd, bytes.fromhex(sha))
+        self._remember(sha, layout)
         return layout
 
-    def _remember(self, sha: str, layout: BlockLayout | None) -> None:
+    def _remember(self, sha: str, layout: BlockLayout) -> None:
         with self._lock:
-            if layout is None or sha not in self._lru:
+            if sha not in self._lru:
                 return
             self._layouts[sha] = layout
             while len(self._layouts) > LAYOUTS:
                 self._layouts.popitem(last=False)
 
-    def _counted(self, sha: str, read: Callable[[int], Buffer | None]) -> Buffer | None:
+    def _counted(self, sha: str, read: Callable[[int], Buffer]) -> Buffer | None:
         """``read`` of the chunk's open cache file, counted as a hit or a miss."""
         with self._lock:
             known = sha in self._lru
@@ -141,8 +147,8 @@ class ChunkCache:
                 self.stats.hits += 1
         return data
 
-    def _read_checked(self, sha: str, read: Callable[[int], Buffer | None]) -> Buffer | None:
-        """``read`` of the cache file; a file gone is forgotten, a damaged one dropped."""
+    def _read_checked(self, sha: str, read: Callable[[int], Buffer]) -> Buffer | None:
+        """``read`` of the cache file; a file gone is forgotten, an unusable one dropped."""
         path = self._path(sha)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -150,18 +156,35 @@ class ChunkCache:
             self._forget(sha)
             return None
         try:
-            data = read(fd)
+            return read(fd)
+        except Unusable as exc:
+            self._unusable(sha, path, os.fstat(fd).st_ino, exc)
+            return None
         finally:
             os.close(fd)
-        if data is None:
-            self._damaged(sha, path)
-        return data
 
-    def _damaged(self, sha: str, path: Path) -> None:
-        log.warning("cache file %s is damaged; dropped, will refetch", path)
+    def _unusable(self, sha: str, path: Path, inode: int, exc: Unusable) -> None:
+        """Drop a file that must not be served (its inode ``inode``); count and
+        log it once, though several readers may find the same file bad."""
+        try:
+            if os.stat(path).st_ino != inode:
+                return  # already dropped, and fetched again, by another reader
+        except FileNotFoundError:
+            return
+        old = isinstance(exc, OldFormat)
         with self._lock:
-            self.stats.corrupt += 1
-        self._drop(sha)
+            if self._forget_locked(sha) is None:
+                return  # another reader dropped it first
+            if old:
+                self.stats.outdated += 1
+            else:
+                self.stats.corrupt += 1
+            first_old = old and self.stats.outdated == 1
+        path.unlink(missing_ok=True)
+        if not old:
+            log.warning("cache file %s is damaged (%s); dropped, will refetch", path, exc)
+        elif first_old:
+            log.info("cache files of an earlier format (%s) are dropped and fetched again", exc)
 
     def write(self, sha: str, data: bytes) -> None:
         """Store verified chunk bytes. Room is made first (least recently used
@@ -177,7 +200,7 @@ class ChunkCache:
             path = self._path(sha)
             path.parent.mkdir(exist_ok=True)
             tmp = self.tmp / f"{sha}.{threading.get_ident()}"
-            header = file_header(data)
+            header = file_header(bytes.fromhex(sha), data)
             with open(tmp, "wb") as f:
                 f.write(header)
                 f.write(data)
@@ -191,7 +214,7 @@ class ChunkCache:
                 self.stats.size += size
                 self.stats.entries += 1
             self.stats.bytes_written += size
-        self._remember(sha, layout_of(header))
+        self._remember(sha, layout_of(header, bytes.fromhex(sha)))
 
     def note_miss(self) -> None:
         """A lookup that found no entry in the index (and so read no file)."""
@@ -204,15 +227,16 @@ class ChunkCache:
 
     def _forget(self, sha: str) -> None:
         with self._lock:
-            self._layouts.pop(sha, None)
-            size = self._lru.pop(sha, None)
-            if size is not None:
-                self.stats.size -= size
-                self.stats.entries -= 1
+            self._forget_locked(sha)
 
-    def _drop(self, sha: str) -> None:
-        self._forget(sha)
-        self._path(sha).unlink(missing_ok=True)
+    def _forget_locked(self, sha: str) -> int | None:
+        """Take the chunk out of the index (lock held); its file size, if it was in."""
+        self._layouts.pop(sha, None)
+        size = self._lru.pop(sha, None)
+        if size is not None:
+            self.stats.size -= size
+            self.stats.entries -= 1
+        return size
 
     def _evict(self) -> None:
         victims = []

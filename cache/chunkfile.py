@@ -1,14 +1,21 @@
 """The layout of one cache file, and checking what is read from it.
 
-A cache file is a 32-byte header — magic ``LFSCACH2``, data length, block
-size, block count, xxh3-64 of the whole data — then the xxh3-64 of each
-block of the data (16 KiB blocks), then the chunk's uncompressed bytes. A
-whole read checks the whole digest (one hash call); a read of part of the
-chunk reads and checks only the blocks that hold it, with the header's
-``BlockLayout`` (where the data starts, each block's digest) read from the
-file or, when the caller kept it, from memory. Files of the first
-format (``LFSCACH1``: magic, xxh3-64, length, then the data) are still read;
-a part of one costs a whole read.
+A cache file is a 64-byte header — magic ``LFSCACH3``, data length, block
+size, block count, xxh3-64 of the whole data, and the sha256 of the chunk it
+holds — then the xxh3-64 of each block of the data (16 KiB blocks), then the
+chunk's uncompressed bytes. Every read checks the chunk's identity: the
+header's sha256 must be the one the caller asks for (a 32-byte compare, no
+re-hash), so a file of another chunk put in this one's place is never served;
+the xxh3 digests then check the data. A whole read checks the whole digest
+(one hash call); a read of part of the chunk reads and checks only the blocks
+that hold it, with the header's ``BlockLayout`` (where the data starts, each
+block's digest) read from the file or, when the caller kept it, from memory:
+a layout kept in memory was learnt from the right chunk, so its digests tie
+the blocks read to that chunk without reading the header again.
+
+Files of the earlier formats (``LFSCACH1``, ``LFSCACH2``) do not say which
+chunk they hold, so they cannot be checked: reading one raises
+:class:`OldFormat`, and the cache drops it and fetches the chunk again.
 """
 
 from __future__ import annotations
@@ -20,14 +27,26 @@ from typing import TypeAlias
 
 import xxhash
 
-MAGIC = b"LFSCACH2"
-MAGIC_V1 = b"LFSCACH1"
-HEADER = struct.Struct("<8sQIIQ")  # magic, length, block size, block count, xxh3 of all
-HEADER_V1 = struct.Struct("<8sQQ")  # magic, xxh3 of all, length
+MAGIC = b"LFSCACH3"
+OLD_MAGICS = (b"LFSCACH1", b"LFSCACH2")
+# magic, length, block size, block count, xxh3 of all, sha256 of the chunk
+HEADER = struct.Struct("<8sQIIQ32s")
 DIGEST = struct.Struct("<Q")
 BLOCK = 16 << 10
-FIRST_READ = 4096  # the header and (for chunks up to 8 MiB) every block digest
+FIRST_READ = 4096  # the header and (for chunks up to 7.8 MiB) every block digest
 Buffer: TypeAlias = bytes | memoryview
+
+
+class Unusable(Exception):
+    """A cache file that must not be served."""
+
+
+class Damaged(Unusable):
+    """Torn, corrupted, or holding another chunk than its name says."""
+
+
+class OldFormat(Unusable):
+    """A file of an earlier format, which carries no chunk identity."""
 
 
 def blocks_of(length: int, block: int = BLOCK) -> int:
@@ -38,36 +57,51 @@ def xxh(data: Buffer) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def file_header(data: Buffer) -> bytes:
-    """The header and block digests that precede ``data`` in its cache file."""
+def file_header(sha: bytes, data: Buffer) -> bytes:
+    """The header and block digests that precede ``data`` (the chunk whose
+    sha256 is ``sha``) in its cache file."""
     view = memoryview(data)
     digests = b"".join(DIGEST.pack(xxh(view[i : i + BLOCK])) for i in range(0, len(view), BLOCK))
-    return HEADER.pack(MAGIC, len(view), BLOCK, blocks_of(len(view)), xxh(view)) + digests
+    return HEADER.pack(MAGIC, len(view), BLOCK, blocks_of(len(view)), xxh(view), sha) + digests
 
 
 def file_size(length: int) -> int:
     return HEADER.size + blocks_of(length) * DIGEST.size + length
 
 
-def whole_data(raw: bytes) -> Buffer | None:
-    """The chunk's bytes from a whole cache file, or None if it is damaged."""
-    view = memoryview(raw)
-    if raw[:8] == MAGIC_V1 and len(raw) >= HEADER_V1.size:
-        _, digest, length = HEADER_V1.unpack_from(raw)
-        data = view[HEADER_V1.size :]
-    elif raw[:8] == MAGIC and len(raw) >= HEADER.size:
-        _, length, block, nblocks, digest = HEADER.unpack_from(raw)
-        if block <= 0 or nblocks != blocks_of(length, block):
-            return None
-        data = view[HEADER.size + nblocks * DIGEST.size :]
-    else:
-        return None
-    return data if len(data) == length and xxh(data) == digest else None
+def _header(head: Buffer, sha: bytes) -> tuple[int, int, int, int]:
+    """(length, block size, block count, xxh3 of all) from a header that names
+    chunk ``sha``; raises :class:`Unusable` otherwise."""
+    magic = bytes(head[:8])
+    if magic in OLD_MAGICS:
+        raise OldFormat(magic.decode())
+    if magic != MAGIC or len(head) < HEADER.size:
+        raise Damaged("bad header")
+    _, length, block, nblocks, digest, named = HEADER.unpack_from(head)
+    check_identity(named, sha)
+    if block <= 0 or nblocks != blocks_of(length, block):
+        raise Damaged("bad header")
+    return length, block, nblocks, digest
 
 
-def whole_file(fd: int) -> Buffer | None:
-    """The chunk's bytes from the open cache file ``fd``, or None if damaged."""
-    return whole_data(os.pread(fd, os.fstat(fd).st_size, 0))
+def check_identity(named: bytes, sha: bytes) -> None:
+    """The file names chunk ``sha``; else it holds another chunk (:class:`Damaged`)."""
+    if named != sha:
+        raise Damaged(f"holds chunk {named.hex()}")
+
+
+def whole_data(raw: bytes, sha: bytes) -> Buffer:
+    """Chunk ``sha``'s bytes from a whole cache file; raises :class:`Unusable`."""
+    length, _, nblocks, digest = _header(raw, sha)
+    data = memoryview(raw)[HEADER.size + nblocks * DIGEST.size :]
+    if len(data) != length or xxh(data) != digest:
+        raise Damaged("data does not match its digest")
+    return data
+
+
+def whole_file(fd: int, sha: bytes) -> Buffer:
+    """Chunk ``sha``'s bytes from its open cache file ``fd``; raises :class:`Unusable`."""
+    return whole_data(os.pread(fd, os.fstat(fd).st_size, 0), sha)
 
 
 @dataclass(frozen=True)
@@ -85,48 +119,42 @@ class BlockLayout:
         return int(DIGEST.unpack_from(self.digests, i * DIGEST.size)[0])
 
 
-def layout_of(head: Buffer) -> BlockLayout | None:
-    """The layout a ``LFSCACH2`` header describes, if ``head`` holds all of it."""
+def layout_of(head: Buffer, sha: bytes) -> BlockLayout:
+    """The layout a header of chunk ``sha`` describes; raises :class:`Unusable`
+    if ``head`` is not one or does not hold all of it."""
     head = bytes(head)
-    if head[:8] != MAGIC or len(head) < HEADER.size:
-        return None
-    _, length, block, nblocks, _ = HEADER.unpack_from(head)
+    length, block, nblocks, _ = _header(head, sha)
     start = HEADER.size + nblocks * DIGEST.size
-    if block <= 0 or nblocks != blocks_of(length, block) or len(head) < start:
-        return None
+    if len(head) < start:
+        raise Damaged("header cut short")
     return BlockLayout(length, block, start, head[HEADER.size : start])
 
 
-def read_layout(fd: int) -> BlockLayout | None:
-    """The layout of the open cache file ``fd``; None for a first-format or
-    damaged file."""
+def read_layout(fd: int, sha: bytes) -> BlockLayout:
+    """The layout of chunk ``sha``'s open cache file ``fd``; raises :class:`Unusable`."""
     head = os.pread(fd, FIRST_READ, 0)
     if head[:8] == MAGIC and len(head) >= HEADER.size:
         nblocks = HEADER.unpack_from(head)[3]
         start = HEADER.size + nblocks * DIGEST.size
         if len(head) < start and nblocks < 1 << 24:
             head += os.pread(fd, start - len(head), len(head))
-    return layout_of(head)
+    return layout_of(head, sha)
 
 
-def part_data(fd: int, lo: int, hi: int, layout: BlockLayout | None) -> Buffer | None:
-    """Bytes ``[lo, hi)`` of the chunk in the open cache file ``fd``, or None
-    if the blocks that hold them are damaged or missing. ``layout`` is the
-    file's (from :func:`read_layout` or memory); None for a file without one
-    (first format, or a damaged header), which is read whole."""
-    if layout is None:
-        data = whole_file(fd)  # a first-format file, or a damaged one
-        return None if data is None or hi > len(data) else memoryview(data)[lo:hi]
+def part_data(fd: int, lo: int, hi: int, layout: BlockLayout) -> Buffer:
+    """Bytes ``[lo, hi)`` of the chunk in the open cache file ``fd``, whose
+    layout is ``layout`` (from :func:`read_layout` or memory); raises
+    :class:`Damaged` if the blocks that hold them are damaged or missing."""
     if not 0 <= lo <= hi <= layout.length:
-        return None
+        raise Damaged(f"range {lo}-{hi} outside the chunk")
     block = layout.block
     first, last = lo // block, blocks_of(hi, block)
     want = min(last * block, layout.length) - first * block
     data = os.pread(fd, want, layout.start + first * block)
     if len(data) != want:
-        return None
+        raise Damaged("file cut short")
     view = memoryview(data)
     for k, i in enumerate(range(0, want, block)):
         if xxh(view[i : i + block]) != layout.digest(first + k):
-            return None
+            raise Damaged(f"block {first + k} does not match its digest")
     return view[lo - first * block : hi - first * block]

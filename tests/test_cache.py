@@ -1,17 +1,21 @@
-"""The chunk cache's files: whole and partial reads, damage, the older format."""
+"""The chunk cache's files: whole and partial reads, damage, files of another chunk, and
+the earlier formats."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import struct
 
 import xxhash
 
 from layerfs.cache.chunkcache import ChunkCache
-from layerfs.cache.chunkfile import BLOCK, HEADER, HEADER_V1, MAGIC_V1
+from layerfs.cache.chunkfile import BLOCK, HEADER, Damaged, blocks_of
 
 DATA = os.urandom(BLOCK * 6 + 1000)
 SHA = hashlib.sha256(DATA).hexdigest()
+HEADER_V1 = struct.Struct("<8sQQ")  # the first format: magic, xxh3 of all, length
+HEADER_V2 = struct.Struct("<8sQIIQ")  # the second: magic, length, block, blocks, xxh3
 
 
 def cached(tmp_path) -> ChunkCache:
@@ -73,14 +77,66 @@ def test_a_torn_file_is_never_served(tmp_path):
     assert cache.snapshot()["corrupt"] == 2
 
 
-def test_files_of_the_first_format_are_still_read(tmp_path):
+OTHER = os.urandom(BLOCK * 6 + 1000)  # another chunk of the same length
+OTHER_SHA = hashlib.sha256(OTHER).hexdigest()
+
+
+def swapped(tmp_path) -> ChunkCache:
+    """A cache whose file for SHA was replaced by the (valid) file of OTHER."""
+    cache = cached(tmp_path)
+    cache.write(OTHER_SHA, OTHER)
+    os.replace(cache._path(OTHER_SHA), cache._path(SHA))
+    return cache
+
+
+def test_a_file_of_another_chunk_is_never_served(tmp_path, caplog):
+    cache = swapped(tmp_path)
+    assert cache.read(SHA) is None
+    assert cache.snapshot()["corrupt"] == 1 and not cache._path(SHA).exists()
+    assert f"holds chunk {OTHER_SHA}" in caplog.text
+    swapped(tmp_path / "2")
+    fresh = ChunkCache(tmp_path / "2" / "cache", 64 << 20)  # no layout in memory
+    assert fresh.read_range(SHA, 10, 20) is None
+    assert fresh.snapshot()["corrupt"] == 1 and SHA not in fresh._layouts
+
+
+def test_a_file_of_another_chunk_fails_the_block_digests_kept_in_memory(tmp_path):
+    cache = swapped(tmp_path)
+    assert SHA in cache._layouts
+    assert cache.read_range(SHA, 10, 20) is None
+    assert cache.snapshot()["corrupt"] == 1 and not cache._path(SHA).exists()
+
+
+def test_a_bad_file_found_by_two_readers_is_counted_once(tmp_path):
+    cache = swapped(tmp_path)
+    path = cache._path(SHA)
+    late = os.open(path, os.O_RDONLY)  # a second reader, which opened it too
+    try:
+        inode = os.fstat(late).st_ino
+        assert cache.read(SHA) is None  # the first reader drops it
+        cache._unusable(SHA, path, inode, Damaged("found late"))
+        assert cache.snapshot()["corrupt"] == 1
+        cache.write(SHA, DATA)  # fetched again; the late reader must not drop the new file
+        cache._unusable(SHA, path, inode, Damaged("found late"))
+        assert cache.read(SHA) == DATA and cache.snapshot()["corrupt"] == 1
+    finally:
+        os.close(late)
+
+
+def test_files_of_earlier_formats_are_dropped(tmp_path):
     cache = ChunkCache(tmp_path / "cache", 64 << 20)
     path = cache._path(SHA)
     path.parent.mkdir(parents=True)
-    path.write_bytes(HEADER_V1.pack(MAGIC_V1, xxhash.xxh3_64_intdigest(DATA), len(DATA)) + DATA)
-    cache = ChunkCache(tmp_path / "cache", 64 << 20)  # indexes it at start
-    assert cache.read(SHA) == DATA
-    assert cache.read_range(SHA, 10, BLOCK * 2) == DATA[10 : BLOCK * 2]
-    raw = path.read_bytes()
-    path.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
-    assert cache.read(SHA) is None and not path.exists()
+    v1 = HEADER_V1.pack(b"LFSCACH1", xxhash.xxh3_64_intdigest(DATA), len(DATA)) + DATA
+    v2 = HEADER_V2.pack(b"LFSCACH2", len(DATA), BLOCK, blocks_of(len(DATA)),
+                        xxhash.xxh3_64_intdigest(DATA)) + bytes(8 * blocks_of(len(DATA))) + DATA
+    for old in (v1, v2):
+        path.write_bytes(old)
+        cache = ChunkCache(tmp_path / "cache", 64 << 20)  # indexes it at start
+        assert cache.read(SHA) is None and not path.exists()
+        path.write_bytes(old)
+        cache = ChunkCache(tmp_path / "cache", 64 << 20)
+        assert cache.read_range(SHA, 10, 20) is None and not path.exists()
+        assert cache.snapshot()["outdated"] == 1 and cache.snapshot()["corrupt"] == 0
+        cache.write(SHA, DATA)  # fetched again, in the current format
+        assert cache.read(SHA) == DATA

@@ -204,7 +204,7 @@ class DiskManager:
         drives, layers, used = [], [], []
         try:
             for i, digest in enumerate(digests):
-                rl = await trio.to_thread.run_sync(self.replica.fetch_layer, self.reg, digest)
+                rl = await trio.to_thread.run_sync(self.replica.verified_layer, self.reg, digest)
                 self.blobs.add(digest, rl.table, self.fetcher)
                 used.append(digest)
                 meta_id, blob_id = f"layer{i}-meta", f"layer{i}-blob"

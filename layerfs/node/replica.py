@@ -4,7 +4,17 @@
 and access traces; ``ROOT/meta/<layer hex>.erofs`` holds each layer's meta
 image, which the kernel reads directly. A layer is fetched once, verified
 (manifest digest, meta image digests, chunk table digest) and written
-atomically; an entry present in the replica is complete.
+atomically; an entry present in the replica is complete. Temporary files of
+a write that failed are removed, and those a killed daemon left are removed
+at start.
+
+The local meta image is not trusted either: before every mount,
+:meth:`Replica.checked_meta` opens it, hashes the open file and compares the
+sha256 with the manifest's (or, right after fetching it, keeps open the file
+it wrote from the verified bytes); the caller mounts that open file
+(``/proc/self/fd/N``), so the bytes checked are the bytes the kernel mounts,
+even if the name is replaced meanwhile. A mismatch is logged, the image
+fetched again from the store and checked again.
 
 Thread safety: LMDB transactions are used from worker threads; LMDB
 serialises writers itself and readers never block.
@@ -12,18 +22,26 @@ serialises writers itself and readers never block.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
 
+from ..errors import IntegrityError
 from ..formats.chunktable import ChunkTable
 from ..manifest import LayerManifest
 from ..registry import Registry
 
+log = logging.getLogger(__name__)
 DBS = (b"layers", b"chunktables", b"sandboxes", b"traces")
+TMP_MARK = ".tmp"  # meta/<hex>.tmp<pid>-<thread>: a meta image being written
+HASH_READ = 256 << 10
 
 
 @dataclass
@@ -38,17 +56,41 @@ class ReplicaLayer:
         return self.digest.removeprefix("sha256:")
 
 
+@dataclass(frozen=True)
+class CheckedMeta:
+    """A layer's meta image, open, whose bytes matched the manifest's sha256.
+    Mount ``source`` (the open file itself), then ``close`` it."""
+
+    layer: ReplicaLayer
+    fd: int
+
+    @property
+    def source(self) -> str:
+        return f"/proc/self/fd/{self.fd}"
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class Replica:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.meta_dir = self.root / "meta"
         self.meta_dir.mkdir(parents=True, exist_ok=True)
+        self._remove_temporaries()
         self.env = lmdb.open(str(self.root / "replica.lmdb"), max_dbs=8, map_size=1 << 34,
                              subdir=True, lock=True)
         self.dbs = {name.decode(): self.env.open_db(name) for name in DBS}
 
     def close(self) -> None:
         self.env.close()
+
+    def _remove_temporaries(self) -> None:
+        """Meta images a killed daemon was writing (the daemon owns ROOT)."""
+        for stale in self.meta_dir.iterdir():
+            if TMP_MARK in stale.name:
+                log.warning("removing stale temporary %s", stale)
+                stale.unlink(missing_ok=True)
 
     # -- layers --
     def layer(self, digest: str) -> ReplicaLayer | None:
@@ -63,25 +105,61 @@ class Replica:
 
     def fetch_layer(self, reg: Registry, digest: str) -> ReplicaLayer:
         """Pull a layer's manifest, meta image and chunk table (verified) once."""
+        layer, fd = self._fetch(reg, digest)
+        if fd is not None:
+            os.close(fd)
+        return layer
+
+    def _fetch(self, reg: Registry, digest: str) -> tuple[ReplicaLayer, int | None]:
+        """The layer, from the replica or else from the store; when its meta
+        image was written just now, also an fd of the file written, which
+        holds the bytes verified in memory (no need to hash them again)."""
         have = self.layer(digest)
         if have is not None:
-            return have
+            return have, None
         manifest = reg.layer(digest)
         table_bytes = reg.store.get_blob(manifest.chunk_table.digest)
         table = ChunkTable.from_bytes(table_bytes)
         reg.check_table(manifest, table)
         image = reg.meta_image(manifest)  # digest and structure (erofscheck) checked
         meta = self.meta_dir / (digest.removeprefix("sha256:") + ".erofs")
-        tmp = meta.with_suffix(f".tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(image)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, meta)
-        with self.env.begin(write=True) as txn:
-            txn.put(digest.encode(), table_bytes, db=self.dbs["chunktables"])
-            txn.put(digest.encode(), manifest.to_bytes(), db=self.dbs["layers"])
-        return ReplicaLayer(digest, manifest, table, meta)
+        fd = write_atomically(meta, image)
+        try:
+            with self.env.begin(write=True) as txn:
+                txn.put(digest.encode(), table_bytes, db=self.dbs["chunktables"])
+                txn.put(digest.encode(), manifest.to_bytes(), db=self.dbs["layers"])
+        except BaseException:
+            os.close(fd)
+            raise
+        return ReplicaLayer(digest, manifest, table, meta), fd
+
+    def checked_meta(self, reg: Registry, digest: str) -> CheckedMeta:
+        """The layer (fetched once) with its meta image open and checked: the
+        file just written from the verified image, or the local file hashed
+        now against the manifest's digest. A local image that does not match
+        is fetched again (one warning line); IntegrityError if even that
+        copy does not match."""
+        layer, fd = self._fetch(reg, digest)
+        if fd is None:
+            fd = open_matching(layer)
+        if fd is None:
+            log.warning("local meta image %s does not match its manifest's digest; "
+                        "fetching it again", layer.meta_path)
+            layer.meta_path.unlink(missing_ok=True)
+            layer, fd = self._fetch(reg, digest)
+            if fd is None:
+                fd = open_matching(layer)
+            if fd is None:
+                raise IntegrityError(f"local meta image {layer.meta_path}",
+                                     "does not match the manifest's digest")
+        return CheckedMeta(layer, fd)
+
+    def verified_layer(self, reg: Registry, digest: str) -> ReplicaLayer:
+        """The layer, its local meta image checked (and fetched again if it
+        does not match) but not kept open: for handing its path to a VMM."""
+        checked = self.checked_meta(reg, digest)
+        checked.close()
+        return checked.layer
 
     def fetch_table(self, reg: Registry, digest: str, manifest_bytes: bytes,
                     table_digest: str) -> ChunkTable:
@@ -120,3 +198,55 @@ class Replica:
     def put_trace(self, digest: str, order: list[int]) -> None:
         with self.env.begin(write=True) as txn:
             txn.put(digest.encode(), json.dumps(order).encode(), db=self.dbs["traces"])
+
+
+def write_atomically(path: Path, data: bytes) -> int:
+    """``data`` into ``path`` through a temporary file, fsynced and renamed;
+    a read-only fd of the file written. The temporary file is removed if any
+    step fails (a full disk)."""
+    tmp = path.with_name(f"{path.stem}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
+    fd = -1
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+            fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        os.rename(tmp, path)
+        return fd
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def open_matching(layer: ReplicaLayer) -> int | None:
+    """An fd of the layer's local meta image if it is a regular file whose
+    size and sha256 are the manifest's, else None (closed again)."""
+    want = layer.manifest.meta
+    try:
+        fd = os.open(layer.meta_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_size == want.raw_size \
+                and fd_sha256(fd) == want.raw_digest:
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def fd_sha256(fd: int) -> str:
+    """``sha256:<hex>`` of the open file ``fd``'s bytes, read from offset 0."""
+    h = hashlib.sha256()
+    buf = bytearray(HASH_READ)  # one buffer, read into: no fresh pages per read
+    view = memoryview(buf)
+    offset = 0
+    while n := os.preadv(fd, [buf], offset):
+        h.update(view[:n])
+        offset += n
+    return "sha256:" + h.hexdigest()

@@ -83,19 +83,25 @@ class LayerMounts:
             return layer
 
     async def _mount(self, digest: str) -> MountedLayer:
-        rl = await trio.to_thread.run_sync(self.replica.fetch_layer, self.reg, digest)
-        blob = self.blobs.add(digest, rl.table, self.fetcher)
-        target = self.root / "layers" / rl.hex
-        await trio.to_thread.run_sync(lambda: target.mkdir(parents=True, exist_ok=True))
-        device = self.root / "fuse" / "blobs" / rl.hex
+        """Mount the layer from its meta image as checked just now: the open,
+        hashed file itself (``/proc/self/fd/N``), never the name again."""
+        meta = await trio.to_thread.run_sync(self.replica.checked_meta, self.reg, digest)
         try:
-            await trio.to_thread.run_sync(
-                functools.partial(mount_erofs, str(rl.meta_path), str(device), str(target),
-                                  directio=True, readahead=self.readahead),
-                limiter=self.mount_limit)
-        except OSError:
-            self.blobs.remove(digest)
-            raise
+            rl = meta.layer
+            blob = self.blobs.add(digest, rl.table, self.fetcher)
+            target = self.root / "layers" / rl.hex
+            await trio.to_thread.run_sync(lambda: target.mkdir(parents=True, exist_ok=True))
+            device = self.root / "fuse" / "blobs" / rl.hex
+            try:
+                await trio.to_thread.run_sync(
+                    functools.partial(mount_erofs, meta.source, str(device), str(target),
+                                      directio=True, readahead=self.readahead),
+                    limiter=self.mount_limit)
+            except OSError:
+                self.blobs.remove(digest)
+                raise
+        finally:
+            meta.close()  # the mount keeps its own reference to the file
         return MountedLayer(digest, blob, target)
 
     async def release(self, digest: str) -> None:
