@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from layerfs.errors import UsageError, VersionExists
-from layerfs.manifest import EnvLayer, EnvManifest
+from layerfs.manifest import EnvLayer, EnvManifest, ImageConfig
 from layerfs.names import check_name, check_version
 from layerfs.registry import ENVS, LAYERS, Registry
 from layerfs.store.base import Store
@@ -21,7 +21,9 @@ class EnvResult:
     published: bool
 
 
-def create_env(store: Store, name: str, version: str, layer_refs: list[str]) -> EnvResult:
+def create_env(store: Store, name: str, version: str, layer_refs: list[str],
+               config: ImageConfig | None = None) -> EnvResult:
+    """Publish env ``name@version`` of ``layer_refs`` (top first), with an image config."""
     check_name(name)
     check_version(version)
     if not layer_refs:
@@ -31,7 +33,8 @@ def create_env(store: Store, name: str, version: str, layer_refs: list[str]) -> 
     for layer in layers:
         reg.layer(layer.digest)  # must be a readable layer manifest
     ref = f"{name}@{version}"
-    manifest = EnvManifest(name=name, version=version, layers=layers, created=now_utc())
+    manifest = EnvManifest(name=name, version=version, layers=layers, created=now_utc(),
+                           config=config)
     existing = reg.read_ref(ENVS, name, version)
     if existing is not None:
         old = reg.env(existing)

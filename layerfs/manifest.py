@@ -141,19 +141,41 @@ class EnvLayer:
 
 
 @dataclass
+class ImageConfig:
+    """What an OCI image's config says about running it (the ``config`` object
+    of the OCI image config, names in snake case). ``entrypoint`` and ``cmd``
+    are None where the image sets none, so a runtime can tell an empty list
+    from a missing one."""
+
+    env: list[str] = field(default_factory=list)  # KEY=value
+    entrypoint: list[str] | None = None
+    cmd: list[str] | None = None
+    working_dir: str = ""
+    user: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    exposed_ports: list[str] = field(default_factory=list)  # "80/tcp"
+    stop_signal: str = ""
+    os: str = "linux"
+    architecture: str = ""
+
+
+@dataclass
 class EnvManifest:
     name: str
     version: str
     layers: list[EnvLayer]  # top first
     created: str
+    config: ImageConfig | None = None  # from an imported image, or kept by `env create --on`
     kind: str = "env"
     schema: int = SCHEMA
 
     def to_bytes(self) -> bytes:
         return canonical_json(asdict(self))
 
-    def content_key(self) -> list[str]:
-        return [layer.digest for layer in self.layers]
+    def content_key(self) -> list[object]:
+        """What decides that two envs are the same: their layers and image config."""
+        config = canonical_json(asdict(self.config)) if self.config else b""
+        return [*(layer.digest for layer in self.layers), config]
 
     @classmethod
     def from_bytes(cls, data: bytes, digest: str = "") -> EnvManifest:
@@ -244,6 +266,12 @@ def _value(hint: Any, value: object, what: str, path: str) -> Any:
             raise IntegrityError(what, f"field {path}: expected a list")
         (inner,) = typing.get_args(hint)
         return [_value(inner, v, what, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict) or len(value) > MAX_LIST:
+            raise IntegrityError(what, f"field {path}: expected an object")
+        _, inner = typing.get_args(hint)
+        return {_value(str, k, what, f"{path} key"): _value(inner, v, what, f"{path}[{k[:64]!r}]")
+                for k, v in value.items()}
     if dataclasses.is_dataclass(hint):
         return _typed(typing.cast(type, hint), value, what, f"{path}.")
     if hint is int:
