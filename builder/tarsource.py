@@ -9,6 +9,8 @@ its directory. Entries that could write outside the tree are refused.
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import io
 import lzma
 import re
@@ -116,11 +118,28 @@ def _close(raw: BinaryIO) -> None:
 
 
 def open_stream(raw: BinaryIO, head: bytes = b"") -> BinaryIO:
-    """Undo zstd here; tarfile itself undoes gzip, bzip2 and xz."""
-    buffered = io.BufferedReader(HeadStream(head, raw), STREAM_BUFFER)
-    if buffered.peek(4)[:4] == ZSTD_MAGIC:
-        return zstandard.ZstdDecompressor().stream_reader(buffered)  # type: ignore[return-value]
+    """The archive's tar bytes: compression undone here, where the formats'
+    own checks (gzip CRC, xz and bzip2 checks, zstd checksums) run once the
+    stream is read to its end (see :func:`drain`)."""
+    buffered = io.BufferedReader(HeadStream(head, raw), STREAM_BUFFER)  # type: ignore[arg-type]
+    magic = buffered.peek(6)[:6]
+    if magic.startswith(ZSTD_MAGIC):
+        return zstandard.ZstdDecompressor().stream_reader(  # type: ignore[return-value]
+            buffered, read_across_frames=True)
+    if magic.startswith(b"\x1f\x8b"):
+        return gzip.GzipFile(fileobj=buffered, mode="rb")  # type: ignore[return-value]
+    if magic.startswith(b"BZh"):
+        return bz2.BZ2File(buffered)  # type: ignore[return-value]
+    if magic.startswith(b"\xfd7zXZ"):
+        return lzma.LZMAFile(buffered)  # type: ignore[return-value]
     return buffered
+
+
+def drain(stream: BinaryIO) -> None:
+    """Read what follows the end-of-archive blocks, so that a compressed
+    stream's trailer is checked too."""
+    while stream.read(STREAM_BUFFER):
+        pass
 
 
 def parse_pax(buf: bytes, where: int) -> dict[str, str]:
@@ -323,10 +342,11 @@ class TarSource:
 
     def feed(self, asm: LayerAssembler) -> None:
         try:
-            with BoundedTarFile.open(fileobj=open_stream(self.raw, self.head),  # type: ignore[call-overload]
-                                     mode="r|*") as tar:
+            stream = open_stream(self.raw, self.head)
+            with BoundedTarFile.open(fileobj=stream, mode="r|") as tar:  # type: ignore[call-overload]
                 for member in tar:
                     self._entry(asm, tar, member)
+            drain(stream)
         except TarFormatError as exc:
             raise SourceError(self.path, str(exc)) from None
         except (tarfile.TarError, zstandard.ZstdError, zlib.error, lzma.LZMAError,
