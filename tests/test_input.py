@@ -12,11 +12,14 @@ import gzip
 import io
 import lzma
 import os
+import random
 import resource
 import subprocess
 import sys
 import tarfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,9 +31,11 @@ from layerfs.store.file import FileStore
 
 COMPRESSIONS = ["plain", "gzip", "xz", "bzip2", "zstd"]
 MEMORY_LIMIT = 1 << 30
+FIFO_TIMEOUT = 120  # a reader that opens a FIFO twice waits for ever: fail instead
 S64_MAX = 2**63 - 1
 NS = 10**9
 T1960 = -315619200  # 1960-01-01T00:00:00Z
+BIG = random.Random(8).randbytes(300_000)
 
 
 def compress(data: bytes, how: str) -> bytes:
@@ -64,7 +69,7 @@ def sample_tar() -> bytes:
     return make_tar([
         ("etc", None, {"type": tarfile.DIRTYPE, "mode": 0o755}),
         ("etc/hostname", b"sandbox\n", {"mode": 0o644}),
-        ("big", os.urandom(300_000), {"mode": 0o600, "uid": 1000}),
+        ("big", BIG, {"mode": 0o600, "uid": 1000}),
         ("etc/link", None, {"type": tarfile.SYMTYPE, "linkname": "hostname"}),
     ])
 
@@ -136,37 +141,44 @@ def test_process_substitution_gives_the_tar_content(tmp_path, how):
     assert meta_digest(from_pipe) == meta_digest(from_file)
 
 
-@pytest.mark.parametrize("how", COMPRESSIONS)
-def test_fifo_fed_in_small_pieces_builds_the_tar(tmp_path, how):
-    data = compress(sample_tar(), how)
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
+@contextmanager
+def fed_fifo(path: Path, data: bytes) -> Iterator[None]:
+    """A FIFO that a thread fills in 100-byte writes (short reads for the sniffer)."""
+    os.mkfifo(path)
 
     def feed() -> None:
-        with open(fifo, "wb", buffering=0) as f:
-            for i in range(0, len(data), 100):  # short reads for the sniffer
-                f.write(data[i : i + 100])
+        try:
+            with open(path, "wb", buffering=0) as f:
+                for i in range(0, len(data), 100):
+                    f.write(data[i : i + 100])
+        except BrokenPipeError:
+            pass  # the reader went away early
 
-    writer = threading.Thread(target=feed)
+    writer = threading.Thread(target=feed, daemon=True)
     writer.start()
+    try:
+        yield
+    finally:
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))  # frees a writer still waiting
+        writer.join()
+
+
+@pytest.mark.parametrize("how", COMPRESSIONS)
+def test_fifo_fed_in_small_pieces_builds_the_tar(tmp_path, how):
     store = tmp_path / "store"
-    proc = layerfs(*build_cmd(str(fifo), store))
-    writer.join()
+    with fed_fifo(tmp_path / "fifo", compress(sample_tar(), how)):
+        proc = layerfs(*build_cmd(str(tmp_path / "fifo"), store), timeout=FIFO_TIMEOUT)
     assert proc.returncode == 0, proc.stderr
     with mounted_layer(FileStore(str(store)), layer_digest(store), str(tmp_path / "m")) as mnt:
         assert Path(mnt, "etc/hostname").read_bytes() == b"sandbox\n"
         assert os.readlink(Path(mnt, "etc/link")) == "hostname"
-        assert os.stat(Path(mnt, "big")).st_size == 300_000
+        assert Path(mnt, "big").read_bytes() == BIG
 
 
 def test_fifo_with_garbage_is_one_line(tmp_path):
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    writer = threading.Thread(target=lambda: fifo.write_bytes(os.urandom(5000)))
-    writer.start()
     store = tmp_path / "store"
-    proc = layerfs(*build_cmd(str(fifo), store))
-    writer.join()
+    with fed_fifo(tmp_path / "fifo", os.urandom(5000)):
+        proc = layerfs(*build_cmd(str(tmp_path / "fifo"), store), timeout=FIFO_TIMEOUT)
     assert_one_line_error(proc, store, "not a directory or tar archive")
 
 
