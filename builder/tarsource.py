@@ -98,7 +98,8 @@ def open_tar(path: str) -> TarSource:
     Pipes, FIFOs and ``/dev/stdin`` cannot be opened twice, so the sniffed
     bytes are handed on to the reader instead of being read again."""
     try:
-        raw: BinaryIO = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115
+        raw: BinaryIO = (sys.stdin.buffer if path == "-"
+                         else open(path, "rb", buffering=0))  # type: ignore[assignment]  # noqa: SIM115
     except OSError as exc:
         raise SourceError(path, (exc.strerror or str(exc)).lower()) from None
     try:
