@@ -5,6 +5,12 @@ device numbers and xattrs (PAX ``SCHILY.xattr.*``) come from the headers, so no
 root is needed. OCI whiteouts become overlayfs ones: ``.wh.NAME`` a 0:0
 character device ``NAME``, ``.wh..wh..opq`` ``trusted.overlay.opaque=y`` on
 its directory. Entries that could write outside the tree are refused.
+
+The source is opened once (a FIFO or pipe has no second read) and its
+compression undone here. Python's ``tarfile`` parses the headers behind guards
+(:class:`BoundedTarInfo`): extended headers are bounded before they are read,
+pax records are parsed in linear time and their numbers checked, and a bad
+header is an error rather than the end of the archive.
 """
 
 from __future__ import annotations
