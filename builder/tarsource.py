@@ -49,11 +49,13 @@ META_TYPES = {tarfile.XHDTYPE: "pax", tarfile.SOLARIS_XHDTYPE: "pax",
               tarfile.GNUTYPE_LONGLINK: "GNU long link"}
 PAX_NUMBERS = {"uid": rb"\d{1,30}", "gid": rb"\d{1,30}", "size": rb"\d{1,30}",
                "mtime": rb"-?\d+(\.\d+)?", "atime": rb"-?\d+(\.\d+)?",
-               "ctime": rb"-?\d+(\.\d+)?"}
+               "ctime": rb"-?\d+(\.\d+)?", "GNU.sparse.size": rb"\d{1,30}",
+               "GNU.sparse.realsize": rb"\d{1,30}", "GNU.sparse.map": rb"\d{1,30}(,\d{1,30})*"}
 
 # tarfile's header errors, not exported by its stubs
 InvalidHeaderError: type[Exception] = tarfile.InvalidHeaderError  # type: ignore[attr-defined]
 TruncatedHeaderError: type[Exception] = tarfile.TruncatedHeaderError  # type: ignore[attr-defined]
+octal_number = tarfile.nti  # type: ignore[attr-defined]
 
 
 class TarFormatError(Exception):
@@ -189,13 +191,17 @@ class BoundedTarFile(tarfile.TarFile):
         if info.size > MAX_META_HEADER:
             raise TarFormatError(f"{kind} header of {info.size} bytes at byte {info.offset} "
                                  f"(at most {MAX_META_HEADER >> 20} MiB)")
-        self.meta_bytes += info.size
-        self.meta_headers += 1
         if info.type == tarfile.XGLTYPE:
             self.global_bytes += info.size
+        self.charge(info.size, info.offset)
+
+    def charge(self, size: int, offset: int, header: bool = True) -> None:
+        """Count ``size`` more bytes of extended headers (or of a sparse map)."""
+        self.meta_bytes += size
+        self.meta_headers += header
         if (self.meta_bytes > MAX_META_PER_ENTRY or self.meta_headers > MAX_META_HEADERS
                 or self.global_bytes > MAX_GLOBAL_PAX):
-            raise TarFormatError(f"too many pax and long name headers before byte {info.offset} "
+            raise TarFormatError(f"too many pax and long name headers before byte {offset} "
                                  f"(at most {MAX_META_HEADERS} and {MAX_META_PER_ENTRY >> 20} "
                                  "MiB per entry)")
 
@@ -226,8 +232,6 @@ class BoundedTarInfo(tarfile.TarInfo):
     def _proc_member(self, tarfile_: BoundedTarFile) -> tarfile.TarInfo:
         if self.size < 0:
             raise TarFormatError(f"negative size in the tar header at byte {self.offset}")
-        if self.type == tarfile.GNUTYPE_SPARSE:
-            raise TarFormatError(f"sparse entry {self.name!r}: sparse archives are not supported")
         if self.type in META_TYPES:
             tarfile_.count_meta(self)
         else:
@@ -239,20 +243,24 @@ class BoundedTarInfo(tarfile.TarInfo):
 
     def _proc_pax(self, tarfile_: BoundedTarFile) -> tarfile.TarInfo:
         """tarfile's own, with a linear record parser (its regexes can take hours
-        on a crafted 1 MiB header) and no GNU sparse formats."""
+        on a crafted 1 MiB header) and bounded GNU sparse maps."""
         buf = tarfile_.fileobj.read(self._block(self.size))  # type: ignore[attr-defined,union-attr]
         if len(buf) < self.size:
             raise TarFormatError(f"archive ends inside the pax header at byte {self.offset}")
         records = parse_pax(buf[: self.size], self.offset + HEAD)
-        if any(key.startswith("GNU.sparse.") for key in records):
-            raise TarFormatError(f"sparse entry at byte {self.offset}: sparse archives are not "
-                                 "supported")
+        if "GNU.sparse.offset" in records:
+            raise TarFormatError(f"GNU sparse format 0.0 at byte {self.offset} is not supported")
         if self.type == tarfile.XGLTYPE:
             pax_headers = cast(dict, tarfile_.pax_headers)
             pax_headers.update(records)
         else:
             pax_headers = {**tarfile_.pax_headers, **records}
         following = self.fromtarfile(tarfile_)
+        sparse_version = (pax_headers.get("GNU.sparse.major"), pax_headers.get("GNU.sparse.minor"))
+        if "GNU.sparse.map" in pax_headers:
+            self._proc_gnusparse_01(following, pax_headers)  # type: ignore[attr-defined]
+        elif sparse_version == ("1", "0"):
+            self._sparse_map_10(following, tarfile_)
         if self.type != tarfile.XGLTYPE:
             following._apply_pax_info(pax_headers, tarfile_.encoding,  # type: ignore[attr-defined]
                                       tarfile_.errors)
@@ -263,6 +271,56 @@ class BoundedTarInfo(tarfile.TarInfo):
                     end += following._block(following.size)  # type: ignore[attr-defined]
                 tarfile_.offset = end
         return following
+
+    def _sparse_map_10(self, following: tarfile.TarInfo, tarfile_: BoundedTarFile) -> None:
+        """GNU sparse 1.0: the map leads the entry's data as decimal lines,
+        read a block at a time and counted against the entry's header budget."""
+        numbers: list[int] = []
+        buf = b""
+        count = None
+        while count is None or len(numbers) < 2 * count:
+            while b"\n" not in buf:
+                block = tarfile_.fileobj.read(HEAD)  # type: ignore[union-attr]
+                if len(block) < HEAD:
+                    raise TarFormatError(f"archive ends inside the sparse map at byte "
+                                         f"{self.offset}")
+                tarfile_.charge(HEAD, self.offset, header=False)
+                buf += block
+            line, buf = buf.split(b"\n", 1)
+            if not line.isdigit() or len(line) > 30:
+                raise TarFormatError(f"malformed sparse map at byte {self.offset}")
+            if count is None:
+                count = int(line)
+            else:
+                numbers.append(int(line))
+        following.offset_data = tarfile_.fileobj.tell()  # type: ignore[attr-defined,union-attr]
+        pairs = list(zip(numbers[::2], numbers[1::2], strict=True))
+        following.sparse = pairs  # type: ignore[assignment]
+
+    def _proc_sparse(self, tarfile_: BoundedTarFile) -> tarfile.TarInfo:
+        """An old GNU sparse entry; its extension blocks are counted like headers."""
+        structs, extended, real_size = self._sparse_structs  # type: ignore[attr-defined]
+        del self._sparse_structs  # type: ignore[attr-defined]
+        while extended:
+            tarfile_.charge(HEAD, self.offset, header=False)
+            buf = tarfile_.fileobj.read(HEAD)  # type: ignore[union-attr]
+            if len(buf) < HEAD:
+                raise TarFormatError(f"archive ends inside the sparse header at byte "
+                                     f"{self.offset}")
+            for pos in range(0, 21 * 24, 24):
+                try:
+                    start = octal_number(buf[pos : pos + 12])
+                    length = octal_number(buf[pos + 12 : pos + 24])
+                except ValueError:
+                    break
+                if start and length:
+                    structs.append((start, length))
+            extended = bool(buf[504])
+        self.sparse = structs
+        self.offset_data = tarfile_.fileobj.tell()  # type: ignore[attr-defined,union-attr]
+        tarfile_.offset = self.offset_data + self._block(self.size)  # type: ignore[attr-defined]
+        self.size = real_size
+        return self
 
 
 def split_name(name: str, what: str) -> list[bytes]:

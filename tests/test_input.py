@@ -248,13 +248,45 @@ def test_pax_header_of_digits_is_parsed_in_linear_time(tmp_path):
     ({"size": str(10**20)}, ["size 100000000000000000000 out of range"]),
     ({"size": "-5"}, ["invalid pax size '-5'"]),
     ({"size": "9" * 5000}, ["invalid pax size"]),
-    ({"GNU.sparse.map": "0,abc"}, ["sparse archives are not supported"]),
+    ({"GNU.sparse.map": "0,abc"}, ["invalid pax GNU.sparse.map '0,abc'"]),
+    ({"GNU.sparse.offset": "0", "GNU.sparse.numbytes": "1"}, ["GNU sparse format 0.0"]),
 ])
 def test_bad_pax_numbers_are_one_line(tmp_path, pax, words):
     data = make_tar([("dir", None, {"type": tarfile.DIRTYPE}),
                      ("dir/f", b"data", {"pax_headers": pax})])
     proc, store = build_file(tmp_path, data)
     assert_one_line_error(proc, store, *words)
+
+
+@pytest.mark.parametrize("fmt", ["posix", "gnu"])
+def test_gnu_tar_sparse_file_builds_with_its_holes(tmp_path, fmt):
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(src / "holey", "wb") as f:
+        for at in (3 << 20, 9 << 20):
+            f.seek(at)
+            f.write(BIG[:5000])
+        f.truncate(12 << 20)
+    archive = tmp_path / "sparse.tar"
+    subprocess.run(["tar", f"--format={fmt}", "--sparse", "-C", str(src), "-cf", str(archive),
+                    "."], check=True)
+    store = tmp_path / "store"
+    proc = layerfs(*build_cmd(str(archive), store))
+    assert proc.returncode == 0, proc.stderr
+    reg = Registry(FileStore(str(store)))
+    assert reg.layer(layer_digest(store)).stats.holes == 10
+    with mounted_layer(FileStore(str(store)), layer_digest(store), str(tmp_path / "m")) as mnt:
+        assert Path(mnt, "holey").read_bytes() == (src / "holey").read_bytes()
+
+
+def test_endless_sparse_map_is_one_line(tmp_path):
+    """A GNU 1.0 sparse map that claims more entries than the archive holds."""
+    data = make_tar([("f", b"99999999\n" + b"1\n" * 3_000_000,
+                      {"pax_headers": {"GNU.sparse.major": "1", "GNU.sparse.minor": "0",
+                                       "GNU.sparse.name": "f",
+                                       "GNU.sparse.realsize": "100"}})])
+    proc, store = build_file(tmp_path, data)
+    assert_one_line_error(proc, store, "too many pax and long name headers")
 
 
 def test_device_numbers_beyond_dev_t_are_one_line(tmp_path):
