@@ -2,23 +2,35 @@
 
 Sources call :meth:`LayerAssembler.add` for each entry in their own order; the
 assembler keeps small files inline, chunks the rest, links hard links to the
-same node and counts what it saw.
+same node and counts what it saw. What an inode cannot hold is refused (owners,
+device numbers, sizes) or, for mtimes, clamped to the nearest time it can hold
+and reported once, in :meth:`LayerAssembler.finish`.
 """
 
 from __future__ import annotations
 
+import logging
 import stat
 from collections.abc import Callable
 from typing import IO
 
-from layerfs.errors import SourceError
-from layerfs.formats.erofs import max_inline_file, xattr_entry
+from layerfs.errors import SourceError, UnsupportedEntry
+from layerfs.formats.erofs import (
+    DEV_MAJOR_LIMIT,
+    DEV_MINOR_LIMIT,
+    ID_LIMIT,
+    clamp_mtime,
+    max_inline_file,
+    xattr_entry,
+)
 from layerfs.manifest import LayerStats
 from layerfs.tree import FileTree, FsNode
 
 from .pipeline import ChunkPipeline
 
+log = logging.getLogger(__name__)
 OPAQUE_XATTR = (b"trusted.overlay.opaque", b"y")
+MAX_FILE_SIZE = 2**44  # a blob addresses 2^32 blocks of 4 KiB
 
 
 def display(parts: list[bytes]) -> str:
@@ -29,27 +41,45 @@ class LayerAssembler:
     """The tree of one layer under construction."""
 
     def __init__(
-        self, pipeline: ChunkPipeline, on_file: Callable[[], None] | None = None
+        self, pipeline: ChunkPipeline, on_file: Callable[[], None] | None = None,
+        on_warning: Callable[[str], None] | None = None,
     ) -> None:
         self.tree = FileTree()
         self.pipeline = pipeline
         self.counts = LayerStats()
         self.on_file = on_file
+        self.on_warning = on_warning or log.warning
         self.opaque: list[list[bytes]] = []
+        self.clamped_mtimes = 0
 
     def add(self, parts: list[bytes], node: FsNode, data: IO[bytes] | None = None) -> None:
         """Add one entry; regular files read ``node.size`` bytes from ``data``."""
-        for name, value in node.xattrs.items():
-            try:
-                xattr_entry(name, value)
-            except ValueError as exc:
-                raise SourceError(display(parts), str(exc)) from None
+        self._check(parts, node)
         if node.is_reg:
             self._add_data(parts, node, data)
         self._count(node)
         self.tree.put(parts, node)
         if self.on_file:
             self.on_file()
+
+    def _check(self, parts: list[bytes], node: FsNode) -> None:
+        """Refuse what an inode cannot hold; clamp an mtime it cannot hold."""
+        for key, raw in node.xattrs.items():
+            try:
+                xattr_entry(key, raw)
+            except ValueError as exc:
+                raise SourceError(display(parts), str(exc)) from None
+        for what, value, limit in (("uid", node.uid, ID_LIMIT), ("gid", node.gid, ID_LIMIT),
+                                   ("device major", node.rdev_major, DEV_MAJOR_LIMIT),
+                                   ("device minor", node.rdev_minor, DEV_MINOR_LIMIT),
+                                   ("size", node.size, MAX_FILE_SIZE + 1)):
+            if not 0 <= value < limit:
+                raise UnsupportedEntry(display(parts), f"{what} {value} out of range "
+                                       f"(0 to {limit - 1})")
+        fitted = clamp_mtime(node.mtime, node.mtime_ns)
+        if fitted != (node.mtime, node.mtime_ns):
+            node.mtime, node.mtime_ns = fitted
+            self.clamped_mtimes += 1
 
     def _add_data(self, parts: list[bytes], node: FsNode, data: IO[bytes] | None) -> None:
         if node.size <= max_inline_file(node.xattrs):
@@ -87,6 +117,7 @@ class LayerAssembler:
     def set_root(self, node: FsNode) -> None:
         if not node.is_dir:
             raise SourceError("/", "the root must be a directory")
+        self._check([], node)
         self.tree.put([], node)
 
     def mark_opaque(self, dir_parts: list[bytes]) -> None:
@@ -102,6 +133,9 @@ class LayerAssembler:
             if not node.is_dir:
                 raise SourceError(display(dir_parts), "opaque marker in a non-directory")
             node.xattrs[OPAQUE_XATTR[0]] = OPAQUE_XATTR[1]
+        if self.clamped_mtimes:
+            self.on_warning(f"{self.clamped_mtimes} entries have an mtime beyond what EROFS "
+                            "holds (a signed 64-bit second); stored the nearest time it holds")
         return self.tree
 
     def remove(self, parts: list[bytes]) -> None:

@@ -28,7 +28,7 @@ from layerfs.store.base import Store, blob_key, sha256_digest
 from .assembler import LayerAssembler
 from .dirsource import DirectorySource
 from .pipeline import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_SIZE, ChunkPipeline, DedupIndex
-from .tarsource import TarSource, looks_like_tar
+from .tarsource import TarSource, open_tar
 
 MIN_CHUNK, MAX_CHUNK = 4096, 16 << 20
 META_ZSTD_LEVEL = 9
@@ -67,18 +67,16 @@ class BuildResult:
 class Progress:
     on_file: Callable[[], None] | None = None
     on_bytes: Callable[[int], None] | None = None
+    on_warning: Callable[[str], None] | None = None
 
 
 def open_source(path: str) -> DirectorySource | TarSource:
+    """A directory, or a tar opened once (a FIFO or pipe cannot be read twice)."""
     if path != "-" and not os.path.lexists(path):
         raise SourceError(path, "no such file or directory")
     if os.path.isdir(path):
         return DirectorySource(path)
-    if not looks_like_tar(path):
-        if not os.access(path, os.R_OK):
-            raise SourceError(path, "permission denied")
-        raise SourceError(path, "not a directory or tar archive")
-    return TarSource(path)
+    return open_tar(path)
 
 
 def now_utc() -> str:
@@ -96,7 +94,7 @@ def build_layer(store: Store, src: str, opts: BuildOptions,
     pipeline = ChunkPipeline(store, index, opts.chunk_size, upload=existing is None,
                              pack_size=opts.pack_size, workers=opts.workers,
                              on_bytes=progress.on_bytes)
-    asm = LayerAssembler(pipeline, on_file=progress.on_file)
+    asm = LayerAssembler(pipeline, on_file=progress.on_file, on_warning=progress.on_warning)
     try:
         source.feed(asm)
         tree = asm.finish()

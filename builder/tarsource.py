@@ -5,15 +5,26 @@ device numbers and xattrs (PAX ``SCHILY.xattr.*``) come from the headers, so no
 root is needed. OCI whiteouts become overlayfs ones: ``.wh.NAME`` a 0:0
 character device ``NAME``, ``.wh..wh..opq`` ``trusted.overlay.opaque=y`` on
 its directory. Entries that could write outside the tree are refused.
+
+The source is opened once (a FIFO or pipe has no second read) and its
+compression undone here. Python's ``tarfile`` parses the headers behind guards
+(:class:`BoundedTarInfo`): extended headers are bounded before they are read,
+pax records are parsed in linear time and their numbers checked, and a bad
+header is an error rather than the end of the archive.
 """
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import io
+import lzma
+import re
 import stat
 import sys
 import tarfile
-from typing import BinaryIO
+import zlib
+from typing import BinaryIO, cast
 
 import zstandard
 
@@ -26,31 +37,290 @@ WHITEOUT = b".wh."
 OPAQUE = b".wh..wh..opq"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 TAR_MAGICS = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ", ZSTD_MAGIC)
+HEAD = tarfile.BLOCKSIZE
+STREAM_BUFFER = 1 << 20
+
+MAX_META_HEADER = 1 << 20  # one pax or GNU long name/link header
+MAX_META_PER_ENTRY = 4 << 20  # all such headers in front of one entry
+MAX_META_HEADERS = 64  # how many of them in front of one entry
+MAX_GLOBAL_PAX = 4 << 20  # all global pax headers of the archive
+META_TYPES = {tarfile.XHDTYPE: "pax", tarfile.SOLARIS_XHDTYPE: "pax",
+              tarfile.XGLTYPE: "global pax", tarfile.GNUTYPE_LONGNAME: "GNU long name",
+              tarfile.GNUTYPE_LONGLINK: "GNU long link"}
+PAX_NUMBERS = {"uid": rb"\d{1,30}", "gid": rb"\d{1,30}", "size": rb"\d{1,30}",
+               "mtime": rb"-?\d+(\.\d+)?", "atime": rb"-?\d+(\.\d+)?",
+               "ctime": rb"-?\d+(\.\d+)?", "GNU.sparse.size": rb"\d{1,30}",
+               "GNU.sparse.realsize": rb"\d{1,30}", "GNU.sparse.map": rb"\d{1,30}(,\d{1,30})*"}
+
+# tarfile's header errors, not exported by its stubs
+InvalidHeaderError: type[Exception] = tarfile.InvalidHeaderError  # type: ignore[attr-defined]
+TruncatedHeaderError: type[Exception] = tarfile.TruncatedHeaderError  # type: ignore[attr-defined]
+octal_number = tarfile.nti  # type: ignore[attr-defined]
 
 
-def looks_like_tar(path: str) -> bool:
-    """True for ``-`` and for files that start like a (compressed) tar."""
-    if path == "-":
-        return True
-    try:
-        with open(path, "rb") as f:
-            head = f.read(512)
-    except OSError:
-        return False
+class TarFormatError(Exception):
+    """A malformed or oversized tar header; the source adds its path."""
+
+
+def looks_like_tar(head: bytes) -> bool:
+    """True for the first bytes of a (compressed) tar archive."""
     if head.startswith(TAR_MAGICS):
         return True
-    return len(head) == 512 and head[257:262] == b"ustar"
+    return len(head) == HEAD and head[257:262] == b"ustar"
 
 
-def open_stream(raw: BinaryIO) -> BinaryIO:
-    """Undo zstd here; tarfile itself undoes gzip, bzip2 and xz."""
-    buffered: io.BufferedReader = (
-        raw if isinstance(raw, io.BufferedReader)
-        else io.BufferedReader(raw)  # type: ignore[arg-type,type-var]
-    )
-    if buffered.peek(4)[:4] == ZSTD_MAGIC:
-        return zstandard.ZstdDecompressor().stream_reader(buffered)  # type: ignore[return-value]
+class HeadStream(io.RawIOBase):
+    """A stream read once: the bytes already sniffed, then the rest of it."""
+
+    def __init__(self, head: bytes, rest: BinaryIO) -> None:
+        self.head = head
+        self.rest = rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:  # type: ignore[no-untyped-def]
+        if self.head:
+            n = min(len(buf), len(self.head))
+            buf[:n], self.head = self.head[:n], self.head[n:]
+            return n
+        data = self.rest.read(len(buf))
+        buf[: len(data)] = data
+        return len(data)
+
+
+def read_head(raw: BinaryIO) -> bytes:
+    """Up to one tar block; a pipe may hand it over in pieces."""
+    head = b""
+    while len(head) < HEAD:
+        piece = raw.read(HEAD - len(head))
+        if not piece:
+            break
+        head += piece
+    return head
+
+
+def open_tar(path: str) -> TarSource:
+    """Open ``path`` (or stdin for ``-``) once and check that it starts like a tar.
+
+    Pipes, FIFOs and ``/dev/stdin`` cannot be opened twice, so the sniffed
+    bytes are handed on to the reader instead of being read again."""
+    try:
+        raw: BinaryIO = (sys.stdin.buffer if path == "-"
+                         else open(path, "rb", buffering=0))  # type: ignore[assignment]  # noqa: SIM115
+    except OSError as exc:
+        raise SourceError(path, (exc.strerror or str(exc)).lower()) from None
+    try:
+        head = read_head(raw)
+    except OSError as exc:
+        _close(raw)
+        raise SourceError(path, (exc.strerror or str(exc)).lower()) from None
+    if not looks_like_tar(head):
+        _close(raw)
+        raise SourceError(path, "not a directory or tar archive")
+    return TarSource(path, raw, head)
+
+
+def _close(raw: BinaryIO) -> None:
+    if raw is not sys.stdin.buffer:
+        raw.close()
+
+
+def open_stream(raw: BinaryIO, head: bytes = b"") -> BinaryIO:
+    """The archive's tar bytes: compression undone here, where the formats'
+    own checks (gzip CRC, xz and bzip2 checks, zstd checksums) run once the
+    stream is read to its end (see :func:`drain`)."""
+    buffered = io.BufferedReader(HeadStream(head, raw), STREAM_BUFFER)  # type: ignore[arg-type]
+    magic = buffered.peek(6)[:6]
+    if magic.startswith(ZSTD_MAGIC):
+        return zstandard.ZstdDecompressor().stream_reader(  # type: ignore[return-value]
+            buffered, read_across_frames=True)
+    if magic.startswith(b"\x1f\x8b"):
+        return gzip.GzipFile(fileobj=buffered, mode="rb")  # type: ignore[return-value]
+    if magic.startswith(b"BZh"):
+        return bz2.BZ2File(buffered)  # type: ignore[return-value]
+    if magic.startswith(b"\xfd7zXZ"):
+        return lzma.LZMAFile(buffered)  # type: ignore[return-value]
     return buffered
+
+
+def drain(stream: BinaryIO) -> None:
+    """Read what follows the end-of-archive blocks, so that a compressed
+    stream's trailer is checked too."""
+    while stream.read(STREAM_BUFFER):
+        pass
+
+
+def parse_pax(buf: bytes, where: int) -> dict[str, str]:
+    """The records ``"<length> <key>=<value>\\n"`` of one pax header, checked."""
+    out: dict[str, str] = {}
+    pos = 0
+    while pos < len(buf):
+        if not buf[pos:].strip(b"\0"):
+            break  # NUL padding
+        space = buf.find(b" ", pos, pos + 21)
+        digits = buf[pos:space] if space > pos else b""
+        end = pos + int(digits) if digits.isdigit() else -1
+        if end <= space + 1 or end > len(buf) or buf[end - 1] != 0x0A:
+            raise TarFormatError(f"malformed pax record at byte {where + pos}")
+        key, eq, value = buf[space + 1 : end - 1].partition(b"=")
+        name = key.decode("utf-8", "surrogateescape")
+        if not eq or not key:
+            raise TarFormatError(f"malformed pax record at byte {where + pos}")
+        number = PAX_NUMBERS.get(name)
+        if number is not None and not re.fullmatch(number, value):
+            shown = value[:40].decode("utf-8", "replace")
+            raise TarFormatError(f"invalid pax {name} {shown!r} at byte {where + pos}")
+        out[name] = value.decode("utf-8", "surrogateescape")
+        pos = end
+    return out
+
+
+class BoundedTarFile(tarfile.TarFile):
+    """A tar reader that counts the extended headers in front of each entry."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        self.meta_bytes = 0
+        self.meta_headers = 0
+        self.global_bytes = 0
+        kwargs["tarinfo"] = BoundedTarInfo
+        super().__init__(*args, **kwargs)
+
+    def count_meta(self, info: tarfile.TarInfo) -> None:
+        kind = META_TYPES[info.type]
+        if info.size > MAX_META_HEADER:
+            raise TarFormatError(f"{kind} header of {info.size} bytes at byte {info.offset} "
+                                 f"(at most {MAX_META_HEADER >> 20} MiB)")
+        if info.type == tarfile.XGLTYPE:
+            self.global_bytes += info.size
+        self.charge(info.size, info.offset)
+
+    def charge(self, size: int, offset: int, header: bool = True) -> None:
+        """Count ``size`` more bytes of extended headers (or of a sparse map)."""
+        self.meta_bytes += size
+        self.meta_headers += header
+        if (self.meta_bytes > MAX_META_PER_ENTRY or self.meta_headers > MAX_META_HEADERS
+                or self.global_bytes > MAX_GLOBAL_PAX):
+            raise TarFormatError(f"too many pax and long name headers before byte {offset} "
+                                 f"(at most {MAX_META_HEADERS} and {MAX_META_PER_ENTRY >> 20} "
+                                 "MiB per entry)")
+
+    def end_entry(self) -> None:
+        self.meta_bytes = self.meta_headers = 0
+
+
+class BoundedTarInfo(tarfile.TarInfo):
+    """Checks each header before tarfile acts on it: sizes bounded, numbers
+    well formed, a bad header an error rather than the end of the archive."""
+
+    @classmethod
+    def fromtarfile(cls, tarfile_: tarfile.TarFile) -> BoundedTarInfo:
+        assert isinstance(tarfile_, BoundedTarFile)
+        offset = tarfile_.fileobj.tell()  # type: ignore[union-attr]
+        buf = tarfile_.fileobj.read(HEAD)  # type: ignore[union-attr]
+        try:
+            obj = cls.frombuf(buf, tarfile_.encoding, tarfile_.errors)  # type: ignore[arg-type]
+        except InvalidHeaderError as exc:
+            raise TarFormatError(f"invalid tar header at byte {offset} ({exc})") from None
+        except TruncatedHeaderError:
+            if buf.strip(b"\0"):
+                raise TarFormatError(f"archive ends inside the header at byte {offset}") from None
+            raise
+        obj.offset = offset
+        return cast(BoundedTarInfo, obj._proc_member(tarfile_))
+
+    def _proc_member(self, tarfile_: BoundedTarFile) -> tarfile.TarInfo:
+        if self.size < 0:
+            raise TarFormatError(f"negative size in the tar header at byte {self.offset}")
+        if self.type in META_TYPES:
+            tarfile_.count_meta(self)
+        else:
+            tarfile_.end_entry()
+        try:
+            return super()._proc_member(tarfile_)  # type: ignore[misc,no-any-return]
+        except (ValueError, OverflowError) as exc:
+            raise TarFormatError(f"malformed tar header at byte {self.offset} ({exc})") from None
+
+    def _proc_pax(self, tarfile_: BoundedTarFile) -> tarfile.TarInfo:
+        """tarfile's own, with a linear record parser (its regexes can take hours
+        on a crafted 1 MiB header) and bounded GNU sparse maps."""
+        buf = tarfile_.fileobj.read(self._block(self.size))  # type: ignore[attr-defined,union-attr]
+        if len(buf) < self.size:
+            raise TarFormatError(f"archive ends inside the pax header at byte {self.offset}")
+        records = parse_pax(buf[: self.size], self.offset + HEAD)
+        if "GNU.sparse.offset" in records:
+            raise TarFormatError(f"GNU sparse format 0.0 at byte {self.offset} is not supported")
+        if self.type == tarfile.XGLTYPE:
+            pax_headers = cast(dict, tarfile_.pax_headers)
+            pax_headers.update(records)
+        else:
+            pax_headers = {**tarfile_.pax_headers, **records}
+        following = self.fromtarfile(tarfile_)
+        sparse_version = (pax_headers.get("GNU.sparse.major"), pax_headers.get("GNU.sparse.minor"))
+        if "GNU.sparse.map" in pax_headers:
+            self._proc_gnusparse_01(following, pax_headers)  # type: ignore[attr-defined]
+        elif sparse_version == ("1", "0"):
+            self._sparse_map_10(following, tarfile_)
+        if self.type != tarfile.XGLTYPE:
+            following._apply_pax_info(pax_headers, tarfile_.encoding,  # type: ignore[attr-defined]
+                                      tarfile_.errors)
+            following.offset = self.offset
+            if "size" in pax_headers:
+                end = following.offset_data  # type: ignore[attr-defined]
+                if following.isreg() or following.type not in tarfile.SUPPORTED_TYPES:
+                    end += following._block(following.size)  # type: ignore[attr-defined]
+                tarfile_.offset = end
+        return following
+
+    def _sparse_map_10(self, following: tarfile.TarInfo, tarfile_: BoundedTarFile) -> None:
+        """GNU sparse 1.0: the map leads the entry's data as decimal lines,
+        read a block at a time and counted against the entry's header budget."""
+        numbers: list[int] = []
+        buf = b""
+        count = None
+        while count is None or len(numbers) < 2 * count:
+            while b"\n" not in buf:
+                block = tarfile_.fileobj.read(HEAD)  # type: ignore[union-attr]
+                if len(block) < HEAD:
+                    raise TarFormatError(f"archive ends inside the sparse map at byte "
+                                         f"{self.offset}")
+                tarfile_.charge(HEAD, self.offset, header=False)
+                buf += block
+            line, buf = buf.split(b"\n", 1)
+            if not line.isdigit() or len(line) > 30:
+                raise TarFormatError(f"malformed sparse map at byte {self.offset}")
+            if count is None:
+                count = int(line)
+            else:
+                numbers.append(int(line))
+        following.offset_data = tarfile_.fileobj.tell()  # type: ignore[attr-defined,union-attr]
+        pairs = list(zip(numbers[::2], numbers[1::2], strict=True))
+        following.sparse = pairs  # type: ignore[assignment]
+
+    def _proc_sparse(self, tarfile_: BoundedTarFile) -> tarfile.TarInfo:
+        """An old GNU sparse entry; its extension blocks are counted like headers."""
+        structs, extended, real_size = self._sparse_structs  # type: ignore[attr-defined]
+        del self._sparse_structs  # type: ignore[attr-defined]
+        while extended:
+            tarfile_.charge(HEAD, self.offset, header=False)
+            buf = tarfile_.fileobj.read(HEAD)  # type: ignore[union-attr]
+            if len(buf) < HEAD:
+                raise TarFormatError(f"archive ends inside the sparse header at byte "
+                                     f"{self.offset}")
+            for pos in range(0, 21 * 24, 24):
+                try:
+                    start = octal_number(buf[pos : pos + 12])
+                    length = octal_number(buf[pos + 12 : pos + 24])
+                except ValueError:
+                    break
+                if start and length:
+                    structs.append((start, length))
+            extended = bool(buf[504])
+        self.sparse = structs
+        self.offset_data = tarfile_.fileobj.tell()  # type: ignore[attr-defined,union-attr]
+        tarfile_.offset = self.offset_data + self._block(self.size)  # type: ignore[attr-defined]
+        self.size = real_size
+        return self
 
 
 def split_name(name: str, what: str) -> list[bytes]:
@@ -80,11 +350,18 @@ def check_symlink(parts: list[bytes], target: bytes, name: str) -> None:
 
 
 def pax_mtime(member: tarfile.TarInfo) -> tuple[int, int]:
+    """Seconds and nanoseconds; ``parse_pax`` checked the syntax. A time with more
+    digits than any inode holds comes out as 10**30, for the assembler to clamp."""
     text = member.pax_headers.get("mtime")
-    if text:
-        whole, _, frac = text.partition(".")
-        return int(whole), int((frac + "000000000")[:9]) if frac else 0
-    return int(member.mtime), 0
+    if not text:
+        return int(member.mtime), 0
+    negative = text.startswith("-")
+    whole, _, frac = text.lstrip("-").partition(".")
+    if len(whole) > 30:
+        return (-(10**30) if negative else 10**30), 0
+    total = int(whole) * 10**9 + int((frac + "0" * 9)[:9])
+    sec, nsec = divmod(-total if negative else total, 10**9)
+    return sec, nsec
 
 
 def pax_xattrs(member: tarfile.TarInfo) -> dict[bytes, bytes]:
@@ -121,27 +398,32 @@ def node_from_member(member: tarfile.TarInfo) -> FsNode:
 
 
 class TarSource:
-    """Reads a tar archive from a path, or from stdin for ``-``."""
+    """Reads a tar archive once, front to back, from an already opened stream."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, raw: BinaryIO, head: bytes) -> None:
         self.path = path
+        self.raw = raw
+        self.head = head
 
     def feed(self, asm: LayerAssembler) -> None:
         try:
-            raw = sys.stdin.buffer if self.path == "-" else open(self.path, "rb")  # noqa: SIM115
-        except OSError as exc:
-            raise SourceError(self.path, exc.strerror) from None
-        try:
-            with tarfile.open(fileobj=open_stream(raw), mode="r|*") as tar:  # type: ignore[call-overload]
+            stream = open_stream(self.raw, self.head)
+            with BoundedTarFile.open(fileobj=stream, mode="r|") as tar:  # type: ignore[call-overload]
                 for member in tar:
                     self._entry(asm, tar, member)
-        except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
+            drain(stream)
+        except TarFormatError as exc:
+            raise SourceError(self.path, str(exc)) from None
+        except (tarfile.TarError, zstandard.ZstdError, zlib.error, lzma.LZMAError,
+                EOFError) as exc:
             raise SourceError(self.path, f"not a readable tar archive ({exc})") from None
         except OSError as exc:
             raise SourceError(self.path, exc.strerror or str(exc)) from None
         finally:
-            if raw is not sys.stdin.buffer:
-                raw.close()
+            self.close()
+
+    def close(self) -> None:
+        _close(self.raw)
 
     def _entry(self, asm: LayerAssembler, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
         parts = split_name(member.name, "path")

@@ -33,10 +33,14 @@ def build(out: Output, reg: Registry, src: str, name: str, version: str, role: s
     the layer NAME@VERSION and publish it."""
     opts = BuildOptions(name, version, role, parse_size(chunk_size), list(dedup_with))
     line = ProgressLine(f"build {name}@{version}", enabled=stderr_is_tty() and not out.as_json)
+    warnings: list[str] = []
     try:
-        result = build_layer(reg.store, src, opts, Progress(line.on_file, line.on_bytes))
+        result = build_layer(reg.store, src, opts,
+                             Progress(line.on_file, line.on_bytes, warnings.append))
     finally:
         line.close()
+        for text in warnings:
+            click.echo(f"layerfs: warning: {text}", err=True)
     s = result.manifest.stats
     doc = {"ref": result.ref, "digest": result.digest, "published": result.published,
            "stats": s.__dict__}

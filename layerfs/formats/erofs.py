@@ -68,8 +68,25 @@ XATTR_PREFIXES: list[tuple[bytes, int, bool]] = [
 ]
 
 
+# Extended inodes and the superblock hold seconds as a u64 that the kernel reads as
+# signed (two's complement, like mkfs.erofs): any s64 time, before 1970 included.
+MTIME_MIN, MTIME_MAX = -(2**63), 2**63 - 1
+U64 = 2**64 - 1
+ID_LIMIT = 2**32  # uid and gid of an extended inode
+DEV_MAJOR_LIMIT, DEV_MINOR_LIMIT = 2**12, 2**20  # i_u holds a 32-bit new_encode_dev
+
+
 class ErofsError(ValueError):
     """The tree holds something EROFS cannot represent."""
+
+
+def clamp_mtime(seconds: int, nanoseconds: int) -> tuple[int, int]:
+    """The nearest time an inode can hold (nanoseconds within their second)."""
+    if seconds < MTIME_MIN:
+        return MTIME_MIN, 0
+    if seconds > MTIME_MAX:
+        return MTIME_MAX, 999_999_999
+    return seconds, min(max(nanoseconds, 0), 999_999_999)
 
 
 def round_up(n: int, to: int) -> int:
@@ -345,7 +362,7 @@ class ErofsWriter:
         if slot.extended:
             return struct.pack(
                 "<HHHHQIIIIQII16x", i_format, icount, mode, 0, size, self._i_u(slot),
-                slot.ino, node.uid, node.gid, node.mtime, node.mtime_ns, nlink,
+                slot.ino, node.uid, node.gid, node.mtime & U64, node.mtime_ns, nlink,
             )
         return struct.pack(
             "<HHHHIIIIHHI", i_format, icount, mode, nlink, size, 0, self._i_u(slot),
@@ -369,6 +386,8 @@ class ErofsWriter:
 
     def _check_node(self, slot: _Slot) -> None:
         node = slot.node
+        if clamp_mtime(node.mtime, node.mtime_ns) != (node.mtime, node.mtime_ns):
+            raise ErofsError(f"mtime {node.mtime}.{node.mtime_ns:09d} out of range")
         if slot.layout == LAYOUT_CHUNK_BASED:
             want = -(-node.size // (1 << self.chunk_bits))
             if len(node.chunks) != want:
@@ -423,7 +442,7 @@ class ErofsWriter:
         sb = struct.pack(
             "<IIIBBHQQIIII16s16sIHHH38x",
             MAGIC, 0, FEATURE_COMPAT_SB_CHKSUM, BLKBITS, 0, root_nid, len(self.slots),
-            self.build_time[0], self.build_time[1], blocks, 0, xattr_blkaddr, uuid, b"",
+            self.build_time[0] & U64, self.build_time[1], blocks, 0, xattr_blkaddr, uuid, b"",
             FEATURE_INCOMPAT_CHUNKED_FILE | FEATURE_INCOMPAT_DEVICE_TABLE, 0, 1, DEVT_SLOTOFF,
         )
         assert len(sb) == 128
