@@ -387,3 +387,44 @@ def test_zero_negative_and_garbage_disk_sizes_are_refused(node):
     assert os.stat(drives[-1]["path_on_host"]).st_size == 1 << 20
     node.cli("vm", "down", "v1")
 
+
+
+# -- a layer's overlayfs xattrs steer nothing --
+
+
+def overlay_redirect_tars(tmp_path: Path) -> tuple[Path, Path]:
+    """A lower layer with /secret/file, and an upper one whose /d claims, by
+    overlayfs's ``trusted.overlay.redirect`` xattr, to be the lower /secret."""
+    paths = tmp_path / "lower.tar", tmp_path / "upper.tar"
+    with tarfile.open(paths[0], "w", format=tarfile.PAX_FORMAT) as tar:
+        add_dirs(tar, "secret/x", set())
+        add_file(tar, "secret/file", b"lower secret", 0o600)
+    with tarfile.open(paths[1], "w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("d")
+        info.type, info.mode = tarfile.DIRTYPE, 0o755
+        info.pax_headers = {"SCHILY.xattr.trusted.overlay.redirect": "/secret"}
+        tar.addfile(info)
+        add_file(tar, "d/own", b"own", 0o644)
+    return paths
+
+
+def test_a_layers_overlay_redirect_is_not_followed(tmp_path, node_parent):
+    need_root()
+    store = FileStore(str(tmp_path / "store"))
+    lower, upper = overlay_redirect_tars(tmp_path)
+    build(store, str(lower), name="lo", chunk_size=CHUNK)
+    build(store, str(upper), name="hi", chunk_size=CHUNK)
+    daemon = NodeDaemon(node_parent / "node", ["--store", "file://" + str(tmp_path / "store")])
+    daemon.start()
+    try:
+        rootfs = Path(daemon.cli("up", "--layer", "hi@1", "--layer", "lo@1", "--id", "r")
+                      .stdout.strip())
+        try:  # overlayfs refuses the directory (EPERM) rather than follow it
+            seen = sorted(os.listdir(rootfs / "d"))
+        except PermissionError:
+            seen = ["(refused)"]
+        assert seen in (["own"], ["(refused)"]), seen
+        assert (rootfs / "secret" / "file").read_bytes() == b"lower secret"
+        daemon.cli("down", "r")
+    finally:
+        assert daemon.cleanup() == [], "mounts left behind"

@@ -55,6 +55,11 @@ class MountedLayer:
     users: int = 0
 
 
+# A layer's own trusted.overlay.* xattrs never steer lookups into other
+# directories (redirect) nor make a file's data come from elsewhere (metacopy).
+OVERLAY_HARDENING = "redirect_dir=nofollow,metacopy=off"
+
+
 class LayerMounts:
     """Reference-counted EROFS mounts of layers, one per layer per node."""
 
@@ -195,7 +200,8 @@ class Sandboxes:
                 acquired.append(digest)
             await trio.to_thread.run_sync(make_dirs, sdir, fresh)
             lower = ":".join(str(m.path) for m in mounted)
-            opts = f"lowerdir={lower},upperdir={sdir / 'upper'},workdir={sdir / 'work'}"
+            opts = (f"lowerdir={lower},upperdir={sdir / 'upper'},workdir={sdir / 'work'},"
+                    + OVERLAY_HARDENING)
             await trio.to_thread.run_sync(mount, "overlay", str(sdir / "rootfs"), "overlay",
                                           SAFE_FLAGS, opts, limiter=self.layers.mount_limit)
         except BaseException:
