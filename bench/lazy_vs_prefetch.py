@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import corpus
-from daemons import DaemonRuns, clear_dir, drop_caches, print_footer
+from daemons import DaemonRuns, clear_dir, drop_caches, git_head, print_footer
 
 from layerfs.node.daemon import mounts_under
 from layerfs.node.process import DaemonProcess, detach_mounts
@@ -770,18 +770,6 @@ def link_check(url: str, direct: str | None, linked: str, doc: dict) -> dict:
         store.close()
     return out
 
-
-def git_head() -> str:
-    """The commit the tree is at, with ``+changes`` if files differ from it."""
-    repo = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain",
-                                "--untracked-files=no"], capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+changes" if dirty.strip() else "")
 
 
 def store_port(endpoint: str | None) -> tuple[str, int | None]:

@@ -57,7 +57,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemons import DaemonRuns, clear_dir, drop_caches, print_footer
+from daemons import DaemonRuns, clear_dir, drop_caches, git_head, print_footer
 
 import layerfs.node.process
 from layerfs.builder.layer import BuildOptions, build_layer
@@ -234,18 +234,6 @@ sys.argv[0] = "layerfs"
 main()
 """]
 
-
-def git_head() -> str:
-    """The commit the tree is at, with ``+changes`` if files differ from it."""
-    repo = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain",
-                                "--untracked-files=no"], capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+changes" if dirty.strip() else "")
 
 
 # -- the machine ------------------------------------------------------------------

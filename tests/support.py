@@ -11,6 +11,7 @@ import pytest
 
 from layerfs.builder.layer import BuildOptions, BuildResult, build_layer
 from layerfs.chunks import materialize_blob
+from layerfs.errors import StoreError
 from layerfs.mounts import mount_erofs, umount
 from layerfs.registry import Registry
 from layerfs.store.base import Store
@@ -50,3 +51,18 @@ def mounted_layer(store: Store, digest: str, workdir: str) -> Iterator[str]:
         yield mnt
     finally:
         umount(mnt)
+
+
+class ManifestPutFails:
+    """Wraps a store; fails every put of a blob whose bytes look like a manifest."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put_blob(self, data, digest=None):
+        if bytes(data[:1]) == b"{":
+            raise StoreError("injected failure while writing the manifest")
+        return self.inner.put_blob(data, digest)

@@ -7,7 +7,7 @@ import os
 import random
 
 import pytest
-from support import build
+from support import ManifestPutFails, build
 
 from layerfs.builder.env import create_env
 from layerfs.errors import RefNotFound, StoreError, UsageError, VersionExists
@@ -84,27 +84,12 @@ def test_holes_are_not_stored(tmp_path, store):
     assert res.manifest.stats.unique_chunks == 1
 
 
-class FailingStore:
-    """Wraps a store; fails the first put of a blob whose bytes look like a manifest."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def put_blob(self, data, digest=None):
-        if bytes(data[:1]) == b"{":
-            raise StoreError("injected failure while writing the manifest")
-        return self.inner.put_blob(data, digest)
-
-
 def test_failed_push_publishes_nothing_and_gc_sees_leftovers(tmp_path, store):
     write_tree(tmp_path / "keep", 3, files=5)
     kept = build(store, str(tmp_path / "keep"), name="keep", chunk_size=16384)
     write_tree(tmp_path / "a", 4)
     with pytest.raises(StoreError):
-        build(FailingStore(store), str(tmp_path / "a"), name="broken", chunk_size=16384)
+        build(ManifestPutFails(store), str(tmp_path / "a"), name="broken", chunk_size=16384)
     reg = Registry(store)
     with pytest.raises(RefNotFound):
         reg.resolve(LAYERS, "broken@1")

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import trio
 from nodes import NodeDaemon
-from support import build, need_root
+from support import ManifestPutFails, build, need_root
 
 import layerfs.gc as gcmod
 import layerfs.node.disks as disks_mod
@@ -53,27 +53,12 @@ def write_tree(root, seed: int, files: int = 12, size: int = 60_000) -> None:
             f.write(rng.randbytes(rng.randrange(size // 2, size * 2)))
 
 
-class ManifestFails:
-    """Wraps a store; fails every put of a blob whose bytes look like a manifest."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def put_blob(self, data, digest=None):
-        if bytes(data[:1]) == b"{":
-            raise StoreError("injected failure while writing the manifest")
-        return self.inner.put_blob(data, digest)
-
-
 def failed_push(store, src) -> set[str]:
     """A push that uploads its packs, chunk table and meta image, then fails; the
     blobs it left, once they are older than GRACE."""
     before = {o.key for o in store.list(BLOB_PREFIX)}
     with pytest.raises(StoreError):
-        build(ManifestFails(store), str(src), name="app", chunk_size=16384, pack_size=65536)
+        build(ManifestPutFails(store), str(src), name="app", chunk_size=16384, pack_size=65536)
     left = {o.key for o in store.list(BLOB_PREFIX)} - before
     assert len(left) >= 4  # several packs, a chunk table, a meta image
     time.sleep(AGE_WAIT)
