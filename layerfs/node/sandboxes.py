@@ -28,6 +28,9 @@ from typing import Any
 
 import trio
 
+from ..builder.dirsource import UpperSource
+from ..builder.layer import BuildOptions, build_layer
+from ..builder.pipeline import DEFAULT_CHUNK_SIZE
 from ..errors import LayerfsError, UsageError
 from ..mounts import SAFE_FLAGS, mount, mount_erofs, umount
 from ..registry import ENVS, LAYERS, Registry
@@ -39,6 +42,9 @@ log = logging.getLogger(__name__)
 TRACE_WORKERS = 4  # fetches of one layer's trace replay at a time (one store round trip each)
 SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 PREFETCH = ("none", "full", "trace")
+# an upper directory a layer can hold: no renamed lower directory kept as a
+# redirect xattr, no chown/chmod of a lower file kept as metadata only
+COMMITTABLE = "redirect_dir=off,metacopy=off"
 
 
 class SandboxError(LayerfsError):
@@ -195,7 +201,8 @@ class Sandboxes:
                 acquired.append(digest)
             await trio.to_thread.run_sync(make_dirs, sdir, fresh)
             lower = ":".join(str(m.path) for m in mounted)
-            opts = f"lowerdir={lower},upperdir={sdir / 'upper'},workdir={sdir / 'work'}"
+            opts = (f"lowerdir={lower},upperdir={sdir / 'upper'},workdir={sdir / 'work'},"
+                    f"{COMMITTABLE}")
             await trio.to_thread.run_sync(mount, "overlay", str(sdir / "rootfs"), "overlay",
                                           SAFE_FLAGS, opts, limiter=self.layers.mount_limit)
         except BaseException:
@@ -250,6 +257,40 @@ class Sandboxes:
             self._busy.discard(sid)
         record["state"] = "down"
         return record
+
+    async def commit(self, sid: str, name: str, version: str,
+                     role: str = "workspace") -> dict[str, Any]:
+        """Build the sandbox's upper directory into layer ``name@version`` in a
+        worker thread, chunks deduplicated against the sandbox's layers, and
+        publish it. The sandbox stays up and busy (no ``down``) meanwhile."""
+        record = self.records.get(sid)
+        if record is None or sid in self._busy:
+            raise SandboxError(sid, "no such sandbox" if record is None else "busy")
+        self._busy.add(sid)
+        try:
+            source = UpperSource(str(self._dir(sid) / "upper"))
+            chunk_size = await trio.to_thread.run_sync(self._chunk_size, record["layers"])
+            opts = BuildOptions(name, version, role=role, chunk_size=chunk_size,
+                                dedup_with=list(record["layers"]))
+            result = await trio.to_thread.run_sync(functools.partial(
+                build_layer, self.reg.store, f"sandbox {sid}", opts, source=source))
+        finally:
+            self._busy.discard(sid)
+        for path in source.vanished:
+            log.warning("commit of %s: %s vanished during the walk, skipped", sid, path)
+        for path in source.changed:
+            log.warning("commit of %s: %s changed while it was read", sid, path)
+        stats = result.manifest.stats
+        return {"ref": result.ref, "digest": result.digest, "published": result.published,
+                "id": sid, "chunk_size": chunk_size, "files": stats.files,
+                "file_bytes": stats.file_bytes, "stored_bytes": stats.stored_bytes,
+                "uploaded_bytes": stats.uploaded_bytes, "dedup_sources": record["layers"],
+                "vanished": source.vanished, "changed": source.changed}
+
+    def _chunk_size(self, digests: list[str]) -> int:
+        """Worker thread: the chunk size of the sandbox's top layer, so that a
+        copied-up file's unchanged chunks are the lower file's chunks."""
+        return self.reg.layer(digests[0]).chunk_size if digests else DEFAULT_CHUNK_SIZE
 
     async def restore(self) -> None:
         """After a restart: bring back the sandboxes that were up, or mark them lost."""
