@@ -284,7 +284,8 @@ class Sandboxes:
         return {"ref": result.ref, "digest": result.digest, "published": result.published,
                 "id": sid, "chunk_size": chunk_size, "files": stats.files,
                 "file_bytes": stats.file_bytes, "stored_bytes": stats.stored_bytes,
-                "uploaded_bytes": stats.uploaded_bytes, "dedup_sources": record["layers"],
+                "uploaded_bytes": stats.uploaded_bytes, "unique_chunks": stats.unique_chunks,
+                "reused_chunks": stats.reused_chunks, "dedup_sources": record["layers"],
                 "vanished": source.vanished, "changed": source.changed}
 
     def _chunk_size(self, digests: list[str]) -> int:
