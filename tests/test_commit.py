@@ -15,10 +15,14 @@ from nodes import NodeDaemon
 from support import build, mounted_layer, need_root
 from treecmp import diff_trees
 
+from layerfs.builder.dirsource import UpperSource
 from layerfs.builder.env import create_env
+from layerfs.builder.layer import BuildOptions, build_layer
+from layerfs.errors import SourceError
 from layerfs.manifest import ImageConfig
 from layerfs.node.process import LAYERFS
-from layerfs.registry import ENVS, Registry
+from layerfs.registry import ENVS, LAYERS, Registry
+from layerfs.store import open_store
 
 CHUNK = 65536
 BIG_CHUNKS = 40
@@ -213,3 +217,70 @@ def test_commit_bad_input(node):
     assert clash.stderr.strip().splitlines() == [
         "layerfs: error: ws@1 already exists with other content; versions are immutable"]
     node.cli("down", "s1")
+
+
+class SwappingSource(UpperSource):
+    """An upper directory whose writer acts at the worst moment: just before the
+    walk opens ``victim`` (already seen as a directory), it becomes a symlink to
+    a directory outside; just before ``doomed`` is looked at, it is deleted."""
+
+    def __init__(self, path: str, outside: Path) -> None:
+        super().__init__(path)
+        self.outside = outside
+
+    def _opened(self, asm, dirfd, child, fmt):
+        if child[-1] == b"victim":
+            os.rename(b"victim", b"victim.old", src_dir_fd=dirfd, dst_dir_fd=dirfd)
+            os.symlink(self.outside, b"victim", dir_fd=dirfd)
+        return super()._opened(asm, dirfd, child, fmt)
+
+    def _entry(self, asm, dirfd, child):
+        if child[-1] == b"doomed":
+            os.unlink(b"doomed", dir_fd=dirfd)
+        return super()._entry(asm, dirfd, child)
+
+
+def upper_with(tmp_path: Path, *names: str) -> Path:
+    upper = tmp_path / "upper"
+    (upper / "victim").mkdir(parents=True)
+    (upper / "victim" / "inside").write_text("mine")
+    for name in names:
+        (upper / name).write_text(name)
+    return upper
+
+
+def test_commit_never_follows_a_directory_swapped_for_a_symlink(tmp_path):
+    store = open_store("file://" + str(tmp_path / "store"))
+    outside = tmp_path / "host-secrets"
+    outside.mkdir()
+    (outside / "shadow").write_text("host secret")
+    source = SwappingSource(str(upper_with(tmp_path)), outside)
+    with pytest.raises(SourceError) as err:
+        build_layer(store, "sandbox s1", BuildOptions("ws", "1"), source=source)
+    assert str(err.value) == "source /victim: changed type during the commit"
+    assert Registry(store).read_ref(LAYERS, "ws", "1") is None
+
+
+def test_commit_skips_what_vanishes_during_the_walk(tmp_path):
+    store = open_store("file://" + str(tmp_path / "store"))
+    upper = upper_with(tmp_path, "doomed", "kept")
+    source = SwappingSource(str(upper), tmp_path)
+    os.rename(upper / "victim", upper / "plain")  # no swap this time
+    result = build_layer(store, "sandbox s1", BuildOptions("ws", "1"), source=source)
+    assert result.published and source.vanished == ["/doomed"]
+    assert result.manifest.stats.files == 2  # kept, plain/inside
+
+
+def test_commit_of_a_huge_sparse_file_stores_no_holes(tmp_path):
+    store = open_store("file://" + str(tmp_path / "store"))
+    upper = tmp_path / "upper"
+    upper.mkdir()
+    with open(upper / "sparse", "wb") as f:
+        f.truncate(1 << 30)
+        f.seek((1 << 30) - 1)
+        f.write(b"x")
+    result = build_layer(store, "sandbox s1", BuildOptions("ws", "1"),
+                         source=UpperSource(str(upper)))
+    stats = result.manifest.stats
+    assert stats.file_bytes == 1 << 30 and stats.unique_chunks == 1
+    assert stats.uploaded_bytes < 1 << 20
