@@ -20,6 +20,7 @@ from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.errors import SourceError
 from layerfs.manifest import ImageConfig
+from layerfs.node.control import RemoteError
 from layerfs.node.process import LAYERFS
 from layerfs.registry import ENVS, LAYERS, Registry
 from layerfs.store import open_store
@@ -206,6 +207,9 @@ def test_commit_bad_input(node):
     assert missing.returncode == 9
     assert missing.stderr.strip().splitlines() == ["layerfs: error: sandbox nope: no such sandbox"]
     rootfs = up(node, "e@1", "s1")
+    with pytest.raises(RemoteError) as err:  # an erofs layer cannot claim the disk role
+        node.request("commit", id="s1", name="ws", version="1", role="disk")
+    assert err.value.exit_code == 2
     (rootfs / "file").write_text("first")
     first = node.cli("commit", "s1", "--name", "ws", "--version", "1", "--json")
     assert '"published": true' in first.stdout
@@ -217,6 +221,10 @@ def test_commit_bad_input(node):
     assert clash.stderr.strip().splitlines() == [
         "layerfs: error: ws@1 already exists with other content; versions are immutable"]
     node.cli("down", "s1")
+    on_nothing = subprocess.run([*LAYERFS, "env", "create", "x@1", "--layer", "ws@1", "--on",
+                                 "nope@1", *node.store_args], capture_output=True, text=True)
+    assert on_nothing.returncode == 5
+    assert on_nothing.stderr.strip().splitlines() == ["layerfs: error: no such env: nope@1"]
 
 
 class SwappingSource(UpperSource):

@@ -15,6 +15,7 @@ from layerfs.errors import UsageError
 from layerfs.node import bundle, runner
 from layerfs.node.control import call
 from layerfs.node.daemon import DEFAULT_ROOT, Daemon, DaemonConfig
+from layerfs.node.sandboxes import LAYER_ROLES
 
 from .common import Output, human_bytes, parse_size
 
@@ -109,7 +110,7 @@ def down(sid: str, keep_upper: bool, root: str, as_json: bool) -> None:
 @click.option("--name", required=True, help="Name of the new layer.")
 @click.option("--version", required=True, help="Version of the new layer.")
 @click.option("--role", default="workspace", show_default=True,
-              type=click.Choice(["base", "toolchain", "workspace"]))
+              type=click.Choice(LAYER_ROLES))
 @root_option
 @json_option
 def commit(sid: str, name: str, version: str, role: str, root: str, as_json: bool) -> None:

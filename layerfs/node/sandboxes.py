@@ -45,6 +45,7 @@ PREFETCH = ("none", "full", "trace")
 # an upper directory a layer can hold: no renamed lower directory kept as a
 # redirect xattr, no chown/chmod of a lower file kept as metadata only
 COMMITTABLE = "redirect_dir=off,metacopy=off"
+LAYER_ROLES = ("base", "toolchain", "workspace")  # what a committed upper may be
 
 
 class SandboxError(LayerfsError):
@@ -263,6 +264,8 @@ class Sandboxes:
         """Build the sandbox's upper directory into layer ``name@version`` in a
         worker thread, chunks deduplicated against the sandbox's layers, and
         publish it. The sandbox stays up and busy (no ``down``) meanwhile."""
+        if role not in LAYER_ROLES:
+            raise UsageError(f"invalid role {role!r} (expected one of {', '.join(LAYER_ROLES)})")
         record = self.records.get(sid)
         if record is None or sid in self._busy:
             raise SandboxError(sid, "no such sandbox" if record is None else "busy")
