@@ -22,8 +22,10 @@ class EnvResult:
 
 
 def create_env(store: Store, name: str, version: str, layer_refs: list[str],
-               config: ImageConfig | None = None) -> EnvResult:
-    """Publish env ``name@version`` of ``layer_refs`` (top first), with an image config."""
+               config: ImageConfig | None = None, on: str | None = None) -> EnvResult:
+    """Publish env ``name@version`` of ``layer_refs`` (top first), with an image config.
+    With ``on`` (an env ref), the layers go on top of that env's layers and the
+    new env keeps its image config unless ``config`` is given."""
     check_name(name)
     check_version(version)
     if not layer_refs:
@@ -32,6 +34,10 @@ def create_env(store: Store, name: str, version: str, layer_refs: list[str],
     layers = [EnvLayer(ref, reg.resolve(LAYERS, ref)) for ref in layer_refs]
     for layer in layers:
         reg.layer(layer.digest)  # must be a readable layer manifest
+    if on is not None:
+        below = reg.env(reg.resolve(ENVS, on))
+        layers += below.layers
+        config = config if config is not None else below.config
     ref = f"{name}@{version}"
     manifest = EnvManifest(name=name, version=version, layers=layers, created=now_utc(),
                            config=config)

@@ -26,7 +26,7 @@ from layerfs.registry import LAYERS, Registry, ref_key
 from layerfs.store.base import Store, blob_key, sha256_digest
 
 from .assembler import LayerAssembler
-from .dirsource import DirectorySource
+from .dirsource import DirectorySource, UpperSource
 from .pipeline import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_SIZE, ChunkPipeline, DedupIndex
 from .tarsource import TarSource, open_tar
 
@@ -84,9 +84,11 @@ def now_utc() -> str:
 
 
 def build_layer(store: Store, src: str, opts: BuildOptions,
-                progress: Progress | None = None) -> BuildResult:
+                progress: Progress | None = None,
+                source: DirectorySource | TarSource | UpperSource | None = None) -> BuildResult:
+    """Build ``src`` (or, if given, ``source``, named ``src`` in errors) into a layer."""
     opts.check()
-    source = open_source(src)
+    source = source or open_source(src)
     reg = Registry(store)
     existing = reg.read_ref(LAYERS, opts.name, opts.version)
     index, sources, old = _dedup_index(reg, opts, existing)

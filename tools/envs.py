@@ -20,14 +20,17 @@ def env() -> None:
 @click.argument("ref")
 @click.option("--layer", "layers", multiple=True, required=True, metavar="REF",
               help="A layer, top first (repeat: workspace, toolchain, base).")
+@click.option("--on", "on", metavar="ENV",
+              help="Put the layers on top of env ENV's layers and keep its image config.")
 @store_options
-def create(out: Output, reg: Registry, ref: str, layers: tuple[str, ...]) -> None:
-    """Create the env REF (name@version) from layers, top first."""
+def create(out: Output, reg: Registry, ref: str, layers: tuple[str, ...],
+           on: str | None) -> None:
+    """Create the env REF (name@version) from layers, top first (on top of ENV with --on)."""
     parsed = Ref.parse(ref)
     if parsed.digest:
         raise click.BadParameter("an env is created as name@version", param_hint="REF")
     assert parsed.name and parsed.version
-    result = create_env(reg.store, parsed.name, parsed.version, list(layers))
+    result = create_env(reg.store, parsed.name, parsed.version, list(layers), on=on)
     doc = {"ref": result.ref, "digest": result.digest, "published": result.published,
            "layers": [layer.__dict__ for layer in result.manifest.layers]}
     state = "" if result.published else "  (unchanged: already published)"

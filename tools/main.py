@@ -30,6 +30,7 @@ cli.add_command(layers.verify)
 cli.add_command(envs.env)
 cli.add_command(gc.gc)
 for command in (node.daemon, node.up, node.down, node.ps, node.run, node.stats, node.trace,
+                node.commit,
                 disks.build_disk_cmd, disks.disk, disks.vm):
     cli.add_command(command)
 

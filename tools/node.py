@@ -1,4 +1,4 @@
-"""Node commands: daemon, up, down, ps, run, stats, trace push."""
+"""Node commands: daemon, up, down, ps, run, stats, trace push, commit."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from layerfs.errors import UsageError
 from layerfs.node import bundle, runner
 from layerfs.node.control import call
 from layerfs.node.daemon import DEFAULT_ROOT, Daemon, DaemonConfig
+from layerfs.node.sandboxes import LAYER_ROLES
 
 from .common import Output, human_bytes, parse_size
 
@@ -102,6 +103,24 @@ def down(sid: str, keep_upper: bool, root: str, as_json: bool) -> None:
     """Take sandbox ID down and unmount what only it used."""
     res = call(root, {"op": "down", "id": sid, "keep_upper": keep_upper})
     Output(as_json).emit(res["sandbox"], f"{sid} down")
+
+
+@click.command()
+@click.argument("sid", metavar="ID")
+@click.option("--name", required=True, help="Name of the new layer.")
+@click.option("--version", required=True, help="Version of the new layer.")
+@click.option("--role", default="workspace", show_default=True,
+              type=click.Choice(LAYER_ROLES))
+@root_option
+@json_option
+def commit(sid: str, name: str, version: str, role: str, root: str, as_json: bool) -> None:
+    """Commit sandbox ID's changes (its overlay upper directory, whiteouts and opaque
+    directories included) as layer NAME@VERSION, chunks shared with the sandbox's
+    layers. The sandbox stays up; see docs/node.md for what a running one gets."""
+    res = call(root, {"op": "commit", "id": sid, "name": name, "version": version,
+                      "role": role})
+    state = "" if res["published"] else "  (unchanged: already published)"
+    Output(as_json).emit(res, f"{res['ref']} {res['digest']}{state}")
 
 
 @click.command()

@@ -237,6 +237,10 @@ class Daemon:
             return {"sandbox": rec}
         if op == "ps":
             return {"sandboxes": await self.sandboxes.ps()}
+        if op == "commit":
+            return await self.sandboxes.commit(req.get("id", ""), req.get("name", ""),
+                                               req.get("version", ""),
+                                               req.get("role", "workspace"))
         if op == "stats":
             return self.stats()
         if op == "trace-push":

@@ -28,6 +28,9 @@ from typing import Any
 
 import trio
 
+from ..builder.dirsource import UpperSource
+from ..builder.layer import BuildOptions, build_layer
+from ..builder.pipeline import DEFAULT_CHUNK_SIZE
 from ..errors import LayerfsError, UsageError
 from ..mounts import SAFE_FLAGS, mount, mount_erofs, umount
 from ..registry import ENVS, LAYERS, Registry
@@ -39,6 +42,12 @@ log = logging.getLogger(__name__)
 TRACE_WORKERS = 4  # fetches of one layer's trace replay at a time (one store round trip each)
 SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 PREFETCH = ("none", "full", "trace")
+# A layer's own trusted.overlay.* xattrs never steer lookups into other
+# directories (redirect) nor make a file's data come from elsewhere (metacopy),
+# and the upper directory stays one a layer can hold (`commit`): no renamed
+# lower directory kept as a redirect, no chown/chmod kept as metadata only.
+OVERLAY_OPTIONS = "redirect_dir=nofollow,metacopy=off"
+LAYER_ROLES = ("base", "toolchain", "workspace")  # what a committed upper may be
 
 
 class SandboxError(LayerfsError):
@@ -53,11 +62,6 @@ class MountedLayer:
     blob: BlobFile
     path: Path
     users: int = 0
-
-
-# A layer's own trusted.overlay.* xattrs never steer lookups into other
-# directories (redirect) nor make a file's data come from elsewhere (metacopy).
-OVERLAY_HARDENING = "redirect_dir=nofollow,metacopy=off"
 
 
 class LayerMounts:
@@ -201,7 +205,7 @@ class Sandboxes:
             await trio.to_thread.run_sync(make_dirs, sdir, fresh)
             lower = ":".join(str(m.path) for m in mounted)
             opts = (f"lowerdir={lower},upperdir={sdir / 'upper'},workdir={sdir / 'work'},"
-                    + OVERLAY_HARDENING)
+                    + OVERLAY_OPTIONS)
             await trio.to_thread.run_sync(mount, "overlay", str(sdir / "rootfs"), "overlay",
                                           SAFE_FLAGS, opts, limiter=self.layers.mount_limit)
         except BaseException:
@@ -256,6 +260,43 @@ class Sandboxes:
             self._busy.discard(sid)
         record["state"] = "down"
         return record
+
+    async def commit(self, sid: str, name: str, version: str,
+                     role: str = "workspace") -> dict[str, Any]:
+        """Build the sandbox's upper directory into layer ``name@version`` in a
+        worker thread, chunks deduplicated against the sandbox's layers, and
+        publish it. The sandbox stays up and busy (no ``down``) meanwhile."""
+        if role not in LAYER_ROLES:
+            raise UsageError(f"invalid role {role!r} (expected one of {', '.join(LAYER_ROLES)})")
+        record = self.records.get(sid)
+        if record is None or sid in self._busy:
+            raise SandboxError(sid, "no such sandbox" if record is None else "busy")
+        self._busy.add(sid)
+        try:
+            source = UpperSource(str(self._dir(sid) / "upper"))
+            chunk_size = await trio.to_thread.run_sync(self._chunk_size, record["layers"])
+            opts = BuildOptions(name, version, role=role, chunk_size=chunk_size,
+                                dedup_with=list(record["layers"]))
+            result = await trio.to_thread.run_sync(functools.partial(
+                build_layer, self.reg.store, f"sandbox {sid}", opts, source=source))
+        finally:
+            self._busy.discard(sid)
+        for path in source.vanished:
+            log.warning("commit of %s: %s vanished during the walk, skipped", sid, path)
+        for path in source.changed:
+            log.warning("commit of %s: %s changed while it was read", sid, path)
+        stats = result.manifest.stats
+        return {"ref": result.ref, "digest": result.digest, "published": result.published,
+                "id": sid, "chunk_size": chunk_size, "files": stats.files,
+                "file_bytes": stats.file_bytes, "stored_bytes": stats.stored_bytes,
+                "uploaded_bytes": stats.uploaded_bytes, "unique_chunks": stats.unique_chunks,
+                "reused_chunks": stats.reused_chunks, "dedup_sources": record["layers"],
+                "vanished": source.vanished, "changed": source.changed}
+
+    def _chunk_size(self, digests: list[str]) -> int:
+        """Worker thread: the chunk size of the sandbox's top layer, so that a
+        copied-up file's unchanged chunks are the lower file's chunks."""
+        return self.reg.layer(digests[0]).chunk_size if digests else DEFAULT_CHUNK_SIZE
 
     async def restore(self) -> None:
         """After a restart: bring back the sandboxes that were up, or mark them lost."""
