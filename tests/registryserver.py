@@ -100,7 +100,7 @@ class TokenIssuer:
 
         self.key = ec.generate_private_key(ec.SECP256R1())
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ISSUER)])
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         self.cert = (
             x509.CertificateBuilder().subject_name(name).issuer_name(name)
             .public_key(self.key.public_key()).serial_number(x509.random_serial_number())

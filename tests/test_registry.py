@@ -123,7 +123,7 @@ def no_ambient_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 def _source(server: RegistryServer, ref: str, tmp_path: Path,
             account: Account | None = None) -> RegistrySource:
-    """A source for ``server/REPO<ref>`` with ``account`` (default: the server's) in an auth file."""
+    """A source for ``server/REPO<ref>``; ``account`` (default: the server's) in an auth file."""
     account = account or server.account
     auth_file = None
     if account is not None:
@@ -384,8 +384,8 @@ def test_blob_redirect_to_another_host_drops_authorization(tmp_path: Path) -> No
 
 
 def test_oversized_manifest_is_refused() -> None:
-    huge = b" " * (MAX_DOCUMENT + 1)
-    with FakeServer(lambda path, headers: Answer(200, huge, {"Content-Type": OCI_MANIFEST})) as fake:
+    huge = Answer(200, b" " * (MAX_DOCUMENT + 1), {"Content-Type": OCI_MANIFEST})
+    with FakeServer(lambda path, headers: huge) as fake:
         with pytest.raises(SourceError) as caught:
             RegistrySource(f"{fake.host}/app:v1", plain_http=True).get_manifest()
     assert "larger than" in str(caught.value)
