@@ -384,6 +384,7 @@ class Answer:
     status: int
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
+    length: int | None = None  # a Content-Length other than the body's: the body breaks off
 
 
 @dataclass(frozen=True)
@@ -421,9 +422,12 @@ class FakeServer:
                 self.send_response(answer.status)
                 for key, value in answer.headers.items():
                     self.send_header(key, value)
-                self.send_header("Content-Length", str(len(answer.body)))
+                length = len(answer.body) if answer.length is None else answer.length
+                self.send_header("Content-Length", str(length))
                 self.end_headers()
                 self.wfile.write(answer.body)
+                if answer.length is not None:
+                    self.close_connection = True
 
             def log_message(self, *args: object) -> None:
                 pass

@@ -383,6 +383,21 @@ def test_blob_redirect_to_another_host_drops_authorization(tmp_path: Path) -> No
     assert "authorization" not in storage.seen[0].headers
 
 
+def test_truncated_blob_is_one_error() -> None:
+    """A blob whose body breaks off before its Content-Length: one error, not short data."""
+    data = os.urandom(100_000)
+    cut = Answer(200, data[:40_000], length=len(data))
+    with FakeServer(lambda path, headers: cut) as fake:
+        source = RegistrySource(f"{fake.host}/app:v1", plain_http=True)
+        with source.open_blob(Descriptor("application/octet-stream", _digest(data),
+                                         len(data))) as stream:
+            with pytest.raises(RegistryUnreachable) as caught:
+                while stream.read(8192):
+                    pass
+    assert "broke off after 40000 bytes" in str(caught.value)
+    assert caught.value.exit_code == 8
+
+
 def test_oversized_manifest_is_refused() -> None:
     huge = Answer(200, b" " * (MAX_DOCUMENT + 1), {"Content-Type": OCI_MANIFEST})
     with FakeServer(lambda path, headers: huge) as fake:
