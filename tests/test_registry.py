@@ -226,8 +226,11 @@ def test_token_issuer_asked_with_service_and_scope(registries: dict[str, Registr
     server = registries["token"]
     assert server.issuer is not None
     before = len(server.issuer.requests)
-    _source(server, ":v1", tmp_path).get_manifest()
-    asked = server.issuer.requests[before:]
+    source = _source(server, ":v1", tmp_path)
+    manifest = json.loads(source.get_manifest()[0])
+    for entry in [manifest["config"], *manifest["layers"]]:
+        source.open_blob(_descriptor(entry)).close()
+    asked = server.issuer.requests[before:]  # one token, reused for the blobs
     assert asked == [{"service": "layerfs-test-registry", "scope": f"repository:{REPO}:pull"}]
 
 
@@ -256,6 +259,19 @@ def test_401_is_one_auth_error(registries: dict[str, RegistryServer], mode: str,
         source.get_manifest()
     assert caught.value.exit_code == 7
     assert str(caught.value) == f"registry {server.host}: authentication required for {REPO}"
+
+
+def test_malformed_auth_file_is_one_source_error(tmp_path: Path) -> None:
+    """An entry whose ``auth`` is not base64 ``user:password``: one line that names the
+    file and the host, and shows nothing of the entry."""
+    path = tmp_path / "auth.json"
+    no_colon = base64.b64encode(b"secret-without-colon").decode()
+    path.write_text(json.dumps({"auths": {"reg.example": {"auth": no_colon}}}))
+    with pytest.raises(SourceError) as caught:
+        RegistrySource("docker://reg.example/app:v1", auth_file=str(path))
+    assert str(caught.value) == f"source {path}: malformed registry auth entry for reg.example"
+    assert "secret" not in str(caught.value)
+    assert RegistrySource("docker://other.example/app", auth_file=str(path)).credentials is None
 
 
 PULL_SCRIPT = """
