@@ -117,6 +117,24 @@ class TransientStoreError(StoreError):
     exit_code = 8
 
 
+class RegistryError(LayerfsError):
+    """registry {}: {}"""
+
+    exit_code = 7
+
+
+class RegistryAuthRequired(RegistryError):
+    """registry {}: authentication required for {}"""
+
+    exit_code = 7
+
+
+class RegistryUnreachable(RegistryError):
+    """registry {} unreachable: {}"""
+
+    exit_code = 8
+
+
 class RefMismatch(IntegrityError):
     """integrity check failed for {} ref {}: it points at a manifest of {}"""
 
