@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -346,3 +347,49 @@ def test_a_missing_passwd_allows_numbers_only(tmp_path):
         resolve_user(str(rootfs), "app")
     with pytest.raises(ImageUserError):
         resolve_user(str(rootfs), "4294967296")  # beyond uid_t
+
+
+def test_a_non_root_image_user_has_no_effective_capabilities(node):
+    proc = layerfs_run(node, "img", "--", "grep -E '^Cap(Eff|Prm|Bnd):' /proc/self/status")
+    assert proc.returncode == 0, proc.stderr
+    caps = {k: int(v, 16) for k, _, v in (line.partition(":\t")
+                                           for line in proc.stdout.splitlines())}
+    assert caps["CapEff"] == 0 and caps["CapPrm"] == 0 and caps["CapBnd"] != 0
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A sticky world-writable directory (like /tmp) for an attacker's files."""
+    base = Path("/tmp/i3-bundle-tests")
+    base.mkdir(mode=0o755, exist_ok=True)
+    path = Path(tempfile.mkdtemp(dir=base))
+    path.chmod(0o1777)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_up_bundle_never_writes_through_a_planted_symlink(node, local_user, shared_dir,
+                                                          tmp_path):
+    """An attacker's bundle directory with config.json a symlink to a root file:
+    root's `up --bundle` replaces the link and leaves the file as it was, and
+    keeps the directory's own mode."""
+    victim = tmp_path / "victim"
+    victim.write_text("root's own file\n")
+    bundle = shared_dir / "attacker"
+    planted = local_user.python(
+        "import os, sys; os.mkdir(sys.argv[1], 0o755); "
+        "os.symlink(sys.argv[2], os.path.join(sys.argv[1], 'config.json'))",
+        str(bundle), str(victim))
+    assert planted.returncode == 0, planted.stderr
+    node.cli("up", "img@1", "--id", "planted", "--bundle", str(bundle))
+    try:
+        assert victim.read_text() == "root's own file\n"
+        config = bundle / "config.json"
+        assert not config.is_symlink()
+        assert json.loads(config.read_text())["process"]["user"]["uid"] == 1234
+        assert os.stat(bundle).st_mode & 0o777 == 0o755
+        assert sorted(os.listdir(bundle)) == ["config.json"]
+    finally:
+        node.cli("down", "planted")

@@ -98,7 +98,8 @@ def up(env_ref: str | None, layers: tuple[str, ...], sid: str, prefetch: str,
     if bundle_dir:
         try:
             config, _ = container_config(record, network="none")
-            record["bundle"] = bundle.write_bundle(os.path.abspath(bundle_dir), config)
+            record["bundle"] = bundle.write_bundle(os.path.abspath(bundle_dir), config,
+                                                    private=False)
         except BaseException:  # no sandbox without the bundle asked for
             call(root, {"op": "down", "id": sid})
             raise

@@ -12,9 +12,11 @@ CAP_SYS_ADMIN (new user namespaces, keyrings, bpf, kernel modules, ...).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
+import secrets
 import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -269,12 +271,24 @@ def seccomp_profile() -> dict[str, Any]:
     return profile
 
 
-def write_bundle(directory: str, config: Mapping[str, Any]) -> str:
-    """Write ``config`` as ``directory/config.json`` (directory made 0700); return the path."""
+def write_bundle(directory: str, config: Mapping[str, Any], private: bool = True) -> str:
+    """Write ``config`` as ``directory/config.json``; return the path. A missing
+    directory is made 0700; ``private`` makes an existing one 0700 too (the
+    runner's own directories, not a directory the caller names). The file is
+    written new (0600, ``O_EXCL | O_NOFOLLOW``) and renamed over config.json,
+    so a config.json that is a symlink is replaced, never written through."""
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    os.chmod(directory, 0o700)
+    if private:
+        os.chmod(directory, 0o700)
     path = os.path.join(directory, "config.json")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(config, f, indent=1)
+    temporary = os.path.join(directory, f".config.json.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(config, f, indent=1)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
     return path
