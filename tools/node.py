@@ -191,10 +191,11 @@ def stats(root: str, as_json: bool) -> None:
 @root_option
 def run(sid: str, cmd: tuple[str, ...], runtime_name: str, network: str, user: str | None,
         entrypoint: str | None, root: str) -> None:
-    """Run CMD in sandbox ID as a container (OCI runtime: pivot_root; new pid, mount, ipc,
-    uts and network namespaces; Docker's default capabilities; no_new_privs); exit with
-    CMD's status. The env's image config applies as in Docker: CMD replaces its Cmd after
-    its Entrypoint; no CMD runs Entrypoint + Cmd; User, Env and WorkingDir are the image's.
+    """Run the env's image process, or CMD, in sandbox ID as a container (OCI runtime:
+    pivot_root; new pid, mount, ipc, uts and network namespaces; Docker's default
+    capabilities; no_new_privs); exit with its status. The image config applies as in
+    Docker: CMD replaces its Cmd after its Entrypoint; no CMD runs Entrypoint + Cmd; User,
+    Env and WorkingDir are the image's; SIGTERM sends its StopSignal.
     Use: layerfs run [OPTIONS] ID [-- CMD...]"""
     rows: list[dict[str, Any]] = call(root, {"op": "ps"})["sandboxes"]
     match = [r for r in rows if r["id"] == sid]
