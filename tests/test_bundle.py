@@ -360,9 +360,7 @@ def test_a_non_root_image_user_has_no_effective_capabilities(node):
 @pytest.fixture
 def shared_dir() -> Iterator[Path]:
     """A sticky world-writable directory (like /tmp) for an attacker's files."""
-    base = Path("/tmp/i3-bundle-tests")
-    base.mkdir(mode=0o755, exist_ok=True)
-    path = Path(tempfile.mkdtemp(dir=base))
+    path = Path(tempfile.mkdtemp(prefix="layerfs-bundle-", dir="/tmp"))  # not 0700 tmp_path
     path.chmod(0o1777)
     try:
         yield path
