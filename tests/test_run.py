@@ -17,6 +17,7 @@ import pytest
 from nodes import NodeDaemon
 from support import build, need_root
 
+from layerfs.node import runner
 from layerfs.node.process import LAYERFS
 from layerfs.store import open_store
 
@@ -277,12 +278,20 @@ def test_a_sandbox_that_is_not_up_is_one_line(node):
 
 
 def test_crun_runs_the_same_bundle(node):
-    proc = run(node, "grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; echo $$; exit 4",
-               "--runtime", "crun")
-    if "cgroups in hybrid mode not supported" in proc.stderr:
-        pytest.skip("crun cannot run containers on this host's hybrid cgroup setup")
+    """crun runs for real, on a hybrid cgroup host too (in a mount namespace
+    without the cgroup2 hierarchy), with the same defaults as runc."""
+    major, minor = host_disk()
+    proc = run(node, "grep -E '^(CapEff|NoNewPrivs|Seccomp):' /proc/self/status; "
+                     f"mknod /dev/hostdisk b {major} {minor} && head -c 512 /dev/hostdisk "
+                     "| wc -c; echo pid $$; exit 4", "--runtime", "crun")
     assert proc.returncode == 4, proc.stderr
     fields = status_fields(proc.stdout)
     assert int(fields["CapEff"], 16) == sum(1 << bit for bit in DOCKER_CAPS.values())
-    assert fields["NoNewPrivs"] == "1"
-    assert proc.stdout.split()[-1] == "1"
+    assert fields["NoNewPrivs"] == "1" and fields["Seccomp"] == "2"
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "pid 1"
+    assert lines[-2].strip() == "0", proc.stdout  # the device cgroup refuses the host disk
+    listed = subprocess.run(runner.runtime_command(
+        "crun", str(node.root / "run" / "state" / "crun"), "list", "-q"),
+        capture_output=True, text=True, check=True)
+    assert listed.stdout == ""

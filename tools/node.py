@@ -82,16 +82,46 @@ def group_id(group: str) -> int:
 @click.option("--prefetch", type=click.Choice(["none", "full", "trace"]), default="none",
               show_default=True, help="none: lazy; full: fetch everything first; "
                                       "trace: replay recorded access order in the background.")
+@click.option("--bundle", "bundle_dir", metavar="DIR",
+              help="Also write an OCI runtime bundle for the sandbox: DIR/config.json runs "
+                   "the image's Entrypoint + Cmd as its User, with its Env and WorkingDir "
+                   "(`runc run -b DIR ID`).")
 @root_option
 @json_option
-def up(env_ref: str | None, layers: tuple[str, ...], sid: str, prefetch: str, root: str,
-       as_json: bool) -> None:
+def up(env_ref: str | None, layers: tuple[str, ...], sid: str, prefetch: str,
+       bundle_dir: str | None, root: str, as_json: bool) -> None:
     """Bring up sandbox ID from ENV_REF (or --layer refs); print its rootfs path."""
     if bool(env_ref) == bool(layers):
         raise UsageError("give ENV_REF or --layer refs (not both)")
     res = call(root, {"op": "up", "id": sid, "env": env_ref, "layers": list(layers),
                       "prefetch": prefetch})
-    Output(as_json).emit(res["sandbox"], res["sandbox"]["rootfs"])
+    record = res["sandbox"]
+    if bundle_dir:
+        try:
+            config, _ = container_config(record, network="none")
+            record["bundle"] = bundle.write_bundle(os.path.abspath(bundle_dir), config,
+                                                    private=False)
+        except BaseException:  # no sandbox without the bundle asked for
+            call(root, {"op": "down", "id": sid})
+            raise
+    Output(as_json).emit(record, record["rootfs"])
+
+
+def container_config(record: dict[str, Any], network: str, command: tuple[str, ...] = (),
+                     entrypoint: str | None = None, user: str | None = None,
+                     terminal: bool = False) -> tuple[dict[str, Any], int]:
+    """The config.json of a sandbox's container from its record (the env's image
+    config), and the signal that stops it."""
+    image = bundle.image_config_from(record.get("config"))
+    hostname = record["id"][:63]
+    process = bundle.image_process(record["rootfs"], image, hostname, command=command,
+                                   entrypoint=entrypoint, user=user,
+                                   term=os.environ.get("TERM"), terminal=terminal)
+    config = bundle.runtime_config(record["rootfs"], process, hostname=hostname,
+                                   network=network,
+                                   nofile=resource.getrlimit(resource.RLIMIT_NOFILE),
+                                   annotations=bundle.image_annotations(image))
+    return config, bundle.stop_signal(image)
 
 
 @click.command()
@@ -165,29 +195,34 @@ def stats(root: str, as_json: bool) -> None:
 
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.argument("sid", metavar="ID")
-@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 @click.option("--runtime", "runtime_name", envvar="LAYERFS_RUNTIME", default=runner.DEFAULT_RUNTIME,
               show_default=True, type=click.Choice(runner.RUNTIMES),
               help="The OCI runtime, found on PATH [env: LAYERFS_RUNTIME].")
 @click.option("--network", default="none", show_default=True,
               type=click.Choice(bundle.NETWORK_MODES),
               help="none: a new network namespace with only loopback; host: the node's.")
+@click.option("--user", "user", metavar="USER[:GROUP]",
+              help="Run as this user instead of the image's User (names from the image's "
+                   "/etc/passwd and /etc/group, or numbers).")
+@click.option("--entrypoint", metavar="PROG",
+              help="Replace the image's Entrypoint (and its Cmd); '' for none.")
 @root_option
-def run(sid: str, cmd: tuple[str, ...], runtime_name: str, network: str, root: str) -> None:
-    """Run CMD in sandbox ID as a container (OCI runtime: pivot_root; new pid, mount, ipc,
-    uts and network namespaces; Docker's default capabilities; no_new_privs); exit with
-    CMD's status. Use: layerfs run [OPTIONS] ID -- CMD..."""
+def run(sid: str, cmd: tuple[str, ...], runtime_name: str, network: str, user: str | None,
+        entrypoint: str | None, root: str) -> None:
+    """Run the env's image process, or CMD, in sandbox ID as a container (OCI runtime:
+    pivot_root; new pid, mount, ipc, uts and network namespaces; Docker's default
+    capabilities; no_new_privs); exit with its status. The image config applies as in
+    Docker: CMD replaces its Cmd after its Entrypoint; no CMD runs Entrypoint + Cmd; User,
+    Env and WorkingDir are the image's; SIGTERM sends its StopSignal.
+    Use: layerfs run [OPTIONS] ID [-- CMD...]"""
     rows: list[dict[str, Any]] = call(root, {"op": "ps"})["sandboxes"]
     match = [r for r in rows if r["id"] == sid]
     if not match or match[0]["state"] != "up":
         raise UsageError(f"sandbox {sid} is not up")
-    container = runner.prepare(root, runtime_name, sid)
-    terminal = sys.stdin.isatty()
-    process = bundle.ProcessSpec(args=cmd, env=bundle.default_env(os.environ.get("TERM")),
-                                 terminal=terminal)
-    config = bundle.runtime_config(match[0]["rootfs"], process, hostname=sid[:63],
-                                   network=network,
-                                   nofile=resource.getrlimit(resource.RLIMIT_NOFILE))
+    config, stop = container_config(match[0], network, command=cmd, entrypoint=entrypoint,
+                                    user=user, terminal=sys.stdin.isatty())
+    container = runner.prepare(root, runtime_name, sid, stop_signal=stop)
     sys.exit(runner.run(container, config))
 
 

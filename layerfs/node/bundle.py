@@ -12,11 +12,19 @@ CAP_SYS_ADMIN (new user namespaces, keyrings, bpf, kernel modules, ...).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import posixpath
+import secrets
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from ..errors import LayerfsError
+from ..manifest import ImageConfig
+from .imageuser import ImageUser, resolve_user
 
 OCI_VERSION = "1.0.2"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -80,18 +88,107 @@ class ProcessSpec:
         return [f"{key}={value}" for key, value in env.items()]
 
 
+STOP_SIGNAL_ANNOTATION = "org.opencontainers.image.stopSignal"
+
+
+class BundleError(LayerfsError):
+    """cannot make the container's process: {}"""
+
+    exit_code = 2
+
+
 def default_env(term: str | None) -> dict[str, str]:
     """PATH, HOME and TERM for a root process without an image config."""
     return {"PATH": DEFAULT_PATH, "HOME": "/root", "TERM": term or "dumb"}
 
 
+def image_config_from(data: Mapping[str, Any] | None) -> ImageConfig | None:
+    """The ImageConfig of a sandbox record (the daemon's answer), or None."""
+    if not data:
+        return None
+    known = {f.name for f in fields(ImageConfig)}
+    return ImageConfig(**{key: value for key, value in data.items() if key in known})
+
+
+def process_args(config: ImageConfig | None, command: Sequence[str] = (),
+                 entrypoint: str | None = None) -> tuple[str, ...]:
+    """Docker's rules: Entrypoint + Cmd; a command given replaces Cmd and keeps
+    the Entrypoint; ``entrypoint`` replaces the Entrypoint ("" for none) and
+    drops Cmd. Nothing at all is an error, not a guessed shell."""
+    if entrypoint is not None:
+        head = [entrypoint] if entrypoint else []
+        tail = list(command)
+    else:
+        head = list(config.entrypoint or []) if config else []
+        tail = list(command) if command else list((config.cmd if config else None) or [])
+    args = tuple(head + tail)
+    if not args:
+        raise BundleError("no command: the env's image config sets neither Entrypoint nor Cmd "
+                          "(`layerfs run ID -- CMD` gives one)")
+    return args
+
+
+def image_env(config: ImageConfig | None, user: ImageUser, hostname: str,
+              term: str | None) -> dict[str, str]:
+    """The process environment: HOSTNAME, TERM and HOME (the user's passwd
+    entry), then the image's Env over them; PATH defaults if the image sets none."""
+    env = {"PATH": DEFAULT_PATH, "HOSTNAME": hostname, "TERM": term or "dumb",
+           "HOME": user.home}
+    for item in (config.env if config else []):
+        key, sep, value = item.partition("=")
+        if sep and key:
+            env[key] = value
+    return env
+
+
+def image_process(rootfs: str, config: ImageConfig | None, hostname: str, *,
+                  command: Sequence[str] = (), entrypoint: str | None = None,
+                  user: str | None = None, term: str | None = None,
+                  terminal: bool = False) -> ProcessSpec:
+    """The process an image's config describes, in ``rootfs``: args, env, cwd
+    (WorkingDir, default /) and the user (``user`` over the image's User),
+    resolved against the rootfs's /etc/passwd and /etc/group."""
+    args = process_args(config, command, entrypoint)
+    spec = user if user is not None else (config.user if config else "")
+    resolved = resolve_user(rootfs, spec)
+    cwd = posixpath.normpath(posixpath.join("/", config.working_dir if config else ""))
+    return ProcessSpec(args=args, env=image_env(config, resolved, hostname, term), cwd=cwd,
+                       uid=resolved.uid, gid=resolved.gid,
+                       additional_gids=resolved.additional_gids, terminal=terminal)
+
+
+def image_annotations(config: ImageConfig | None) -> dict[str, str]:
+    """The image's Labels, and its StopSignal, as config.json annotations."""
+    if config is None:
+        return {}
+    annotations = dict(config.labels)
+    if config.stop_signal:
+        annotations[STOP_SIGNAL_ANNOTATION] = config.stop_signal
+    return annotations
+
+
+def stop_signal(config: ImageConfig | None) -> signal.Signals:
+    """The image's StopSignal (``SIGUSR1``, ``USR1`` or ``10``), SIGTERM if unset."""
+    given = config.stop_signal if config else ""
+    name = given.strip().upper()
+    if not name:
+        return signal.SIGTERM
+    try:
+        if name.isdigit():
+            return signal.Signals(int(name))
+        return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+    except (KeyError, ValueError):
+        raise BundleError(f"unknown StopSignal {given!r} in the image config") from None
+
+
 def runtime_config(rootfs: str, process: ProcessSpec, hostname: str,
                    network: str = "none",
-                   nofile: tuple[int, int] = DEFAULT_NOFILE) -> dict[str, Any]:
+                   nofile: tuple[int, int] = DEFAULT_NOFILE,
+                   annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The OCI runtime config.json for running ``process`` in ``rootfs``."""
     if network not in NETWORK_MODES:
         raise ValueError(f"network must be one of {NETWORK_MODES}, not {network!r}")
-    return {
+    config: dict[str, Any] = {
         "ociVersion": OCI_VERSION,
         "process": _process(process, nofile),
         "root": {"path": rootfs, "readonly": False},
@@ -99,6 +196,9 @@ def runtime_config(rootfs: str, process: ProcessSpec, hostname: str,
         "mounts": _mounts(),
         "linux": _linux(network),
     }
+    if annotations:
+        config["annotations"] = dict(annotations)
+    return config
 
 
 def _process(process: ProcessSpec, nofile: tuple[int, int]) -> dict[str, Any]:
@@ -171,12 +271,24 @@ def seccomp_profile() -> dict[str, Any]:
     return profile
 
 
-def write_bundle(directory: str, config: Mapping[str, Any]) -> str:
-    """Write ``config`` as ``directory/config.json`` (directory made 0700); return the path."""
+def write_bundle(directory: str, config: Mapping[str, Any], private: bool = True) -> str:
+    """Write ``config`` as ``directory/config.json``; return the path. A missing
+    directory is made 0700; ``private`` makes an existing one 0700 too (the
+    runner's own directories, not a directory the caller names). The file is
+    written new (0600, ``O_EXCL | O_NOFOLLOW``) and renamed over config.json,
+    so a config.json that is a symlink is replaced, never written through."""
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    os.chmod(directory, 0o700)
+    if private:
+        os.chmod(directory, 0o700)
     path = os.path.join(directory, "config.json")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(config, f, indent=1)
+    temporary = os.path.join(directory, f".config.json.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(config, f, indent=1)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
     return path

@@ -5,8 +5,15 @@ Writes an OCI bundle (``bundle.runtime_config``) in a per-run directory
 foreground with an OCI runtime (``runc`` or ``crun``, its state under
 ``ROOT/run/state/<runtime>``), passes
 stdin/stdout/stderr through, forwards SIGINT/SIGTERM/SIGHUP to the container (a
-second one kills it), and afterwards deletes the container and its bundle.
+second one kills it; SIGTERM, a request to stop, arrives as the image's
+StopSignal), and afterwards deletes the container and its bundle.
 The runtime's exit status (the command's, or 128 + signal) becomes ours.
+
+crun refuses a host whose cgroups are in hybrid mode with controllers on the
+cgroup2 hierarchy (``cgroups in hybrid mode not supported``). There it runs in
+a mount namespace of its own without ``/sys/fs/cgroup/unified``
+(:func:`runtime_command`), where it sees a cgroup v1 host and puts the
+container in v1 cgroups, device cgroup included.
 """
 
 from __future__ import annotations
@@ -29,20 +36,49 @@ from .bundle import write_bundle
 RUNTIMES = ("runc", "crun")
 DEFAULT_RUNTIME = "runc"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+UNIFIED_CGROUP = "/sys/fs/cgroup/unified"  # the cgroup2 hierarchy of a hybrid host
+WITHOUT_UNIFIED = f'umount {UNIFIED_CGROUP} && exec "$0" "$@"'
 
 
 @dataclass(frozen=True)
 class Container:
-    """One run: the runtime binary, its state root, the container id and bundle dir."""
+    """One run: the runtime binary, its state root, the container id and bundle
+    dir, and the signal that asks the container's process to stop."""
 
     runtime: str
     state_root: str
     container_id: str
     bundle_dir: str
+    stop_signal: int = signal.SIGTERM
 
     def command(self, *args: str) -> list[str]:
-        """``RUNTIME --root STATE ARGS...``"""
-        return [self.runtime, "--root", self.state_root, *args]
+        """``RUNTIME --root STATE ARGS...`` (in its own mount namespace where it needs one)."""
+        return runtime_command(self.runtime, self.state_root, *args)
+
+
+def runtime_command(runtime: str, state_root: str, *args: str) -> list[str]:
+    """The argv of ``RUNTIME --root STATE ARGS...``; crun on a hybrid cgroup host
+    runs in a private mount namespace without the cgroup2 hierarchy."""
+    argv = [runtime, "--root", state_root, *args]
+    if os.path.basename(runtime) == "crun" and hybrid_cgroup2_controllers():
+        return ["unshare", "--mount", "--propagation", "private", "--",
+                "sh", "-c", WITHOUT_UNIFIED, *argv]
+    return argv
+
+
+def hybrid_cgroup2_controllers() -> bool:
+    """Whether cgroup2 is mounted at /sys/fs/cgroup/unified beside v1 hierarchies
+    and has controllers: crun refuses to create containers there."""
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        mounted = any(fields[4] == UNIFIED_CGROUP and fields[fields.index("-") + 1] == "cgroup2"
+                      for fields in (line.split() for line in f))
+    if not mounted:
+        return False
+    try:
+        with open(os.path.join(UNIFIED_CGROUP, "cgroup.controllers"), encoding="ascii") as f:
+            return bool(f.read().strip())
+    except OSError:
+        return False
 
 
 def find_runtime(name: str) -> str:
@@ -60,7 +96,8 @@ def container_id(sandbox_id: str) -> str:
     return f"{sandbox_id}-{secrets.token_hex(6)}"
 
 
-def prepare(root: str, runtime_name: str, sandbox_id: str) -> Container:
+def prepare(root: str, runtime_name: str, sandbox_id: str,
+            stop_signal: int = signal.SIGTERM) -> Container:
     """Find the runtime and name this run's container, bundle dir and state root."""
     runtime = find_runtime(runtime_name)
     run_dir = os.path.join(root, "run")
@@ -68,7 +105,8 @@ def prepare(root: str, runtime_name: str, sandbox_id: str) -> Container:
     os.chmod(run_dir, 0o700)
     cid = container_id(sandbox_id)
     return Container(runtime=runtime, state_root=os.path.join(run_dir, "state", runtime_name),
-                     container_id=cid, bundle_dir=os.path.join(run_dir, "bundles", cid))
+                     container_id=cid, bundle_dir=os.path.join(run_dir, "bundles", cid),
+                     stop_signal=stop_signal)
 
 
 def run(container: Container, config: dict[str, Any]) -> int:
@@ -90,13 +128,14 @@ def run(container: Container, config: dict[str, Any]) -> int:
 @contextmanager
 def forwarding_signals(container: Container, proc: subprocess.Popen) -> Iterator[None]:
     """Forward SIGINT/SIGTERM/SIGHUP to the runtime (which forwards them to the
-    container's process); on the second one, kill the container."""
+    container's process; SIGTERM as the container's stop signal); on the second
+    one, kill the container."""
     received: list[int] = []
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         received.append(signum)
         if len(received) == 1:
-            _signal_quietly(proc, signum)
+            _signal_quietly(proc, container.stop_signal if signum == signal.SIGTERM else signum)
         else:
             subprocess.run(container.command("kill", container.container_id, "KILL"),
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -22,7 +22,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -159,11 +159,15 @@ class Sandboxes:
     def _dir(self, sid: str) -> Path:
         return self.root / "sandboxes" / sid
 
-    def _resolve(self, env: str | None, layer_refs: list[str]) -> list[str]:
-        """Worker thread: env or layer refs → layer manifest digests, top first."""
+    def _resolve(self, env: str | None,
+                 layer_refs: list[str]) -> tuple[list[str], dict[str, Any] | None]:
+        """Worker thread: env or layer refs → layer manifest digests, top first,
+        and the env's image config (what ``up --bundle`` and ``run`` start)."""
         if env:
-            return [layer.digest for layer in self.reg.env(self.reg.resolve(ENVS, env)).layers]
-        return [self.reg.resolve(LAYERS, ref) for ref in layer_refs]
+            manifest = self.reg.env(self.reg.resolve(ENVS, env))
+            config = asdict(manifest.config) if manifest.config else None
+            return [layer.digest for layer in manifest.layers], config
+        return [self.reg.resolve(LAYERS, ref) for ref in layer_refs], None
 
     async def up(self, sid: str, env: str | None = None, layers: list[str] | None = None,
                  prefetch: str = "none") -> dict[str, Any]:
@@ -177,8 +181,9 @@ class Sandboxes:
             raise SandboxError(sid, "already exists")
         self._busy.add(sid)
         try:
-            digests = await trio.to_thread.run_sync(self._resolve, env, layers or [])
+            digests, config = await trio.to_thread.run_sync(self._resolve, env, layers or [])
             record = {"id": sid, "env": env, "layer_refs": layers or [], "layers": digests,
+                      "config": config,
                       "prefetch": prefetch, "created": time.time(), "state": "starting",
                       "rootfs": str(self._dir(sid) / "rootfs")}
             await self._start(record, fresh=True)

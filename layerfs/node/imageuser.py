@@ -1,0 +1,190 @@
+"""The user an image's process runs as: an OCI ``User`` (``user``, ``uid``,
+``user:group``, ``uid:gid``, ``user:gid``, ``uid:group``) resolved against the
+image's own ``/etc/passwd`` and ``/etc/group``, read inside the sandbox rootfs.
+
+The rootfs is hostile. Its files are opened with ``openat2(RESOLVE_IN_ROOT)``
+from a descriptor of the rootfs, so every symlink on the way (``/etc`` or
+``/etc/passwd`` pointing at ``/host/secret`` or ``../../..``) resolves inside
+the rootfs, never on the host; ``O_NONBLOCK`` so that a FIFO does not block the
+open; only a regular file of at most :data:`MAX_DB_BYTES` is read. A missing
+file has no entries; one that is not a regular file or is too large is an error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import stat
+from dataclasses import dataclass
+
+from ..errors import LayerfsError
+
+MAX_DB_BYTES = 4 << 20  # /etc/passwd and /etc/group: real ones are far smaller
+MAX_ID = (1 << 32) - 2  # (uid_t) -1 means "no change" to the kernel
+SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_IN_ROOT = 0x10
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+class ImageUserError(LayerfsError):
+    """image user {!r}: {}"""
+
+    exit_code = 2
+
+
+class ImageFileError(LayerfsError):
+    """the image's {}: {}"""
+
+    exit_code = 2
+
+
+class OpenHow(ctypes.Structure):
+    """``struct open_how`` of openat2(2)."""
+
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                ("resolve", ctypes.c_uint64)]
+
+
+@dataclass(frozen=True)
+class PasswdEntry:
+    name: str
+    uid: int
+    gid: int
+    home: str
+
+
+@dataclass(frozen=True)
+class GroupEntry:
+    name: str
+    gid: int
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ImageUser:
+    """The resolved user: ids for the runtime, and the HOME its passwd entry gives."""
+
+    uid: int
+    gid: int
+    additional_gids: tuple[int, ...] = ()
+    home: str = "/root"
+    name: str = "root"
+
+
+def open_in_root(rootfs_fd: int, path: str) -> int | None:
+    """Open ``path`` read-only with every component resolved inside the rootfs
+    (``RESOLVE_IN_ROOT``); None if it does not exist."""
+    how = OpenHow(flags=os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, mode=0,
+                  resolve=RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    number = SYS_OPENAT2.get(os.uname().machine)
+    if number is None:
+        raise ImageFileError(path, f"openat2 is not known on {os.uname().machine}")
+    fd = _libc.syscall(number, rootfs_fd, os.fsencode(path), ctypes.byref(how),
+                       ctypes.sizeof(how))
+    if fd < 0:
+        err = ctypes.get_errno()
+        if err in (errno.ENOENT, errno.ENOTDIR):
+            return None
+        raise ImageFileError(path, os.strerror(err))
+    return int(fd)
+
+
+def read_image_file(rootfs_fd: int, path: str, limit: int = MAX_DB_BYTES) -> str:
+    """The text of a regular file of the rootfs of at most ``limit`` bytes
+    ("" if it is missing)."""
+    fd = open_in_root(rootfs_fd, path)
+    if fd is None:
+        return ""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ImageFileError(path, "not a regular file")
+        if st.st_size > limit:
+            raise ImageFileError(path, f"larger than {limit} bytes")
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ImageFileError(path, f"larger than {limit} bytes")
+    return data.decode("utf-8", errors="replace")
+
+
+def parse_id(text: str) -> int | None:
+    """A decimal uid/gid in range, or None."""
+    if not text.isascii() or not text.isdigit():
+        return None
+    value = int(text)
+    return value if value <= MAX_ID else None
+
+
+def parse_passwd(text: str) -> list[PasswdEntry]:
+    """``name:password:uid:gid:gecos:home:shell`` lines; malformed ones are skipped."""
+    entries = []
+    for line in text.splitlines():
+        fields = line.split(":")
+        if len(fields) < 7 or not fields[0]:
+            continue
+        uid, gid = parse_id(fields[2]), parse_id(fields[3])
+        if uid is not None and gid is not None:
+            entries.append(PasswdEntry(fields[0], uid, gid, fields[5] or "/"))
+    return entries
+
+
+def parse_group(text: str) -> list[GroupEntry]:
+    """``name:password:gid:member,member`` lines; malformed ones are skipped."""
+    entries = []
+    for line in text.splitlines():
+        fields = line.split(":")
+        if len(fields) < 4 or not fields[0]:
+            continue
+        gid = parse_id(fields[2])
+        if gid is not None:
+            members = tuple(m for m in fields[3].split(",") if m)
+            entries.append(GroupEntry(fields[0], gid, members))
+    return entries
+
+
+def resolve_user(rootfs: str, spec: str) -> ImageUser:
+    """Resolve the OCI ``User`` ``spec`` ("" = root) against the rootfs's
+    /etc/passwd and /etc/group."""
+    user_part, _, group_part = spec.partition(":")
+    rootfs_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        passwd = parse_passwd(read_image_file(rootfs_fd, "/etc/passwd"))
+        groups = parse_group(read_image_file(rootfs_fd, "/etc/group"))
+    finally:
+        os.close(rootfs_fd)
+    entry = _passwd_entry(spec, user_part or "0", passwd)
+    uid = entry.uid if entry else int(user_part or 0)
+    gid = entry.gid if entry else 0
+    if group_part:
+        gid = _group_id(spec, group_part, groups)
+    name = entry.name if entry else ""
+    extra = sorted({g.gid for g in groups if name and name in g.members and g.gid != gid})
+    home = entry.home if entry else ("/root" if uid == 0 else "/")
+    return ImageUser(uid=uid, gid=gid, additional_gids=tuple(extra), home=home, name=name)
+
+
+def _passwd_entry(spec: str, user: str, passwd: list[PasswdEntry]) -> PasswdEntry | None:
+    """The entry a name or uid names; a uid may have none, a name must."""
+    uid = parse_id(user)
+    if uid is not None:
+        return next((e for e in passwd if e.uid == uid), None)
+    entry = next((e for e in passwd if e.name == user), None)
+    if entry is None:
+        raise ImageUserError(spec, f"no user {user!r} in the image's /etc/passwd")
+    return entry
+
+
+def _group_id(spec: str, group: str, groups: list[GroupEntry]) -> int:
+    gid = parse_id(group)
+    if gid is not None:
+        return gid
+    entry = next((g for g in groups if g.name == group), None)
+    if entry is None:
+        raise ImageUserError(spec, f"no group {group!r} in the image's /etc/group")
+    return entry.gid
