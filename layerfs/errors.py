@@ -69,6 +69,12 @@ class VersionExists(LayerfsError):
     exit_code = 4
 
 
+class DestinationExists(LayerfsError):
+    """destination {}: {}"""
+
+    exit_code = 4
+
+
 class RefNotFound(LayerfsError):
     """no such {}: {}"""
 

@@ -1,0 +1,444 @@
+"""An env out as an OCI image: an image layout directory or an archive of one.
+
+``oci:DIR[:TAG]`` writes an OCI image layout (``oci-layout``, ``index.json``
+naming the manifest under ``org.opencontainers.image.ref.name`` = TAG,
+``blobs/sha256/...``); ``oci-archive:FILE[:TAG]`` a tar of such a layout. The
+tag defaults to ``latest``.
+
+One OCI layer per layerfs layer, bottom first (an env lists its layers top
+first), each a gzip'd (or zstd) tar written by
+:func:`~layerfs.builder.oci.layertar.write_layer_tar` straight into the
+layout's blob directory: the tar is hashed (the diff_id) and compressed, and
+the compressed stream hashed and written to a temporary file renamed to its
+digest, so no layer is ever whole in memory. ``fold`` writes one layer of the
+merged tree instead. The image config carries the env's
+:class:`~layerfs.manifest.ImageConfig`.
+
+Trees are read from the layers' meta images, checked against their digests
+and structure, and file bytes through the chunk tables, every chunk
+sha256-checked: nothing is mounted. Nothing is half-written: a new layout is
+built in a temporary directory beside DIR and renamed; into an existing
+layout the blobs go first and ``index.json`` is replaced last (new blobs are
+removed again if the export fails); an archive is written to a temporary
+file and linked into place.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import zstandard
+
+from layerfs.errors import DestinationExists, UsageError
+from layerfs.formats.erofsread import read_meta_image
+from layerfs.manifest import EnvManifest, ImageConfig
+from layerfs.registry import ENVS, Registry
+from layerfs.store.base import Store
+from layerfs.tree import FileTree, FsNode
+
+from .image import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, Descriptor
+from .layertar import BlobRanges, LayerTree, TarStats, fold_layers, write_layer_tar
+
+REF_NAME = "org.opencontainers.image.ref.name"
+LAYOUT_FILE = "oci-layout"
+LAYOUT_VERSION = {"imageLayoutVersion": "1.0.0"}
+TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+DEFAULT_TAG = "latest"
+LAYER_TYPES = {
+    "gzip": "application/vnd.oci.image.layer.v1.tar+gzip",
+    "zstd": "application/vnd.oci.image.layer.v1.tar+zstd",
+}
+GZIP_LEVEL = 6
+ZSTD_LEVEL = 3
+GOARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "i686": "386",
+          "ppc64le": "ppc64le", "s390x": "s390x", "riscv64": "riscv64"}
+
+
+def host_architecture() -> str:
+    """The host's architecture as OCI names it (Go's GOARCH)."""
+    machine = os.uname().machine
+    return GOARCH.get(machine, machine)
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where an export goes: ``oci`` (a layout directory) or ``oci-archive``."""
+
+    transport: str
+    path: str
+    tag: str
+
+    def __str__(self) -> str:
+        return f"{self.transport}:{self.path}:{self.tag}"
+
+
+def parse_destination(text: str) -> Destination:
+    """``oci:DIR[:TAG]`` or ``oci-archive:FILE[:TAG]``."""
+    transport, sep, rest = text.partition(":")
+    if not sep or transport not in ("oci", "oci-archive") or not rest:
+        raise UsageError(f"destination {text!r}: expected oci:DIR[:TAG] or oci-archive:FILE[:TAG]")
+    path, tag = rest, DEFAULT_TAG
+    head, colon, tail = rest.rpartition(":")
+    if colon and head and "/" not in tail:
+        path, tag = head, tail
+    if not TAG_RE.fullmatch(tag):
+        raise UsageError(f"destination {text!r}: {tag!r} is not a valid tag")
+    return Destination(transport, path, tag)
+
+
+@dataclass
+class ExportedLayer:
+    """One layer of the exported image."""
+
+    source: str  # the layerfs layer(s) it was made from
+    digest: str  # the compressed blob
+    size: int
+    diff_id: str  # sha256 of the uncompressed tar
+    stats: TarStats
+
+
+@dataclass
+class ExportResult:
+    env: str
+    destination: str
+    manifest_digest: str
+    config_digest: str
+    layers: list[ExportedLayer] = field(default_factory=list)
+
+
+# -- streaming a blob into a layout --
+
+class _HashingSink:
+    """A write-only stream that hashes and counts what passes, then forwards it."""
+
+    def __init__(self, out: BinaryIO | None = None) -> None:
+        self.out = out
+        self.hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self.hash.update(data)
+        self.size += len(data)
+        if self.out is not None:
+            self.out.write(data)
+        return len(data)
+
+    def flush(self) -> None:
+        if self.out is not None:
+            self.out.flush()
+
+    @property
+    def digest(self) -> str:
+        return "sha256:" + self.hash.hexdigest()
+
+
+class Layout:
+    """An OCI image layout being written at ``root``; ``created`` lists the
+    blob files this export added (removed again by :meth:`discard_new`)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.blob_dir = os.path.join(root, "blobs", "sha256")
+        os.makedirs(self.blob_dir, exist_ok=True)
+        self.created: list[str] = []
+
+    def _place(self, tmp: str, digest: str) -> None:
+        final = os.path.join(self.blob_dir, digest.removeprefix("sha256:"))
+        if os.path.exists(final):
+            os.unlink(tmp)
+            return
+        os.rename(tmp, final)
+        self.created.append(final)
+
+    def _temp(self) -> tuple[int, str]:
+        fd, tmp = tempfile.mkstemp(dir=self.blob_dir, prefix=".tmp-")
+        os.fchmod(fd, 0o644)
+        return fd, tmp
+
+    def put_json(self, doc: dict[str, Any], media_type: str) -> Descriptor:
+        data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        fd, tmp = self._temp()
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        self._place(tmp, digest)
+        return Descriptor(media_type, digest, len(data))
+
+    def put_stream(self, write: Callable[[BinaryIO], None]) -> tuple[str, int]:
+        """Run ``write`` on a temporary blob file; the blob is named by its digest."""
+        fd, tmp = self._temp()
+        try:
+            with os.fdopen(fd, "wb") as f:
+                sink = _HashingSink(f)
+                write(sink)  # type: ignore[arg-type]
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        self._place(tmp, sink.digest)
+        return sink.digest, sink.size
+
+    def discard_new(self) -> None:
+        for path in self.created:
+            os.unlink(path)
+        self.created.clear()
+
+    # -- oci-layout and index.json --
+    def read_index(self) -> dict[str, Any]:
+        path = os.path.join(self.root, "index.json")
+        if not os.path.exists(path):
+            return {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": []}
+        with open(path, "rb") as f:
+            try:
+                doc = json.load(f)
+            except ValueError:
+                doc = None
+        if not isinstance(doc, dict) or not isinstance(doc.get("manifests"), list):
+            raise DestinationExists(self.root, "index.json is not an OCI image index")
+        return doc
+
+    def write_index(self, doc: dict[str, Any]) -> None:
+        """``oci-layout``, then ``index.json`` replaced atomically (last)."""
+        layout = os.path.join(self.root, LAYOUT_FILE)
+        if not os.path.exists(layout):
+            _write_atomic(layout, json.dumps(LAYOUT_VERSION).encode())
+        _write_atomic(os.path.join(self.root, "index.json"),
+                      json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n")
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# -- layers --
+
+@dataclass
+class _SourceLayer:
+    ref: str
+    tree: FileTree
+    ranges: BlobRanges
+    chunk_size: int
+
+
+def _load_layers(reg: Registry, env: EnvManifest) -> list[_SourceLayer]:
+    """The env's layers bottom first, each tree read from its checked meta image."""
+    out = []
+    for layer in reversed(env.layers):
+        manifest = reg.layer(layer.digest)
+        meta = read_meta_image(reg.meta_image(manifest))
+        table = reg.chunk_table(manifest)
+        out.append(_SourceLayer(layer.ref, meta.tree, BlobRanges(table), manifest.chunk_size))
+    return out
+
+
+def _layer_trees(layers: list[_SourceLayer], fold: bool) -> list[tuple[str, LayerTree]]:
+    if not fold:
+        return [(layer.ref, LayerTree(layer.tree, _constant_source(layer))) for layer in layers]
+    tree, origin = fold_layers([layer.tree for layer in layers])
+
+    def source_of(node: FsNode) -> tuple[BlobRanges, int]:
+        layer = layers[origin[id(node)]]
+        return layer.ranges, layer.chunk_size
+
+    return [("+".join(layer.ref for layer in reversed(layers)), LayerTree(tree, source_of))]
+
+
+def _constant_source(layer: _SourceLayer) -> Callable[[FsNode], tuple[BlobRanges, int]]:
+    return lambda _node: (layer.ranges, layer.chunk_size)
+
+
+def _write_layer(store: Store, layout: Layout, source: str, tree: LayerTree,
+                 compression: str) -> ExportedLayer:
+    diff = _HashingSink()
+
+    def write(out: BinaryIO) -> None:
+        if compression == "zstd":
+            with zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(
+                    out, closefd=False) as packed:  # type: ignore[arg-type]
+                diff.out = packed  # type: ignore[assignment]
+                write_layer_tar(store, tree, diff)  # type: ignore[arg-type]
+            return
+        with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0,
+                           compresslevel=GZIP_LEVEL) as packed:
+            diff.out = packed  # type: ignore[assignment]
+            write_layer_tar(store, tree, diff)  # type: ignore[arg-type]
+
+    digest, size = layout.put_stream(write)
+    return ExportedLayer(source, digest, size, diff.digest, tree.stats)
+
+
+# -- config and manifest --
+
+def image_config(env: EnvManifest, diff_ids: list[str]) -> dict[str, Any]:
+    """The OCI image config of an env: its ImageConfig and the layers' diff_ids."""
+    config = env.config or ImageConfig()
+    run: dict[str, Any] = {}
+    if config.env:
+        run["Env"] = config.env
+    if config.entrypoint is not None:
+        run["Entrypoint"] = config.entrypoint
+    if config.cmd is not None:
+        run["Cmd"] = config.cmd
+    for key, value in (("WorkingDir", config.working_dir), ("User", config.user),
+                       ("StopSignal", config.stop_signal)):
+        if value:
+            run[key] = value
+    if config.labels:
+        run["Labels"] = config.labels
+    if config.exposed_ports:
+        run["ExposedPorts"] = {port: {} for port in config.exposed_ports}
+    return {
+        "created": env.created,
+        "architecture": config.architecture or host_architecture(),
+        "os": config.os or "linux",
+        "config": run,
+        "rootfs": {"type": "layers", "diff_ids": diff_ids},
+    }
+
+
+def _descriptor_doc(desc: Descriptor) -> dict[str, Any]:
+    return {"mediaType": desc.media_type, "digest": desc.digest, "size": desc.size}
+
+
+def _write_image(store: Store, layout: Layout, env: EnvManifest, layers: list[_SourceLayer],
+                 fold: bool, compression: str) -> tuple[Descriptor, Descriptor,
+                                                         list[ExportedLayer]]:
+    exported = [_write_layer(store, layout, source, tree, compression)
+                for source, tree in _layer_trees(layers, fold)]
+    config = layout.put_json(image_config(env, [x.diff_id for x in exported]), OCI_CONFIG)
+    manifest = layout.put_json({
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": _descriptor_doc(config),
+        "layers": [{"mediaType": LAYER_TYPES[compression], "digest": x.digest, "size": x.size}
+                   for x in exported],
+        "annotations": {"org.opencontainers.image.created": env.created},
+    }, OCI_MANIFEST)
+    return manifest, config, exported
+
+
+def _tagged_index(index: dict[str, Any], manifest: Descriptor, tag: str,
+                  where: str) -> dict[str, Any]:
+    """``index`` with ``manifest`` under ``tag``; a tag naming another image is refused."""
+    for entry in index["manifests"]:
+        if isinstance(entry, dict) and entry.get("annotations", {}).get(REF_NAME) == tag:
+            if entry.get("digest") == manifest.digest:
+                return index
+            raise DestinationExists(where, f"tag {tag!r} names another image")
+    entry = _descriptor_doc(manifest)
+    entry["annotations"] = {REF_NAME: tag}
+    return {**index, "manifests": [*index["manifests"], entry]}
+
+
+# -- the whole export --
+
+def check_destination(dest: Destination) -> None:
+    """Refuse what the export would overwrite: an existing archive, or an
+    existing directory that is not an OCI image layout."""
+    if dest.transport == "oci-archive":
+        if os.path.lexists(dest.path):
+            raise DestinationExists(dest.path, "file exists")
+        return
+    if os.path.lexists(dest.path):
+        if not os.path.isdir(dest.path):
+            raise DestinationExists(dest.path, "exists and is not a directory")
+        has_layout = os.path.exists(os.path.join(dest.path, LAYOUT_FILE))
+        if os.listdir(dest.path) and not has_layout:
+            raise DestinationExists(dest.path, "exists and is not an OCI image layout")
+
+
+def export_env(store: Store, env_ref: str, dest: Destination, fold: bool = False,
+               compression: str = "gzip") -> ExportResult:
+    """Export env ``env_ref`` to ``dest`` (see the module docstring)."""
+    if compression not in LAYER_TYPES:
+        raise UsageError(f"compression {compression!r}: expected gzip or zstd")
+    reg = Registry(store)
+    env_digest = reg.resolve(ENVS, env_ref)
+    env = reg.env(env_digest)
+    check_destination(dest)
+    layers = _load_layers(reg, env)
+    parent = os.path.dirname(os.path.abspath(dest.path))
+    if dest.transport == "oci" and os.path.isdir(dest.path):
+        return _into_layout(store, env, layers, dest, fold, compression)
+    staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(dest.path)}.tmp-")
+    try:
+        layout = Layout(staging)
+        manifest, config, exported = _write_image(store, layout, env, layers, fold,
+                                                  compression)
+        layout.write_index(_tagged_index(layout.read_index(), manifest, dest.tag, dest.path))
+        if dest.transport == "oci":
+            os.chmod(staging, 0o755)
+            os.rename(staging, dest.path)
+        else:
+            _archive(staging, dest.path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return ExportResult(f"{env.name}@{env.version}", str(dest), manifest.digest, config.digest,
+                        exported)
+
+
+def _into_layout(store: Store, env: EnvManifest, layers: list[_SourceLayer], dest: Destination,
+                 fold: bool, compression: str) -> ExportResult:
+    layout = Layout(dest.path)
+    try:
+        index = layout.read_index()
+        manifest, config, exported = _write_image(store, layout, env, layers, fold,
+                                                  compression)
+        layout.write_index(_tagged_index(index, manifest, dest.tag, dest.path))
+    except BaseException:
+        layout.discard_new()
+        raise
+    return ExportResult(f"{env.name}@{env.version}", str(dest), manifest.digest, config.digest,
+                        exported)
+
+
+def _archive(layout_dir: str, path: str) -> None:
+    """Tar the layout into a temporary file beside ``path``, then link it into place."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)
+            with tarfile.open(fileobj=f, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                for name in (LAYOUT_FILE, "index.json", "blobs"):
+                    tar.add(os.path.join(layout_dir, name), arcname=name,
+                            filter=_archive_entry)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise DestinationExists(path, "file exists") from None
+    finally:
+        os.unlink(tmp)
+
+
+def _archive_entry(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.mode = 0o755 if info.isdir() else 0o644
+    return info
+

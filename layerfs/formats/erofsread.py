@@ -1,0 +1,216 @@
+"""Reading a layer's EROFS meta image back into a :class:`~layerfs.tree.FileTree`.
+
+The inverse of :mod:`layerfs.formats.erofs` for the subset it writes: every
+inode becomes an :class:`~layerfs.tree.FsNode` with its mode, owner, mtime,
+xattrs (inline and shared), symlink target, device numbers, inline data or
+chunk addresses (blob block per chunk, or :data:`~layerfs.tree.HOLE`), and a
+hard-linked inode is one node under all of its names. Nothing is mounted, so
+this works without privileges.
+
+The image must already have passed :func:`layerfs.formats.erofscheck.check_meta_image`
+(as :meth:`layerfs.registry.Registry.meta_image` does): the reader trusts its
+structure and only asserts what the checker guarantees.
+"""
+
+from __future__ import annotations
+
+import stat
+import struct
+from dataclasses import dataclass
+
+from ..tree import HOLE, FileTree, FsNode
+from .erofs import (
+    BLKBITS,
+    BLOCK,
+    CHUNK_FORMAT_INDEXES,
+    DEVT_SLOTOFF,
+    LAYOUT_CHUNK_BASED,
+    LAYOUT_FLAT_INLINE,
+    NULL_ADDR,
+    SB_OFFSET,
+)
+from .erofscheck import (
+    CHUNK_BLKBITS_MASK,
+    CHUNK_INDEX,
+    COMPACT,
+    DEVICE_SLOT,
+    DIRENT,
+    EXTENDED,
+    SUPERBLOCK,
+    XATTR_ENTRY,
+    XATTR_HEAD,
+)
+
+# EROFS xattr prefix index → the full-name prefix it stands for
+XATTR_PREFIX_NAMES = {
+    1: b"user.",
+    2: b"system.posix_acl_access",
+    3: b"system.posix_acl_default",
+    4: b"trusted.",
+    6: b"security.",
+}
+
+
+@dataclass
+class MetaTree:
+    """What a meta image describes: its tree and the blob it addresses."""
+
+    tree: FileTree
+    chunk_size: int  # bytes per chunk of chunk-based files (0: the image has none)
+    blob_blocks: int  # size of device 1, the data blob, in 4 KiB blocks
+
+
+def decode_rdev(i_u: int) -> tuple[int, int]:
+    """EROFS (Linux ``new_encode_dev``) device number → (major, minor)."""
+    return (i_u & 0xFFF00) >> 8, (i_u & 0xFF) | ((i_u >> 12) & 0xFFF00)
+
+
+def read_meta_image(image: bytes) -> MetaTree:
+    """The tree of a checked meta image (see the module docstring)."""
+    return _Reader(memoryview(image)).run()
+
+
+@dataclass
+class _Raw:
+    """One inode's fields as stored."""
+
+    nid: int
+    mode: int
+    layout: int
+    size: int
+    i_u: int
+    nlink: int
+    uid: int
+    gid: int
+    mtime: int
+    mtime_ns: int
+    body: int  # byte offset just past the inode and its xattrs
+    xattr_start: int
+    icount: int
+
+
+class _Reader:
+    def __init__(self, img: memoryview) -> None:
+        self.img = img
+        (_magic, _sum, _compat, _bits, _ext, self.root_nid, _inos, self.build_time,
+         self.build_time_ns, _blocks, _meta, self.xattr_blkaddr, _uuid, _vol, _incompat,
+         _algs, _devs, _slotoff, _res) = SUPERBLOCK.unpack_from(img, SB_OFFSET)
+        self.blob_blocks = DEVICE_SLOT.unpack_from(img, DEVT_SLOTOFF * 128)[1]
+        self.nodes: dict[int, FsNode] = {}
+        self.chunk_size = 0
+
+    def run(self) -> MetaTree:
+        root = self._node(self.root_nid)
+        stack = [(self.root_nid, root)]
+        while stack:
+            nid, node = stack.pop()
+            assert node.children is not None
+            for name, child_nid in self._dirents(self._raw(nid)):
+                known = self.nodes.get(child_nid)
+                child = known if known is not None else self._node(child_nid)
+                node.children[name] = child
+                if child.is_dir and known is None:
+                    stack.append((child_nid, child))
+        return MetaTree(FileTree(root), self.chunk_size, self.blob_blocks)
+
+    # -- inodes --
+    def _raw(self, nid: int) -> _Raw:
+        pos = nid * 32
+        i_format = struct.unpack_from("<H", self.img, pos)[0]
+        if i_format & 1:
+            (_f, icount, mode, _r, size, i_u, _ino, uid, gid, mtime, mtime_ns, nlink,
+             _r2) = EXTENDED.unpack_from(self.img, pos)
+            isize = EXTENDED.size
+        else:
+            (_f, icount, mode, nlink, size, _r, i_u, _ino, uid, gid,
+             _r2) = COMPACT.unpack_from(self.img, pos)
+            mtime, mtime_ns, isize = self.build_time, self.build_time_ns, COMPACT.size
+        xattr_size = 0 if icount == 0 else 12 + 4 * (icount - 1)
+        return _Raw(nid, mode, i_format >> 1, size, i_u, nlink, uid, gid, mtime, mtime_ns,
+                    pos + isize + xattr_size, pos + isize, icount)
+
+    def _node(self, nid: int) -> FsNode:
+        raw = self._raw(nid)
+        node = FsNode(mode=raw.mode, uid=raw.uid, gid=raw.gid, mtime=raw.mtime,
+                      mtime_ns=raw.mtime_ns, xattrs=self._xattrs(raw))
+        fmt = stat.S_IFMT(raw.mode)
+        if fmt == stat.S_IFDIR:
+            node.children = {}
+        elif fmt == stat.S_IFLNK:
+            node.target = self._flat_data(raw)
+        elif fmt == stat.S_IFREG:
+            node.size = raw.size
+            node.links = raw.nlink
+            if raw.layout == LAYOUT_CHUNK_BASED:
+                node.chunks = self._chunks(raw)
+            else:
+                node.inline = self._flat_data(raw)
+        elif fmt in (stat.S_IFCHR, stat.S_IFBLK):
+            node.rdev_major, node.rdev_minor = decode_rdev(raw.i_u)
+        if not node.is_dir:
+            node.links = raw.nlink
+        self.nodes[nid] = node
+        return node
+
+    def _flat_data(self, raw: _Raw) -> bytes:
+        """The data of a flat (plain or inline-tail) inode."""
+        nblocks = -(-raw.size // BLOCK)
+        pieces = []
+        for i in range(nblocks):
+            length = min(BLOCK, raw.size - i * BLOCK)
+            if raw.layout == LAYOUT_FLAT_INLINE and i == nblocks - 1:
+                start = raw.body
+            else:
+                start = (raw.i_u + i) * BLOCK
+            pieces.append(bytes(self.img[start : start + length]))
+        return b"".join(pieces)
+
+    def _chunks(self, raw: _Raw) -> list[int]:
+        assert raw.i_u & CHUNK_FORMAT_INDEXES
+        chunk_size = 1 << (BLKBITS + (raw.i_u & CHUNK_BLKBITS_MASK))
+        self.chunk_size = chunk_size
+        count = -(-raw.size // chunk_size)
+        start = -(-raw.body // 8) * 8
+        end = start + CHUNK_INDEX.size * count
+        return [HOLE if blkaddr == NULL_ADDR else blkaddr
+                for _advise, _dev, blkaddr in CHUNK_INDEX.iter_unpack(self.img[start:end])]
+
+    # -- directories --
+    def _dirents(self, raw: _Raw) -> list[tuple[bytes, int]]:
+        data = self._flat_data(raw)
+        out = []
+        for at in range(0, len(data), BLOCK):
+            block = data[at : at + BLOCK]
+            first = DIRENT.unpack_from(block, 0)[1]
+            heads = [DIRENT.unpack_from(block, k * 12) for k in range(first // 12)]
+            for k, (nid, nameoff, _ftype, _r) in enumerate(heads):
+                end = heads[k + 1][1] if k + 1 < len(heads) else len(block)
+                name = block[nameoff:end]
+                if k + 1 == len(heads):
+                    name = name.split(b"\0", 1)[0]
+                if name not in (b".", b".."):
+                    out.append((name, nid))
+        return out
+
+    # -- xattrs --
+    def _xattrs(self, raw: _Raw) -> dict[bytes, bytes]:
+        if not raw.icount:
+            return {}
+        shared = XATTR_HEAD.unpack_from(self.img, raw.xattr_start)[1]
+        out: dict[bytes, bytes] = {}
+        ids_at = raw.xattr_start + XATTR_HEAD.size
+        for k in range(shared):
+            xid = struct.unpack_from("<I", self.img, ids_at + 4 * k)[0]
+            self._entry(self.xattr_blkaddr * BLOCK + 4 * xid, out)
+        pos = ids_at + 4 * shared
+        while pos < raw.body:
+            pos = self._entry(pos, out)
+        return out
+
+    def _entry(self, pos: int, out: dict[bytes, bytes]) -> int:
+        """Read the xattr entry at ``pos`` into ``out``; returns where it ends."""
+        name_len, index, value_size = XATTR_ENTRY.unpack_from(self.img, pos)
+        at = pos + XATTR_ENTRY.size
+        name = XATTR_PREFIX_NAMES[index] + bytes(self.img[at : at + name_len])
+        out[name] = bytes(self.img[at + name_len : at + name_len + value_size])
+        return at + -(-(name_len + value_size) // 4) * 4
