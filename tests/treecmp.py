@@ -36,7 +36,10 @@ def snapshot(root: str, contents: bool = True, dir_mtime: bool = True) -> dict[s
                 continue
             path = os.path.join(dirpath, name) if name else dirpath
             rel = os.path.relpath(path, root)
-            st = os.lstat(path)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:  # overlayfs lists a lower-only dir's whiteouts
+                continue
             fmt = stat.S_IFMT(st.st_mode)
             facts: list = [fmt, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid]
             if fmt != stat.S_IFDIR or dir_mtime:

@@ -358,7 +358,11 @@ def _tagged_index(index: dict[str, Any], manifest: Descriptor, tag: str,
 
 def check_destination(dest: Destination) -> None:
     """Refuse what the export would overwrite: an existing archive, or an
-    existing directory that is not an OCI image layout."""
+    existing directory that is not an OCI image layout; the parent directory
+    must exist."""
+    parent = os.path.dirname(os.path.abspath(dest.path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"destination {dest.path}: directory {parent} does not exist")
     if dest.transport == "oci-archive":
         if os.path.lexists(dest.path):
             raise DestinationExists(dest.path, "file exists")

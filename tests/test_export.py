@@ -1,0 +1,316 @@
+"""`layerfs export`: an env out as an OCI image layout or archive, checked with
+umoci and skopeo (Debian) against the env's rootfs on a real node daemon, on
+both store backends; the meta image reader against the writer."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import stat
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+
+import pytest
+from gentree import make_tree
+from hypothesis import HealthCheck, given, settings
+from nodes import NodeDaemon
+from support import build, need_root
+from test_cli import layerfs, one_line_error
+from test_erofs import trees
+from test_node import make_base, upper_tar
+from treecmp import diff_trees, snapshot
+
+from layerfs.builder.env import create_env
+from layerfs.builder.oci.export import host_architecture
+from layerfs.formats.erofs import write_meta_image
+from layerfs.formats.erofsread import read_meta_image
+from layerfs.manifest import ImageConfig
+from layerfs.registry import Registry
+from layerfs.store.base import blob_key
+from layerfs.tree import FileTree
+
+CHUNK = 65536
+CONFIG = ImageConfig(env=["PATH=/bin", "GREETING=hello from the image"],
+                     entrypoint=["/bin/sh", "-c"], cmd=["echo $GREETING"], working_dir="/etc",
+                     user="0:0", labels={"org.example.layer": "export"},
+                     exposed_ports=["8080/tcp"], stop_signal="SIGTERM")
+
+
+def top_tar(path: Path) -> Path:
+    """A layer that deletes a directory of the base, turns a symlink into a
+    directory, changes a file and holds a hard link."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        def add(name: str, data: bytes | None = None, kind: bytes = tarfile.REGTYPE,
+                link: str = "") -> None:
+            info = tarfile.TarInfo(name)
+            info.mtime, info.type, info.linkname = 1_700_000_000, kind, link
+            info.mode = 0o755 if kind == tarfile.DIRTYPE else 0o640
+            info.size = len(data or b"") if kind == tarfile.REGTYPE else 0
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+
+        add(".wh.data")
+        add("etc", kind=tarfile.DIRTYPE)
+        add("etc/os-release", b"NAME=top\n")
+        add("gen/links", kind=tarfile.DIRTYPE)
+        add("gen/links/sym-rel", kind=tarfile.DIRTYPE)
+        add("gen/links/sym-rel/inside", b"a directory where a symlink was")
+        add("hl", kind=tarfile.DIRTYPE)
+        add("hl/a", os.urandom(3 * CHUNK + 7))
+        add("hl/b", kind=tarfile.LNKTYPE, link="hl/a")
+    path.write_bytes(buf.getvalue())
+    return path
+
+
+@pytest.fixture
+def env(tmp_path, store):
+    """env e@1: top, up (whiteouts, opaque dir), gen (the generated tree), base
+    (busybox), with an image config; e@2 has the same layers without a config."""
+    need_root()
+    build(store, str(make_base(tmp_path / "base")), name="base", chunk_size=CHUNK)
+    gen = tmp_path / "gen-src"
+    make_tree(str(gen / "gen"), seed=5, chunk_size=CHUNK, big_dir=300)
+    os.chmod(gen, 0o755)
+    build(store, str(gen), name="gen", chunk_size=CHUNK)
+    build(store, str(upper_tar(tmp_path / "up.tar")), name="up", chunk_size=CHUNK)
+    build(store, str(top_tar(tmp_path / "top.tar")), name="top", chunk_size=CHUNK)
+    layers = ["top@1", "up@1", "gen@1", "base@1"]
+    create_env(store, "e", "1", layers, config=CONFIG)
+    create_env(store, "e", "2", layers)
+    return store
+
+
+def umoci_unpack(image: str, bundle: Path) -> Path:
+    proc = subprocess.run(["umoci", "unpack", "--image", image, str(bundle)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return bundle / "rootfs"
+
+
+def skopeo(*args: str) -> str:
+    proc = subprocess.run(["skopeo", *args], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def rootfs_differences(env_root: Path, image_root: Path) -> list[str]:
+    """Entry by entry, but for what an image cannot hold or a sandbox shows its
+    own way: the root directory (a sandbox's is its upper directory) and
+    sockets (a tar cannot hold one)."""
+    problems = []
+    ours = {p: f for p, f in snapshot(str(env_root)).items()
+            if p != "." and f[0] != stat.S_IFSOCK}
+    theirs = {p: f for p, f in snapshot(str(image_root)).items() if p != "."}
+    for path in sorted(set(ours) | set(theirs)):
+        if ours.get(path) != theirs.get(path):
+            problems.append(f"{path}: env {ours.get(path)} != image {theirs.get(path)}")
+    return problems
+
+
+def test_export_unpacks_to_the_env_rootfs(env, tmp_path, store_args):
+    layout = tmp_path / "layout"
+    out = json.loads(layerfs("export", "e@1", f"oci:{layout}:v1", "--json", *store_args).stdout)
+    assert len(out["layers"]) == 4
+    bottom, top = out["layers"][0], out["layers"][-1]
+    assert (bottom["source"], top["source"]) == ("base@1", "top@1")  # bottom first
+    up_layer = out["layers"][2]
+    assert up_layer["whiteouts"] == 1 and up_layer["opaque_dirs"] == 1
+    assert top["whiteouts"] == 1 and top["hard_links"] == 1
+    assert out["layers"][1]["hard_links"] == 3 and out["layers"][1]["skipped_sockets"] == 1
+
+    inspect = json.loads(skopeo("inspect", f"oci:{layout}:v1"))
+    assert inspect["Env"] == CONFIG.env and inspect["Os"] == "linux"
+    assert inspect["Labels"] == CONFIG.labels and len(inspect["Layers"]) == 4
+    assert inspect["Architecture"] == host_architecture()
+    config = json.loads((layout / "blobs" / "sha256" /
+                         out["config"].removeprefix("sha256:")).read_text())
+    assert config["config"]["ExposedPorts"] == {"8080/tcp": {}}
+    assert config["config"]["StopSignal"] == "SIGTERM"
+    assert config["rootfs"]["diff_ids"] == [x["diff_id"] for x in out["layers"]]
+
+    # the same env again, and folded, into the same layout: tags added, nothing rewritten
+    again = json.loads(layerfs("export", "e@1", f"oci:{layout}:v1", "--json",
+                               *store_args).stdout)
+    assert again["manifest"] == out["manifest"]
+    folded = json.loads(layerfs("export", "e@1", f"oci:{layout}:folded", "--fold", "--json",
+                                *store_args).stdout)
+    assert len(folded["layers"]) == 1 and folded["layers"][0]["whiteouts"] == 0
+    index = json.loads((layout / "index.json").read_text())
+    tags = {m["annotations"]["org.opencontainers.image.ref.name"] for m in index["manifests"]}
+    assert tags == {"v1", "folded"}
+
+    bundle = tmp_path / "bundle"
+    image_root = umoci_unpack(f"{layout}:v1", bundle)
+    process = json.loads((bundle / "config.json").read_text())["process"]
+    assert process["args"] == ["/bin/sh", "-c", "echo $GREETING"]
+    assert "GREETING=hello from the image" in process["env"] and process["cwd"] == "/etc"
+    folded_root = umoci_unpack(f"{layout}:folded", tmp_path / "bundle-folded")
+
+    daemon = NodeDaemon(tmp_path / "node", store_args).start()
+    try:
+        rootfs = Path(daemon.cli("up", "e@1", "--id", "x1").stdout.strip())
+        assert not (rootfs / "data").exists() and (rootfs / "hl" / "b").exists()
+        assert rootfs_differences(rootfs, image_root) == []
+        assert rootfs_differences(rootfs, folded_root) == []
+        daemon.cli("down", "x1")
+    finally:
+        assert daemon.cleanup() == []
+
+
+def test_archive_is_accepted_by_skopeo(env, tmp_path, store_args):
+    archive = tmp_path / "e.tar"
+    out = json.loads(layerfs("export", "e@1", f"oci-archive:{archive}:v1", "--json",
+                             *store_args).stdout)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    copy = tmp_path / "copy"
+    skopeo("copy", f"oci-archive:{archive}:v1", f"oci:{copy}:t")
+    inspect = json.loads(skopeo("inspect", f"oci:{copy}:t"))
+    assert inspect["Layers"] == [x["digest"] for x in out["layers"]]
+    assert inspect["Env"] == CONFIG.env
+    zstd = json.loads(layerfs("export", "e@1", f"oci:{tmp_path / 'z'}", "--compression",
+                              "zstd", "--json", *store_args).stdout)
+    assert [x["diff_id"] for x in zstd["layers"]] == [x["diff_id"] for x in out["layers"]]
+    manifest = json.loads((tmp_path / "z" / "blobs" / "sha256" /
+                           zstd["manifest"].removeprefix("sha256:")).read_text())
+    assert {x["mediaType"] for x in manifest["layers"]} == {
+        "application/vnd.oci.image.layer.v1.tar+zstd"}
+    assert json.loads(skopeo("inspect", f"oci:{tmp_path / 'z'}:latest"))["Env"] == CONFIG.env
+
+
+def run_as(uid: int, gid: int, argv: list[str]) -> int:
+    """Run the CLI in a forked child that dropped to ``uid``/``gid`` (this
+    interpreter lives where only root may exec it, so no new process is run)."""
+    import layerfs.store.s3  # noqa: F401  (imported while still root)
+    from layerfs.tools.main import main
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_export_runs_unprivileged(env, tmp_path, store_args, local_user):
+    """No mounts, no root: a user who can read the store exports the env."""
+    work = Path(tempfile.mkdtemp(prefix="layerfs-export-"))
+    try:
+        os.chmod(work, 0o755)
+        args = list(store_args)
+        if args[1].startswith("file://"):
+            shutil.copytree(args[1].removeprefix("file://"), work / "store")
+            subprocess.run(["chmod", "-R", "a+rX", str(work / "store")], check=True)
+            args[1] = f"file://{work / 'store'}"
+        (work / "out").mkdir()
+        os.chown(work / "out", local_user.uid, local_user.gid)
+        image = work / "out" / "img"
+        assert run_as(local_user.uid, local_user.gid,
+                      ["export", "e@1", f"oci:{image}:v1", *args]) == 0
+        assert (image / "index.json").stat().st_uid == local_user.uid
+        assert json.loads(skopeo("inspect", f"oci:{image}:v1"))["Env"] == CONFIG.env
+    finally:
+        shutil.rmtree(work)
+
+
+def test_bad_input_is_one_line_and_writes_nothing(env, tmp_path, store_args):
+    dest = tmp_path / "out"
+    dest.mkdir()
+    one_line_error(layerfs("export", "nope@1", f"oci:{dest / 'a'}", *store_args, check=False), 5)
+    one_line_error(layerfs("export", "e@1", f"docker://{dest}", *store_args, check=False), 2)
+    one_line_error(layerfs("export", "e@1", f"oci:{dest / 'a'}:bad!tag", *store_args,
+                           check=False), 2)
+    one_line_error(layerfs("export", "e@1", f"oci:{dest / 'no' / 'a'}", *store_args,
+                           check=False), 2)
+    (dest / "file.tar").write_bytes(b"mine")
+    one_line_error(layerfs("export", "e@1", f"oci-archive:{dest / 'file.tar'}", *store_args,
+                           check=False), 4)
+    assert (dest / "file.tar").read_bytes() == b"mine"
+    (dest / "notalayout").mkdir()
+    (dest / "notalayout" / "keep").write_text("mine")
+    one_line_error(layerfs("export", "e@1", f"oci:{dest / 'notalayout'}", *store_args,
+                           check=False), 4)
+    assert os.listdir(dest / "notalayout") == ["keep"]
+    # a tag that names another image (e@2 has no image config) is not moved
+    layerfs("export", "e@1", f"oci:{dest / 'img'}:t", *store_args)
+    before = snapshot(str(dest / "img"), dir_mtime=False)
+    one_line_error(layerfs("export", "e@2", f"oci:{dest / 'img'}:t", *store_args,
+                           check=False), 4)
+    assert snapshot(str(dest / "img"), dir_mtime=False) == before
+
+    # a damaged chunk: integrity error, nothing at DEST, no temporaries beside it
+    reg = Registry(env)
+    manifest = reg.layer(reg.resolve("layers", "gen@1"))
+    victim = max(reg.chunk_table(manifest).entries, key=lambda e: e.length)
+    data = bytearray(env.get(blob_key(victim.pack)))
+    data[victim.pack_offset + 10] ^= 0x55
+    env.put(blob_key(victim.pack), bytes(data))
+    listing = sorted(os.listdir(dest))
+    for target in (f"oci:{dest / 'fresh'}", f"oci-archive:{dest / 'fresh.tar'}"):
+        line = one_line_error(layerfs("export", "e@1", target, *store_args, check=False), 6)
+        assert victim.sha256.hex()[:16] in line
+        assert sorted(os.listdir(dest)) == listing
+    one_line_error(layerfs("export", "e@1", f"oci:{dest / 'img'}:other", *store_args,
+                           check=False), 6)
+    assert snapshot(str(dest / "img"), dir_mtime=False) == before  # no new blobs, the index unchanged
+
+
+# -- the meta image reader --
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(tree=trees())
+def test_meta_image_reads_back_as_written(tree: FileTree):
+    image = write_meta_image(tree, 0, 16)
+    again = read_meta_image(image)
+    assert write_meta_image(again.tree, again.blob_blocks, 16) == image
+
+
+def test_layer_meta_image_reads_back(tmp_path, store):
+    """A built layer (chunked files, holes, hard links, shared xattrs, devices)."""
+    need_root()
+    src = make_tree(str(tmp_path / "src"), seed=3, chunk_size=CHUNK, big_dir=300)
+    reg = Registry(store)
+    manifest = reg.layer(build(store, src, chunk_size=CHUNK).digest)
+    image = reg.meta_image(manifest)
+    meta = read_meta_image(image)
+    assert meta.chunk_size == CHUNK
+    assert write_meta_image(meta.tree, meta.blob_blocks, CHUNK.bit_length() - 1) == image
+    links = meta.tree.lookup([b"links", b"a"])
+    assert links is meta.tree.lookup([b"links", b"b"]) and links is not None
+    assert links.links == 3
+    dev = meta.tree.lookup([b"dev", b"bigminor"])
+    assert dev is not None and (dev.rdev_major, dev.rdev_minor) == (200, 300000)
+
+
+def test_export_tar_entries(env, tmp_path, store_args):
+    """What the top layer's tar holds, as tar sees it: whiteout, hard link, modes."""
+    layout = tmp_path / "layout"
+    out = json.loads(layerfs("export", "e@1", f"oci:{layout}", "--json", *store_args).stdout)
+    blob = layout / "blobs" / "sha256" / out["layers"][-1]["digest"].removeprefix("sha256:")
+    with tarfile.open(blob, "r:gz") as tar:
+        members = {m.name: m for m in tar.getmembers()}
+    assert members[".wh.data"].isreg() and members[".wh.data"].size == 0
+    assert members["hl/b"].islnk() and members["hl/b"].linkname == "hl/a"
+    assert members["etc/os-release"].mode == 0o640
+    assert members["hl"].pax_headers["mtime"] == "1700000000.000000000"
+    with tarfile.open(layout / "blobs" / "sha256" /
+                      out["layers"][1]["digest"].removeprefix("sha256:"), "r:gz") as tar:
+        gen = {m.name: m for m in tar.getmembers()}
+    assert gen["gen/files/suid"].mode == 0o4755
+    assert gen["gen/x/.wh..wh..opq"].isreg()  # the opaque marker, not an xattr
+    assert "SCHILY.xattr.trusted.overlay.opaque" not in gen["gen/x"].pax_headers
+    assert "SCHILY.xattr.security.capability" in gen["gen/x/x0"].pax_headers
+    assert gen["gen/dev/sda"].isblk() and (gen["gen/dev/sda"].devmajor,
+                                          gen["gen/dev/sda"].devminor) == (8, 0)
+    assert ".wh.whiteout" in {name.rpartition("/")[2] for name in gen}
+    assert not any(name.endswith("/sock") for name in gen)
