@@ -22,7 +22,7 @@ from support import build, need_root
 from test_cli import layerfs, one_line_error
 from test_erofs import trees
 from test_node import make_base, upper_tar
-from treecmp import diff_trees, snapshot
+from treecmp import snapshot
 
 from layerfs.builder.env import create_env
 from layerfs.builder.oci.export import host_architecture
@@ -262,7 +262,7 @@ def test_bad_input_is_one_line_and_writes_nothing(env, tmp_path, store_args):
         assert sorted(os.listdir(dest)) == listing
     one_line_error(layerfs("export", "e@1", f"oci:{dest / 'img'}:other", *store_args,
                            check=False), 6)
-    assert snapshot(str(dest / "img"), dir_mtime=False) == before  # no new blobs, the index unchanged
+    assert snapshot(str(dest / "img"), dir_mtime=False) == before  # no new blobs, same index
 
 
 # -- the meta image reader --

@@ -164,22 +164,31 @@ class _PieceReader:
     def __init__(self, pieces: list[_Piece], feed: ChunkFeed) -> None:
         self.pieces = deque(pieces)
         self.feed = feed
-        self.buffer = bytearray()
+        self.current = memoryview(b"")
 
-    def _piece_bytes(self, piece: _Piece) -> bytes:
+    def _next_piece(self) -> bool:
+        if not self.pieces:
+            return False
+        piece = self.pieces.popleft()
         if piece.entry is None:
-            return bytes(piece.length)
-        data = self.feed.next(piece.entry)
-        return data[piece.start : piece.start + piece.length]
+            self.current = memoryview(bytes(piece.length))
+        else:
+            data = memoryview(self.feed.next(piece.entry))
+            self.current = data[piece.start : piece.start + piece.length]
+        return True
 
     def read(self, n: int = -1) -> bytes:
-        while self.pieces and (n < 0 or len(self.buffer) < n):
-            self.buffer += self._piece_bytes(self.pieces.popleft())
-        if n < 0:
-            n = len(self.buffer)
-        out = bytes(self.buffer[:n])
-        del self.buffer[:n]
-        return out
+        parts = []
+        want = n
+        while want != 0:
+            if not self.current and not self._next_piece():
+                break
+            take = len(self.current) if want < 0 else min(want, len(self.current))
+            parts.append(self.current[:take])
+            self.current = self.current[take:]
+            if want > 0:
+                want -= take
+        return b"".join(parts)
 
 
 @dataclass
