@@ -26,12 +26,13 @@ from treecmp import snapshot
 
 from layerfs.builder.env import create_env
 from layerfs.builder.oci.export import host_architecture
+from layerfs.builder.oci.layertar import pax_time
 from layerfs.formats.erofs import write_meta_image
 from layerfs.formats.erofsread import read_meta_image
 from layerfs.manifest import ImageConfig
 from layerfs.registry import Registry
 from layerfs.store.base import blob_key
-from layerfs.tree import FileTree
+from layerfs.tree import FileTree, FsNode
 
 CHUNK = 65536
 CONFIG = ImageConfig(env=["PATH=/bin", "GREETING=hello from the image"],
@@ -62,6 +63,9 @@ def top_tar(path: Path) -> Path:
         add("hl", kind=tarfile.DIRTYPE)
         add("hl/a", os.urandom(3 * CHUNK + 7))
         add("hl/b", kind=tarfile.LNKTYPE, link="hl/a")
+        old = tarfile.TarInfo("hl/before-1970")
+        old.size, old.pax_headers = 3, {"mtime": "-86400.25"}
+        tar.addfile(old, io.BytesIO(b"old"))
     path.write_bytes(buf.getvalue())
     return path
 
@@ -275,6 +279,19 @@ def test_meta_image_reads_back_as_written(tree: FileTree):
     assert write_meta_image(again.tree, again.blob_blocks, 16) == image
 
 
+def test_times_before_1970_read_back():
+    tree = FileTree(FsNode.directory(0o755, mtime=-1, mtime_ns=1))
+    tree.put([b"old"], FsNode(mode=stat.S_IFREG | 0o644, inline=b"x", size=1,
+                              mtime=-(2**40), mtime_ns=999_999_999))
+    meta = read_meta_image(write_meta_image(tree, 0, 16))
+    old = meta.tree.lookup([b"old"])
+    assert old is not None and (old.mtime, old.mtime_ns) == (-(2**40), 999_999_999)
+    assert (meta.tree.root.mtime, meta.tree.root.mtime_ns) == (-1, 1)
+    assert pax_time(-1, 250_000_000) == "-0.750000000"
+    assert pax_time(-(2**40), 999_999_999) == f"-{2**40 - 1}.000000001"
+    assert pax_time(5, 7) == "5.000000007"
+
+
 def test_layer_meta_image_reads_back(tmp_path, store):
     """A built layer (chunked files, holes, hard links, shared xattrs, devices)."""
     need_root()
@@ -303,6 +320,7 @@ def test_export_tar_entries(env, tmp_path, store_args):
     assert members["hl/b"].islnk() and members["hl/b"].linkname == "hl/a"
     assert members["etc/os-release"].mode == 0o640
     assert members["hl"].pax_headers["mtime"] == "1700000000.000000000"
+    assert members["hl/before-1970"].pax_headers["mtime"] == "-86400.250000000"
     with tarfile.open(layout / "blobs" / "sha256" /
                       out["layers"][1]["digest"].removeprefix("sha256:"), "r:gz") as tar:
         gen = {m.name: m for m in tar.getmembers()}

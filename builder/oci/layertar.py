@@ -214,13 +214,22 @@ def _walk(tree: FileTree) -> Iterator[tuple[str, FsNode]]:
                 stack.append((prefix + text, node.children[name]))
 
 
+def pax_time(seconds: int, nanoseconds: int) -> str:
+    """A PAX time value: ``seconds + nanoseconds / 10**9`` as a decimal (the
+    sign applies to the whole number, so -1 s + 0.25 s is ``-0.750000000``)."""
+    total = seconds * 10**9 + nanoseconds
+    sign = "-" if total < 0 else ""
+    whole, frac = divmod(abs(total), 10**9)
+    return f"{sign}{whole}.{frac:09d}"
+
+
 def _header(path: str, node: FsNode) -> tarfile.TarInfo:
     info = tarfile.TarInfo(path)
     info.mode = node.mode & 0o7777
     info.uid, info.gid = node.uid, node.gid
     info.uname = info.gname = ""
     info.mtime = node.mtime
-    pax = {"mtime": f"{node.mtime}.{node.mtime_ns:09d}"}
+    pax = {"mtime": pax_time(node.mtime, node.mtime_ns)}
     for name, value in sorted(node.xattrs.items()):
         if name.startswith(OVERLAY_XATTRS):
             continue

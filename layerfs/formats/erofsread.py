@@ -65,6 +65,11 @@ def decode_rdev(i_u: int) -> tuple[int, int]:
     return (i_u & 0xFFF00) >> 8, (i_u & 0xFF) | ((i_u >> 12) & 0xFFF00)
 
 
+def signed_seconds(stored: int) -> int:
+    """A u64 time field as the kernel reads it: two's complement, so before 1970 too."""
+    return stored - (1 << 64) if stored >> 63 else stored
+
+
 def read_meta_image(image: bytes) -> MetaTree:
     """The tree of a checked meta image (see the module docstring)."""
     return _Reader(memoryview(image)).run()
@@ -95,6 +100,7 @@ class _Reader:
         (_magic, _sum, _compat, _bits, _ext, self.root_nid, _inos, self.build_time,
          self.build_time_ns, _blocks, _meta, self.xattr_blkaddr, _uuid, _vol, _incompat,
          _algs, _devs, _slotoff, _res) = SUPERBLOCK.unpack_from(img, SB_OFFSET)
+        self.build_time = signed_seconds(self.build_time)
         self.blob_blocks = DEVICE_SLOT.unpack_from(img, DEVT_SLOTOFF * 128)[1]
         self.nodes: dict[int, FsNode] = {}
         self.chunk_size = 0
@@ -120,7 +126,7 @@ class _Reader:
         if i_format & 1:
             (_f, icount, mode, _r, size, i_u, _ino, uid, gid, mtime, mtime_ns, nlink,
              _r2) = EXTENDED.unpack_from(self.img, pos)
-            isize = EXTENDED.size
+            mtime, isize = signed_seconds(mtime), EXTENDED.size
         else:
             (_f, icount, mode, nlink, size, _r, i_u, _ino, uid, gid,
              _r2) = COMPACT.unpack_from(self.img, pos)
