@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import zstandard
 
@@ -70,6 +71,12 @@ class Progress:
     on_warning: Callable[[str], None] | None = None
 
 
+class LayerSource(Protocol):
+    """What a build reads: entries fed once, in order, to an assembler."""
+
+    def feed(self, asm: LayerAssembler) -> None: ...
+
+
 def open_source(path: str) -> DirectorySource | TarSource:
     """A directory, or a tar opened once (a FIFO or pipe cannot be read twice)."""
     if path != "-" and not os.path.lexists(path):
@@ -85,8 +92,11 @@ def now_utc() -> str:
 
 def build_layer(store: Store, src: str, opts: BuildOptions,
                 progress: Progress | None = None,
-                source: DirectorySource | TarSource | UpperSource | None = None) -> BuildResult:
-    """Build ``src`` (or, if given, ``source``, named ``src`` in errors) into a layer."""
+                source: DirectorySource | TarSource | UpperSource | LayerSource | None = None,
+                origin: str = "", assembler: type[LayerAssembler] = LayerAssembler
+                ) -> BuildResult:
+    """Build ``src`` (or, if given, ``source``, named ``src`` in errors) into a layer;
+    ``origin`` is recorded in the manifest (``oci:<diff_id>`` for an image layer)."""
     opts.check()
     source = source or open_source(src)
     reg = Registry(store)
@@ -96,7 +106,7 @@ def build_layer(store: Store, src: str, opts: BuildOptions,
     pipeline = ChunkPipeline(store, index, opts.chunk_size, upload=existing is None,
                              pack_size=opts.pack_size, workers=opts.workers,
                              on_bytes=progress.on_bytes)
-    asm = LayerAssembler(pipeline, on_file=progress.on_file, on_warning=progress.on_warning)
+    asm = assembler(pipeline, on_file=progress.on_file, on_warning=progress.on_warning)
     try:
         source.feed(asm)
         tree = asm.finish()
@@ -128,7 +138,7 @@ def build_layer(store: Store, src: str, opts: BuildOptions,
         meta=MetaRef(meta_digest, len(packed_meta), sha256_digest(meta), len(meta)),
         chunk_table=BlobRef(table_digest, len(table)),
         blob_size=result.table.blob_size, created=now_utc(), stats=stats,
-        dedup_sources=sources,
+        dedup_sources=sources, source=origin,
     )
     manifest_bytes = manifest.to_bytes()
     digest, _ = store.put_blob(manifest_bytes)

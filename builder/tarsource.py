@@ -400,14 +400,16 @@ def node_from_member(member: tarfile.TarInfo) -> FsNode:
 class TarSource:
     """Reads a tar archive once, front to back, from an already opened stream."""
 
-    def __init__(self, path: str, raw: BinaryIO, head: bytes) -> None:
+    def __init__(self, path: str, raw: BinaryIO, head: bytes, sniff: bool = True) -> None:
         self.path = path
         self.raw = raw
         self.head = head
+        self.sniff = sniff  # False: ``raw`` is already the plain tar stream
+
 
     def feed(self, asm: LayerAssembler) -> None:
         try:
-            stream = open_stream(self.raw, self.head)
+            stream = open_stream(self.raw, self.head) if self.sniff else self.raw
             with BoundedTarFile.open(fileobj=stream, mode="r|") as tar:  # type: ignore[call-overload]
                 for member in tar:
                     self._entry(asm, tar, member)

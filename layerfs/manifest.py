@@ -82,6 +82,7 @@ class LayerManifest:
     created: str
     stats: LayerStats = field(default_factory=LayerStats)
     dedup_sources: list[str] = field(default_factory=list)
+    source: str = ""  # what it was built from, where that names it: "oci:<diff_id>"
     kind: str = "erofs"
     schema: int = SCHEMA
 

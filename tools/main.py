@@ -10,7 +10,7 @@ import click
 from layerfs import __version__
 from layerfs.errors import LayerfsError
 
-from . import disks, envs, exports, gc, layers, node
+from . import disks, envs, exports, gc, images, layers, node
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -28,6 +28,7 @@ cli.add_command(layers.ls)
 cli.add_command(layers.inspect)
 cli.add_command(layers.verify)
 cli.add_command(envs.env)
+cli.add_command(images.import_cmd)
 cli.add_command(gc.gc)
 cli.add_command(exports.export)
 for command in (node.daemon, node.up, node.down, node.ps, node.run, node.stats, node.trace,

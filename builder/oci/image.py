@@ -99,6 +99,11 @@ class ImageSource(ABC):
     def open_blob(self, desc: Descriptor) -> BinaryIO:
         """A stream of the blob's bytes; the caller checks its digest."""
 
+    def pinned_digest(self) -> str | None:
+        """The digest the reference itself names (``@sha256:...``, or a layout
+        index's descriptor): the manifest's bytes must hash to it."""
+        return None
+
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release connections or open files."""
 

@@ -1,0 +1,216 @@
+"""Import an OCI or Docker image as layers and an env.
+
+Each image layer is streamed once: the stored blob through a digest check,
+decompressed (gzip, zstd or none, as its media type says), the tar through a
+second check against its diff_id, and into the tar layer builder; nothing is
+written to disk whole. An image layer becomes the layer
+``oci/sha256/<diff_id hex>@1`` (its manifest records ``oci:<diff_id>``), so
+the same image layer from any image is one layer, built once; with ``fold``
+consecutive layers become one ``oci/folded/<hash of their diff_ids>@1``.
+The env ``N@V`` (layers top first, the image config) is written last: a
+digest mismatch anywhere leaves it unwritten (layers already built from
+earlier, verified layers stay; they are complete and correct).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+import zstandard
+
+from layerfs.errors import IntegrityError, UsageError, VersionExists
+from layerfs.names import check_name, check_version
+from layerfs.registry import ENVS, LAYERS, Registry
+from layerfs.store.base import Store
+
+from ..assembler import LayerAssembler
+from ..env import EnvResult, create_env
+from ..layer import BuildOptions, Progress, build_layer
+from ..pipeline import DEFAULT_CHUNK_SIZE
+from ..tarsource import TarSource, drain
+from .fold import FoldingAssembler
+from .image import DigestCheckedReader, Image, ImageLayer, ImageSource, Platform
+from .resolve import image_config, resolve_image
+
+LAYER_VERSION = "1"
+SINGLE_PREFIX = "oci/sha256/"
+FOLDED_PREFIX = "oci/folded/"
+
+
+@dataclass
+class ImportOptions:
+    name: str
+    version: str
+    platform: Platform | None = None  # None: the host's
+    fold_size: int = 0  # 0: one layer per image layer
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+
+    def check(self) -> None:
+        check_name(self.name)
+        check_version(self.version)
+        if self.fold_size < 0:
+            raise UsageError("--fold must be a positive size")
+
+
+@dataclass
+class ImportProgress:
+    """Callbacks: a layer started (index, total), blob bytes read."""
+
+    on_layer: Callable[[int, int], None] | None = None
+    on_bytes: Callable[[int], None] | None = None
+
+
+@dataclass
+class ImportedLayer:
+    """One layerfs layer of the env and the image layers it holds (bottom first)."""
+
+    diff_ids: list[str]
+    ref: str
+    digest: str
+    built: bool  # False: it was already stored and is reused
+    uploaded_bytes: int
+
+
+@dataclass
+class ImportResult:
+    env: EnvResult
+    image: Image
+    layers: list[ImportedLayer] = field(default_factory=list)  # top first, as in the env
+
+
+def layer_name(group: list[ImageLayer]) -> tuple[str, str]:
+    """The layer name of a group of image layers and the origin its manifest records."""
+    if len(group) == 1:
+        diff = group[0].diff_id
+        return SINGLE_PREFIX + diff.removeprefix("sha256:"), f"oci:{diff}"
+    joined = ",".join(layer.diff_id for layer in group)
+    return FOLDED_PREFIX + hashlib.sha256(joined.encode()).hexdigest(), f"oci:{joined}"
+
+
+def fold_groups(layers: tuple[ImageLayer, ...], fold_size: int) -> list[list[ImageLayer]]:
+    """Consecutive layers, greedy from the bottom, each group's blob sizes summing
+    to at most ``fold_size`` (a larger layer alone); no folding for 0."""
+    groups: list[list[ImageLayer]] = []
+    total = 0
+    for layer in layers:
+        size = layer.blob.size
+        if not groups or not fold_size or total + size > fold_size:
+            groups.append([])
+            total = 0
+        groups[-1].append(layer)
+        total += size
+    return groups
+
+
+class CountingReader:
+    """Passes reads through and reports how many bytes went by."""
+
+    def __init__(self, raw: BinaryIO, on_bytes: Callable[[int], None] | None) -> None:
+        self.raw, self.on_bytes = raw, on_bytes
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        if self.on_bytes and data:
+            self.on_bytes(len(data))
+        return data
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+def decompressed(stream: BinaryIO, compression: str) -> BinaryIO:
+    if compression == "gzip":
+        return gzip.GzipFile(fileobj=stream, mode="rb")  # type: ignore[return-value]
+    if compression == "zstd":
+        return zstandard.ZstdDecompressor().stream_reader(  # type: ignore[return-value]
+            stream, read_across_frames=True)
+    return stream
+
+
+class ImageLayerSource:
+    """The image layers of one group, streamed and checked, as a layer source."""
+
+    def __init__(self, source: ImageSource, group: list[ImageLayer], at_bottom: bool,
+                 on_bytes: Callable[[int], None] | None) -> None:
+        self.source, self.group, self.at_bottom = source, group, at_bottom
+        self.on_bytes = on_bytes
+
+    def feed(self, asm: LayerAssembler) -> None:
+        if not isinstance(asm, FoldingAssembler):
+            for layer in self.group:
+                self._feed_layer(asm, layer)
+            return
+        asm.at_bottom = self.at_bottom
+        for layer in self.group:
+            asm.begin_layer()
+            self._feed_layer(asm, layer)
+            asm.end_layer()
+
+    def _feed_layer(self, asm: LayerAssembler, layer: ImageLayer) -> None:
+        what = f"{self.source.describe()} layer {layer.blob.digest}"
+        raw = self.source.open_blob(layer.blob)
+        counted = CountingReader(raw, self.on_bytes)
+        blob = DigestCheckedReader(counted, layer.blob.digest, layer.blob.size,  # type: ignore[arg-type]
+                                   what)
+        try:
+            plain = DigestCheckedReader(decompressed(blob, layer.compression),  # type: ignore[arg-type]
+                                        layer.diff_id, None, f"{what} diff_id")
+            TarSource(what, plain, b"", sniff=False).feed(asm)  # type: ignore[arg-type]
+            drain(blob)  # type: ignore[arg-type]
+        finally:
+            raw.close()
+
+
+def import_image(store: Store, source: ImageSource, opts: ImportOptions,
+                 progress: ImportProgress | None = None) -> ImportResult:
+    """Import what ``source`` names as the env ``opts.name@opts.version``."""
+    opts.check()
+    progress = progress or ImportProgress()
+    reg = Registry(store)
+    image = resolve_image(source, opts.platform)
+    config = image_config(image)
+    env_ref = f"{opts.name}@{opts.version}"
+    if reg.read_ref(ENVS, opts.name, opts.version) is not None:
+        existing = reg.env(reg.resolve(ENVS, env_ref))
+        if existing.config != config:
+            raise VersionExists(env_ref)
+    groups = fold_groups(image.layers, opts.fold_size)
+    done: list[ImportedLayer] = []
+    for i, group in enumerate(groups):
+        if progress.on_layer:
+            progress.on_layer(i, len(groups))
+        done.append(_import_group(store, reg, source, group, i == 0, opts, progress,
+                                  [x.ref for x in done]))
+    if progress.on_layer:
+        progress.on_layer(len(groups), len(groups))
+    done.reverse()
+    env = create_env(store, opts.name, opts.version, [x.ref for x in done], config=config)
+    return ImportResult(env, image, done)
+
+
+def _import_group(store: Store, reg: Registry, source: ImageSource, group: list[ImageLayer],
+                  at_bottom: bool, opts: ImportOptions, progress: ImportProgress,
+                  below: list[str]) -> ImportedLayer:
+    """Reuse the group's layer if it is stored, else build it (deduplicating
+    chunks against the layers below it in this image)."""
+    name, origin = layer_name(group)
+    ref = f"{name}@{LAYER_VERSION}"
+    diff_ids = [layer.diff_id for layer in group]
+    existing = reg.read_ref(LAYERS, name, LAYER_VERSION)
+    if existing is not None:
+        manifest = reg.layer(existing)
+        if manifest.source != origin:
+            raise IntegrityError(ref, f"it records {manifest.source[:80]!r}, not {origin[:80]!r}")
+        return ImportedLayer(diff_ids, ref, existing, built=False, uploaded_bytes=0)
+    build_opts = BuildOptions(name, LAYER_VERSION, chunk_size=opts.chunk_size,
+                              dedup_with=below)
+    layer_source = ImageLayerSource(source, group, at_bottom, progress.on_bytes)
+    assembler = FoldingAssembler if len(group) > 1 else LayerAssembler
+    result = build_layer(store, source.describe(), build_opts, Progress(), source=layer_source,
+                         origin=origin, assembler=assembler)
+    return ImportedLayer(diff_ids, ref, result.digest, built=result.published,
+                         uploaded_bytes=result.manifest.stats.uploaded_bytes)

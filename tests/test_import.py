@@ -1,0 +1,275 @@
+"""`layerfs import`: OCI layouts and archives made with umoci and skopeo, imported
+into both stores; trees checked against umoci's own unpack and real overlay
+mounts; bad input is one error line and publishes no env."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+from nodes import NodeDaemon
+from ociimages import (
+    ImageSettings,
+    LayerChange,
+    blob,
+    busybox_rootfs,
+    make_image,
+    manifest_of,
+    run,
+    to_docker_archive,
+    to_oci_archive,
+)
+from support import mounted_layer, need_root
+from treecmp import diff_trees
+
+from layerfs.mounts import mount, umount
+from layerfs.node.process import LAYERFS
+from layerfs.registry import ENVS, Registry
+
+SETTINGS = ImageSettings(env=["PATH=/bin", "GREETING=hello"], entrypoint=["/bin/sh", "-c"],
+                         cmd=["echo $GREETING"], working_dir="/srv", user="0:0",
+                         labels={"org.example.kind": "test"}, exposed_ports=["8080/tcp"],
+                         stop_signal="SIGTERM")
+
+# A base layer and four layers on it: files changed and deleted (whiteouts), a
+# directory emptied and refilled (opaque), hard links, a layer deleting what an
+# earlier one added, a directory replaced by a file and a file by a directory.
+CHANGES = [
+    LayerChange(files={"etc/os-release": b"NAME=base\n", "srv/keep": b"keep",
+                       "srv/old/a": b"old a", "srv/old/sub/b": b"old b",
+                       "data/big": os.urandom(300_000), "data/small": b"small",
+                       "tobefile/x": b"x", "tobedir": b"file"},
+                dirs=["empty"], symlinks={"srv/link": "keep"}),
+    LayerChange(files={"added/later": b"added", "data/big": os.urandom(200_000),
+                       "links/one": b"linked content " * 400},
+                hardlinks={"links/two": "links/one"}, delete=["data/small"]),
+    LayerChange(opaque_dir="/srv/old", files={"fresh": b"fresh"}),
+    LayerChange(delete=["added", "tobefile", "tobedir"],
+                files={"tobefile": b"now a file", "tobedir/y": b"now a dir"},
+                hardlinks={"links/three": "links/one"}),
+    LayerChange(files={"srv/old/again": b"again", "etc/os-release": b"NAME=top\n"},
+                delete=["srv/link"]),
+]
+
+
+def cli(store_args: list[str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*LAYERFS, *args, *store_args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def do_import(store_args: list[str], src: str, name: str = "img", version: str = "1",
+              *extra: str) -> dict:
+    proc = cli(store_args, "import", src, "--name", name, "--version", version, "--json",
+               *extra)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Layout L with tags base (1 layer), multi (5 layers), more (base + 1 layer)."""
+    root = tmp_path_factory.mktemp("images")
+    layout = root / "L"
+    make_image(layout, "base", CHANGES[:1], SETTINGS)
+    make_image(layout, "multi", CHANGES[1:], SETTINGS, base="base")
+    make_image(layout, "more", [LayerChange(files={"more/file": os.urandom(100_000)})],
+               SETTINGS, base="base")
+    return layout
+
+
+def test_layout_import_makes_one_layer_per_diff_id_and_keeps_the_config(images, store_args,
+                                                                         store):
+    out = do_import(store_args, f"oci:{images}:multi")
+    _, manifest = manifest_of(images, "multi")
+    config = json.loads(blob(images, manifest["config"]["digest"]).read_bytes())
+    diff_ids = config["rootfs"]["diff_ids"]
+    assert [x["diff_ids"] for x in out["layers"]] == [[d] for d in reversed(diff_ids)]
+    assert [x["ref"] for x in out["layers"]] == [
+        f"oci/sha256/{d.removeprefix('sha256:')}@1" for d in reversed(diff_ids)]
+    reg = Registry(store)
+    env = reg.env(reg.resolve(ENVS, "img@1"))
+    assert [layer.ref for layer in env.layers] == [x["ref"] for x in out["layers"]]
+    c = env.config
+    assert c is not None
+    assert (c.env, c.entrypoint, c.cmd, c.working_dir, c.user) == (
+        ["PATH=/bin", "GREETING=hello"], ["/bin/sh", "-c"], ["echo $GREETING"], "/srv", "0:0")
+    assert (c.labels, c.exposed_ports, c.stop_signal) == (
+        {"org.example.kind": "test"}, ["8080/tcp"], "SIGTERM")
+    assert c.architecture == config["architecture"] and c.os == "linux"
+    for x in out["layers"]:
+        assert reg.layer(x["digest"]).source == "oci:" + x["diff_ids"][0]
+
+
+def test_second_tag_sharing_the_base_uploads_only_its_new_layer(images, store_args):
+    first = do_import(store_args, f"oci:{images}:base", "a")
+    second = do_import(store_args, f"oci:{images}:more", "b")
+    (base,) = first["layers"]
+    new, shared = second["layers"]
+    assert base["built"] and base["uploaded_bytes"] > 300_000
+    assert shared["ref"] == base["ref"] and shared["digest"] == base["digest"]
+    assert not shared["built"] and shared["uploaded_bytes"] == 0
+    assert new["built"] and 100_000 < new["uploaded_bytes"] < base["uploaded_bytes"]
+    inspect = json.loads(cli(store_args, "inspect", "b@1", "--json").stdout)
+    assert [x["uploaded_bytes"] for x in inspect["layers"]] == [new["uploaded_bytes"],
+                                                                 base["uploaded_bytes"]]
+    again = do_import(store_args, f"oci:{images}:more", "b")
+    assert not any(x["built"] for x in again["layers"]) and not again["published"]
+
+
+@contextmanager
+def overlay_of(store, digests: list[str], work: Path) -> Iterator[Path]:
+    """A read-only overlay mount of layers (top first) over an empty bottom."""
+    with ExitStack() as stack:
+        lowers = [stack.enter_context(mounted_layer(store, d, str(work / f"l{i}")))
+                  for i, d in enumerate(digests)]
+        empty, mnt = work / "empty", work / "ovl"
+        empty.mkdir()
+        mnt.mkdir()
+        mount("overlay", str(mnt), "overlay", 0, "lowerdir=" + ":".join([*lowers, str(empty)]))
+        stack.callback(umount, str(mnt))
+        yield mnt
+
+
+def test_layers_overlaid_equal_umoci_unpack_and_folding_equals_the_overlay(
+        images, store_args, store, tmp_path):
+    need_root()
+    plain = do_import(store_args, f"oci:{images}:multi", "plain")
+    _, manifest = manifest_of(images, "multi")
+    sizes = [x["size"] for x in manifest["layers"]]
+    fold = sizes[0] + sizes[1] + sizes[2]  # groups: layers 1-3 (from the bottom), 4-5
+    folded = do_import(store_args, f"oci:{images}:multi", "folded", "1", "--fold", str(fold))
+    assert [len(x["diff_ids"]) for x in folded["layers"]] == [2, 3]
+    assert folded["layers"][1]["ref"].startswith("oci/folded/")
+    run("umoci", "unpack", "--image", f"{images}:multi", str(tmp_path / "bundle"))
+    with overlay_of(store, [x["digest"] for x in plain["layers"]], tmp_path / "p") as unfolded, \
+            overlay_of(store, [x["digest"] for x in folded["layers"]], tmp_path / "f") as fold_mnt:
+        assert (unfolded / "srv" / "old").exists()
+        assert sorted(os.listdir(unfolded / "srv" / "old")) == ["again", "fresh"]
+        assert not (unfolded / "added").exists() and not (unfolded / "data" / "small").exists()
+        assert os.stat(unfolded / "links" / "one").st_ino == os.stat(
+            unfolded / "links" / "three").st_ino
+        assert diff_trees(str(tmp_path / "bundle" / "rootfs"), str(unfolded)) == []
+        assert diff_trees(str(unfolded), str(fold_mnt)) == []
+
+
+def test_archives_import_the_same_layers_as_the_layout(images, store_args, tmp_path):
+    want = do_import(store_args, f"oci:{images}:multi")
+    oci = do_import(store_args, f"oci-archive:{to_oci_archive(images, 'multi', tmp_path / 'o.tar')}",
+                    "o")
+    docker_tar = to_docker_archive(images, "multi", tmp_path / "d.tar")
+    docker = do_import(store_args, f"docker-archive:{docker_tar}", "d")
+    for got in (oci, docker):
+        assert [x["digest"] for x in got["layers"]] == [x["digest"] for x in want["layers"]]
+        assert not any(x["built"] for x in got["layers"])
+    envs = {e: json.loads(cli(store_args, "inspect", f"{e}@1", "--json").stdout)
+            for e in ("img", "o", "d")}
+    assert len({json.dumps([x["digest"] for x in r["layers"]]) for r in envs.values()}) == 1
+
+
+# --- bad input: one error line, nonzero exit, no env ---------------------------------
+
+
+def put_blob(layout: Path, data: bytes) -> str:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    blob(layout, digest).write_bytes(data)
+    return digest
+
+
+def retag(layout: Path, tag: str, edit_manifest: Callable[[dict], None] | None = None,
+          edit_config: Callable[[dict], None] | None = None, media_type: str | None = None
+          ) -> None:
+    """Rewrite a tag's manifest (and config) with correct digests after an edit."""
+    _, manifest = manifest_of(layout, tag)
+    if edit_config:
+        config = json.loads(blob(layout, manifest["config"]["digest"]).read_bytes())
+        edit_config(config)
+        data = json.dumps(config).encode()
+        manifest["config"].update(digest=put_blob(layout, data), size=len(data))
+    if edit_manifest:
+        edit_manifest(manifest)
+    data = json.dumps(manifest).encode()
+    index = json.loads((layout / "index.json").read_text())
+    for desc in index["manifests"]:
+        if desc["annotations"]["org.opencontainers.image.ref.name"] == tag:
+            desc.update(digest=put_blob(layout, data), size=len(data))
+            if media_type:
+                desc["mediaType"] = media_type
+    (layout / "index.json").write_text(json.dumps(index))
+
+
+def wrong_diff_id(config: dict) -> None:
+    config["rootfs"]["diff_ids"][-1] = "sha256:" + "0" * 64
+
+
+def media_type(manifest: dict) -> None:
+    manifest["mediaType"] = "application/vnd.example.manifest.v9+json"
+
+
+def tamper_manifest(layout: Path) -> None:
+    path, _ = manifest_of(layout, "bad")
+    path.write_bytes(path.read_bytes().replace(b'"schemaVersion":2', b'"schemaVersion": 2'))
+
+
+def truncate_top_layer(layout: Path) -> None:
+    _, manifest = manifest_of(layout, "bad")
+    path = blob(layout, manifest["layers"][-1]["digest"])
+    data = path.read_bytes()
+    path.unlink()  # the blob is shared with other tags' copies: write a new file
+    path.write_bytes(data[: len(data) // 2])
+
+
+BAD = {
+    "manifest digest": (tamper_manifest, "integrity check failed", "bad"),
+    "diff_id": (lambda lay: retag(lay, "bad", edit_config=wrong_diff_id), "diff_id", "bad"),
+    "truncated blob": (truncate_top_layer, "bytes, expected", "bad"),
+    "media type": (lambda lay: retag(lay, "bad", media_type,
+                                     media_type="application/vnd.example.manifest.v9+json"),
+                   "unknown manifest media type", "bad"),
+    "missing tag": (lambda lay: None, "no image tagged 'nope'", "nope"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_image_is_one_error_line_and_no_env(case, tmp_path, store_args):
+    layout = tmp_path / "L"
+    make_image(layout, "bad", [LayerChange(files={"a": os.urandom(70_000)}),
+                               LayerChange(files={"b": os.urandom(90_000)})], SETTINGS)
+    spoil, message, tag = BAD[case]
+    spoil(layout)
+    proc = cli(store_args, "import", f"oci:{layout}:{tag}", "--name", "bad", "--version", "1")
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("layerfs: error: "), proc.stderr
+    assert message in lines[0]
+    listed = cli(store_args, "env", "ls", "--json")
+    assert listed.returncode == 0 and json.loads(listed.stdout) == []
+
+
+# --- a real image in a real sandbox ----------------------------------------------------
+
+
+def test_busybox_image_comes_up_in_a_sandbox(tmp_path, store_args):
+    need_root()
+    layout = tmp_path / "L"
+    rootfs = busybox_rootfs(tmp_path / "rootfs")
+    make_image(layout, "bb", [LayerChange(copy_tree=str(rootfs)),
+                              LayerChange(files={"srv/hello.txt": b"hello from the image\n"})],
+               SETTINGS)
+    do_import(store_args, f"docker-archive:{to_docker_archive(layout, 'bb', tmp_path / 'd.tar')}",
+              "bb")
+    node = NodeDaemon(tmp_path / "node", store_args, cache_size="64M").start()
+    try:
+        up = node.cli("up", "bb@1", "--id", "s1")
+        sandbox = Path(up.stdout.strip())
+        assert (sandbox / "srv" / "hello.txt").read_text() == "hello from the image\n"
+        proc = node.cli("run", "s1", "--", "/bin/sh", "-c", "cat /srv/hello.txt; ls /bin")
+        assert "hello from the image" in proc.stdout and "busybox" in proc.stdout
+        node.cli("down", "s1")
+    finally:
+        assert node.cleanup() == []
