@@ -434,6 +434,9 @@ class TarSource:
             asm.mark_opaque(parts[:-1])
             return
         if base.startswith(WHITEOUT):
+            parent = asm.tree.lookup(parts[:-1])
+            if parent is not None and not parent.is_dir:
+                return  # inside a file this layer writes: nothing below shows through
             wh = FsNode(mode=stat.S_IFCHR, uid=member.uid, gid=member.gid,
                         mtime=pax_mtime(member)[0])
             asm.add(parts[:-1] + [base[len(WHITEOUT) :]], wh)

@@ -33,6 +33,7 @@ class LayerChange:
     symlinks: dict[str, str] = field(default_factory=dict)  # path -> target
     hardlinks: dict[str, str] = field(default_factory=dict)  # new path -> existing path
     delete: list[str] = field(default_factory=list)  # files or whole directories
+    modes: dict[str, int] = field(default_factory=dict)  # path -> permission bits
     copy_tree: str | None = None  # a directory copied onto the root first
     opaque_dir: str | None = None  # this directory made opaque, then ``files`` put in it
 
@@ -124,6 +125,8 @@ def _write(root: Path, change: LayerChange) -> None:
         (root / path).symlink_to(target)
     for path, existing in change.hardlinks.items():
         os.link(root / existing, root / path)
+    for path, mode in change.modes.items():
+        (root / path).chmod(mode)
 
 
 def _config_args(s: ImageSettings) -> list[str]:

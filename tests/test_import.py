@@ -39,7 +39,8 @@ SETTINGS = ImageSettings(env=["PATH=/bin", "GREETING=hello"], entrypoint=["/bin/
 
 # A base layer and four layers on it: files changed and deleted (whiteouts), a
 # directory emptied and refilled (opaque), hard links, a layer deleting what an
-# earlier one added, a directory replaced by a file and a file by a directory.
+# earlier one added, a directory replaced by a file and a file by a directory,
+# an opaque directory listed again by a later layer.
 CHANGES = [
     LayerChange(files={"etc/os-release": b"NAME=base\n", "srv/keep": b"keep",
                        "srv/old/a": b"old a", "srv/old/sub/b": b"old b",
@@ -54,7 +55,7 @@ CHANGES = [
                 files={"tobefile": b"now a file", "tobedir/y": b"now a dir"},
                 hardlinks={"links/three": "links/one"}),
     LayerChange(files={"srv/old/again": b"again", "etc/os-release": b"NAME=top\n"},
-                delete=["srv/link"]),
+                delete=["srv/link"], modes={"srv/old": 0o750}),
 ]
 
 
@@ -136,16 +137,26 @@ def overlay_of(store, digests: list[str], work: Path) -> Iterator[Path]:
         yield mnt
 
 
+# How to fold the five layers of "multi": the fold size from the blob sizes,
+# and the groups that gives, bottom first.
+GROUPINGS = {
+    "bottom three": (lambda sizes: sum(sizes[:3]), [3, 2]),
+    "top four": (lambda sizes: sum(sizes[1:]), [1, 4]),
+}
+
+
+@pytest.mark.parametrize("grouping", list(GROUPINGS))
 def test_layers_overlaid_equal_umoci_unpack_and_folding_equals_the_overlay(
-        images, store_args, store, tmp_path):
+        grouping, images, store_args, store, tmp_path):
     need_root()
     plain = do_import(store_args, f"oci:{images}:multi", "plain")
     _, manifest = manifest_of(images, "multi")
-    sizes = [x["size"] for x in manifest["layers"]]
-    fold = sizes[0] + sizes[1] + sizes[2]  # groups: layers 1-3 (from the bottom), 4-5
+    size_of, groups = GROUPINGS[grouping]
+    fold = size_of([x["size"] for x in manifest["layers"]])
     folded = do_import(store_args, f"oci:{images}:multi", "folded", "1", "--fold", str(fold))
-    assert [len(x["diff_ids"]) for x in folded["layers"]] == [2, 3]
-    assert folded["layers"][1]["ref"].startswith("oci/folded/")
+    assert [len(x["diff_ids"]) for x in reversed(folded["layers"])] == groups
+    assert all(x["ref"].startswith("oci/folded/") for x in folded["layers"]
+               if len(x["diff_ids"]) > 1)
     run("umoci", "unpack", "--image", f"{images}:multi", str(tmp_path / "bundle"))
     with overlay_of(store, [x["digest"] for x in plain["layers"]], tmp_path / "p") as unfolded, \
             overlay_of(store, [x["digest"] for x in folded["layers"]], tmp_path / "f") as fold_mnt:
@@ -154,8 +165,14 @@ def test_layers_overlaid_equal_umoci_unpack_and_folding_equals_the_overlay(
         assert not (unfolded / "added").exists() and not (unfolded / "data" / "small").exists()
         assert os.stat(unfolded / "links" / "one").st_ino == os.stat(
             unfolded / "links" / "three").st_ino
-        assert diff_trees(str(tmp_path / "bundle" / "rootfs"), str(unfolded)) == []
-        assert diff_trees(str(unfolded), str(fold_mnt)) == []
+        # umoci applies each layer onto the ones below it, so a directory a layer
+        # does not list keeps the lower one's mtime; a layer on its own makes it
+        # anew (see docs/oci.md): directory mtimes are left out of this comparison.
+        problems = diff_trees(str(tmp_path / "bundle" / "rootfs"), str(unfolded),
+                              dir_mtime=False)
+        assert problems == [], "\n".join(problems)
+        problems = diff_trees(str(unfolded), str(fold_mnt))
+        assert problems == [], "\n".join(problems)
 
 
 def test_archives_import_the_same_layers_as_the_layout(images, store_args, tmp_path):

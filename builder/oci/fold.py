@@ -12,7 +12,10 @@ the same group left:
 - a directory that replaces a non-directory (or a whiteout) becomes opaque, as
   overlayfs stops merging at a non-directory; a directory over an opaque one
   stays opaque;
-- a hard link may name a file from a lower layer of the group.
+- a hard link may name a file from a lower layer of the group;
+- a directory a layer needs but does not list (a parent of its entries) is a
+  plain 0755 directory, as it is in that layer built alone: overlayfs shows
+  the uppermost layer's directory.
 
 When the group starts at the image's bottom there is nothing below it:
 whiteouts are dropped and no directory needs to be opaque.
@@ -29,6 +32,7 @@ from layerfs.tree import FsNode
 
 from ..assembler import OPAQUE_XATTR, LayerAssembler, display
 from ..pipeline import ChunkPipeline
+from ..tarsource import OPAQUE as OPAQUE_MARKER
 
 OPAQUE_KEY, OPAQUE_VALUE = OPAQUE_XATTR
 Path = tuple[bytes, ...]
@@ -50,8 +54,12 @@ class FoldingAssembler(LayerAssembler):
         self.layer_opaque: list[list[bytes]] = []
 
     def begin_layer(self) -> None:
+        """A layer starts; its root is a plain directory unless it lists one."""
         self.added = set()
         self.layer_opaque = []
+        root = FsNode.directory()
+        root.children = self.tree.root.children
+        self.tree.root = root
 
     def end_layer(self) -> None:
         """Apply the layer's opaque markers, now that all its entries are in."""
@@ -92,6 +100,7 @@ class FoldingAssembler(LayerAssembler):
         super().link(parts, target)
 
     def mark_opaque(self, dir_parts: list[bytes]) -> None:
+        self._parents([*dir_parts, OPAQUE_MARKER])
         self._mark(dir_parts)
         self.layer_opaque.append(dir_parts)
 
@@ -100,15 +109,23 @@ class FoldingAssembler(LayerAssembler):
             self.added.add(tuple(parts[:i]))
 
     def _parents(self, parts: list[bytes]) -> None:
-        """A parent that a lower layer of the group made a non-directory
-        becomes a directory here, opaque (nothing below it shows through)."""
+        """The parents of an entry, as a layer of its own would have them: a
+        parent this layer does not list is a plain 0755 directory (overlayfs
+        shows the uppermost layer's directory), and one that a lower layer of
+        the group made a non-directory becomes an opaque directory."""
         for i in range(1, len(parts)):
-            node = self.tree.lookup(parts[:i])
-            if node is not None and not node.is_dir:
-                new = FsNode.directory()
-                if not self.at_bottom:
-                    new.xattrs[OPAQUE_KEY] = OPAQUE_VALUE
-                self.tree.put(parts[:i], new)
+            prefix = parts[:i]
+            node = self.tree.lookup(prefix)
+            if node is None or tuple(prefix) in self.added:
+                continue
+            new = FsNode.directory()
+            if node.is_dir:
+                opaque = node.xattrs.get(OPAQUE_KEY)
+                if opaque is not None:
+                    new.xattrs[OPAQUE_KEY] = opaque
+            elif not self.at_bottom:
+                new.xattrs[OPAQUE_KEY] = OPAQUE_VALUE
+            self.tree.put(prefix, new)
 
     def _prune(self, prefix: list[bytes], node: FsNode) -> None:
         """Drop what lower layers of the group put under the opaque ``prefix``."""
