@@ -4,15 +4,18 @@ mounts; bad input is one error line and publishes no env."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
+import zstandard
 from nodes import NodeDaemon
 from ociimages import (
     ImageSettings,
@@ -28,10 +31,12 @@ from ociimages import (
 from support import mounted_layer, need_root
 from treecmp import diff_trees
 
+from layerfs.builder.oci.resolve import host_platform
 from layerfs.mounts import mount, umount
 from layerfs.node.process import LAYERFS
 from layerfs.registry import ENVS, Registry
 
+REF = "org.opencontainers.image.ref.name"
 SETTINGS = ImageSettings(env=["PATH=/bin", "GREETING=hello"], entrypoint=["/bin/sh", "-c"],
                          cmd=["echo $GREETING"], working_dir="/srv", user="0:0",
                          labels={"org.example.kind": "test"}, exposed_ports=["8080/tcp"],
@@ -177,8 +182,8 @@ def test_layers_overlaid_equal_umoci_unpack_and_folding_equals_the_overlay(
 
 def test_archives_import_the_same_layers_as_the_layout(images, store_args, tmp_path):
     want = do_import(store_args, f"oci:{images}:multi")
-    oci = do_import(store_args, f"oci-archive:{to_oci_archive(images, 'multi', tmp_path / 'o.tar')}",
-                    "o")
+    oci_tar = to_oci_archive(images, "multi", tmp_path / "o.tar")
+    oci = do_import(store_args, f"oci-archive:{oci_tar}", "o")
     docker_tar = to_docker_archive(images, "multi", tmp_path / "d.tar")
     docker = do_import(store_args, f"docker-archive:{docker_tar}", "d")
     for got in (oci, docker):
@@ -187,6 +192,57 @@ def test_archives_import_the_same_layers_as_the_layout(images, store_args, tmp_p
     envs = {e: json.loads(cli(store_args, "inspect", f"{e}@1", "--json").stdout)
             for e in ("img", "o", "d")}
     assert len({json.dumps([x["digest"] for x in r["layers"]]) for r in envs.values()}) == 1
+
+
+def recompress_zstd(layout: Path, tag: str) -> None:
+    """Store the tag's bottom layer zstd-compressed (umoci writes gzip only)."""
+    def edit(manifest: dict) -> None:
+        layer = manifest["layers"][0]
+        data = zstandard.ZstdCompressor().compress(
+            gzip.decompress(blob(layout, layer["digest"]).read_bytes()))
+        layer.update(mediaType="application/vnd.oci.image.layer.v1.tar+zstd",
+                     digest=put_blob(layout, data), size=len(data))
+    retag(layout, tag, edit_manifest=edit)
+
+
+def test_zstd_layer_is_the_same_layer_as_its_gzip_copy(images, store_args, tmp_path):
+    layout = tmp_path / "L"
+    shutil.copytree(images, layout)
+    gz = do_import(store_args, f"oci:{layout}:multi", "gz")
+    recompress_zstd(layout, "multi")
+    zst = do_import(store_args, f"oci:{layout}:multi", "zst")
+    assert zst["image"]["manifest_digest"] != gz["image"]["manifest_digest"]
+    assert [x["digest"] for x in zst["layers"]] == [x["digest"] for x in gz["layers"]]
+    assert not any(x["built"] for x in zst["layers"])
+
+
+def test_index_picks_the_host_platform_or_the_one_asked_for(images, store_args, tmp_path):
+    layout = tmp_path / "L"
+    shutil.copytree(images, layout)
+    make_image(layout, "arm", [LayerChange(files={"arm": b"arm"})],
+               ImageSettings(architecture="arm64"), base="base")
+    host = host_platform().architecture
+    entries = []
+    for tag, arch, variant in (("arm", "arm64", "v8"), ("more", host, "")):
+        path, _ = manifest_of(layout, tag)
+        entries.append({"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                        "digest": "sha256:" + path.name, "size": path.stat().st_size,
+                        "platform": {"os": "linux", "architecture": arch,
+                                     **({"variant": variant} if variant else {})}})
+    data = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+                       "manifests": entries}).encode()
+    index = json.loads((layout / "index.json").read_text())
+    index["manifests"].append({"mediaType": "application/vnd.oci.image.index.v1+json",
+                               "digest": put_blob(layout, data), "size": len(data),
+                               "annotations": {REF: "all"}})
+    (layout / "index.json").write_text(json.dumps(index))
+    mine = do_import(store_args, f"oci:{layout}:all", "mine")
+    assert mine["image"]["manifest_digest"] == entries[1]["digest"]
+    arm = do_import(store_args, f"oci:{layout}:all", "arm", "1", "--platform", "linux/arm64")
+    assert arm["image"]["manifest_digest"] == entries[0]["digest"]
+    proc = cli(store_args, "import", f"oci:{layout}:all", "--name", "x", "--version", "1",
+               "--platform", "linux/s390x")
+    assert proc.returncode == 3 and "no image for platform linux/s390x" in proc.stderr
 
 
 # --- bad input: one error line, nonzero exit, no env ---------------------------------
@@ -213,7 +269,7 @@ def retag(layout: Path, tag: str, edit_manifest: Callable[[dict], None] | None =
     data = json.dumps(manifest).encode()
     index = json.loads((layout / "index.json").read_text())
     for desc in index["manifests"]:
-        if desc["annotations"]["org.opencontainers.image.ref.name"] == tag:
+        if desc.get("annotations", {}).get(REF) == tag:
             desc.update(digest=put_blob(layout, data), size=len(data))
             if media_type:
                 desc["mediaType"] = media_type
@@ -252,11 +308,17 @@ BAD = {
 }
 
 
+@pytest.fixture(scope="module")
+def two_layer_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    layout = tmp_path_factory.mktemp("bad") / "L"
+    return make_image(layout, "bad", [LayerChange(files={"a": os.urandom(70_000)}),
+                                      LayerChange(files={"b": os.urandom(90_000)})], SETTINGS)
+
+
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_image_is_one_error_line_and_no_env(case, tmp_path, store_args):
+def test_bad_image_is_one_error_line_and_no_env(case, two_layer_image, tmp_path, store_args):
     layout = tmp_path / "L"
-    make_image(layout, "bad", [LayerChange(files={"a": os.urandom(70_000)}),
-                               LayerChange(files={"b": os.urandom(90_000)})], SETTINGS)
+    shutil.copytree(two_layer_image, layout)
     spoil, message, tag = BAD[case]
     spoil(layout)
     proc = cli(store_args, "import", f"oci:{layout}:{tag}", "--name", "bad", "--version", "1")
