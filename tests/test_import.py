@@ -28,6 +28,7 @@ from ociimages import (
     to_docker_archive,
     to_oci_archive,
 )
+from registryserver import find_registry, push, start_registry
 from support import mounted_layer, need_root
 from treecmp import diff_trees
 
@@ -245,6 +246,21 @@ def test_index_picks_the_host_platform_or_the_one_asked_for(images, store_args, 
     assert proc.returncode == 3 and "no image for platform linux/s390x" in proc.stderr
 
 
+def test_registry_image_imports_to_the_layout_s_layers(images, store_args, tmp_path):
+    binary = find_registry()
+    if binary is None:
+        pytest.fail("docker-registry is not installed (make deps installs it)")
+    server = start_registry(binary, tmp_path / "registry")
+    try:
+        ref = push(images, "multi", server, "test/multi")
+        want = do_import(store_args, f"oci:{images}:multi")
+        got = do_import(store_args, ref, "reg", "1", "--plain-http")
+    finally:
+        server.stop()
+    assert [x["digest"] for x in got["layers"]] == [x["digest"] for x in want["layers"]]
+    assert not any(x["built"] for x in got["layers"])
+
+
 # --- bad input: one error line, nonzero exit, no env ---------------------------------
 
 
@@ -339,7 +355,8 @@ def test_busybox_image_comes_up_in_a_sandbox(tmp_path, store_args):
     rootfs = busybox_rootfs(tmp_path / "rootfs")
     make_image(layout, "bb", [LayerChange(copy_tree=str(rootfs)),
                               LayerChange(files={"srv/hello.txt": b"hello from the image\n"})],
-               SETTINGS)
+               ImageSettings(env=["PATH=/bin", "GREETING=hello"], entrypoint=["/bin/sh", "-c"],
+                             cmd=["echo $GREETING; pwd; cat hello.txt"], working_dir="/srv"))
     do_import(store_args, f"docker-archive:{to_docker_archive(layout, 'bb', tmp_path / 'd.tar')}",
               "bb")
     node = NodeDaemon(tmp_path / "node", store_args, cache_size="64M").start()
@@ -347,8 +364,8 @@ def test_busybox_image_comes_up_in_a_sandbox(tmp_path, store_args):
         up = node.cli("up", "bb@1", "--id", "s1")
         sandbox = Path(up.stdout.strip())
         assert (sandbox / "srv" / "hello.txt").read_text() == "hello from the image\n"
-        proc = node.cli("run", "s1", "--", "/bin/sh", "-c", "cat /srv/hello.txt; ls /bin")
-        assert "hello from the image" in proc.stdout and "busybox" in proc.stdout
+        proc = node.cli("run", "s1")  # the image's Entrypoint + Cmd, Env and WorkingDir
+        assert proc.stdout.splitlines() == ["hello", "/srv", "hello from the image"]
         node.cli("down", "s1")
     finally:
         assert node.cleanup() == []

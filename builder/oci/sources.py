@@ -71,11 +71,9 @@ def parse_spec(text: str) -> SourceSpec:
 def open_source(text: str, plain_http: bool = False) -> ImageSource:
     """The image source ``text`` names."""
     if text.startswith("docker://"):
-        try:
-            from .registry import RegistrySource  # type: ignore[import-not-found,unused-ignore]
-        except ImportError:
-            raise SourceError(text, "docker:// sources are not available in this build") from None
-        return RegistrySource(text[len("docker://") :], plain_http=plain_http)  # type: ignore[no-any-return,unused-ignore]
+        from .registry import RegistrySource  # urllib3 and TLS only for registries
+
+        return RegistrySource(text, plain_http=plain_http)
     spec = parse_spec(text)
     if not os.path.exists(spec.path):
         raise SourceError(text, "no such file or directory")
