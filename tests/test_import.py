@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
 import os
 import shutil
 import subprocess
+import tarfile
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -344,6 +346,61 @@ def test_bad_image_is_one_error_line_and_no_env(case, two_layer_image, tmp_path,
     assert message in lines[0]
     listed = cli(store_args, "env", "ls", "--json")
     assert listed.returncode == 0 and json.loads(listed.stdout) == []
+
+
+def set_layers(manifest: dict) -> None:
+    manifest["layers"] = "not a list"
+
+
+def set_env(config: dict) -> None:
+    config["config"]["Env"] = 5
+
+
+def set_label(config: dict) -> None:
+    config["config"]["Labels"] = {"a": ["b"]}
+
+
+MALFORMED = {
+    "layers not a list": (lambda lay: retag(lay, "bad", edit_manifest=set_layers), "layers"),
+    "Env a number": (lambda lay: retag(lay, "bad", edit_config=set_env), "'Env'"),
+    "label not a string": (lambda lay: retag(lay, "bad", edit_config=set_label), "Labels"),
+    "index entry not an object": (
+        lambda lay: (lay / "index.json").write_text('{"manifests": [5]}'), "descriptor"),
+    "index not JSON": (lambda lay: (lay / "index.json").write_text("{"), "not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_documents_are_one_error_line(case, two_layer_image, tmp_path):
+    layout = tmp_path / "L"
+    shutil.copytree(two_layer_image, layout)
+    spoil, message = MALFORMED[case]
+    spoil(layout)
+    store = ["--store", f"file://{tmp_path / 'store'}"]
+    proc = cli(store, "import", f"oci:{layout}:bad", "--name", "bad", "--version", "1")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 3 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("layerfs: error: source ") and message in lines[0]
+
+
+def test_docker_archive_with_malformed_repo_tags_is_one_error_line(two_layer_image, tmp_path):
+    good = to_docker_archive(two_layer_image, "bad", tmp_path / "good.tar")
+    bad = tmp_path / "bad.tar"
+    with tarfile.open(good) as src, tarfile.open(bad, "w") as dst:
+        for member in src.getmembers():
+            data = src.extractfile(member) if member.isreg() else None
+            if member.name == "manifest.json":
+                doc = json.loads(data.read())  # type: ignore[union-attr]
+                doc[0]["RepoTags"] = 5
+                raw = json.dumps(doc).encode()
+                member.size, data = len(raw), io.BytesIO(raw)
+            dst.addfile(member, data)
+    store = ["--store", f"file://{tmp_path / 'store'}"]
+    proc = cli(store, "import", f"docker-archive:{bad}:test/image:bad", "--name", "x",
+               "--version", "1")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 3 and len(lines) == 1, proc.stderr
+    assert "RepoTags must be a list of strings" in lines[0]
 
 
 # --- a real image in a real sandbox ----------------------------------------------------

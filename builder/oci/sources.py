@@ -101,6 +101,15 @@ def read_document(stream: BinaryIO, what: str) -> bytes:
     return data
 
 
+def _strings(value: object, what: str) -> list[str]:
+    """A list of strings (None: empty), or one error."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SourceError(what, "manifest.json: RepoTags must be a list of strings")
+    return value
+
+
 def parse_json(data: bytes, what: str) -> object:
     try:
         return json.loads(data)
@@ -143,9 +152,12 @@ class ArchiveFiles:
             info = self.members.get(name)
             if info is None:
                 raise SourceError(what, f"{path}: no such member in the archive")
-            if not info.issym():
+            if info.islnk():  # a hard link names its target from the archive's root
+                name = posixpath.normpath(info.linkname)
+            elif info.issym():
+                name = posixpath.normpath(posixpath.join(posixpath.dirname(name), info.linkname))
+            else:
                 return info
-            name = posixpath.normpath(posixpath.join(posixpath.dirname(name), info.linkname))
         raise SourceError(what, f"{path}: too many symlinks in the archive")
 
     def open(self, path: str, what: str) -> BinaryIO:
@@ -231,7 +243,7 @@ class DockerArchiveSource(ImageSource):
         if not isinstance(doc, list) or not all(isinstance(e, dict) for e in doc) or not doc:
             raise SourceError(self.text, "manifest.json is not a list of images")
         if ref:
-            named = [e for e in doc if ref in (e.get("RepoTags") or [])]
+            named = [e for e in doc if ref in _strings(e.get("RepoTags"), self.text)]
             if not named:
                 raise SourceError(self.text, f"no image tagged {ref!r} in the archive")
             return named[0]
