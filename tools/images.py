@@ -16,7 +16,8 @@ from .common import Output, human_bytes, parse_size, stderr_is_tty, store_option
 
 
 class ImportBar:
-    """``import N@V: layer 2/5 [#####     ] 12.3 MiB, 4.5 MiB/s`` on a terminal."""
+    """``import N@V: 2/5 layers [########    ] 12.3 MiB, 4.5 MiB/s`` on a terminal
+    (layers done, blob bytes read, their rate)."""
 
     WIDTH = 20
 
@@ -42,7 +43,7 @@ class ImportBar:
         self.drawn = now
         filled = self.WIDTH * self.done // max(self.total, 1)
         rate = self.bytes / max(now - self.start, 1e-6)
-        sys.stderr.write(f"\r\033[K{self.label}: layer {self.done}/{self.total} "
+        sys.stderr.write(f"\r\033[K{self.label}: {self.done}/{self.total} layers "
                          f"[{'#' * filled}{' ' * (self.WIDTH - filled)}] "
                          f"{human_bytes(self.bytes)}, {human_bytes(rate)}/s")
         sys.stderr.flush()
