@@ -124,15 +124,20 @@ class LayerAssembler:
         """Mark a directory opaque; applied by :meth:`finish`, after its own entry."""
         self.opaque.append(dir_parts)
 
+    def opaque_dir(self, dir_parts: list[bytes]) -> FsNode:
+        """The directory an opaque marker names (made if the source never
+        listed it); SourceError if it is not a directory."""
+        node = self.tree.lookup(dir_parts)
+        if node is None:
+            node = FsNode.directory()
+            self.tree.put(dir_parts, node)
+        if not node.is_dir:
+            raise SourceError(display(dir_parts), "opaque marker in a non-directory")
+        return node
+
     def finish(self) -> FileTree:
         for dir_parts in self.opaque:
-            node = self.tree.lookup(dir_parts)
-            if node is None:
-                node = FsNode.directory()
-                self.tree.put(dir_parts, node)
-            if not node.is_dir:
-                raise SourceError(display(dir_parts), "opaque marker in a non-directory")
-            node.xattrs[OPAQUE_XATTR[0]] = OPAQUE_XATTR[1]
+            self.opaque_dir(dir_parts).xattrs[OPAQUE_XATTR[0]] = OPAQUE_XATTR[1]
         if self.clamped_mtimes:
             self.on_warning(f"{self.clamped_mtimes} entries have an mtime beyond what EROFS "
                             "holds (a signed 64-bit second); stored the nearest time it holds")

@@ -13,26 +13,18 @@ from .assembler import LayerAssembler, display
 
 
 def read_xattrs(path: bytes) -> dict[bytes, bytes]:
-    try:
-        names = os.listxattr(path, follow_symlinks=False)
-    except OSError as exc:
-        if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
-            return {}
-        raise
-    out = {}
-    for name in sorted(names):
-        try:
-            out[name.encode()] = os.getxattr(path, name, follow_symlinks=False)
-        except OSError as exc:
-            if exc.errno != errno.ENODATA:
-                raise
-    return out
+    """The xattrs of ``path`` itself, a symlink not followed (names in byte order)."""
+    return _xattrs(path, follow_symlinks=False)
 
 
 def read_fd_xattrs(fd: int) -> dict[bytes, bytes]:
     """The xattrs of an open file (names in byte order)."""
+    return _xattrs(fd, follow_symlinks=True)
+
+
+def _xattrs(target: bytes | int, follow_symlinks: bool) -> dict[bytes, bytes]:
     try:
-        names = os.listxattr(fd)
+        names = os.listxattr(target, follow_symlinks=follow_symlinks)
     except OSError as exc:
         if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
             return {}
@@ -40,7 +32,7 @@ def read_fd_xattrs(fd: int) -> dict[bytes, bytes]:
     out = {}
     for name in sorted(names):
         try:
-            out[name.encode()] = os.getxattr(fd, name)
+            out[name.encode()] = os.getxattr(target, name, follow_symlinks=follow_symlinks)
         except OSError as exc:
             if exc.errno != errno.ENODATA:
                 raise

@@ -27,10 +27,9 @@ import stat
 from collections.abc import Callable
 from typing import IO
 
-from layerfs.errors import SourceError
 from layerfs.tree import FsNode
 
-from ..assembler import OPAQUE_XATTR, LayerAssembler, display
+from ..assembler import OPAQUE_XATTR, LayerAssembler
 from ..pipeline import ChunkPipeline
 from ..tarsource import OPAQUE as OPAQUE_MARKER
 
@@ -64,12 +63,7 @@ class FoldingAssembler(LayerAssembler):
     def end_layer(self) -> None:
         """Apply the layer's opaque markers, now that all its entries are in."""
         for dir_parts in self.layer_opaque:
-            node = self.tree.lookup(dir_parts)
-            if node is None:
-                node = FsNode.directory()
-                self.tree.put(dir_parts, node)
-            if not node.is_dir:
-                raise SourceError(display(dir_parts), "opaque marker in a non-directory")
+            node = self.opaque_dir(dir_parts)
             self._prune(dir_parts, node)
             if not self.at_bottom:
                 node.xattrs[OPAQUE_KEY] = OPAQUE_VALUE
