@@ -7,7 +7,8 @@
 # run a command in it, print the cache statistics (bytes fetched against the
 # env's size), take the sandbox down and stop the daemon. Rerunning it
 # publishes nothing new: every version is immutable and the same content is
-# recognised.
+# recognised. Last, it makes a small OCI image with umoci, imports it
+# (`layerfs import`) and runs its default process through runc (`layerfs run`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=$(mktemp -d /tmp/layerfs-demo.XXXXXX)
@@ -48,7 +49,23 @@ make_toolchain() {  # $1 = version: the Python standard library, plus a marker t
   touch -h -d "@$stamp" $(find "$root")
 }
 
+make_image() {  # an OCI image layout holding the base rootfs plus a greeting program
+  local layout=$work/image bundle=$work/image-bundle
+  umoci init --layout "$layout"
+  umoci new --image "$layout:demo"
+  umoci unpack --image "$layout:demo" "$bundle" >/dev/null
+  cp -a "$work/base/." "$bundle/rootfs/"
+  printf '#!/bin/sh\necho "hello from the $GREETING, in $(pwd), as $(id -un)"\n' \
+    >"$bundle/rootfs/bin/hello"
+  chmod 755 "$bundle/rootfs/bin/hello"
+  touch -h -d "@$stamp" $(find "$bundle/rootfs")
+  umoci repack --image "$layout:demo" "$bundle"
+  umoci config --image "$layout:demo" --config.env GREETING=image --config.workingdir /tmp \
+    --config.cmd /bin/hello
+}
+
 make_base
+make_image
 make_toolchain 1
 make_toolchain 2
 ws_version=$(git rev-parse --short=12 HEAD 2>/dev/null || echo 0)
@@ -103,8 +120,17 @@ got = s["cache"]["bytes_fetched"]
 print(f"fetched {got / 2**20:.1f} MiB of the env\x27s {total / 2**20:.1f} MiB data blobs "
       f"({100 * got / max(total, 1):.1f} %)")'
 
-say "take it down and stop the daemon"
+say "take it down"
 layerfs down demo-1 --root "$node"
+
+say "import the OCI image $work/image:demo (one layer per image layer, its config kept)"
+layerfs import "oci:$work/image:demo" --name demo/image --version 1
+say "bring it up and run the image's own command through runc"
+layerfs up demo/image@1 --id demo-image --root "$node" >/dev/null
+layerfs run demo-image --root "$node"
+layerfs down demo-image --root "$node"
+
+say "stop the daemon"
 kill -TERM "$daemon_pid"
 wait "$daemon_pid"
 daemon_pid=""
