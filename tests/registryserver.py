@@ -297,29 +297,10 @@ def start_registry(binary: str, directory: Path, mode: str = "anonymous") -> Reg
 
 # -- test images -----------------------------------------------------------------
 
-TreeChange = Callable[[Path], None]  # edits an unpacked rootfs in place
-
-
 def _run(*argv: str) -> None:
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:2])} failed: {done.stderr.strip()}")
-
-
-def make_image(layout: Path, tag: str, changes: list[TreeChange],
-               config: list[str] | None = None) -> None:
-    """An image ``layout:tag`` with one layer per change (umoci, rootless unpack)."""
-    if not (layout / "index.json").exists():
-        _run("umoci", "init", "--layout", str(layout))
-    _run("umoci", "new", "--image", f"{layout}:{tag}")
-    for number, change in enumerate(changes):
-        bundle = layout.parent / f"bundle-{tag}-{number}"
-        _run("umoci", "unpack", "--rootless", "--image", f"{layout}:{tag}", str(bundle))
-        change(bundle / "rootfs")
-        _run("umoci", "repack", "--image", f"{layout}:{tag}", str(bundle))
-        shutil.rmtree(bundle)
-    if config:
-        _run("umoci", "config", "--image", f"{layout}:{tag}", *config)
 
 
 def _blob_path(layout: Path, digest: str) -> Path:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ociimages import ImageSettings, LayerChange, make_image
 from registryserver import (
     Account,
     Answer,
@@ -25,7 +26,6 @@ from registryserver import (
     find_registry,
     free_port,
     layout_manifest,
-    make_image,
     make_index,
     new_account,
     push,
@@ -64,17 +64,9 @@ def _need(*tools: str) -> None:
 # -- fixtures: one image layout, three registries -------------------------------------
 
 
-def _base_layer(root: Path) -> None:
-    (root / "etc").mkdir(exist_ok=True)
-    (root / "etc" / "os-release").write_text("NAME=layerfs-test\n")
-    (root / "data").mkdir()
-    (root / "data" / "big.bin").write_bytes(os.urandom(3 << 20))  # several read buffers
-
-
-def _app_layer(root: Path) -> None:
-    (root / "app").mkdir()
-    (root / "app" / "run.sh").write_text("#!/bin/sh\necho hi\n")
-    (root / "data" / "big.bin").unlink()
+BASE_LAYER = LayerChange(files={"etc/os-release": b"NAME=layerfs-test\n",
+                                 "data/big.bin": os.urandom(3 << 20)})  # several read buffers
+APP_LAYER = LayerChange(files={"app/run.sh": b"#!/bin/sh\necho hi\n"}, delete=["data/big.bin"])
 
 
 @pytest.fixture(scope="session")
@@ -82,8 +74,8 @@ def layout(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An OCI layout: ``v1`` (2 layers), ``arm`` (1 layer, linux/arm64) and the index ``multi``."""
     _need("umoci", "skopeo")
     path = tmp_path_factory.mktemp("images") / "layout"
-    make_image(path, "v1", [_base_layer, _app_layer], ["--config.env", "GREETING=hello"])
-    make_image(path, "arm", [_base_layer], ["--architecture", "arm64"])
+    make_image(path, "v1", [BASE_LAYER, APP_LAYER], ImageSettings(env=["GREETING=hello"]))
+    make_image(path, "arm", [BASE_LAYER], ImageSettings(architecture="arm64"))
     make_index(path, "multi", {"v1": "linux/amd64", "arm": "linux/arm64"})
     return path
 
