@@ -426,3 +426,28 @@ def test_busybox_image_comes_up_in_a_sandbox(tmp_path, store_args):
         node.cli("down", "s1")
     finally:
         assert node.cleanup() == []
+
+
+@pytest.mark.parametrize("mode", ["htpasswd", "token"])
+def test_registry_import_needs_credentials_and_takes_them_from_the_auth_file(
+        images, store_args, tmp_path, monkeypatch, mode):
+    binary = find_registry()
+    if binary is None:
+        pytest.fail("docker-registry is not installed (make deps installs it)")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no real credentials
+    monkeypatch.delenv("REGISTRY_AUTH_FILE", raising=False)
+    server = start_registry(binary, tmp_path / "registry", mode)
+    try:
+        ref = push(images, "base", server, "test/base")
+        denied = cli(store_args, "import", ref, "--name", "reg", "--version", "1",
+                     "--plain-http")
+        assert denied.returncode == 7, denied.stderr
+        assert denied.stderr.count("\n") == 1 and "authentication required" in denied.stderr
+        assert server.account is not None and server.account.password not in denied.stderr
+        assert "reg" not in cli(store_args, "env", "ls").stdout  # nothing published
+        auth = server.account.auth_file(tmp_path / "auth.json", server.host)
+        monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth))
+        got = do_import(store_args, ref, "reg", "1", "--plain-http")
+    finally:
+        server.stop()
+    assert got["layers"] and server.account.password not in json.dumps(got)
