@@ -375,8 +375,10 @@ def test_readahead_windows_and_direct_blob_reads(node):
     layers = [fields for fields in lines if fields[4].startswith(str(node.root / "layers"))]
     assert len(layers) == 2 and all("directio" in fields[-1].split(",") for fields in layers)
     new = {b for b in os.listdir("/sys/class/bdi") if b.startswith("erofs-")} - before
-    assert len(new) == 2
-    assert {Path(f"/sys/class/bdi/{b}/read_ahead_kb").read_text().strip() for b in new} == {"1024"}
+    # other processes on the machine may mount EROFS meanwhile: this node's two
+    # layer mounts are among the new entries, each with the 1 MiB window
+    windows = [Path(f"/sys/class/bdi/{b}/read_ahead_kb").read_text().strip() for b in new]
+    assert len(new) >= 2 and windows.count("1024") >= 2, windows
     node.cli("down", "s1")
 
 
