@@ -290,7 +290,7 @@ def test_prefetch_full_fetches_everything_before_up_returns(node):
 
 def test_prefetch_full_with_a_corrupt_chunk_fails_and_leaves_nothing_up(node, store):
     """The damaged chunk sits in the middle of a run of neighbours: `up` fails
-    with one line naming it, no sandbox stays up or mounted; once the pack is
+    with one line naming it and exit 6, no sandbox stays up or mounted; once the pack is
     repaired `up` succeeds without fetching the run's good chunks again."""
     reg = Registry(store)
     table = reg.chunk_table(reg.layer(reg.resolve("layers", "base@1")))
@@ -302,7 +302,7 @@ def test_prefetch_full_with_a_corrupt_chunk_fails_and_leaves_nothing_up(node, st
     store.put(blob_key(victim.pack), bytes(bad))
     proc = node.cli("up", "e@1", "--id", "f1", "--prefetch", "full", check=False)
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert proc.returncode == 6 and len(lines) == 1, proc.stderr  # integrity, not unreachable
     assert victim.sha256.hex()[:16] in lines[0] and "integrity check failed" in lines[0]
     assert node.request("ps")["sandboxes"] == []
     assert not [m for m in mounts_under(node.root) if "/sandboxes/" in m]
