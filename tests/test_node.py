@@ -180,6 +180,7 @@ def test_store_outage_gives_eio_in_bounded_time(node, request):
     node.cli("down", "s1")
 
 
+@pytest.mark.daemon_log(r"integrity check failed for chunk")
 def test_corrupt_chunk_in_store_is_eio_and_logged(node, store):
     reg = Registry(store)
     manifest = reg.layer(reg.resolve("layers", "base@1"))
@@ -288,6 +289,7 @@ def test_prefetch_full_fetches_everything_before_up_returns(node):
     node.cli("down", "s1")
 
 
+@pytest.mark.daemon_log(r"integrity check failed for chunk")
 def test_prefetch_full_with_a_corrupt_chunk_fails_and_leaves_nothing_up(node, store):
     """The damaged chunk sits in the middle of a run of neighbours: `up` fails
     with one line naming it and exit 6, no sandbox stays up or mounted; once the pack is
