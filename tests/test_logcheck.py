@@ -3,6 +3,7 @@ test may declare (tests/nodes.py, tests/conftest.py)."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 
@@ -83,3 +84,26 @@ def test_in_process_records_of_warning_or_worse_fail_unless_declared():
     assert nodes.unexpected_records(records, []) == [
         "WARNING layerfs.cache: cache file damaged", "ERROR layerfs.cache: store down"]
     assert nodes.unexpected_records(records, [re.compile("damaged|down")]) == []
+
+
+@pytest.mark.daemon_log(r"ERROR layerfs\.node\.fusefs: read: integrity check failed for chunk c")
+def test_a_read_whose_parallel_parts_fail_logs_one_line_not_a_traceback(caplog):
+    """A read over several chunks fetches them in a nursery: their FetchErrors
+    come as an ExceptionGroup, which is EIO and one line like a single failure."""
+    import pyfuse3
+    import trio
+
+    from layerfs.errors import IntegrityError
+    from layerfs.node.fusefs import fuse_errors
+
+    @fuse_errors
+    async def read() -> bytes:
+        raise ExceptionGroup("parts", [IntegrityError("chunk c", "sha256 mismatch")])
+
+    with pytest.raises(pyfuse3.FUSEError) as caught:
+        trio.run(read)
+    assert caught.value.errno == errno.EIO
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.getMessage() for r in errors] == [
+        "read: integrity check failed for chunk c: sha256 mismatch"]
+    assert errors[0].exc_info is None  # no traceback: a known failure

@@ -151,6 +151,11 @@ def store_outage(node: NodeDaemon):
             os.rename(path + ".away", path)
 
 
+@pytest.mark.daemon_log(
+    r"ERROR layerfs\.node\.fusefs: read: cannot read chunk",
+    r"ERROR layerfs\.node\.fetcher: chunk \S+: (object not found in store|store unreachable"
+    r"|no answer from the store within)",
+)
 def test_store_outage_gives_eio_in_bounded_time(node, request):
     if node.location.endpoint:
         node.s3_pid = request.getfixturevalue("s3_server").process.pid
@@ -204,6 +209,7 @@ def test_corrupt_chunk_in_store_is_eio_and_logged(node, store):
     node.cli("down", "s1")
 
 
+@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
 def test_corrupt_cache_file_is_refetched(node):
     rootfs = up(node, "s1")
     want = (rootfs / "data" / "file1").read_bytes()
