@@ -1,18 +1,25 @@
-"""Shared pytest fixtures: a SeaweedFS S3 server and stores on both backends.
+"""Shared pytest fixtures: a SeaweedFS S3 server and stores on both backends,
+and the log checks every test gets.
 
 ``store`` / ``store_url`` / ``store_args`` are parametrised over ``file`` and
 ``s3``; within one test they all name the same, fresh, empty store.
+
+After each test, every node daemon's log (tests/nodes.py) and the test's own
+log records are checked: a WARNING or ERROR the test does not declare with
+``@pytest.mark.daemon_log("regex", ...)`` fails it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import nodes
 import pytest
 from s3server import DUMMY_AWS_ENV, S3Server, find_weed, start_server
 from users import local_user  # noqa: F401  (a fixture for every test module)
@@ -23,6 +30,39 @@ from layerfs.store.s3 import S3Store
 
 TEST_BUCKET = "layerfs-test"
 BUCKET_TIMEOUT = 30.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "daemon_log(*patterns): WARNING/ERROR log records (regexes) the test "
+        "expects from its daemons or in-process")
+
+
+def declared_patterns(item: pytest.Item) -> list[re.Pattern[str]]:
+    return [re.compile(p) for mark in item.iter_markers("daemon_log") for p in mark.args]
+
+
+@pytest.fixture(autouse=True)
+def no_unexpected_log(request: pytest.FixtureRequest,
+                      caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Fail the test if a daemon or this process logged a WARNING or ERROR it
+    did not declare (set up first, so it checks after every other fixture's
+    teardown, a daemon's shutdown included)."""
+    allowed = declared_patterns(request.node)
+    nodes.TEST_EXPECTS[:] = allowed
+    try:
+        yield
+        problems = nodes.unexpected_records(
+            caplog.get_records("setup") + caplog.get_records("call"), allowed)
+        problems = [f"in-process: {line}" for line in problems]
+        for daemon in list(nodes.DAEMONS):
+            found = daemon.unexpected_log()
+            if found:
+                problems.append(nodes.unexpected_report(daemon, found))
+        if problems:
+            pytest.fail("unexpected log records:\n" + "\n".join(problems), pytrace=False)
+    finally:
+        nodes.TEST_EXPECTS.clear()
 
 
 def in_ci() -> bool:

@@ -1,11 +1,25 @@
-"""A node daemon started for a test: a real ``layerfs daemon`` process."""
+"""A node daemon started for a test: a real ``layerfs daemon`` process.
+
+Every daemon's log is checked: a WARNING or ERROR record (or a traceback) the
+test did not declare fails it. A test declares what it provokes with the
+marker ``@pytest.mark.daemon_log("regex", ...)``; a daemon that outlives one
+test (a module fixture's) declares its own with :meth:`NodeDaemon.expect_log`.
+"""
 
 from __future__ import annotations
 
+import logging
+import re
 import subprocess
+import weakref
 from pathlib import Path
 
 from layerfs.node.process import LAYERFS, DaemonProcess
+
+# every NodeDaemon made so far (the conftest checks their logs after each test)
+DAEMONS: weakref.WeakSet[NodeDaemon] = weakref.WeakSet()
+# the log patterns the running test declared with its daemon_log marker
+TEST_EXPECTS: list[re.Pattern[str]] = []
 
 
 class NodeDaemon(DaemonProcess):
@@ -14,6 +28,9 @@ class NodeDaemon(DaemonProcess):
     def __init__(self, root: Path, store_args: list[str], cache_size: str = "1G",
                  read_timeout: float = 5.0) -> None:
         super().__init__(root, store_args, cache_size, read_timeout)
+        self.expected: list[re.Pattern[str]] = []
+        self.log_checked = 0  # the log's bytes already checked
+        DAEMONS.add(self)
 
     def start(self, timeout: float = 30.0) -> NodeDaemon:
         super().start(timeout)
@@ -26,3 +43,47 @@ class NodeDaemon(DaemonProcess):
         if check and proc.returncode != 0:
             raise AssertionError(f"layerfs {' '.join(args)}: {proc.stderr}\n{self.log()}")
         return proc
+
+    def kill(self) -> None:
+        """SIGKILL; the next start detaches the mounts the kill left (a warning each)."""
+        super().kill()
+        self.expect_log(r"WARNING layerfs\.node\.daemon: unmounted stale ")
+
+    def expect_log(self, *patterns: str) -> NodeDaemon:
+        """Allow WARNING/ERROR records matching any of these regexes, for good."""
+        self.expected += [re.compile(p) for p in patterns]
+        return self
+
+    def unexpected_log(self) -> list[str]:
+        """The problem records logged since the last check that neither this
+        daemon nor the running test expects; marks them checked."""
+        records, self.log_checked = self.log_problems(self.log_checked)
+        allowed = self.expected + TEST_EXPECTS
+        return [r for r in records if not any(p.search(r) for p in allowed)]
+
+    def check_log(self) -> None:
+        """Fail (AssertionError) if :meth:`unexpected_log` finds anything."""
+        unexpected = self.unexpected_log()
+        if unexpected:
+            raise AssertionError(unexpected_report(self, unexpected))
+
+    def cleanup(self) -> list[str]:
+        """Stop, detach what is left mounted (returned), then check the log."""
+        left = super().cleanup()
+        self.check_log()
+        return left
+
+
+def unexpected_report(daemon: NodeDaemon, records: list[str]) -> str:
+    shown = "\n".join(records[:20])
+    more = f"\n... and {len(records) - 20} more" if len(records) > 20 else ""
+    return (f"daemon at {daemon.root} logged {len(records)} unexpected record(s) "
+            f"(declare them with @pytest.mark.daemon_log):\n{shown}{more}")
+
+
+def unexpected_records(records: list[logging.LogRecord],
+                       allowed: list[re.Pattern[str]]) -> list[str]:
+    """A test process's own WARNING-or-worse records that no allowed pattern matches."""
+    lines = [f"{r.levelname} {r.name}: {r.getMessage()}" for r in records
+             if r.levelno >= logging.WARNING]
+    return [line for line in lines if not any(p.search(line) for p in allowed)]

@@ -173,6 +173,7 @@ def test_parent_chain_reads_as_one_disk(node, store, tmp_path):
 
 # -- writable disks --
 
+@pytest.mark.daemon_log(r"disk w: index log cut after entry")
 def test_unaligned_writes_match_a_model(node):
     node.cli("disk", "create", "w", "--size", "4M")
     model = bytearray(4 * MiB)

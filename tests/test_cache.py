@@ -7,6 +7,7 @@ import hashlib
 import os
 import struct
 
+import pytest
 import xxhash
 
 from layerfs.cache.chunkcache import ChunkCache
@@ -33,6 +34,7 @@ def test_whole_and_partial_reads(tmp_path):
     assert cache.snapshot()["hits"] == 7
 
 
+@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
 def test_a_damaged_block_is_never_served(tmp_path):
     cache = cached(tmp_path)
     path = cache._path(SHA)
@@ -45,6 +47,7 @@ def test_a_damaged_block_is_never_served(tmp_path):
     assert cache.read(SHA) is None  # gone from the index: a miss, fetched again
 
 
+@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
 def test_a_restarted_cache_learns_block_layouts_from_headers(tmp_path):
     cached(tmp_path)
     cache = ChunkCache(tmp_path / "cache", 64 << 20)  # after a restart: nothing in memory
@@ -64,6 +67,7 @@ def test_a_restarted_cache_learns_block_layouts_from_headers(tmp_path):
     assert fresh.read_range(SHA, 2 * BLOCK, 2 * BLOCK + 9) == DATA[2 * BLOCK : 2 * BLOCK + 9]
 
 
+@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
 def test_a_torn_file_is_never_served(tmp_path):
     cache = cached(tmp_path)
     path = cache._path(SHA)
@@ -89,6 +93,7 @@ def swapped(tmp_path) -> ChunkCache:
     return cache
 
 
+@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
 def test_a_file_of_another_chunk_is_never_served(tmp_path, caplog):
     cache = swapped(tmp_path)
     assert cache.read(SHA) is None
@@ -100,6 +105,7 @@ def test_a_file_of_another_chunk_is_never_served(tmp_path, caplog):
     assert fresh.snapshot()["corrupt"] == 1 and SHA not in fresh._layouts
 
 
+@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
 def test_a_file_of_another_chunk_fails_the_block_digests_kept_in_memory(tmp_path):
     cache = swapped(tmp_path)
     assert SHA in cache._layouts
@@ -107,6 +113,7 @@ def test_a_file_of_another_chunk_fails_the_block_digests_kept_in_memory(tmp_path
     assert cache.snapshot()["corrupt"] == 1 and not cache._path(SHA).exists()
 
 
+@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
 def test_a_bad_file_found_by_two_readers_is_counted_once(tmp_path):
     cache = swapped(tmp_path)
     path = cache._path(SHA)

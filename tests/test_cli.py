@@ -37,8 +37,8 @@ def one_line_error(proc: subprocess.CompletedProcess, code: int | None = None) -
 
 
 def test_build_env_inspect_verify_gc(tmp_path, store, store_args):
-    for name in ("base", "tool", "ws"):
-        write_tree(tmp_path / name, hash(name) % 100, files=4)
+    for seed, name in enumerate(("base", "tool", "ws")):
+        write_tree(tmp_path / name, seed, files=4)
     layerfs("build", str(tmp_path / "base"), "--name", "s/base", "--version", "1",
             "--chunk-size", "16K", *store_args)
     layerfs("build", str(tmp_path / "tool"), "--name", "s/tool", "--version", "1",

@@ -171,6 +171,7 @@ def test_commit_of_one_changed_byte_uploads_one_chunk(node):
     node.cli("down", "s1")
 
 
+@pytest.mark.daemon_log(r"commit of s1: /log changed while it was read")
 def test_commit_while_a_process_appends(node, tmp_path):
     """A running sandbox: the files no one writes are exact, a file appended to
     during the commit is committed as a prefix of what it became."""

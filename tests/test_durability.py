@@ -280,6 +280,10 @@ def read_all(path: Path, size: int) -> bytes:
         return f.read(size)
 
 
+@pytest.mark.daemon_log(
+    r"write of \d+ bytes failed: \[Errno 28\]",
+    r"ERROR layerfs\.node\.fusefs: write: \[Errno 28\]",
+)
 def test_writable_disk_on_a_full_root_fails_writes_and_keeps_what_it_acknowledged(tmp_path):
     need_root()
     size = 64 * MiB  # more than ROOT can hold
@@ -324,6 +328,7 @@ def run_disk(tmp_path, steps, create: bool = True) -> None:
     trio.run(main)
 
 
+@pytest.mark.daemon_log(r"disk u: write of \d+ bytes failed: \[Errno 28\]")
 def test_short_index_write_fails_the_write_and_leaves_no_entry(tmp_path, monkeypatch):
     """A 9 MiB write has two index entries; ROOT fills up after the first one is
     stored (a short write, then ENOSPC). The write must fail, and a later write
@@ -366,6 +371,7 @@ def test_short_index_write_fails_the_write_and_leaves_no_entry(tmp_path, monkeyp
     assert reopened["data"] == model
 
 
+@pytest.mark.daemon_log(r"disk u: fsync failed")
 def test_failed_fsync_fails_every_later_fsync_and_write(tmp_path, monkeypatch):
     """Linux reports a lost writeback once; the disk must keep saying so."""
     async def steps(disk):

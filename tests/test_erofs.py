@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from support import build, mounted_layer, need_root
 from treecmp import diff_trees
 
+from layerfs.formats.chunktable import HEADER
 from layerfs.formats.erofs import write_meta_image
 from layerfs.mounts import mount_erofs, umount
 from layerfs.registry import Registry
@@ -40,14 +41,15 @@ def test_kernel_mount_matches_source(tmp_path, fstore, chunk_size, big_dir):
 def test_output_is_deterministic(tmp_path):
     need_root()
     src = make_tree(str(tmp_path / "src"), seed=7, big_dir=50)
-    metas = []
+    metas, tables = [], []
     for i in range(2):
         store = FileStore(str(tmp_path / f"store{i}"))
         res = build(store, src, chunk_size=65536)
         metas.append(Registry(store).meta_image(res.manifest))
-        tables = store.get_blob(res.manifest.chunk_table.digest)
+        tables.append(store.get_blob(res.manifest.chunk_table.digest))
     assert metas[0] == metas[1]
-    assert len(tables) > 0
+    assert len(tables[0]) > HEADER.size
+    assert tables[0] == tables[1]
 
 
 def test_mkfs_erofs_builds_the_same_tree(tmp_path, fstore):

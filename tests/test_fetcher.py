@@ -89,6 +89,7 @@ def test_a_cancelled_owner_does_not_cancel_the_waiters(tmp_path):
     assert got == [DATA] and store.calls == 2
 
 
+@pytest.mark.daemon_log(r"store unreachable: test store is down")
 def test_a_failure_reaches_every_waiter_and_the_next_read_tries_again(tmp_path):
     store = SlowStore(fail=True)
     f = fetcher(tmp_path, store)
@@ -114,6 +115,7 @@ def test_a_failure_reaches_every_waiter_and_the_next_read_tries_again(tmp_path):
     assert len(errors) == 3 and store.calls == 2
 
 
+@pytest.mark.daemon_log(r"no answer from the store within")
 def test_a_hung_store_is_eio_within_the_timeout(tmp_path):
     store = SlowStore()
     f = fetcher(tmp_path, store, timeout=0.5)
@@ -175,6 +177,7 @@ def test_sequential_reads_bring_the_next_cached_chunks_of_the_file_into_memory(t
     assert store.calls == 0
 
 
+@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
 def test_a_small_random_read_of_a_cached_chunk_reads_only_its_blocks(tmp_path):
     data = os.urandom(BLOCK * 8)
     entry = ChunkEntry(0, len(data), hashlib.sha256(data).digest(), "sha256:" + "0" * 64, 0,
@@ -236,6 +239,7 @@ class RangeStore:
         return self.packs[key][start:end]
 
 
+@pytest.mark.daemon_log(r"integrity check failed for chunk")
 def test_a_full_prefetch_reads_each_run_once_and_verifies_each_chunk(tmp_path):
     """Eight chunks in two packs: two range reads. A damaged chunk is a FetchError
     and never cached; its neighbours in the run are cached; the next prefetch
@@ -299,6 +303,7 @@ async def _append(out: list, awaitable) -> None:
     out.append(await awaitable)
 
 
+@pytest.mark.daemon_log(r"integrity check failed for chunk")
 def test_a_miss_on_a_small_chunk_brings_the_chunks_after_it_in_its_pack(tmp_path):
     """miss_span 3 chunks: a read of chunk 0 fetches 0-2 with one range read, a
     read of 1 then needs no store, one of 3 fetches 3-5 (the span stops at the

@@ -55,6 +55,7 @@ def meta_path(node: NodeDaemon, digest: str) -> Path:
 
 
 @pytest.mark.parametrize("replacement", ["other-layer", "garbage"])
+@pytest.mark.daemon_log(r"local meta image \S+ does not match its manifest's digest")
 def test_a_replaced_meta_image_is_never_mounted(node, two_layers, replacement):
     up(node, "s0", "b@1")  # b's meta image is now in ROOT/meta too
     node.cli("down", "s0")
@@ -80,6 +81,7 @@ def chunk_sha(data: bytes, index: int) -> str:
     return hashlib.sha256(data[index * CHUNK : (index + 1) * CHUNK]).hexdigest()
 
 
+@pytest.mark.daemon_log(r"cache file \S+ is damaged")
 def test_a_cache_file_of_another_chunk_is_never_served(node, store, two_layers):
     rootfs = up(node, "s1", "a@1")
     want = (rootfs / "data" / "f0").read_bytes()
@@ -131,6 +133,7 @@ def fill(path: Path, leave: int) -> None:
         os.fsync(f.fileno())
 
 
+@pytest.mark.daemon_log(r"removing stale temporary \S+0123\.tmp4242", r"No space left on device")
 def test_a_full_root_leaves_no_temporary_meta_images(tmp_path, store, store_location,
                                                       small_root):
     src = tmp_path / "many"
@@ -156,6 +159,7 @@ def test_a_full_root_leaves_no_temporary_meta_images(tmp_path, store, store_loca
         assert node.cleanup() == []
 
 
+@pytest.mark.daemon_log(r"local meta image \S+ does not match its manifest's digest")
 def test_vm_up_hands_out_only_a_checked_meta_image(node, store, two_layers):
     up(node, "s0", "b@1")
     node.cli("down", "s0")

@@ -151,6 +151,11 @@ def store_outage(node: NodeDaemon):
             os.rename(path + ".away", path)
 
 
+@pytest.mark.daemon_log(
+    r"ERROR layerfs\.node\.fusefs: read: cannot read chunk",
+    r"ERROR layerfs\.node\.fetcher: chunk \S+: (object not found in store|store unreachable"
+    r"|no answer from the store within)",
+)
 def test_store_outage_gives_eio_in_bounded_time(node, request):
     if node.location.endpoint:
         node.s3_pid = request.getfixturevalue("s3_server").process.pid
@@ -180,6 +185,7 @@ def test_store_outage_gives_eio_in_bounded_time(node, request):
     node.cli("down", "s1")
 
 
+@pytest.mark.daemon_log(r"integrity check failed for chunk")
 def test_corrupt_chunk_in_store_is_eio_and_logged(node, store):
     reg = Registry(store)
     manifest = reg.layer(reg.resolve("layers", "base@1"))
@@ -203,6 +209,7 @@ def test_corrupt_chunk_in_store_is_eio_and_logged(node, store):
     node.cli("down", "s1")
 
 
+@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
 def test_corrupt_cache_file_is_refetched(node):
     rootfs = up(node, "s1")
     want = (rootfs / "data" / "file1").read_bytes()
@@ -288,9 +295,10 @@ def test_prefetch_full_fetches_everything_before_up_returns(node):
     node.cli("down", "s1")
 
 
+@pytest.mark.daemon_log(r"integrity check failed for chunk")
 def test_prefetch_full_with_a_corrupt_chunk_fails_and_leaves_nothing_up(node, store):
     """The damaged chunk sits in the middle of a run of neighbours: `up` fails
-    with one line naming it, no sandbox stays up or mounted; once the pack is
+    with one line naming it and exit 6, no sandbox stays up or mounted; once the pack is
     repaired `up` succeeds without fetching the run's good chunks again."""
     reg = Registry(store)
     table = reg.chunk_table(reg.layer(reg.resolve("layers", "base@1")))
@@ -302,7 +310,7 @@ def test_prefetch_full_with_a_corrupt_chunk_fails_and_leaves_nothing_up(node, st
     store.put(blob_key(victim.pack), bytes(bad))
     proc = node.cli("up", "e@1", "--id", "f1", "--prefetch", "full", check=False)
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert proc.returncode == 6 and len(lines) == 1, proc.stderr  # integrity, not unreachable
     assert victim.sha256.hex()[:16] in lines[0] and "integrity check failed" in lines[0]
     assert node.request("ps")["sandboxes"] == []
     assert not [m for m in mounts_under(node.root) if "/sandboxes/" in m]

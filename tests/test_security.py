@@ -263,6 +263,7 @@ def test_the_fuse_group_opens_a_vms_drives_and_nothing_else(node_parent, hostile
         "layerfs: error: --fuse-group: no such group 'no-such-group-here'"]
 
 
+@pytest.mark.daemon_log(r"refused uid 4321 gid \d+ \(pid \d+\): not root or the FUSE group")
 def test_fuse_open_checks_the_callers_uid_and_group():
     """The adapter checks the caller itself, not only the kernel's
     ``default_permissions``: root, or the configured group, primary or

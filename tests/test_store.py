@@ -433,6 +433,7 @@ def test_s3_ranged_get_error_mapping(reply: Reply, expected: type[Exception] | N
         assert type(info.value) is expected
 
 
+@pytest.mark.daemon_log(r"presigned ranged GETs refused \(.*\); using boto3 calls")
 def test_s3_ranged_gets_fall_back_to_boto3_where_refused(s3_server: S3Server) -> None:
     store = S3Store("layerfs-test", f"t/{uuid.uuid4().hex}", endpoint=s3_server.endpoint)
     store.put("blobs/p", DATA)

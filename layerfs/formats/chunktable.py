@@ -5,7 +5,7 @@ Binary layout (little endian)::
     header   8s magic "LFSCHNK1", u32 chunk_count, u32 pack_count,
              u64 blob_size (bytes), u32 chunk_size, u32 reserved     (32 bytes)
     packs    pack_count x 32-byte sha256 of the pack blob
-    chunks   chunk_count x 64-byte entries, sorted by blob_offset:
+    chunks   chunk_count x 68-byte entries, sorted by blob_offset:
              u64 blob_offset, u32 length, u32 pack_index, u64 pack_offset,
              u32 stored_length, u8 compression, u8 flags, 2 pad,
              32-byte sha256, 4 reserved

@@ -36,6 +36,15 @@ class RemoteError(LayerfsError):
         self.exit_code = code
 
 
+def exit_code_of(exc: LayerfsError) -> int:
+    """The exit code of an error's first cause that is a layerfs error: a read
+    that failed because a chunk is damaged exits as an integrity error (6), one
+    whose store is down as unreachable (8)."""
+    while isinstance(exc.__cause__, LayerfsError):
+        exc = exc.__cause__
+    return exc.exit_code
+
+
 def socket_path(root: str | os.PathLike[str]) -> Path:
     return Path(root) / "control.sock"
 
@@ -83,7 +92,7 @@ class ControlServer:
         try:
             return {"ok": True, **await self.handler(request)}
         except LayerfsError as exc:
-            return {"ok": False, "error": str(exc), "code": exc.exit_code}
+            return {"ok": False, "error": str(exc), "code": exit_code_of(exc)}
         except OSError as exc:
             log.error("%s: %s", request.get("op"), exc)
             return {"ok": False, "error": str(exc), "code": 1}

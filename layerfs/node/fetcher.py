@@ -370,7 +370,9 @@ class ChunkFetcher:
     def _failed_chunk(entry: ChunkEntry, exc: IntegrityError) -> FetchError:
         sha = entry.sha256.hex()
         log.error("chunk %s: %s", sha[:16], exc)
-        return FetchError(f"chunk {sha[:16]}", str(exc))
+        error = FetchError(f"chunk {sha[:16]}", str(exc))
+        error.__cause__ = exc  # the daemon's answer exits with the cause's code
+        return error
 
     def _fetch_run(self, run: list[ChunkEntry]) -> list[bytes | IntegrityError]:
         """Worker thread: one range read of the run, each chunk decoded and verified."""

@@ -51,6 +51,12 @@ BLOB_MODE = 0o440
 DISK_MODE = 0o660
 
 
+def first_leaf(group: BaseExceptionGroup) -> BaseException:
+    """The first exception of a (nested) group that is not itself a group."""
+    first = group.exceptions[0]
+    return first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
+
+
 def fuse_errors(fn: F) -> F:
     """Map any exception a handler raises to a FUSEError (EIO unless known)."""
 
@@ -66,6 +72,13 @@ def fuse_errors(fn: F) -> F:
         except OSError as exc:
             log.error("%s: %s", fn.__name__, exc)
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+        except ExceptionGroup as group:  # concurrent parts of one read that all failed
+            known, other = group.split(LayerfsError)
+            if known is None or other is not None:
+                log.exception("%s failed", fn.__name__)
+            else:
+                log.error("%s: %s", fn.__name__, first_leaf(known))
+            raise pyfuse3.FUSEError(errno.EIO) from None
         except Exception:
             log.exception("%s failed", fn.__name__)
             raise pyfuse3.FUSEError(errno.EIO) from None

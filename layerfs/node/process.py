@@ -6,6 +6,7 @@ Used by the test suite and the benchmarks, which drive real daemons.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,11 @@ from .control import call, wait_ready
 from .daemon import mounts_under
 
 LAYERFS = [sys.executable, "-m", "layerfs.tools.main"]
+# a log record's first line: "2026-01-01 12:00:00,123 LEVEL logger: message"
+LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (?P<level>[A-Z]+) ")
+PROBLEM_LEVELS = frozenset({"WARNING", "ERROR", "CRITICAL"})
+# lines outside a log record that are problems: a traceback, a CLI error line
+STRAY_STARTS = ("Traceback ", "Exception ", "layerfs: error: ")
 
 
 def detach_mounts(path: Path) -> list[str]:
@@ -57,6 +63,18 @@ class DaemonProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def log_problems(self, start: int = 0) -> tuple[list[str], int]:
+        """The WARNING, ERROR and CRITICAL records (each with its continuation
+        lines, a traceback), CLI error lines and stray tracebacks the log holds
+        from byte ``start`` on, and the offset its end; only whole lines."""
+        if not self.log_path.exists():
+            return [], start
+        with open(self.log_path, "rb") as f:
+            f.seek(start)
+            data = f.read()
+        whole = data[: data.rfind(b"\n") + 1]
+        return problem_records(whole.decode(errors="replace")), start + len(whole)
+
     def request(self, op: str, **kw: Any) -> dict:
         return call(self.root, {"op": op, **kw}, timeout=self.request_timeout)
 
@@ -97,3 +115,23 @@ class DaemonProcess:
         cpu = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
         return {"peak_rss_bytes": fields.get("VmHWM", 0), "rss_bytes": fields.get("VmRSS", 0),
                 "cpu_s": round(cpu, 2)}
+
+
+def problem_records(text: str) -> list[str]:
+    """The records of a daemon log that are not INFO or DEBUG (see
+    :meth:`DaemonProcess.log_problems`); a line outside any record is one when
+    it starts a traceback or is a CLI error line."""
+    records: list[list[str]] = []
+    keep = False
+    for line in text.splitlines():
+        match = LOG_RECORD.match(line)
+        if match:
+            keep = match["level"] in PROBLEM_LEVELS
+            if keep:
+                records.append([line])
+        elif line.startswith(STRAY_STARTS) and not (keep and line.startswith("Traceback ")):
+            keep = True
+            records.append([line])
+        elif keep:
+            records[-1].append(line)
+    return ["\n".join(lines) for lines in records]
