@@ -29,18 +29,19 @@ $(STAMP): pyproject.toml | apt-deps
 
 deps: apt-deps $(STAMP)
 
-test: deps
-	$(VENV)/bin/pytest -q
+# The lint runs first; it lives in tests/test_lint.py (ruff, and mypy on the
+# package as installed, so imports between the four folders are checked).
+test: lint
+	$(VENV)/bin/pytest -q --ignore=tests/test_lint.py
 
 demo: deps
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash demo/demo.sh
 
 lint: deps
-	$(VENV)/bin/ruff check layerfs builder cache tools tests bench
-	$(VENV)/bin/mypy layerfs builder cache tools
+	$(VENV)/bin/pytest -q tests/test_lint.py
 
 bench-build: deps
 	$(PY) bench/build.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .mypy-src

@@ -6,6 +6,7 @@ import click
 
 from layerfs.builder.disk import build_disk
 from layerfs.errors import UsageError
+from layerfs.node import protocol
 from layerfs.node.control import call
 from layerfs.registry import Registry
 
@@ -61,10 +62,10 @@ def disk_create(sid: str, size: str | None, base: str | None, root: str, as_json
     """Create writable disk ID (empty, or over the sealed chain of --base)."""
     if size is None and not base:
         raise UsageError("give --size, --base or both")
-    res = call(root, {"op": "disk-create", "id": sid,
-                      "size": None if size is None else disk_size_of(size, "--size"),
-                      "base": base})
-    Output(as_json).emit(res["disk"], res["disk"]["path"])
+    res = call(root, protocol.DiskCreate(
+        id=sid, size=None if size is None else disk_size_of(size, "--size"), base=base),
+        protocol.DiskAnswer)
+    Output(as_json).emit(res.disk, res.disk["path"])
 
 
 @disk.command("ls")
@@ -72,7 +73,7 @@ def disk_create(sid: str, size: str | None, base: str | None, root: str, as_json
 @json_option
 def disk_ls(root: str, as_json: bool) -> None:
     """List writable disks."""
-    rows = call(root, {"op": "disk-ls"})["disks"]
+    rows = call(root, protocol.DiskLs(), protocol.DiskList).disks
 
     def text() -> str:
         lines = []
@@ -93,7 +94,7 @@ def disk_ls(root: str, as_json: bool) -> None:
 @root_option
 def disk_rm(sid: str, root: str) -> None:
     """Delete writable disk ID and its local files."""
-    call(root, {"op": "disk-rm", "id": sid})
+    call(root, protocol.DiskRm(id=sid), protocol.DiskRemoved)
     click.echo(f"{sid} removed")
 
 
@@ -106,11 +107,12 @@ def disk_rm(sid: str, root: str) -> None:
 def disk_commit(sid: str, name: str, version: str, root: str, as_json: bool) -> None:
     """Seal the writes made to disk ID since its last commit into the layer
     NAME@VERSION (parent: the previous commit or the base) and push it."""
-    res = call(root, {"op": "disk-commit", "id": sid, "name": name, "version": version})
-    Output(as_json).emit(res, f"{res['ref']} {res['digest']}\n  changed "
-                         f"{human_bytes(res['changed_bytes'])}, stored "
-                         f"{human_bytes(res['stored_bytes'])}, uploaded "
-                         f"{human_bytes(res['uploaded_bytes'])}")
+    res = call(root, protocol.DiskCommit(id=sid, name=name, version=version),
+               protocol.DiskCommitAnswer)
+    Output(as_json).emit(res.to_json(), f"{res.ref} {res.digest}\n  changed "
+                         f"{human_bytes(res.changed_bytes)}, stored "
+                         f"{human_bytes(res.stored_bytes)}, uploaded "
+                         f"{human_bytes(res.uploaded_bytes)}")
 
 
 @click.group()
@@ -133,9 +135,9 @@ def vm_up(env_ref: str | None, layers: tuple[str, ...], vid: str, disk_size: str
     import json
 
     disk_size_bytes = disk_size_of(disk_size, "--disk-size")
-    res = call(root, {"op": "vm-up", "id": vid, "env": env_ref, "layers": list(layers),
-                      "disk_size": disk_size_bytes, "base_disk": base_disk})
-    vmd = res["vm"]
+    vmd = call(root, protocol.VmUp(id=vid, env=env_ref, layers=list(layers),
+                                   disk_size=disk_size_bytes, base_disk=base_disk),
+               protocol.VmAnswer).vm
     click.echo(json.dumps({"drives": vmd["drives"], "layers": vmd["layers"]}, indent=2))
 
 
@@ -145,5 +147,5 @@ def vm_up(env_ref: str | None, layers: tuple[str, ...], vid: str, disk_size: str
 @root_option
 def vm_down(vid: str, keep: bool, root: str) -> None:
     """Release VM ID's drives (and delete its writable disk unless --keep)."""
-    call(root, {"op": "vm-down", "id": vid, "keep": keep})
+    call(root, protocol.VmDown(id=vid, keep=keep), protocol.VmAnswer)
     click.echo(f"{vid} down")

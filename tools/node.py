@@ -12,9 +12,10 @@ from typing import Any
 import click
 
 from layerfs.errors import UsageError
-from layerfs.node import bundle, runner
+from layerfs.node import bundle, protocol, runner
 from layerfs.node.control import call
 from layerfs.node.daemon import DEFAULT_ROOT, Daemon, DaemonConfig
+from layerfs.node.protocol import SandboxRecord
 from layerfs.node.sandboxes import LAYER_ROLES
 
 from .common import Output, human_bytes, parse_size
@@ -93,31 +94,31 @@ def up(env_ref: str | None, layers: tuple[str, ...], sid: str, prefetch: str,
     """Bring up sandbox ID from ENV_REF (or --layer refs); print its rootfs path."""
     if bool(env_ref) == bool(layers):
         raise UsageError("give ENV_REF or --layer refs (not both)")
-    res = call(root, {"op": "up", "id": sid, "env": env_ref, "layers": list(layers),
-                      "prefetch": prefetch})
-    record = res["sandbox"]
+    record = call(root, protocol.Up(id=sid, env=env_ref, layers=list(layers),
+                                    prefetch=prefetch), protocol.SandboxAnswer).sandbox
+    doc = record.to_json()
     if bundle_dir:
         try:
             config, _ = container_config(record, network="none")
-            record["bundle"] = bundle.write_bundle(os.path.abspath(bundle_dir), config,
-                                                    private=False)
+            doc["bundle"] = bundle.write_bundle(os.path.abspath(bundle_dir), config,
+                                                private=False)
         except BaseException:  # no sandbox without the bundle asked for
-            call(root, {"op": "down", "id": sid})
+            call(root, protocol.Down(id=sid), protocol.SandboxAnswer)
             raise
-    Output(as_json).emit(record, record["rootfs"])
+    Output(as_json).emit(doc, record.rootfs)
 
 
-def container_config(record: dict[str, Any], network: str, command: tuple[str, ...] = (),
+def container_config(record: SandboxRecord, network: str, command: tuple[str, ...] = (),
                      entrypoint: str | None = None, user: str | None = None,
                      terminal: bool = False) -> tuple[dict[str, Any], int]:
     """The config.json of a sandbox's container from its record (the env's image
     config), and the signal that stops it."""
-    image = bundle.image_config_from(record.get("config"))
-    hostname = record["id"][:63]
-    process = bundle.image_process(record["rootfs"], image, hostname, command=command,
+    image = bundle.image_config_from(record.config)
+    hostname = record.id[:63]
+    process = bundle.image_process(record.rootfs, image, hostname, command=command,
                                    entrypoint=entrypoint, user=user,
                                    term=os.environ.get("TERM"), terminal=terminal)
-    config = bundle.runtime_config(record["rootfs"], process, hostname=hostname,
+    config = bundle.runtime_config(record.rootfs, process, hostname=hostname,
                                    network=network,
                                    nofile=resource.getrlimit(resource.RLIMIT_NOFILE),
                                    annotations=bundle.image_annotations(image))
@@ -131,8 +132,8 @@ def container_config(record: dict[str, Any], network: str, command: tuple[str, .
 @json_option
 def down(sid: str, keep_upper: bool, root: str, as_json: bool) -> None:
     """Take sandbox ID down and unmount what only it used."""
-    res = call(root, {"op": "down", "id": sid, "keep_upper": keep_upper})
-    Output(as_json).emit(res["sandbox"], f"{sid} down")
+    res = call(root, protocol.Down(id=sid, keep_upper=keep_upper), protocol.SandboxAnswer)
+    Output(as_json).emit(res.sandbox.to_json(), f"{sid} down")
 
 
 @click.command()
@@ -147,10 +148,10 @@ def commit(sid: str, name: str, version: str, role: str, root: str, as_json: boo
     """Commit sandbox ID's changes (its overlay upper directory, whiteouts and opaque
     directories included) as layer NAME@VERSION, chunks shared with the sandbox's
     layers. The sandbox stays up; see docs/node.md for what a running one gets."""
-    res = call(root, {"op": "commit", "id": sid, "name": name, "version": version,
-                      "role": role})
-    state = "" if res["published"] else "  (unchanged: already published)"
-    Output(as_json).emit(res, f"{res['ref']} {res['digest']}{state}")
+    res = call(root, protocol.Commit(id=sid, name=name, version=version, role=role),
+               protocol.CommitAnswer)
+    state = "" if res.published else "  (unchanged: already published)"
+    Output(as_json).emit(res.to_json(), f"{res.ref} {res.digest}{state}")
 
 
 @click.command()
@@ -158,17 +159,17 @@ def commit(sid: str, name: str, version: str, role: str, root: str, as_json: boo
 @json_option
 def ps(root: str, as_json: bool) -> None:
     """List sandboxes: state, layers, upper size, bytes read from their layers."""
-    rows = call(root, {"op": "ps"})["sandboxes"]
+    rows = call(root, protocol.Ps(), protocol.PsAnswer).sandboxes
 
     def text() -> str:
         lines = [f"{'ID':20} {'STATE':8} {'UPPER':>10} {'READ':>10}  LAYERS"]
         for r in rows:
-            refs = r["env"] or " ".join(r["layer_refs"])
-            lines.append(f"{r['id']:20} {r['state']:8} {human_bytes(r['upper_bytes']):>10} "
-                         f"{human_bytes(r['layer_bytes_read']):>10}  {refs}")
+            refs = r.env or " ".join(r.layer_refs)
+            lines.append(f"{r.id:20} {r.state:8} {human_bytes(r.upper_bytes):>10} "
+                         f"{human_bytes(r.layer_bytes_read):>10}  {refs}")
         return "\n".join(lines)
 
-    Output(as_json).emit(rows, text)
+    Output(as_json).emit([r.to_json() for r in rows], text)
 
 
 @click.command()
@@ -176,21 +177,21 @@ def ps(root: str, as_json: bool) -> None:
 @json_option
 def stats(root: str, as_json: bool) -> None:
     """Cache statistics and per-layer bytes read."""
-    res = call(root, {"op": "stats"})
-    c = res["cache"]
+    res = call(root, protocol.Stats(), protocol.StatsAnswer)
+    c = res.cache
 
     def text() -> str:
         lines = [f"cache: {human_bytes(c['size'])} of {human_bytes(c['limit'])} in "
                  f"{c['entries']} chunks; hits {c['hits']}, misses {c['misses']}, fetched "
                  f"{human_bytes(c['bytes_fetched'])}, written {human_bytes(c['bytes_written'])}"
                  f", evictions {c['evictions']}, corrupt {c['corrupt']}"]
-        for digest, layer in res["layers"].items():
-            lines.append(f"layer {digest[:19]}: read {human_bytes(layer['bytes_read'])} of "
-                         f"{human_bytes(layer['blob_bytes'])}, chunks {layer['chunks_touched']}"
-                         f"/{layer['chunks']}, used by {layer['users']}")
+        for digest, layer in res.layers.items():
+            lines.append(f"layer {digest[:19]}: read {human_bytes(layer.bytes_read)} of "
+                         f"{human_bytes(layer.blob_bytes)}, chunks {layer.chunks_touched}"
+                         f"/{layer.chunks}, used by {layer.users}")
         return "\n".join(lines)
 
-    Output(as_json).emit(res, text)
+    Output(as_json).emit(res.to_json(), text)
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -216,9 +217,9 @@ def run(sid: str, cmd: tuple[str, ...], runtime_name: str, network: str, user: s
     Docker: CMD replaces its Cmd after its Entrypoint; no CMD runs Entrypoint + Cmd; User,
     Env and WorkingDir are the image's; SIGTERM sends its StopSignal.
     Use: layerfs run [OPTIONS] ID [-- CMD...]"""
-    rows: list[dict[str, Any]] = call(root, {"op": "ps"})["sandboxes"]
-    match = [r for r in rows if r["id"] == sid]
-    if not match or match[0]["state"] != "up":
+    rows = call(root, protocol.Ps(), protocol.PsAnswer).sandboxes
+    match = [r for r in rows if r.id == sid]
+    if not match or match[0].state != "up":
         raise UsageError(f"sandbox {sid} is not up")
     config, stop = container_config(match[0], network, command=cmd, entrypoint=entrypoint,
                                     user=user, terminal=sys.stdin.isatty())
@@ -237,5 +238,5 @@ def trace() -> None:
 @json_option
 def trace_push(ref: str, root: str, as_json: bool) -> None:
     """Store this node's trace of layer REF beside it, for other nodes' --prefetch trace."""
-    res = call(root, {"op": "trace-push", "ref": ref})
-    Output(as_json).emit(res, f"{ref}: trace of {res['chunks']} chunks stored")
+    res = call(root, protocol.TracePush(ref=ref), protocol.TracePushAnswer)
+    Output(as_json).emit(res.to_json(), f"{ref}: trace of {res.chunks} chunks stored")

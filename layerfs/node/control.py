@@ -1,6 +1,8 @@
 """The control API: one JSON request line, one JSON response line, over
 ``ROOT/control.sock`` (mode 0600, root only). The server runs in the daemon's
-trio loop; the client is plain blocking code for the CLI."""
+trio loop and hands its handler parsed requests (:mod:`.protocol`); the
+client is plain blocking code for the CLI that reads answers back into their
+dataclasses."""
 
 from __future__ import annotations
 
@@ -10,16 +12,18 @@ import os
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
 from ..errors import LayerfsError
+from .protocol import Message, Ping, Request, parse_request
 
 log = logging.getLogger(__name__)
 MAX_REQUEST = 1 << 20
 
-Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+Handler = Callable[[Request], Awaitable[Message]]
+A = TypeVar("A", bound=Message)
 
 
 class DaemonNotRunning(LayerfsError):
@@ -90,7 +94,8 @@ class ControlServer:
         except ValueError:
             return {"ok": False, "error": "bad request: not a JSON object", "code": 2}
         try:
-            return {"ok": True, **await self.handler(request)}
+            answer = await self.handler(parse_request(request))
+            return {"ok": True, **answer.to_json()}
         except LayerfsError as exc:
             return {"ok": False, "error": str(exc), "code": exit_code_of(exc)}
         except OSError as exc:
@@ -101,9 +106,17 @@ class ControlServer:
             return {"ok": False, "error": f"internal error: {exc!r}", "code": 1}
 
 
-def call(root: str | os.PathLike[str], request: dict[str, Any],
-         timeout: float | None = None) -> dict[str, Any]:
-    """Send one request to the daemon at ``root``; raise its error as ours."""
+def call(root: str | os.PathLike[str], request: Request, answer: type[A],
+         timeout: float | None = None) -> A:
+    """Send one request to the daemon at ``root``; its answer, or its error
+    raised as ours."""
+    return answer.from_json(call_raw(root, request.to_json(), timeout), request.op)
+
+
+def call_raw(root: str | os.PathLike[str], request: dict[str, Any],
+             timeout: float | None = None) -> dict[str, Any]:
+    """Send one request, as JSON, to the daemon at ``root``; the answer as JSON,
+    or its error raised as ours."""
     path = socket_path(root)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
@@ -137,7 +150,7 @@ def wait_ready(root: str | os.PathLike[str], alive: Callable[[], bool],
     deadline = time.monotonic() + timeout
     while True:
         try:
-            call(root, {"op": "ping"}, timeout=5)
+            call_raw(root, Ping().to_json(), timeout=5)
             return True
         except (LayerfsError, OSError, ValueError):
             if not alive() or time.monotonic() > deadline:

@@ -11,9 +11,11 @@ mounts, then FUSE, and exit 0.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +27,10 @@ from ..cache.chunkcache import ChunkCache
 from ..errors import LayerfsError, UsageError
 from ..formats.erofs import write_meta_image
 from ..mounts import mount_erofs, set_readahead, umount
-from ..registry import Registry
+from ..registry import LAYERS, Registry
 from ..store import open_store
 from ..tree import FileTree
+from . import protocol
 from .blobfiles import BlobDirectory
 from .control import ControlServer
 from .diskmanager import DiskManager
@@ -38,8 +41,6 @@ from .sandboxes import LayerMounts, Sandboxes, trace_key
 
 log = logging.getLogger(__name__)
 DEFAULT_ROOT = "/var/lib/layerfs"
-DISK_OPS = ("disk-create", "disk-ls", "disk-rm", "disk-commit", "vm-up", "vm-down")
-DEFAULT_VM_DISK = 10 << 30
 ROOT_ONLY_DIRS = ("cache", "fuse", "layers", "sandboxes", "disks", "replica.lmdb")
 PROBE = ".mount-probe"
 
@@ -168,6 +169,7 @@ class Daemon:
         self.layers = LayerMounts(self.root, self.reg, self.replica, self.blobs, self.fetcher,
                                   readahead=cfg.layer_readahead)
         self.sandboxes = Sandboxes(self.root, self.reg, self.replica, self.layers)
+        self.handlers = self._handlers()
         self.accepting = False
 
     def run(self) -> None:
@@ -222,65 +224,74 @@ class Daemon:
             log.critical("the FUSE request loop ended unexpectedly; stopping")
             raise RuntimeError("FUSE request loop ended")
 
-    async def handle(self, req: dict[str, Any]) -> dict[str, Any]:
-        op = req.get("op")
+    async def handle(self, request: protocol.Request) -> protocol.Message:
         if not self.accepting:
             raise UsageError("the daemon is stopping")
-        if op == "ping":
-            return {"root": str(self.root), "store": self.store.url, "pid": os.getpid()}
-        if op == "up":
-            rec = await self.sandboxes.up(req.get("id", ""), req.get("env"), req.get("layers"),
-                                          req.get("prefetch", "none"))
-            return {"sandbox": rec}
-        if op == "down":
-            rec = await self.sandboxes.down(req.get("id", ""), bool(req.get("keep_upper")))
-            return {"sandbox": rec}
-        if op == "ps":
-            return {"sandboxes": await self.sandboxes.ps()}
-        if op == "commit":
-            return await self.sandboxes.commit(req.get("id", ""), req.get("name", ""),
-                                               req.get("version", ""),
-                                               req.get("role", "workspace"))
-        if op == "stats":
-            return self.stats()
-        if op == "trace-push":
-            return await self.trace_push(req.get("ref", ""))
-        if op in DISK_OPS:
-            return await self.disk_op(op, req)
-        raise UsageError(f"unknown request {op!r}")
+        return await self.handlers[type(request)](request)
 
-    async def disk_op(self, op: str, req: dict[str, Any]) -> dict[str, Any]:
-        d = self.disks
-        if op == "disk-create":
-            return {"disk": await d.create(req.get("id", ""), req.get("size"), req.get("base"))}
-        if op == "disk-ls":
-            return {"disks": d.ls(), "vms": sorted(d.vms)}
-        if op == "disk-rm":
-            await d.remove(req.get("id", ""))
-            return {"id": req.get("id")}
-        if op == "disk-commit":
-            return await d.commit(req.get("id", ""), req.get("name", ""), req.get("version", ""))
-        if op == "vm-up":
-            return {"vm": await d.vm_up(req.get("id", ""), req.get("env"), req.get("layers") or [],
-                                        req.get("disk_size", DEFAULT_VM_DISK),
-                                        req.get("base_disk"))}
-        if op == "vm-down":
-            return {"vm": await d.vm_down(req.get("id", ""), bool(req.get("keep")))}
-        raise UsageError(f"unknown request {op!r}")
+    def _handlers(self) -> dict[type[protocol.Request], Callable[[Any], Awaitable[Any]]]:
+        """Each request type's handler: the control API."""
+        return {
+            protocol.Ping: self.ping,
+            protocol.Up: self.up,
+            protocol.Down: self.down,
+            protocol.Ps: self.ps,
+            protocol.Commit: self.commit,
+            protocol.Stats: self.stats,
+            protocol.TracePush: self.trace_push,
+            protocol.DiskCreate: self.disk_create,
+            protocol.DiskLs: self.disk_ls,
+            protocol.DiskRm: self.disk_rm,
+            protocol.DiskCommit: self.disk_commit,
+            protocol.VmUp: self.vm_up,
+            protocol.VmDown: self.vm_down,
+        }
 
-    def stats(self) -> dict[str, Any]:
-        layers = {d: {"users": m.users, "bytes_read": m.blob.bytes_read,
-                      "chunks_touched": len(m.blob.touched), "chunks": len(m.blob.table),
-                      "blob_bytes": m.blob.size}
+    async def up(self, r: protocol.Up) -> protocol.SandboxAnswer:
+        return protocol.SandboxAnswer(
+            await self.sandboxes.up(r.id, r.env, r.layers, r.prefetch))
+
+    async def down(self, r: protocol.Down) -> protocol.SandboxAnswer:
+        return protocol.SandboxAnswer(await self.sandboxes.down(r.id, r.keep_upper))
+
+    async def ps(self, _: protocol.Ps) -> protocol.PsAnswer:
+        return protocol.PsAnswer(await self.sandboxes.ps())
+
+    async def commit(self, r: protocol.Commit) -> protocol.CommitAnswer:
+        return await self.sandboxes.commit(r.id, r.name, r.version, r.role)
+
+    async def disk_create(self, r: protocol.DiskCreate) -> protocol.DiskAnswer:
+        return protocol.DiskAnswer(await self.disks.create(r.id, r.size, r.base))
+
+    async def disk_ls(self, _: protocol.DiskLs) -> protocol.DiskList:
+        return protocol.DiskList(self.disks.ls(), sorted(self.disks.vms))
+
+    async def disk_rm(self, r: protocol.DiskRm) -> protocol.DiskRemoved:
+        await self.disks.remove(r.id)
+        return protocol.DiskRemoved(r.id)
+
+    async def disk_commit(self, r: protocol.DiskCommit) -> protocol.DiskCommitAnswer:
+        return await self.disks.commit(r.id, r.name, r.version)
+
+    async def vm_up(self, r: protocol.VmUp) -> protocol.VmAnswer:
+        return protocol.VmAnswer(await self.disks.vm_up(r.id, r.env, r.layers, r.disk_size,
+                                                        r.base_disk))
+
+    async def vm_down(self, r: protocol.VmDown) -> protocol.VmAnswer:
+        return protocol.VmAnswer(await self.disks.vm_down(r.id, r.keep))
+
+    async def ping(self, _: protocol.Ping) -> protocol.PingAnswer:
+        return protocol.PingAnswer(str(self.root), self.store.url, os.getpid())
+
+    async def stats(self, _: protocol.Stats) -> protocol.StatsAnswer:
+        layers = {d: protocol.LayerStats(users=m.users, bytes_read=m.blob.bytes_read,
+                                         chunks_touched=len(m.blob.touched),
+                                         chunks=len(m.blob.table), blob_bytes=m.blob.size)
                   for d, m in self.layers.mounted.items()}
-        return {"cache": self.cache.snapshot(), "layers": layers,
-                "sandboxes": len(self.sandboxes.records)}
+        return protocol.StatsAnswer(self.cache.snapshot(), layers, len(self.sandboxes.records))
 
-    async def trace_push(self, ref: str) -> dict[str, Any]:
-        import json
-
-        from ..registry import LAYERS
-
+    async def trace_push(self, request: protocol.TracePush) -> protocol.TracePushAnswer:
+        ref = request.ref
         digest = await trio.to_thread.run_sync(self.reg.resolve, LAYERS, ref)
         mounted = self.layers.mounted.get(digest)
         order = list(mounted.blob.trace) if mounted else []
@@ -290,7 +301,7 @@ class Daemon:
             raise UsageError(f"no access trace recorded for {ref} on this node")
         await trio.to_thread.run_sync(self.store.put, trace_key(digest),
                                       json.dumps(order).encode())
-        return {"ref": ref, "digest": digest, "chunks": len(order)}
+        return protocol.TracePushAnswer(ref, digest, len(order))
 
 
 async def wait_for_signal() -> None:

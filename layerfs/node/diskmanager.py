@@ -25,6 +25,7 @@ from ..registry import ENVS, LAYERS, Registry
 from .blobfiles import BlobDirectory
 from .disks import DATA_START, SECTOR, DiskState, SealedChain, SealedLayer, WritableDisk
 from .fetcher import ChunkFetcher
+from .protocol import DiskCommitAnswer
 from .replica import Replica
 from .sandboxes import SANDBOX_ID, SandboxError
 
@@ -152,7 +153,7 @@ class DiskManager:
             raise SandboxError(f"disk {sid}", "busy")
         return disk
 
-    async def commit(self, sid: str, name: str, version: str) -> dict[str, Any]:
+    async def commit(self, sid: str, name: str, version: str) -> DiskCommitAnswer:
         disk = self._get(sid)
         async with disk.lock:  # a consistent cut of the log; writes wait briefly
             await trio.to_thread.run_sync(disk.sync, limiter=disk.io)
@@ -166,11 +167,12 @@ class DiskManager:
         disk.state.base, disk.state.base_ref, disk.state.commit_mark = (
             result.digest, result.ref, mark)
         await trio.to_thread.run_sync(WritableDisk.save_state, disk.path, disk.state)
-        return {"ref": result.ref, "digest": result.digest, "published": result.published,
-                "changed_bytes": sum(m.length for m in changes) * SECTOR,
-                "stored_bytes": result.manifest.stats.stored_bytes,
-                "uploaded_bytes": result.manifest.stats.uploaded_bytes,
-                "parent": parent}
+        return DiskCommitAnswer(ref=result.ref, digest=result.digest,
+                                published=result.published,
+                                changed_bytes=sum(m.length for m in changes) * SECTOR,
+                                stored_bytes=result.manifest.stats.stored_bytes,
+                                uploaded_bytes=result.manifest.stats.uploaded_bytes,
+                                parent=parent)
 
     def describe(self, sid: str) -> dict[str, Any]:
         disk = self.disks[sid]

@@ -388,7 +388,7 @@ class ChunkFetcher:
                 data = await trio.to_thread.run_sync(self.cache.read, sha, limiter=self.io_limit,
                                                      abandon_on_cancel=True)
                 if data is not None and len(data) == entry.length:
-                    return data, False
+                    return data, False  # type: ignore[return-value]  # a memoryview: see issue 14
             else:
                 self.cache.note_miss()
             return await self._from_store(f"chunk {sha[:16]}", self._fetch, entry), True

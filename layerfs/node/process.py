@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .control import call, wait_ready
+from .control import call_raw, wait_ready
 from .daemon import mounts_under
 
 LAYERFS = [sys.executable, "-m", "layerfs.tools.main"]
@@ -76,7 +76,9 @@ class DaemonProcess:
         return problem_records(whole.decode(errors="replace")), start + len(whole)
 
     def request(self, op: str, **kw: Any) -> dict:
-        return call(self.root, {"op": op, **kw}, timeout=self.request_timeout)
+        """The daemon's answer to request ``op`` with fields ``kw``, as JSON
+        (sent as given, so that tests can send what a client would not)."""
+        return call_raw(self.root, {"op": op, **kw}, timeout=self.request_timeout)
 
     def stop(self, timeout: float = 120.0) -> int | None:
         """SIGTERM and wait (SIGKILL if it takes longer); the exit code."""

@@ -36,6 +36,7 @@ from ..mounts import SAFE_FLAGS, mount, mount_erofs, umount
 from ..registry import ENVS, LAYERS, Registry
 from .blobfiles import BlobDirectory, BlobFile
 from .fetcher import ChunkFetcher
+from .protocol import BadMessage, CommitAnswer, SandboxRecord, SandboxStatus
 from .replica import Replica
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ class Sandboxes:
         self.reg = reg
         self.replica = replica
         self.layers = layers
-        self.records: dict[str, dict[str, Any]] = {}
+        self.records: dict[str, SandboxRecord] = {}
         self._busy: set[str] = set()
 
     def _dir(self, sid: str) -> Path:
@@ -170,7 +171,7 @@ class Sandboxes:
         return [self.reg.resolve(LAYERS, ref) for ref in layer_refs], None
 
     async def up(self, sid: str, env: str | None = None, layers: list[str] | None = None,
-                 prefetch: str = "none") -> dict[str, Any]:
+                 prefetch: str = "none") -> SandboxRecord:
         if not SANDBOX_ID.fullmatch(sid or ""):
             raise UsageError(f"invalid sandbox id {sid!r} (expected [A-Za-z0-9][A-Za-z0-9._-]*)")
         if prefetch not in PREFETCH:
@@ -182,13 +183,12 @@ class Sandboxes:
         self._busy.add(sid)
         try:
             digests, config = await trio.to_thread.run_sync(self._resolve, env, layers or [])
-            record = {"id": sid, "env": env, "layer_refs": layers or [], "layers": digests,
-                      "config": config,
-                      "prefetch": prefetch, "created": time.time(), "state": "starting",
-                      "rootfs": str(self._dir(sid) / "rootfs")}
+            record = SandboxRecord(id=sid, env=env, layer_refs=layers or [], layers=digests,
+                                   config=config, prefetch=prefetch, created=time.time(),
+                                   state="starting", rootfs=str(self._dir(sid) / "rootfs"))
             await self._start(record, fresh=True)
             self.records[sid] = record
-            await trio.to_thread.run_sync(self.replica.put_sandbox, sid, record)
+            await self._save(record)
         finally:
             self._busy.discard(sid)
         try:
@@ -199,12 +199,15 @@ class Sandboxes:
             raise
         return record
 
-    async def _start(self, record: dict[str, Any], fresh: bool) -> None:
-        sdir = self._dir(record["id"])
+    async def _save(self, record: SandboxRecord) -> None:
+        await trio.to_thread.run_sync(self.replica.put_sandbox, record.id, record.to_json())
+
+    async def _start(self, record: SandboxRecord, fresh: bool) -> None:
+        sdir = self._dir(record.id)
         acquired: list[str] = []
         try:
             mounted = []
-            for digest in record["layers"]:
+            for digest in record.layers:
                 mounted.append(await self.layers.acquire(digest))
                 acquired.append(digest)
             await trio.to_thread.run_sync(make_dirs, sdir, fresh)
@@ -219,16 +222,16 @@ class Sandboxes:
             if fresh:
                 await trio.to_thread.run_sync(shutil.rmtree, sdir, True)
             raise
-        record["state"] = "up"
+        record.state = "up"
 
-    async def _prefetch(self, record: dict[str, Any]) -> None:
+    async def _prefetch(self, record: SandboxRecord) -> None:
         fetcher = self.layers.fetcher
-        blobs = [self.layers.mounted[d].blob for d in record["layers"]]
-        if record["prefetch"] == "full":
+        blobs = [self.layers.mounted[d].blob for d in record.layers]
+        if record.prefetch == "full":
             entries = [e for b in blobs for e in b.table.entries]
             # half the fetch slots, so that sandboxes already up still get theirs
             await fetcher.fetch_all(entries, workers=max(1, fetcher.parallel // 2))
-        elif record["prefetch"] == "trace":
+        elif record.prefetch == "trace":
             for blob in blobs:
                 order = await trio.to_thread.run_sync(self._trace_for, blob.digest)
                 fetcher.spawn_prefetch(blob.entries_in_order(order), workers=TRACE_WORKERS)
@@ -243,17 +246,17 @@ class Sandboxes:
         except (LayerfsError, ValueError):
             return []
 
-    async def down(self, sid: str, keep_upper: bool = False) -> dict[str, Any]:
+    async def down(self, sid: str, keep_upper: bool = False) -> SandboxRecord:
         record = self.records.get(sid)
         if record is None or sid in self._busy:
             raise SandboxError(sid, "no such sandbox" if record is None else "busy")
         self._busy.add(sid)
         try:
             sdir = self._dir(sid)
-            if record["state"] == "up":
+            if record.state == "up":
                 await trio.to_thread.run_sync(umount, str(sdir / "rootfs"),
                                               limiter=self.layers.mount_limit)
-                for digest in record["layers"]:
+                for digest in record.layers:
                     await self.layers.release(digest)
             if keep_upper:
                 await trio.to_thread.run_sync(shutil.rmtree, sdir / "work", True)
@@ -263,11 +266,11 @@ class Sandboxes:
             await trio.to_thread.run_sync(self.replica.delete_sandbox, sid)
         finally:
             self._busy.discard(sid)
-        record["state"] = "down"
+        record.state = "down"
         return record
 
     async def commit(self, sid: str, name: str, version: str,
-                     role: str = "workspace") -> dict[str, Any]:
+                     role: str = "workspace") -> CommitAnswer:
         """Build the sandbox's upper directory into layer ``name@version`` in a
         worker thread, chunks deduplicated against the sandbox's layers, and
         publish it. The sandbox stays up and busy (no ``down``) meanwhile."""
@@ -279,9 +282,9 @@ class Sandboxes:
         self._busy.add(sid)
         try:
             source = UpperSource(str(self._dir(sid) / "upper"))
-            chunk_size = await trio.to_thread.run_sync(self._chunk_size, record["layers"])
+            chunk_size = await trio.to_thread.run_sync(self._chunk_size, record.layers)
             opts = BuildOptions(name, version, role=role, chunk_size=chunk_size,
-                                dedup_with=list(record["layers"]))
+                                dedup_with=list(record.layers))
             result = await trio.to_thread.run_sync(functools.partial(
                 build_layer, self.reg.store, f"sandbox {sid}", opts, source=source))
         finally:
@@ -291,12 +294,13 @@ class Sandboxes:
         for path in source.changed:
             log.warning("commit of %s: %s changed while it was read", sid, path)
         stats = result.manifest.stats
-        return {"ref": result.ref, "digest": result.digest, "published": result.published,
-                "id": sid, "chunk_size": chunk_size, "files": stats.files,
-                "file_bytes": stats.file_bytes, "stored_bytes": stats.stored_bytes,
-                "uploaded_bytes": stats.uploaded_bytes, "unique_chunks": stats.unique_chunks,
-                "reused_chunks": stats.reused_chunks, "dedup_sources": record["layers"],
-                "vanished": source.vanished, "changed": source.changed}
+        return CommitAnswer(ref=result.ref, digest=result.digest, published=result.published,
+                            id=sid, chunk_size=chunk_size, files=stats.files,
+                            file_bytes=stats.file_bytes, stored_bytes=stats.stored_bytes,
+                            uploaded_bytes=stats.uploaded_bytes,
+                            unique_chunks=stats.unique_chunks,
+                            reused_chunks=stats.reused_chunks, dedup_sources=record.layers,
+                            vanished=source.vanished, changed=source.changed)
 
     def _chunk_size(self, digests: list[str]) -> int:
         """Worker thread: the chunk size of the sandbox's top layer, so that a
@@ -304,35 +308,43 @@ class Sandboxes:
         return self.reg.layer(digests[0]).chunk_size if digests else DEFAULT_CHUNK_SIZE
 
     async def restore(self) -> None:
-        """After a restart: bring back the sandboxes that were up, or mark them lost."""
-        for sid, record in self.replica.sandboxes().items():
+        """After a restart: bring back the sandboxes that were up, or mark them lost.
+        Records an earlier version wrote load too; one that does not parse is
+        logged and left in the replica."""
+        stored = await trio.to_thread.run_sync(self.replica.sandboxes)
+        for sid, data in stored.items():
+            try:
+                record = SandboxRecord.from_json(data, f"sandbox record {sid}")
+            except BadMessage as exc:
+                log.error("sandbox %s not restored: %s", sid, exc)
+                continue
             try:
                 await self._start(record, fresh=False)
             except (LayerfsError, OSError) as exc:
-                record["state"] = "lost"
-                record["error"] = str(exc)
+                record.state = "lost"
+                record.error = str(exc)
                 log.error("sandbox %s lost: %s", sid, exc)
             self.records[sid] = record
-            await trio.to_thread.run_sync(self.replica.put_sandbox, sid, record)
+            await self._save(record)
 
     async def down_all(self) -> None:
         """Shutdown: unmount every sandbox, keep its records and upper dirs."""
         for sid, record in list(self.records.items()):
-            if record["state"] != "up":
+            if record.state != "up":
                 continue
             try:
                 await trio.to_thread.run_sync(umount, str(self._dir(sid) / "rootfs"))
             except OSError as exc:
                 log.error("unmount sandbox %s: %s", sid, exc)
 
-    async def ps(self) -> list[dict[str, Any]]:
+    async def ps(self) -> list[SandboxStatus]:
         out = []
         for sid, record in sorted(self.records.items()):
-            blobs = [self.layers.mounted[d].blob for d in record["layers"]
+            blobs = [self.layers.mounted[d].blob for d in record.layers
                      if d in self.layers.mounted]
             upper = await trio.to_thread.run_sync(du, self._dir(sid) / "upper")
-            out.append({**record, "upper_bytes": upper,
-                        "layer_bytes_read": sum(b.bytes_read for b in blobs)})
+            out.append(SandboxStatus(**vars(record), upper_bytes=upper,
+                                     layer_bytes_read=sum(b.bytes_read for b in blobs)))
         return out
 
 

@@ -1,0 +1,159 @@
+"""The control protocol's typed messages: every request round-trips, a bad
+field is refused with one error (by the parse and by a real daemon), and
+sandbox records an earlier version wrote to ``replica.lmdb`` still load."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from nodes import NodeDaemon
+from support import build, need_root
+
+from layerfs.errors import UsageError
+from layerfs.node.control import RemoteError
+from layerfs.node.protocol import (
+    REQUESTS,
+    BadMessage,
+    Down,
+    PsAnswer,
+    SandboxRecord,
+    SandboxStatus,
+    Up,
+    VmUp,
+    parse_request,
+)
+from layerfs.node.replica import Replica
+
+
+def old_record(sid: str, digest: str, rootfs: Path, **changes: object) -> dict[str, object]:
+    """A sandbox record as the previous version wrote it (sandboxes.py's dict)."""
+    record: dict[str, object] = {
+        "id": sid, "env": None, "layer_refs": ["t@1"], "layers": [digest], "config": None,
+        "prefetch": "none", "created": 1764547200.25, "state": "up", "rootfs": str(rootfs)}
+    record.update(changes)
+    return record
+
+
+def test_every_request_round_trips():
+    for op, cls in REQUESTS.items():
+        request = cls()
+        wire = request.to_json()
+        assert wire["op"] == op
+        assert parse_request(wire) == request
+    up = Up(id="s1", env=None, layers=["a@1", "b@2"], prefetch="trace")
+    assert parse_request(up.to_json()) == up
+    assert parse_request({"op": "down", "id": "s1"}) == Down(id="s1", keep_upper=False)
+
+
+@pytest.mark.parametrize("wire, message", [
+    ({"op": "up", "id": 5}, "bad request up: id must be str, not 5"),
+    ({"op": "up", "id": "s1", "layers": "a@1"}, "bad request up: layers must be list[str]"),
+    ({"op": "up", "id": "s1", "layers": ["a@1", 7]}, "bad request up: layers[1] must be str"),
+    ({"op": "down", "id": "s1", "keep_upper": "no"},
+     "bad request down: keep_upper must be bool, not 'no'"),
+    ({"op": "vm-up", "id": "v1", "disk_size": True}, "bad request vm-up: disk_size must be int"),
+    ({"op": "disk-create", "id": "d1", "size": "1G"},
+     "bad request disk-create: size must be int | None, not '1G'"),
+    ({"op": "ps", "verbose": True}, "bad request ps: unknown field 'verbose'"),
+    ({"op": "reboot"}, "unknown request 'reboot'"),
+    ({"id": "s1"}, "unknown request None"),
+])
+def test_a_bad_field_is_one_usage_error(wire, message):
+    with pytest.raises(UsageError) as caught:
+        parse_request(wire)
+    assert str(caught.value).startswith(message), str(caught.value)
+    assert caught.value.exit_code == 2 and "\n" not in str(caught.value)
+
+
+def test_an_integer_is_not_taken_for_a_bool_nor_a_bool_for_an_integer():
+    assert parse_request({"op": "vm-up", "disk_size": 4096}) == VmUp(disk_size=4096)
+    with pytest.raises(BadMessage):
+        parse_request({"op": "down", "keep_upper": 1})
+
+
+def test_records_of_earlier_versions_parse(tmp_path):
+    rootfs = tmp_path / "rootfs"
+    previous = old_record("s1", "sha256:" + "ab" * 32, rootfs)
+    record = SandboxRecord.from_json(previous)
+    assert (record.id, record.layers, record.rootfs, record.created) == (
+        "s1", ["sha256:" + "ab" * 32], str(rootfs), 1764547200.25)
+    assert record.to_json() == previous  # written back in the same shape
+    lost = old_record("s2", "sha256:" + "cd" * 32, rootfs, state="lost", error="gone")
+    assert SandboxRecord.from_json(lost).to_json() == lost
+    before_image_configs = old_record("s3", "sha256:" + "ef" * 32, rootfs)
+    del before_image_configs["config"]
+    assert SandboxRecord.from_json(before_image_configs).config is None
+    with pytest.raises(BadMessage, match="layers is missing"):
+        SandboxRecord.from_json({"id": "s4", "rootfs": "/x", "state": "up"})
+
+
+def test_ps_rows_keep_their_keys():
+    record = SandboxRecord.from_json(old_record("s1", "sha256:" + "ab" * 32, Path("/r")))
+    row = SandboxStatus(**vars(record), upper_bytes=4096, layer_bytes_read=65536)
+    answer = PsAnswer.from_json({"sandboxes": [row.to_json()]})
+    assert answer.sandboxes == [row]
+    assert set(row.to_json()) == {"id", "env", "layer_refs", "layers", "config", "prefetch",
+                                  "created", "state", "rootfs", "upper_bytes",
+                                  "layer_bytes_read"}
+
+
+@pytest.fixture
+def layer_node(tmp_path, store, store_location):
+    """Layer t@1 (one file) and a daemon on its store."""
+    need_root()
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "hello").write_text("hello from t@1\n")
+    digest = build(store, str(src)).digest
+    daemon = NodeDaemon(tmp_path / "node", store_location.cli_args()).start()
+    daemon.digest = digest
+    try:
+        yield daemon
+    finally:
+        assert daemon.cleanup() == []
+
+
+def test_the_daemon_refuses_bad_fields_with_one_error(layer_node):
+    layer_node.request("up", id="s1", layers=["t@1"])
+    for op, fields in (("up", {"id": 5, "layers": ["t@1"]}),
+                       ("down", {"id": "s1", "keep_upper": "no"}),
+                       ("commit", {"id": "s1", "name": ["ws"], "version": "1"}),
+                       ("disk-create", {"id": "d1", "size": "1G"})):
+        with pytest.raises(RemoteError) as caught:
+            layer_node.request(op, **fields)
+        assert caught.value.exit_code == 2, caught.value
+        assert str(caught.value).startswith(f"bad request {op}: "), caught.value
+    assert "internal error" not in layer_node.log() and "Traceback" not in layer_node.log()
+    rows = layer_node.request("ps")["sandboxes"]
+    assert [r["id"] for r in rows] == ["s1"]  # the bad down took nothing down
+    assert (layer_node.root / "sandboxes" / "s1" / "upper").is_dir()
+    layer_node.request("down", id="s1")
+
+
+def test_sandboxes_an_earlier_version_recorded_come_back_after_an_upgrade(layer_node):
+    root, digest = layer_node.root, layer_node.digest
+    layer_node.stop()
+    replica = Replica(root)
+    try:
+        for sid in ("old", "older"):
+            record = old_record(sid, digest, root / "sandboxes" / sid / "rootfs")
+            if sid == "older":
+                del record["config"]  # written before image configs were recorded
+            os.makedirs(root / "sandboxes" / sid / "upper")
+            (root / "sandboxes" / sid / "upper" / "kept").write_text(f"{sid}'s upper\n")
+            replica.put_sandbox(sid, record)
+    finally:
+        replica.close()
+    layer_node.start()
+    rows = {r["id"]: r for r in layer_node.request("ps")["sandboxes"]}
+    assert {sid: r["state"] for sid, r in rows.items()} == {"old": "up", "older": "up"}
+    for sid in rows:
+        rootfs = Path(rows[sid]["rootfs"])
+        assert (rootfs / "hello").read_text() == "hello from t@1\n"
+        assert (rootfs / "kept").read_text() == f"{sid}'s upper\n"
+    assert rows["old"]["created"] == rows["older"]["created"] == 1764547200.25
+    assert rows["old"]["layer_refs"] == ["t@1"] and rows["older"]["config"] is None
+    for sid in rows:
+        layer_node.request("down", id=sid)
