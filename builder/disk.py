@@ -22,7 +22,7 @@ from layerfs.names import check_name, check_version
 from layerfs.registry import LAYERS, Registry
 from layerfs.store.base import Store
 
-from .layer import MAX_CHUNK, MIN_CHUNK, now_utc, publish_verified
+from .layer import check_chunk_size, now_utc, publish_verified
 from .pipeline import DEFAULT_CHUNK_SIZE, ChunkPipeline, DedupIndex
 
 BLOCK = 4096
@@ -134,15 +134,15 @@ def publish_disk(store: Store, src: DiskSource, name: str, version: str,
                  dedup_with: Iterable[str] = ()) -> DiskResult:
     check_name(name)
     check_version(version)
-    if chunk_size & (chunk_size - 1) or not MIN_CHUNK <= chunk_size <= MAX_CHUNK:
-        raise UsageError(f"chunk size {chunk_size} must be a power of two from 4 KiB to 16 MiB")
+    check_chunk_size(chunk_size)
     reg = Registry(store)
     parent, parent_uuid, index, sources = None, "", DedupIndex(), []
     if parent_ref:
         parent = reg.resolve(LAYERS, parent_ref)
         chain = reg.disk_chain(parent)
         if len(chain) >= lsmt.MAX_LAYERS:
-            raise UsageError(f"{parent_ref} already has {len(chain)} layers; the limit is 255")
+            raise UsageError(f"{parent_ref} already has {len(chain)} layers; "
+                             f"the limit is {lsmt.MAX_LAYERS}")
         parent_uuid = chain[0][1].uuid
         for _, m in chain:
             index.add_table(reg.chunk_table(m))

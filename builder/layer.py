@@ -21,7 +21,14 @@ import zstandard
 
 from layerfs.errors import BlobVanished, SourceError, UsageError, VersionExists
 from layerfs.formats.erofs import ErofsError, write_meta_image
-from layerfs.manifest import ROLES, BlobRef, LayerManifest, MetaRef
+from layerfs.manifest import (
+    CHUNK_SIZE_RULE,
+    ROLES,
+    BlobRef,
+    LayerManifest,
+    MetaRef,
+    valid_chunk_size,
+)
 from layerfs.names import check_name, check_version
 from layerfs.registry import LAYERS, Registry, ref_key
 from layerfs.store.base import Store, blob_key, sha256_digest
@@ -31,7 +38,6 @@ from .dirsource import DirectorySource, UpperSource
 from .pipeline import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_SIZE, ChunkPipeline, DedupIndex
 from .tarsource import TarSource, open_tar
 
-MIN_CHUNK, MAX_CHUNK = 4096, 16 << 20
 META_ZSTD_LEVEL = 9
 VERIFY_WORKERS = 8
 
@@ -51,9 +57,13 @@ class BuildOptions:
         check_version(self.version)
         if self.role not in ROLES:
             raise UsageError(f"invalid role {self.role!r} (expected one of {', '.join(ROLES)})")
-        cs = self.chunk_size
-        if cs & (cs - 1) or not MIN_CHUNK <= cs <= MAX_CHUNK:
-            raise UsageError(f"chunk size {cs} must be a power of two from 4 KiB to 16 MiB")
+        check_chunk_size(self.chunk_size)
+
+
+def check_chunk_size(chunk_size: int) -> None:
+    """UsageError unless ``chunk_size`` is one a layer may have."""
+    if not valid_chunk_size(chunk_size):
+        raise UsageError(f"chunk size {chunk_size} must be {CHUNK_SIZE_RULE}")
 
 
 @dataclass
