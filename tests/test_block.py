@@ -361,3 +361,16 @@ def test_bad_lsmt_input_is_a_clear_error(node, store, tmp_path):
     # the daemon kept serving the good disk all along
     assert sha256_file(disk_path(node, "ok")) == sha256_file(img)
     node.cli("disk", "rm", "ok")
+
+
+def test_disk_and_vm_errors_name_the_disk_or_vm(node):
+    node.cli("disk", "create", "d1", "--size", "1M")
+    cases = [(("disk", "create", "d1", "--size", "1M"), "disk d1: already exists"),
+             (("disk", "rm", "nope"), "disk nope: no such disk"),
+             (("vm", "down", "nope"), "vm nope: no such vm")]
+    for argv, message in cases:
+        proc = node.cli(*argv, check=False)
+        assert (proc.returncode, proc.stderr.strip()) == (9, f"layerfs: error: {message}")
+    # the failed create left the first disk serving as it was
+    assert os.path.getsize(disk_path(node, "d1")) == 1 << 20
+    node.cli("disk", "rm", "d1")
