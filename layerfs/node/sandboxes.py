@@ -34,6 +34,7 @@ from ..builder.pipeline import DEFAULT_CHUNK_SIZE
 from ..errors import LayerfsError, UsageError
 from ..mounts import SAFE_FLAGS, mount, mount_erofs, umount
 from ..registry import ENVS, LAYERS, Registry
+from ..sizes import du
 from .blobfiles import BlobDirectory, BlobFile
 from .fetcher import ChunkFetcher
 from .replica import Replica
@@ -349,12 +350,3 @@ def trace_key(digest: str) -> str:
     return "traces/" + digest.removeprefix("sha256:")
 
 
-def du(path: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total
