@@ -195,7 +195,7 @@ def ensure_layer(store: Store, src: Path, name: str, version: str) -> tuple[str,
         return digest, 0.0
     print(f"building {name}@{version}...", flush=True)
     start = time.perf_counter()
-    res = build_layer(store, str(src), BuildOptions(name, version))
+    res = build_layer(Registry(store), str(src), BuildOptions(name, version))
     return res.digest, time.perf_counter() - start
 
 

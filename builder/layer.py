@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 import zstandard
@@ -26,12 +26,13 @@ from layerfs.manifest import (
     ROLES,
     BlobRef,
     LayerManifest,
+    LayerStats,
     MetaRef,
     valid_chunk_size,
 )
 from layerfs.names import check_name, check_version
 from layerfs.registry import LAYERS, Registry, ref_key
-from layerfs.store.base import Store, blob_key, sha256_digest
+from layerfs.store.base import blob_key, sha256_digest
 
 from .assembler import LayerAssembler
 from .dirsource import DirectorySource, UpperSource
@@ -100,7 +101,7 @@ def now_utc() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def build_layer(store: Store, src: str, opts: BuildOptions,
+def build_layer(reg: Registry, src: str, opts: BuildOptions,
                 progress: Progress | None = None,
                 source: DirectorySource | TarSource | UpperSource | LayerSource | None = None,
                 origin: str = "", assembler: type[LayerAssembler] = LayerAssembler
@@ -109,7 +110,7 @@ def build_layer(store: Store, src: str, opts: BuildOptions,
     ``origin`` is recorded in the manifest (``oci:<diff_id>`` for an image layer)."""
     opts.check()
     source = source or open_source(src)
-    reg = Registry(store)
+    store = reg.store
     existing = reg.read_ref(LAYERS, opts.name, opts.version)
     index, sources, old = _dedup_index(reg, opts, existing)
     progress = progress or Progress()
@@ -121,6 +122,7 @@ def build_layer(store: Store, src: str, opts: BuildOptions,
         source.feed(asm)
         tree = asm.finish()
         result = pipeline.finish()
+        asm.place_chunks(result.file_chunks)
     finally:
         pipeline.close()
     try:
@@ -136,9 +138,7 @@ def build_layer(store: Store, src: str, opts: BuildOptions,
             raise VersionExists(ref)
         return BuildResult(ref, existing, old[0], published=False)
 
-    stats = result.stats
-    for name in ("files", "dirs", "symlinks", "others", "file_bytes", "inline_bytes"):
-        setattr(stats, name, getattr(asm.counts, name))
+    stats = LayerStats(**asdict(asm.counts), **asdict(result.stats))
     table_digest, up_table = store.put_blob(table)
     packed_meta = zstandard.ZstdCompressor(level=META_ZSTD_LEVEL).compress(meta)
     meta_digest, up_meta = store.put_blob(packed_meta)

@@ -184,7 +184,7 @@ class DiskManager:
         source = commit_source(disk, changes)
         parent = disk.state.base_ref or disk.state.base
         result = await trio.to_thread.run_sync(
-            lambda: publish_disk(self.reg.store, source, name, version, parent,
+            lambda: publish_disk(self.reg, source, name, version, parent,
                                  chunk_size=1 << 20))
         disk.state.base, disk.state.base_ref, disk.state.commit_mark = (
             result.digest, result.ref, mark)

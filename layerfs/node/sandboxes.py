@@ -284,7 +284,7 @@ class Sandboxes:
             opts = BuildOptions(name, version, role=role, chunk_size=chunk_size,
                                 dedup_with=list(record["layers"]))
             result = await trio.to_thread.run_sync(functools.partial(
-                build_layer, self.reg.store, f"sandbox {sid}", opts, source=source))
+                build_layer, self.reg, f"sandbox {sid}", opts, source=source))
         finally:
             self._busy.discard(sid)
         for path in source.vanished:
