@@ -448,7 +448,7 @@ def push(store: Store, layers: list[dict], srcdir: Path,
         if digest is None:
             print(f"pushing {lay['name']}@{lay['version']}...", flush=True)
             start = time.perf_counter()
-            res = build_layer(store, str(srcdir / lay["name"].rsplit("/", 1)[1]),
+            res = build_layer(Registry(store), str(srcdir / lay["name"].rsplit("/", 1)[1]),
                               BuildOptions(lay["name"], lay["version"], role=lay["role"],
                                            chunk_size=chunk_size))
             digest = res.digest

@@ -72,6 +72,7 @@ from daemons import DaemonRuns, clear_dir, drop_caches, git_head, print_footer
 
 from layerfs.node.daemon import mounts_under
 from layerfs.node.process import DaemonProcess, detach_mounts
+from layerfs.sizes import du
 from layerfs.store import open_store
 
 HERE = Path(__file__).resolve().parent
@@ -396,15 +397,6 @@ def device_of(path: Path) -> str:
 
 
 # -- the daemon ------------------------------------------------------------------------
-
-def du(path: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-    return total
-
 
 def pct(values: list[float], q: float) -> float:
     """The q-quantile (nearest rank) of ``values``."""

@@ -68,6 +68,7 @@ from layerfs.mounts import mount_erofs, umount
 from layerfs.node.process import DaemonProcess, detach_mounts
 from layerfs.node.replica import fd_sha256
 from layerfs.registry import LAYERS, Registry
+from layerfs.sizes import parse_size
 from layerfs.store.base import Store, blob_key
 from layerfs.store.file import FileStore
 
@@ -78,14 +79,6 @@ SEED = 42
 
 
 # -- sizes ------------------------------------------------------------------
-
-def parse_size(text: str) -> int:
-    """``100M``, ``1G``, ``4GiB`` → bytes (binary units)."""
-    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
-    return int(float(num) * units[unit])
-
 
 def label_of(text: str) -> str:
     return text.strip().upper().removesuffix("IB").removesuffix("B")
@@ -202,7 +195,7 @@ def ensure_layer(store: Store, src: Path, name: str, version: str) -> tuple[str,
         return digest, 0.0
     print(f"building {name}@{version}...", flush=True)
     start = time.perf_counter()
-    res = build_layer(store, str(src), BuildOptions(name, version))
+    res = build_layer(Registry(store), str(src), BuildOptions(name, version))
     return res.digest, time.perf_counter() - start
 
 

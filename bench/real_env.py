@@ -224,8 +224,8 @@ def push(store: Any, work: Path, parts: dict[str, dict]) -> tuple[str, dict]:
         if digest is None:
             print(f"pushing {name}@{version}...", flush=True)
             start = time.perf_counter()
-            digest = build_layer(store, str(work / role), BuildOptions(name, version, role=role)
-                                 ).digest
+            digest = build_layer(Registry(store), str(work / role),
+                                 BuildOptions(name, version, role=role)).digest
             built = time.perf_counter() - start
         manifest = reg.layer(digest)
         table = reg.chunk_table(manifest)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO
 
 from layerfs.errors import SourceError, UnsupportedEntry
@@ -23,7 +24,6 @@ from layerfs.formats.erofs import (
     max_inline_file,
     xattr_entry,
 )
-from layerfs.manifest import LayerStats
 from layerfs.tree import FileTree, FsNode
 
 from .pipeline import ChunkPipeline
@@ -37,6 +37,18 @@ def display(parts: list[bytes]) -> str:
     return "/" + b"/".join(parts).decode(errors="replace")
 
 
+@dataclass
+class TreeCounts:
+    """What the assembler counted; the tree half of a layer's :class:`LayerStats`."""
+
+    files: int = 0
+    dirs: int = 0
+    symlinks: int = 0
+    others: int = 0
+    file_bytes: int = 0  # logical bytes of regular files
+    inline_bytes: int = 0  # bytes of small files kept in the meta image
+
+
 class LayerAssembler:
     """The tree of one layer under construction."""
 
@@ -46,11 +58,12 @@ class LayerAssembler:
     ) -> None:
         self.tree = FileTree()
         self.pipeline = pipeline
-        self.counts = LayerStats()
+        self.counts = TreeCounts()
         self.on_file = on_file
         self.on_warning = on_warning or log.warning
         self.opaque: list[list[bytes]] = []
         self.clamped_mtimes = 0
+        self._chunked: list[tuple[FsNode, int]] = []  # (node, its file number in the pipeline)
 
     def add(self, parts: list[bytes], node: FsNode, data: IO[bytes] | None = None) -> None:
         """Add one entry; regular files read ``node.size`` bytes from ``data``."""
@@ -91,7 +104,7 @@ class LayerAssembler:
         else:
             assert data is not None
             try:
-                self.pipeline.add_file(node, data, node.size)
+                self._chunked.append((node, self.pipeline.add_file(data, node.size)))
             except EOFError as exc:
                 raise SourceError(display(parts), f"file changed while reading ({exc})") from None
         self.counts.file_bytes += node.size
@@ -134,6 +147,11 @@ class LayerAssembler:
         if not node.is_dir:
             raise SourceError(display(dir_parts), "opaque marker in a non-directory")
         return node
+
+    def place_chunks(self, file_chunks: list[list[int]]) -> None:
+        """Give each chunked file its blob addresses, once the pipeline settled them."""
+        for node, number in self._chunked:
+            node.chunks = file_chunks[number]
 
     def finish(self) -> FileTree:
         for dir_parts in self.opaque:

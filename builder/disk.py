@@ -13,16 +13,15 @@ from __future__ import annotations
 import os
 import uuid as uuidlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from layerfs.errors import SourceError, UsageError, VersionExists
 from layerfs.formats import lsmt
-from layerfs.manifest import BlobRef, DiskManifest
+from layerfs.manifest import BlobRef, DiskManifest, LayerStats
 from layerfs.names import check_name, check_version
 from layerfs.registry import LAYERS, Registry
-from layerfs.store.base import Store
 
-from .layer import MAX_CHUNK, MIN_CHUNK, now_utc, publish_verified
+from .layer import check_chunk_size, now_utc, publish_verified
 from .pipeline import DEFAULT_CHUNK_SIZE, ChunkPipeline, DedupIndex
 
 BLOCK = 4096
@@ -129,20 +128,20 @@ def _data_windows(src: DiskSource, maps: list[lsmt.Mapping], chunk_size: int,
         yield start, bytes(buf[:end]) if end < chunk_size else bytes(buf)
 
 
-def publish_disk(store: Store, src: DiskSource, name: str, version: str,
+def publish_disk(reg: Registry, src: DiskSource, name: str, version: str,
                  parent_ref: str | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  dedup_with: Iterable[str] = ()) -> DiskResult:
     check_name(name)
     check_version(version)
-    if chunk_size & (chunk_size - 1) or not MIN_CHUNK <= chunk_size <= MAX_CHUNK:
-        raise UsageError(f"chunk size {chunk_size} must be a power of two from 4 KiB to 16 MiB")
-    reg = Registry(store)
+    check_chunk_size(chunk_size)
+    store = reg.store
     parent, parent_uuid, index, sources = None, "", DedupIndex(), []
     if parent_ref:
         parent = reg.resolve(LAYERS, parent_ref)
         chain = reg.disk_chain(parent)
         if len(chain) >= lsmt.MAX_LAYERS:
-            raise UsageError(f"{parent_ref} already has {len(chain)} layers; the limit is 255")
+            raise UsageError(f"{parent_ref} already has {len(chain)} layers; "
+                             f"the limit is {lsmt.MAX_LAYERS}")
         parent_uuid = chain[0][1].uuid
         for _, m in chain:
             index.add_table(reg.chunk_table(m))
@@ -172,7 +171,7 @@ def publish_disk(store: Store, src: DiskSource, name: str, version: str,
         return DiskResult(ref, existing, old, published=False)
     table = result.table.to_bytes()
     table_digest, up = store.put_blob(table)
-    stats = result.stats
+    stats = LayerStats(**asdict(result.stats))
     stats.uploaded_bytes += len(table) * up
     stats.file_bytes = sum(m.length for m in src.mappings if not m.zeroed) * lsmt.SECTOR
     manifest = DiskManifest(
@@ -188,7 +187,7 @@ def publish_disk(store: Store, src: DiskSource, name: str, version: str,
     return DiskResult(ref, digest, manifest, published=True)
 
 
-def build_disk(store: Store, image: str, name: str, version: str, parent_ref: str | None = None,
+def build_disk(reg: Registry, image: str, name: str, version: str, parent_ref: str | None = None,
                chunk_size: int = DEFAULT_CHUNK_SIZE,
                dedup_with: Iterable[str] = ()) -> DiskResult:
     """Import a raw disk image as a sealed LSMT layer."""
@@ -196,4 +195,4 @@ def build_disk(store: Store, image: str, name: str, version: str, parent_ref: st
         raise SourceError(image, "not a regular file" if os.path.exists(image) else
                           "no such file or directory")
     src = scan_image(image, parent=parent_ref is not None)
-    return publish_disk(store, src, name, version, parent_ref, chunk_size, dedup_with)
+    return publish_disk(reg, src, name, version, parent_ref, chunk_size, dedup_with)

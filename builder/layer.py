@@ -14,24 +14,31 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 import zstandard
 
 from layerfs.errors import BlobVanished, SourceError, UsageError, VersionExists
 from layerfs.formats.erofs import ErofsError, write_meta_image
-from layerfs.manifest import ROLES, BlobRef, LayerManifest, MetaRef
+from layerfs.manifest import (
+    CHUNK_SIZE_RULE,
+    ROLES,
+    BlobRef,
+    LayerManifest,
+    LayerStats,
+    MetaRef,
+    valid_chunk_size,
+)
 from layerfs.names import check_name, check_version
 from layerfs.registry import LAYERS, Registry, ref_key
-from layerfs.store.base import Store, blob_key, sha256_digest
+from layerfs.store.base import blob_key, sha256_digest
 
 from .assembler import LayerAssembler
 from .dirsource import DirectorySource, UpperSource
 from .pipeline import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_SIZE, ChunkPipeline, DedupIndex
 from .tarsource import TarSource, open_tar
 
-MIN_CHUNK, MAX_CHUNK = 4096, 16 << 20
 META_ZSTD_LEVEL = 9
 VERIFY_WORKERS = 8
 
@@ -51,9 +58,13 @@ class BuildOptions:
         check_version(self.version)
         if self.role not in ROLES:
             raise UsageError(f"invalid role {self.role!r} (expected one of {', '.join(ROLES)})")
-        cs = self.chunk_size
-        if cs & (cs - 1) or not MIN_CHUNK <= cs <= MAX_CHUNK:
-            raise UsageError(f"chunk size {cs} must be a power of two from 4 KiB to 16 MiB")
+        check_chunk_size(self.chunk_size)
+
+
+def check_chunk_size(chunk_size: int) -> None:
+    """UsageError unless ``chunk_size`` is one a layer may have."""
+    if not valid_chunk_size(chunk_size):
+        raise UsageError(f"chunk size {chunk_size} must be {CHUNK_SIZE_RULE}")
 
 
 @dataclass
@@ -90,7 +101,7 @@ def now_utc() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def build_layer(store: Store, src: str, opts: BuildOptions,
+def build_layer(reg: Registry, src: str, opts: BuildOptions,
                 progress: Progress | None = None,
                 source: DirectorySource | TarSource | UpperSource | LayerSource | None = None,
                 origin: str = "", assembler: type[LayerAssembler] = LayerAssembler
@@ -99,7 +110,7 @@ def build_layer(store: Store, src: str, opts: BuildOptions,
     ``origin`` is recorded in the manifest (``oci:<diff_id>`` for an image layer)."""
     opts.check()
     source = source or open_source(src)
-    reg = Registry(store)
+    store = reg.store
     existing = reg.read_ref(LAYERS, opts.name, opts.version)
     index, sources, old = _dedup_index(reg, opts, existing)
     progress = progress or Progress()
@@ -111,6 +122,7 @@ def build_layer(store: Store, src: str, opts: BuildOptions,
         source.feed(asm)
         tree = asm.finish()
         result = pipeline.finish()
+        asm.place_chunks(result.file_chunks)
     finally:
         pipeline.close()
     try:
@@ -126,9 +138,7 @@ def build_layer(store: Store, src: str, opts: BuildOptions,
             raise VersionExists(ref)
         return BuildResult(ref, existing, old[0], published=False)
 
-    stats = result.stats
-    for name in ("files", "dirs", "symlinks", "others", "file_bytes", "inline_bytes"):
-        setattr(stats, name, getattr(asm.counts, name))
+    stats = LayerStats(**asdict(asm.counts), **asdict(result.stats))
     table_digest, up_table = store.put_blob(table)
     packed_meta = zstandard.ZstdCompressor(level=META_ZSTD_LEVEL).compress(meta)
     meta_digest, up_meta = store.put_blob(packed_meta)

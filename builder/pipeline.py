@@ -28,9 +28,8 @@ import zstandard
 
 from layerfs.errors import BlobVanished
 from layerfs.formats.chunktable import FILE_START, RAW, ZSTD, ChunkEntry, ChunkTable
-from layerfs.manifest import LayerStats
 from layerfs.store.base import Store, sha256_digest
-from layerfs.tree import HOLE, FsNode
+from layerfs.tree import HOLE
 
 BLOCK = 4096
 DEFAULT_CHUNK_SIZE = 1 << 20
@@ -56,8 +55,8 @@ class DedupIndex:
 
 @dataclass
 class _Pending:
-    node: FsNode | None  # EROFS mode: the file whose chunk slot this fills
-    slot: int  # chunk slot in node.chunks, or the blob offset in linear mode
+    file: int | None  # EROFS mode: the number of the file whose chunk slot this fills
+    slot: int  # chunk slot of that file, or the blob offset in linear mode
     length: int
     future: Future
     flags: int = 0
@@ -80,11 +79,26 @@ class _NewLocation:
 
 
 @dataclass
+class ChunkStats:
+    """What the pipeline counted; the chunk half of a layer's :class:`LayerStats`."""
+
+    chunks: int = 0  # chunk slots of all files (incl. holes and repeats)
+    unique_chunks: int = 0
+    holes: int = 0
+    blob_bytes: int = 0  # logical data blob size
+    stored_bytes: int = 0  # compressed bytes of the chunks this layer references
+    uploaded_bytes: int = 0  # bytes of packs this push wrote
+    uploaded_packs: int = 0
+    reused_chunks: int = 0  # chunks found already in the store
+
+
+@dataclass
 class PipelineResult:
     table: ChunkTable
     blob_blocks: int
-    stats: LayerStats = field(default_factory=LayerStats)
+    stats: ChunkStats = field(default_factory=ChunkStats)
     reused: set[str] = field(default_factory=set)  # packs refreshed, not written, by this push
+    file_chunks: list[list[int]] = field(default_factory=list)  # by file number: blob addresses
 
 
 class ChunkPipeline:
@@ -106,7 +120,7 @@ class ChunkPipeline:
         self.upload = upload
         self.pack_size = max(pack_size, chunk_size)
         self.on_bytes = on_bytes
-        self.stats = LayerStats()
+        self.stats = ChunkStats()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="chunk")
         self._uploads = ThreadPoolExecutor(2, thread_name_prefix="upload")
         self._upload_slots = threading.Semaphore(3)
@@ -125,6 +139,7 @@ class ChunkPipeline:
         self._reused: set[str] = set()  # packs this push found stored and refreshed
         self._found: set[str] = set()  # own packs put_blob found already stored
         self._next_block = 0
+        self._file_chunks: list[list[int]] = []  # EROFS mode, by file number
 
     # -- worker side --
     def _compressor(self) -> zstandard.ZstdCompressor:
@@ -151,14 +166,18 @@ class ChunkPipeline:
         return _Digested(sha, False, data, RAW)
 
     # -- caller side --
-    def add_file(self, node: FsNode, stream: IO[bytes], size: int) -> None:
-        """EROFS mode: chunk ``size`` bytes of ``stream`` into ``node.chunks``; a
-        chunk that repeats in the layer gets the blob address it got first."""
-        node.chunks = []
+    def add_file(self, stream: IO[bytes], size: int) -> int:
+        """EROFS mode: chunk ``size`` bytes of ``stream``; the file's number, under
+        which :attr:`PipelineResult.file_chunks` holds its chunks' blob addresses
+        (a chunk that repeats in the layer gets the address it got first)."""
+        number = len(self._file_chunks)
+        chunks: list[int] = []
+        self._file_chunks.append(chunks)
         for length, fut in self._submit(stream, size):
-            node.chunks.append(HOLE)
-            flags = FILE_START if len(node.chunks) == 1 else 0
-            self._queue(_Pending(node, len(node.chunks) - 1, length, fut, flags))
+            chunks.append(HOLE)
+            flags = FILE_START if len(chunks) == 1 else 0
+            self._queue(_Pending(number, len(chunks) - 1, length, fut, flags))
+        return number
 
     def add_windows(self, windows: Iterable[tuple[int, bytes]]) -> None:
         """Linear mode: each window is the blob's bytes at a chunk-aligned offset
@@ -199,7 +218,7 @@ class ChunkPipeline:
             self.stats.holes += 1
             return  # EROFS slots start as HOLE; linear holes have no entry
         self._store_chunk(res)
-        if pending.node is None:
+        if pending.file is None:
             self._placed.append((pending.slot, pending.length, res.sha, pending.flags))
             return
         addr = self._layer_addr.get(res.sha)
@@ -208,7 +227,7 @@ class ChunkPipeline:
             self._next_block += -(-pending.length // BLOCK)
             self._layer_addr[res.sha] = addr
             self._placed.append((addr * BLOCK, pending.length, res.sha, pending.flags))
-        pending.node.chunks[pending.slot] = addr
+        self._file_chunks[pending.file][pending.slot] = addr
 
     def _store_chunk(self, res: _Digested) -> None:
         """Make sure the chunk is stored: found in the store, in this build, or new."""
@@ -309,7 +328,8 @@ class ChunkPipeline:
         self.stats.unique_chunks = len(self._stored)
         self.stats.blob_bytes = table.blob_size
         self.stats.stored_bytes = table.stored_bytes()
-        return PipelineResult(table, self._next_block, self.stats, set(self._reused))
+        return PipelineResult(table, self._next_block, self.stats, set(self._reused),
+                              self._file_chunks)
 
     def close(self) -> None:
         for pending in self._inflight:

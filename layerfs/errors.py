@@ -63,6 +63,18 @@ class UnsupportedEntry(LayerfsError):
     exit_code = 3
 
 
+class DiskError(LayerfsError):
+    """disk {}: {}"""
+
+    exit_code = 9  # the node's exit code for an object that exists, is missing or busy
+
+
+class VmError(LayerfsError):
+    """vm {}: {}"""
+
+    exit_code = 9
+
+
 class VersionExists(LayerfsError):
     """{} already exists with other content; versions are immutable"""
 

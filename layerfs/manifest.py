@@ -29,6 +29,12 @@ MAX_INT = 2**63 - 1
 MAX_TEXT = 4096  # longest free-text field (created, uuid)
 MAX_LIST = 1 << 16  # most layers of an env, dedup sources of a layer
 MIN_CHUNK, MAX_CHUNK = 4096, 16 << 20
+CHUNK_SIZE_RULE = "a power of two from 4 KiB to 16 MiB"
+
+
+def valid_chunk_size(size: int) -> bool:
+    """Whether ``size`` is a chunk size a layer may have (:data:`CHUNK_SIZE_RULE`)."""
+    return MIN_CHUNK <= size <= MAX_CHUNK and not size & (size - 1)
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -317,9 +323,8 @@ def _check_layer(manifest: LayerManifest | DiskManifest, what: str) -> None:
         raise IntegrityError(what, f"field kind: {manifest.kind} in a {want} manifest")
     if manifest.role not in ROLES or (manifest.role == "disk") != (want == "lsmt"):
         raise IntegrityError(what, f"field role: {manifest.role[:32]!r}")
-    size = manifest.chunk_size
-    if not MIN_CHUNK <= size <= MAX_CHUNK or size & (size - 1):
-        raise IntegrityError(what, "field chunk_size: not a power of two from 4 KiB to 16 MiB")
+    if not valid_chunk_size(manifest.chunk_size):
+        raise IntegrityError(what, f"field chunk_size: not {CHUNK_SIZE_RULE}")
     _check_digest(manifest.chunk_table.digest, what, "chunk_table.digest")
     for i, source in enumerate(manifest.dedup_sources):
         _check_ref(source, what, f"dedup_sources[{i}]")

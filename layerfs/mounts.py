@@ -4,6 +4,9 @@ util-linux ``mount`` turns a file source into a loop device; EROFS file-backed
 mounts need the syscall itself: source = the meta image file, ``device=`` the
 blob file. Layer and sandbox mounts are ``nosuid,nodev`` (:data:`SAFE_FLAGS`):
 a layer may ship setuid-root programs and device nodes, and neither may work.
+
+What is mounted where is read from ``/proc/self/mountinfo`` by
+:func:`mount_table` alone; :func:`mounts_under` and :func:`fs_type` answer from it.
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import re
 import threading
+from dataclasses import dataclass
+from pathlib import Path
 
 MS_RDONLY = 1
 MS_NOSUID = 2
@@ -21,6 +27,9 @@ SAFE_FLAGS = MS_NOSUID | MS_NODEV  # on every mount of layer content
 MNT_DETACH = 2
 BDI = "/sys/class/bdi"
 _bdi_lock = threading.Lock()  # one EROFS mount at a time while its bdi is found
+
+MOUNTINFO = "/proc/self/mountinfo"
+_ESCAPE = re.compile(rb"\\([0-7]{3})")  # mountinfo escapes space, tab, newline, backslash as octal
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -86,8 +95,47 @@ def set_readahead(path: str, nbytes: int) -> None:
     The device comes from mountinfo: a stat of a FUSE mount point would wait for
     its daemon."""
     target = os.path.abspath(path)  # no realpath: it would stat the mount point
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-        devs = [line.split()[2] for line in f if line.split()[4] == target]
+    devs = [m.device for m in mount_table() if m.point == target]
     if not devs:
         raise OSError(errno.ENOENT, f"nothing mounted on {target}")
     _write_readahead(devs[-1], nbytes)
+
+
+@dataclass(frozen=True)
+class MountEntry:
+    """One line of mountinfo: what is mounted where."""
+
+    device: str  # major:minor
+    point: str  # the mount point, escapes decoded
+    fstype: str
+
+
+def mount_table() -> list[MountEntry]:
+    """The mounts of this process's mount namespace, in mount order."""
+    with open(MOUNTINFO, "rb") as f:
+        return [_entry(line.split()) for line in f]
+
+
+def _entry(fields: list[bytes]) -> MountEntry:
+    point = _ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), fields[4])
+    fstype = fields[fields.index(b"-") + 1]
+    return MountEntry(fields[2].decode(), point.decode(errors="surrogateescape"),
+                      fstype.decode(errors="replace"))
+
+
+def mounts_under(root: Path) -> list[str]:
+    """Mount points at or below ``root``, deepest first."""
+    base = str(root.resolve())
+    found = {m.point for m in mount_table() if m.point == base or m.point.startswith(base + "/")}
+    return sorted(found, key=lambda p: (-p.count("/"), p))
+
+
+def fs_type(path: Path) -> str:
+    """The type of the file system ``path`` lies on."""
+    best, kind = "", "unknown file system"
+    target = str(path.resolve())
+    for m in mount_table():
+        inside = target == m.point or target.startswith(m.point.rstrip("/") + "/")
+        if inside and len(m.point) >= len(best):
+            best, kind = m.point, m.fstype
+    return kind

@@ -29,6 +29,7 @@ from .errors import (
     RefNotFound,
     VersionExists,
 )
+from .formats import lsmt
 from .formats.chunktable import ChunkTable
 from .formats.erofscheck import check_meta_image
 from .manifest import DiskManifest, EnvManifest, LayerManifest, ManifestHead, manifest_head
@@ -36,7 +37,6 @@ from .names import DIGEST_RE, Ref, version_sort_key
 from .store.base import Store, blob_key, sha256_digest
 
 LAYERS, ENVS = "layers", "envs"
-MAX_CHAIN = 255
 MAX_REF_BYTES = 1024  # a ref is one digest line; anything longer is not a ref
 HEADS_KEPT = 4096  # manifest heads (kind, name, version) remembered by digest
 KINDS_OF = {LAYERS: ("erofs", "lsmt"), ENVS: ("env",)}
@@ -191,8 +191,8 @@ class Registry:
         """A sealed LSMT layer and its parents, top first; a missing parent is an error."""
         chain: list[tuple[str, DiskManifest]] = []
         while digest:
-            if len(chain) >= MAX_CHAIN:
-                raise IntegrityError(digest, f"disk chain deeper than {MAX_CHAIN} layers")
+            if len(chain) >= lsmt.MAX_LAYERS:
+                raise IntegrityError(digest, f"disk chain deeper than {lsmt.MAX_LAYERS} layers")
             try:
                 manifest = self.disk(digest)
             except ObjectNotFound:

@@ -28,7 +28,7 @@ def need_root() -> None:
 
 
 def build(store: Store, src: str, name: str = "t", version: str = "1", **kw) -> BuildResult:
-    return build_layer(store, src, BuildOptions(name, version, **kw))
+    return build_layer(Registry(store), src, BuildOptions(name, version, **kw))
 
 
 @contextmanager

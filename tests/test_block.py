@@ -98,7 +98,7 @@ def disk_path(node: NodeDaemon, sid: str) -> Path:
 
 def test_sealed_layer_fields_match_the_lsmt_layout(tmp_path, store):
     img = make_image(tmp_path / "img", 8 * MiB + 512 * 3, seed=1)
-    res = build_disk(store, str(img), "disk/a", "1", chunk_size=MiB)
+    res = build_disk(Registry(store), str(img), "disk/a", "1", chunk_size=MiB)
     reg = Registry(store)
     sealed = tmp_path / "sealed"
     materialize_blob(store, reg.chunk_table(res.manifest), str(sealed))
@@ -163,8 +163,8 @@ def test_parent_chain_reads_as_one_disk(node, store, tmp_path):
         f.write(os.urandom(300_000 // 512 * 512))
         f.seek(0)
         f.write(bytes(2 * MiB // 3 // 512 * 512))
-    build_disk(store, str(a), "chain/x", "1")
-    child = build_disk(store, str(b), "chain/x", "2", parent_ref="chain/x@1")
+    build_disk(Registry(store), str(a), "chain/x", "1")
+    child = build_disk(Registry(store), str(b), "chain/x", "2", parent_ref="chain/x@1")
     assert child.manifest.parent_ref == "chain/x@1"
     node.cli("disk", "create", "d", "--base", "chain/x@2")
     assert sha256_file(disk_path(node, "d")) == sha256_file(b)
@@ -266,7 +266,7 @@ def test_qemu_img_reads_the_disk(node, store, tmp_path):
     if not shutil.which("qemu-img"):
         pytest.fail("qemu-img (Debian qemu-utils) is required")
     img = make_image(tmp_path / "img", 16 * MiB, seed=4)
-    build_disk(store, str(img), "q/base", "1")
+    build_disk(Registry(store), str(img), "q/base", "1")
     node.cli("disk", "create", "q", "--base", "q/base@1")
     expect = bytearray(img.read_bytes())
     with open(disk_path(node, "q"), "r+b") as f:
@@ -326,7 +326,7 @@ def publish_raw_sealed(store, raw: bytes, name: str, virtual_size: int,
 
 def test_bad_lsmt_input_is_a_clear_error(node, store, tmp_path):
     img = make_image(tmp_path / "img", 2 * MiB, seed=6)
-    good = build_disk(store, str(img), "good", "1")
+    good = build_disk(Registry(store), str(img), "good", "1")
     node.cli("disk", "create", "ok", "--base", "good@1")
     sealed = tmp_path / "sealed"
     materialize_blob(store, Registry(store).chunk_table(good.manifest), str(sealed))
@@ -342,7 +342,7 @@ def test_bad_lsmt_input_is_a_clear_error(node, store, tmp_path):
     lo, hi = struct.unpack_from("<QQ", past, ioff)
     struct.pack_into("<QQ", past, ioff, lo, hi + (1 << 40))  # moffset far past the data
     publish_raw_sealed(store, bytes(past), "bad/index", size)
-    child = build_disk(store, str(img), "orphan", "1", parent_ref="good@1")
+    child = build_disk(Registry(store), str(img), "orphan", "1", parent_ref="good@1")
     cases = [("bad/trailer@1", "bad magic"), ("bad/truncated@1", "bad"),
              ("bad/index@1", "past the data")]
     for ref, words in cases:
@@ -362,3 +362,16 @@ def test_bad_lsmt_input_is_a_clear_error(node, store, tmp_path):
     # the daemon kept serving the good disk all along
     assert sha256_file(disk_path(node, "ok")) == sha256_file(img)
     node.cli("disk", "rm", "ok")
+
+
+def test_disk_and_vm_errors_name_the_disk_or_vm(node):
+    node.cli("disk", "create", "d1", "--size", "1M")
+    cases = [(("disk", "create", "d1", "--size", "1M"), "disk d1: already exists"),
+             (("disk", "rm", "nope"), "disk nope: no such disk"),
+             (("vm", "down", "nope"), "vm nope: no such vm")]
+    for argv, message in cases:
+        proc = node.cli(*argv, check=False)
+        assert (proc.returncode, proc.stderr.strip()) == (9, f"layerfs: error: {message}")
+    # the failed create left the first disk serving as it was
+    assert os.path.getsize(disk_path(node, "d1")) == 1 << 20
+    node.cli("disk", "rm", "d1")

@@ -265,7 +265,7 @@ def test_commit_never_follows_a_directory_swapped_for_a_symlink(tmp_path):
     (outside / "shadow").write_text("host secret")
     source = SwappingSource(str(upper_with(tmp_path)), outside)
     with pytest.raises(SourceError) as err:
-        build_layer(store, "sandbox s1", BuildOptions("ws", "1"), source=source)
+        build_layer(Registry(store), "sandbox s1", BuildOptions("ws", "1"), source=source)
     assert str(err.value) == "source /victim: changed type during the commit"
     assert Registry(store).read_ref(LAYERS, "ws", "1") is None
 
@@ -275,7 +275,7 @@ def test_commit_skips_what_vanishes_during_the_walk(tmp_path):
     upper = upper_with(tmp_path, "doomed", "kept")
     source = SwappingSource(str(upper), tmp_path)
     os.rename(upper / "victim", upper / "plain")  # no swap this time
-    result = build_layer(store, "sandbox s1", BuildOptions("ws", "1"), source=source)
+    result = build_layer(Registry(store), "sandbox s1", BuildOptions("ws", "1"), source=source)
     assert result.published and source.vanished == ["/doomed"]
     assert result.manifest.stats.files == 2  # kept, plain/inside
 
@@ -288,7 +288,7 @@ def test_commit_of_a_huge_sparse_file_stores_no_holes(tmp_path):
         f.truncate(1 << 30)
         f.seek((1 << 30) - 1)
         f.write(b"x")
-    result = build_layer(store, "sandbox s1", BuildOptions("ws", "1"),
+    result = build_layer(Registry(store), "sandbox s1", BuildOptions("ws", "1"),
                          source=UpperSource(str(upper)))
     stats = result.manifest.stats
     assert stats.file_bytes == 1 << 30 and stats.unique_chunks == 1

@@ -433,6 +433,18 @@ def test_s3_ranged_get_error_mapping(reply: Reply, expected: type[Exception] | N
         assert type(info.value) is expected
 
 
+@pytest.mark.parametrize(("code", "status"), [
+    ("RequestTimeout", 400), ("ExpiredToken", 400), ("InvalidToken", 400), ("SlowDown", 503),
+    ("AccessDenied", 403), ("InternalError", 500), ("InvalidArgument", 400)])
+def test_s3_both_read_paths_map_an_error_reply_alike(aws_env: None, code: str,
+                                                      status: int) -> None:
+    store = S3Store("bkt", "pre", endpoint="http://127.0.0.1:9")
+    through_boto3 = store._error(client_error(code, status), "k", "get")
+    with pytest.raises(StoreError) as info:
+        RangeReader(None, "bkt", "http://127.0.0.1:9")._failed(Reply(status, code), "k")
+    assert type(info.value) is type(through_boto3)
+
+
 @pytest.mark.daemon_log(r"presigned ranged GETs refused \(.*\); using boto3 calls")
 def test_s3_ranged_gets_fall_back_to_boto3_where_refused(s3_server: S3Server) -> None:
     store = S3Store("layerfs-test", f"t/{uuid.uuid4().hex}", endpoint=s3_server.endpoint)

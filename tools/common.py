@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from layerfs import sizes
 from layerfs.registry import Registry
 from layerfs.store import open_store
 
@@ -58,12 +59,9 @@ def human_bytes(n: float | None) -> str:
 
 
 def parse_size(text: str) -> int:
-    """``1M``, ``4KiB``, ``1048576`` → bytes."""
-    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+    """``1M``, ``4KiB``, ``1048576`` → bytes; a bad size is a usage error."""
     try:
-        return int(float(num) * units[unit])
+        return sizes.parse_size(text)
     except ValueError:
         raise click.BadParameter(f"not a size: {text!r}") from None
 

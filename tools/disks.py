@@ -25,7 +25,7 @@ def build_disk_cmd(out: Output, reg: Registry, image: str, name: str, version: s
                    parent: str | None, chunk_size: str) -> None:
     """Import the raw disk IMAGE (a multiple of 512 bytes) as a sealed LSMT layer;
     zero ranges are not stored."""
-    res = build_disk(reg.store, image, name, version, parent, parse_size(chunk_size))
+    res = build_disk(reg, image, name, version, parent, parse_size(chunk_size))
     s = res.manifest.stats
     doc = {"ref": res.ref, "digest": res.digest, "published": res.published,
            "virtual_size": res.manifest.virtual_size, "stats": s.__dict__}

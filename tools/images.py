@@ -80,7 +80,7 @@ def import_cmd(out: Output, reg: Registry, src: str, name: str, version: str, pl
     bar = ImportBar(f"import {name}@{version}", enabled=stderr_is_tty() and not out.as_json)
     source = open_source(src, plain_http=plain_http)
     try:
-        result = import_image(reg.store, source, opts, ImportProgress(bar.on_layer, bar.on_bytes))
+        result = import_image(reg, source, opts, ImportProgress(bar.on_layer, bar.on_bytes))
     finally:
         bar.close()
         source.close()

@@ -35,7 +35,7 @@ def build(out: Output, reg: Registry, src: str, name: str, version: str, role: s
     line = ProgressLine(f"build {name}@{version}", enabled=stderr_is_tty() and not out.as_json)
     warnings: list[str] = []
     try:
-        result = build_layer(reg.store, src, opts,
+        result = build_layer(reg, src, opts,
                              Progress(line.on_file, line.on_bytes, warnings.append))
     finally:
         line.close()

@@ -165,12 +165,12 @@ class ImageLayerSource:
             raw.close()
 
 
-def import_image(store: Store, source: ImageSource, opts: ImportOptions,
+def import_image(reg: Registry, source: ImageSource, opts: ImportOptions,
                  progress: ImportProgress | None = None) -> ImportResult:
     """Import what ``source`` names as the env ``opts.name@opts.version``."""
     opts.check()
     progress = progress or ImportProgress()
-    reg = Registry(store)
+    store = reg.store
     image = resolve_image(source, opts.platform)
     config = image_config(image)
     env_ref = f"{opts.name}@{opts.version}"
@@ -210,7 +210,7 @@ def _import_group(store: Store, reg: Registry, source: ImageSource, group: list[
                               dedup_with=below)
     layer_source = ImageLayerSource(source, group, at_bottom, progress.on_bytes)
     assembler = FoldingAssembler if len(group) > 1 else LayerAssembler
-    result = build_layer(store, source.describe(), build_opts, Progress(), source=layer_source,
+    result = build_layer(reg, source.describe(), build_opts, Progress(), source=layer_source,
                          origin=origin, assembler=assembler)
     return ImportedLayer(diff_ids, ref, result.digest, built=result.published,
                          uploaded_bytes=result.manifest.stats.uploaded_bytes)

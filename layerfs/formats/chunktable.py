@@ -21,7 +21,6 @@ entry.
 
 from __future__ import annotations
 
-import bisect
 import struct
 from dataclasses import dataclass
 
@@ -57,7 +56,6 @@ class ChunkTable:
         self.entries = sorted(entries, key=lambda e: e.blob_offset)
         self.blob_size = blob_size
         self.chunk_size = chunk_size
-        self._offsets = [e.blob_offset for e in self.entries]
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -67,14 +65,6 @@ class ChunkTable:
 
     def stored_bytes(self) -> int:
         return sum(e.stored_length for e in self.entries)
-
-    def find(self, blob_offset: int) -> ChunkEntry | None:
-        """The chunk whose stored range holds ``blob_offset``, or None (hole)."""
-        i = bisect.bisect_right(self._offsets, blob_offset) - 1
-        if i < 0:
-            return None
-        e = self.entries[i]
-        return e if blob_offset < e.blob_offset + e.length else None
 
     def content_key(self) -> list[tuple[int, int, bytes]]:
         """What the blob holds, independent of where chunks are stored."""

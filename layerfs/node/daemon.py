@@ -26,7 +26,7 @@ import trio
 from ..cache.chunkcache import ChunkCache
 from ..errors import LayerfsError, UsageError
 from ..formats.erofs import write_meta_image
-from ..mounts import mount_erofs, set_readahead, umount
+from ..mounts import fs_type, mount_erofs, mounts_under, set_readahead, umount
 from ..registry import LAYERS, Registry
 from ..store import open_store
 from ..tree import FileTree
@@ -64,18 +64,6 @@ class DaemonConfig:
     layer_readahead: int = 1 << 20  # kernel readahead window of the EROFS layer mounts
     miss_span: int = 0  # a small chunk's miss fetches the chunks after it, up to this
     fuse_group: int | None = None  # a gid that may open ROOT/fuse files besides root (a VMM's)
-
-
-def mounts_under(root: Path) -> list[str]:
-    """Mount points at or below ``root``, deepest first."""
-    base = str(root.resolve())
-    found = []
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-        for line in f:
-            point = line.split()[4].encode().decode("unicode_escape")
-            if point == base or point.startswith(base + "/"):
-                found.append(point)
-    return sorted(set(found), key=lambda p: (-p.count("/"), p))
 
 
 def secure_root(root: Path, fuse_group: int | None) -> None:
@@ -118,20 +106,6 @@ def probe_erofs_mounts(root: Path) -> None:
     finally:
         image.unlink(missing_ok=True)
         target.rmdir()
-
-
-def fs_type(path: Path) -> str:
-    """The type of the file system ``path`` lies on, from mountinfo."""
-    best, kind = "", "unknown file system"
-    target = str(path.resolve())
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-        for line in f:
-            fields = line.split()
-            point = fields[4].encode().decode("unicode_escape")
-            inside = target == point or target.startswith(point.rstrip("/") + "/")
-            if inside and len(point) >= len(best):
-                best, kind = point, fields[fields.index("-") + 1]
-    return kind
 
 
 def clean_stale_mounts(root: Path) -> int:

@@ -6,6 +6,11 @@ since the last commit into a new layer whose parent is the previous one and
 publishes it; ``vm up`` hands a VM each env layer's meta image and lazy blob
 file as read-only drives plus one writable disk. A disk whose chain cannot be
 loaded fails alone, with a clear error; the others keep serving.
+
+What a command sets up before it can fail (blob files held open, a disk's
+directory) is undone in one place: each step registers its undo on the
+command's :meth:`DiskManager._rollback` stack, which runs them only if the
+command does not complete.
 """
 
 from __future__ import annotations
@@ -13,21 +18,24 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from ..builder.disk import DiskSource, publish_disk
-from ..errors import LayerfsError, UsageError
+from ..errors import DiskError, LayerfsError, UsageError, VmError
 from ..formats import lsmt
+from ..formats.chunktable import ChunkTable
 from ..registry import ENVS, LAYERS, Registry
-from .blobfiles import BlobDirectory
+from .blobfiles import BlobDirectory, BlobFile
 from .disks import DATA_START, SECTOR, DiskState, SealedChain, SealedLayer, WritableDisk
 from .fetcher import ChunkFetcher
 from .protocol import DiskCommitAnswer
 from .replica import Replica
-from .sandboxes import SANDBOX_ID, SandboxError
+from .sandboxes import SANDBOX_ID
 
 log = logging.getLogger(__name__)
 FIRST_DISK_INODE = 1 << 32
@@ -50,25 +58,38 @@ class DiskManager:
         self.broken: dict[str, str] = {}
         self._busy: set[str] = set()
 
+    # -- rollback --
+    @asynccontextmanager
+    async def _rollback(self) -> AsyncIterator[AsyncExitStack]:
+        """A stack of undo steps, run (last first) only if the block raises."""
+        async with AsyncExitStack() as undo:
+            yield undo
+            undo.pop_all()
+
+    def _hold_blob(self, undo: AsyncExitStack, digest: str, table: ChunkTable) -> BlobFile:
+        """Serve a layer's blob file; released again if the command fails."""
+        blob = self.blobs.add(digest, table, self.fetcher)
+        undo.callback(self.blobs.remove, digest)
+        return blob
+
+    async def _delete_dir(self, path: Path) -> None:
+        with trio.CancelScope(shield=True):  # also when the command was cancelled
+            await trio.to_thread.run_sync(shutil.rmtree, path, True)
+
     # -- chains --
-    async def load_chain(self, base: str) -> tuple[SealedChain, list[str]]:
+    async def load_chain(self, base: str, undo: AsyncExitStack) -> tuple[SealedChain, list[str]]:
         """Resolve ``base`` (a ref or digest) and load its sealed chain lazily."""
         digest = await trio.to_thread.run_sync(self.reg.resolve, LAYERS, base)
         chain = await trio.to_thread.run_sync(self.reg.disk_chain, digest)
         layers, used = [], []
-        try:
-            for layer_digest, manifest in chain:
-                table = await trio.to_thread.run_sync(
-                    self.replica.fetch_table, self.reg, layer_digest, manifest.to_bytes(),
-                    manifest.chunk_table.digest)
-                blob = self.blobs.add(layer_digest, table, self.fetcher)
-                used.append(layer_digest)
-                name = f"{manifest.name}@{manifest.version}"
-                layers.append(await SealedLayer.load(name, blob))
-        except BaseException:
-            for d in used:
-                self.blobs.remove(d)
-            raise
+        for layer_digest, manifest in chain:
+            table = await trio.to_thread.run_sync(
+                self.replica.fetch_table, self.reg, layer_digest, manifest.to_bytes(),
+                manifest.chunk_table.digest)
+            blob = self._hold_blob(undo, layer_digest, table)
+            used.append(layer_digest)
+            name = f"{manifest.name}@{manifest.version}"
+            layers.append(await SealedLayer.load(name, blob))
         return SealedChain(layers), used
 
     def _register(self, disk: WritableDisk, used: list[str]) -> None:
@@ -84,37 +105,35 @@ class DiskManager:
         if not SANDBOX_ID.fullmatch(sid or ""):
             raise UsageError(f"invalid disk id {sid!r} (expected [A-Za-z0-9][A-Za-z0-9._-]*)")
         if sid in self.disks or sid in self._busy or (self.dir / sid).exists():
-            raise SandboxError(f"disk {sid}", "already exists")
+            raise DiskError(sid, "already exists")
         if size is not None:
             check_disk_size(size)
         self._busy.add(sid)
         try:
-            chain: SealedChain | None = None
-            used: list[str] = []
-            base_digest: str | None = None
-            if base:
-                chain, used = await self.load_chain(base)
-                base_digest = await trio.to_thread.run_sync(self.reg.resolve, LAYERS, base)
-            if size is None:
-                size = chain.virtual_size if chain else 0
-            if size <= 0 or size % SECTOR:
-                for d in used:
-                    self.blobs.remove(d)
-                raise UsageError(f"disk size {size} is not a positive multiple of 512")
-            state = DiskState(sid, size, base_digest, base)
-            try:
-                await trio.to_thread.run_sync(WritableDisk.create, self.dir / sid, state)
-                disk = WritableDisk(self.dir / sid, state, chain)
-                await trio.to_thread.run_sync(disk.open_files)
-            except BaseException:
-                for d in used:
-                    self.blobs.remove(d)
-                await trio.to_thread.run_sync(shutil.rmtree, self.dir / sid, True)
-                raise
-            self._register(disk, used)
+            async with self._rollback() as undo:
+                await self._create(sid, size, base, undo)
         finally:
             self._busy.discard(sid)
         return self.describe(sid)
+
+    async def _create(self, sid: str, size: int | None, base: str | None,
+                      undo: AsyncExitStack) -> None:
+        chain: SealedChain | None = None
+        used: list[str] = []
+        base_digest: str | None = None
+        if base:
+            chain, used = await self.load_chain(base, undo)
+            base_digest = await trio.to_thread.run_sync(self.reg.resolve, LAYERS, base)
+        if size is None:
+            size = chain.virtual_size if chain else 0
+        if size <= 0 or size % SECTOR:
+            raise UsageError(f"disk size {size} is not a positive multiple of 512")
+        state = DiskState(sid, size, base_digest, base)
+        undo.push_async_callback(self._delete_dir, self.dir / sid)
+        await trio.to_thread.run_sync(WritableDisk.create, self.dir / sid, state)
+        disk = WritableDisk(self.dir / sid, state, chain)
+        await trio.to_thread.run_sync(disk.open_files)
+        self._register(disk, used)
 
     async def restore(self) -> None:
         """Reopen the disks an earlier run left; a broken one is reported, not fatal."""
@@ -122,14 +141,18 @@ class DiskManager:
             return
         for path in sorted(self.dir.iterdir()):
             try:
-                state = await trio.to_thread.run_sync(WritableDisk.load_state, path)
-                chain, used = (await self.load_chain(state.base)) if state.base else (None, [])
-                disk = WritableDisk(path, state, chain)
-                await trio.to_thread.run_sync(disk.open_files)
-                self._register(disk, used)
+                async with self._rollback() as undo:
+                    await self._restore(path, undo)
             except (LayerfsError, OSError, ValueError, TypeError) as exc:
                 self.broken[path.name] = str(exc)
                 log.error("disk %s cannot be opened: %s", path.name, exc)
+
+    async def _restore(self, path: Path, undo: AsyncExitStack) -> None:
+        state = await trio.to_thread.run_sync(WritableDisk.load_state, path)
+        chain, used = (await self.load_chain(state.base, undo)) if state.base else (None, [])
+        disk = WritableDisk(path, state, chain)
+        await trio.to_thread.run_sync(disk.open_files)
+        self._register(disk, used)
 
     async def remove(self, sid: str) -> None:
         disk = self._get(sid)
@@ -148,9 +171,9 @@ class DiskManager:
         disk = self.disks.get(sid)
         if disk is None:
             why = self.broken.get(sid, "no such disk")
-            raise SandboxError(f"disk {sid}", why)
+            raise DiskError(sid, why)
         if sid in self._busy:
-            raise SandboxError(f"disk {sid}", "busy")
+            raise DiskError(sid, "busy")
         return disk
 
     async def commit(self, sid: str, name: str, version: str) -> DiskCommitAnswer:
@@ -162,7 +185,7 @@ class DiskManager:
         source = commit_source(disk, changes)
         parent = disk.state.base_ref or disk.state.base
         result = await trio.to_thread.run_sync(
-            lambda: publish_disk(self.reg.store, source, name, version, parent,
+            lambda: publish_disk(self.reg, source, name, version, parent,
                                  chunk_size=1 << 20))
         disk.state.base, disk.state.base_ref, disk.state.commit_mark = (
             result.digest, result.ref, mark)
@@ -192,7 +215,7 @@ class DiskManager:
     async def vm_up(self, vid: str, env: str | None, layer_refs: list[str], disk_size: int,
                     base_disk: str | None) -> dict[str, Any]:
         if vid in self.vms:
-            raise SandboxError(f"vm {vid}", "already exists")
+            raise VmError(vid, "already exists")
         if bool(env) == bool(layer_refs):
             raise UsageError("give an env or --layer refs, not both or neither")
         check_disk_size(disk_size)
@@ -204,10 +227,10 @@ class DiskManager:
 
         digests = await trio.to_thread.run_sync(resolve)
         drives, layers, used = [], [], []
-        try:
+        async with self._rollback() as undo:
             for i, digest in enumerate(digests):
                 rl = await trio.to_thread.run_sync(self.replica.verified_layer, self.reg, digest)
-                self.blobs.add(digest, rl.table, self.fetcher)
+                self._hold_blob(undo, digest, rl.table)
                 used.append(digest)
                 meta_id, blob_id = f"layer{i}-meta", f"layer{i}-blob"
                 drives.append({"drive_id": meta_id, "path_on_host": str(rl.meta_path),
@@ -219,10 +242,6 @@ class DiskManager:
                                "digest": digest, "meta_drive": meta_id,
                                "device_drives": [blob_id]})
             disk = await self.create(f"{vid}-rw", None if base_disk else disk_size, base_disk)
-        except BaseException:
-            for d in used:
-                self.blobs.remove(d)
-            raise
         drives.append({"drive_id": "rw", "path_on_host": disk["path"], "is_read_only": False,
                        "is_root_device": False})
         vm = {"id": vid, "drives": drives, "layers": layers, "disk": disk["id"],
@@ -233,7 +252,7 @@ class DiskManager:
     async def vm_down(self, vid: str, keep: bool) -> dict[str, Any]:
         vm = self.vms.pop(vid, None)
         if vm is None:
-            raise SandboxError(f"vm {vid}", "no such vm")
+            raise VmError(vid, "no such vm")
         for d in vm["blobs"]:
             self.blobs.remove(d)
         if not keep:

@@ -31,6 +31,7 @@ from types import FrameType
 from typing import Any
 
 from ..errors import UsageError
+from ..mounts import mount_table
 from .bundle import write_bundle
 
 RUNTIMES = ("runc", "crun")
@@ -69,9 +70,7 @@ def runtime_command(runtime: str, state_root: str, *args: str) -> list[str]:
 def hybrid_cgroup2_controllers() -> bool:
     """Whether cgroup2 is mounted at /sys/fs/cgroup/unified beside v1 hierarchies
     and has controllers: crun refuses to create containers there."""
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-        mounted = any(fields[4] == UNIFIED_CGROUP and fields[fields.index("-") + 1] == "cgroup2"
-                      for fields in (line.split() for line in f))
+    mounted = any(m.point == UNIFIED_CGROUP and m.fstype == "cgroup2" for m in mount_table())
     if not mounted:
         return False
     try:

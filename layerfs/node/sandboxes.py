@@ -34,6 +34,7 @@ from ..builder.pipeline import DEFAULT_CHUNK_SIZE
 from ..errors import LayerfsError, UsageError
 from ..mounts import SAFE_FLAGS, mount, mount_erofs, umount
 from ..registry import ENVS, LAYERS, Registry
+from ..sizes import du
 from .blobfiles import BlobDirectory, BlobFile
 from .fetcher import ChunkFetcher
 from .protocol import BadMessage, CommitAnswer, SandboxRecord, SandboxStatus
@@ -286,7 +287,7 @@ class Sandboxes:
             opts = BuildOptions(name, version, role=role, chunk_size=chunk_size,
                                 dedup_with=list(record.layers))
             result = await trio.to_thread.run_sync(functools.partial(
-                build_layer, self.reg.store, f"sandbox {sid}", opts, source=source))
+                build_layer, self.reg, f"sandbox {sid}", opts, source=source))
         finally:
             self._busy.discard(sid)
         for path in source.vanished:
@@ -361,12 +362,3 @@ def trace_key(digest: str) -> str:
     return "traces/" + digest.removeprefix("sha256:")
 
 
-def du(path: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total

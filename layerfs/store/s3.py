@@ -25,15 +25,10 @@ from botocore.config import Config
 from ..errors import AccessDenied, StoreError, StoreUnreachable, TransientStoreError, UsageError
 from .base import ObjectInfo, RetryPolicy, Store
 from .keys import check_key, check_prefix
+from .s3errors import S3Failure, classify
 from .s3ranges import Missing, RangeReader, Unsupported
 
 log = logging.getLogger(__name__)
-NOT_FOUND = {"NoSuchKey", "NotFound", "404"}
-DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-          "AllAccessDisabled", "ExpiredToken", "InvalidToken", "AccountProblem"}  # fmt: skip
-TRANSIENT = {"SlowDown", "RequestTimeout", "Throttling", "ThrottlingException",
-             "RequestThrottled", "TooManyRequests", "InternalError", "ServiceUnavailable",
-             "ConditionalRequestConflict", "OperationAborted"}  # fmt: skip
 NO_CREDENTIALS = (bx.NoCredentialsError, bx.PartialCredentialsError, bx.CredentialRetrievalError)
 UNREACHABLE = (bx.ConnectionError, bx.ConnectionClosedError)  # incl. connect timeouts, TLS
 TRANSIENT_IO = (bx.HTTPClientError, bx.IncompleteReadError)  # read timeouts, cut bodies
@@ -90,6 +85,10 @@ def _code(exc: bx.ClientError) -> tuple[str, int]:
     return str(error.get("Code", status)), int(status or 0)
 
 
+def _failure(exc: bx.ClientError) -> S3Failure:
+    return classify(*_code(exc))
+
+
 class S3Store(Store):
     """A store in an S3 bucket, under a key prefix; thread safe."""
 
@@ -143,17 +142,15 @@ class S3Store(Store):
         return StoreError(f"{what} at {self.where}: {exc}")
 
     def _client_error(self, exc: bx.ClientError, key: str, what: str) -> StoreError:
-        code, status = _code(exc)
-        if code in NOT_FOUND:
+        code, _ = _code(exc)
+        failure = _failure(exc)
+        if failure is S3Failure.MISSING_OBJECT:
             return self.missing(key)
-        if code == "NoSuchBucket":
+        if failure is S3Failure.MISSING_BUCKET:
             return StoreError(f"bucket {self.bucket!r} does not exist at {self.where}")
         message = exc.response.get("Error", {}).get("Message") or code
-        if code in DENIED or status == 403:
-            return AccessDenied(f"{what}: {code}: {message}")
-        if code in TRANSIENT or status >= 500 or status == 429:
-            return TransientStoreError(f"{what}: {code}: {message}")
-        return StoreError(f"{what}: {code}: {message}")
+        kind = {S3Failure.DENIED: AccessDenied, S3Failure.TRANSIENT: TransientStoreError}
+        return kind.get(failure, StoreError)(f"{what}: {code}: {message}")
 
     def _denied_or_no_bucket(self, error: StoreError) -> StoreError:
         """SeaweedFS answers AccessDenied to writes into a missing bucket: say which."""
@@ -209,7 +206,7 @@ class S3Store(Store):
         try:
             response = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
         except bx.ClientError as exc:
-            if _code(exc)[0] in NOT_FOUND:
+            if _failure(exc) is S3Failure.MISSING_OBJECT:
                 return None
             raise self._error(exc, key, "head") from exc
         except bx.BotoCoreError as exc:
@@ -281,7 +278,7 @@ class S3Store(Store):
                                     CopySource={"Bucket": self.bucket, "Key": full},
                                     Metadata={"layerfs-refreshed": "1"})
         except bx.ClientError as exc:
-            if _code(exc)[0] in NOT_FOUND:
+            if _failure(exc) is S3Failure.MISSING_OBJECT:
                 return False
             raise self._error(exc, key, "refresh") from exc
         except bx.BotoCoreError as exc:
@@ -292,7 +289,7 @@ class S3Store(Store):
         try:
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
         except bx.ClientError as exc:
-            if _code(exc)[0] not in NOT_FOUND:
+            if _failure(exc) is not S3Failure.MISSING_OBJECT:
                 raise self._error(exc, key, "delete") from exc
         except bx.BotoCoreError as exc:
             raise self._error(exc, key, "delete") from exc
@@ -302,7 +299,7 @@ class S3Store(Store):
         try:
             self.client.head_bucket(Bucket=self.bucket)
         except bx.ClientError as exc:
-            if _code(exc)[0] in NOT_FOUND | {"NoSuchBucket"}:
+            if _failure(exc) in (S3Failure.MISSING_OBJECT, S3Failure.MISSING_BUCKET):
                 return False
             raise self._error(exc, "", "head bucket") from exc
         except bx.BotoCoreError as exc:

@@ -25,6 +25,7 @@ from typing import Any
 import urllib3
 
 from ..errors import AccessDenied, StoreError, StoreUnreachable, TransientStoreError
+from .s3errors import S3Failure, classify
 
 SIGNED_SECONDS = 3600
 REUSE_SECONDS = 600  # well inside the signature's life and short-lived credentials
@@ -114,15 +115,13 @@ class RangeReader:
         what = f"get {key} at {self.where}: {code} (HTTP {reply.status})"
         if reply.status == 416 or code == "InvalidRange":
             return b""
-        if reply.status == 404 or code in ("NoSuchKey", "NoSuchBucket"):
-            raise Missing(code)
         if 300 <= reply.status < 400 or code in REFUSED_CODES:
             raise Unsupported(what)
-        if reply.status == 403:
-            raise AccessDenied(what)
-        if reply.status >= 500 or reply.status == 429 or code == "SlowDown":
-            raise TransientStoreError(what)
-        raise StoreError(what)
+        failure = classify(code, reply.status)
+        if failure in (S3Failure.MISSING_OBJECT, S3Failure.MISSING_BUCKET):
+            raise Missing(code)
+        kind = {S3Failure.DENIED: AccessDenied, S3Failure.TRANSIENT: TransientStoreError}
+        raise kind.get(failure, StoreError)(what)
 
     def close(self) -> None:
         self.pool.clear()

@@ -1,0 +1,28 @@
+"""Sizes: a size given as text (``1M``, ``4KiB``, ``1048576``) and the space a
+directory tree takes on disk."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``1M``, ``4KiB``, ``1048576`` → bytes (binary units); ValueError if not a size."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in UNITS else (t, "")
+    return int(float(num) * UNITS[unit])
+
+
+def du(path: Path) -> int:
+    """Bytes the files below ``path`` take on disk (their blocks), like ``du -s``;
+    a file that vanishes meanwhile counts nothing."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
