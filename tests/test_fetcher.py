@@ -384,7 +384,55 @@ def test_a_background_run_waits_while_readers_fetch(tmp_path):
             await trio.sleep(0.2)
             assert [k for k, _, _ in store.calls] == []  # readers blocked, replay waiting
             release.set()
-        assert [k for k, _, _ in store.calls][-1] == blob_key(b)
+        keys = [k for k, _, _ in store.calls]
+        # the replay starts once at most one reader's fetch goes on (QUIET): after one ended
+        assert keys.index(blob_key(b)) > keys.index(blob_key(a))
 
     trio.run(main)
     assert all(f.cache.contains(e.sha256.hex()) for e in read_set + traced)
+
+
+class FirstReadWaitsStore(RangeStore):
+    """A range store whose single-chunk reads wait (in their worker thread)
+    until a read of a longer range has begun: a reader's fetch is still going
+    on while a run that holds its chunk starts."""
+
+    def __init__(self, packs: dict[str, bytes], chunk: int) -> None:
+        super().__init__(packs)
+        self.chunk = chunk
+        self.run_begun = threading.Event()
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        assert start is not None and end is not None
+        if end - start > self.chunk:
+            self.run_begun.set()
+        else:
+            self.run_begun.wait(10)
+        return super().get(key, start, end)
+
+
+def test_fetch_ahead_claims_its_chunks_when_called_so_a_reader_joins_it(tmp_path):
+    """Regression: ``fetch_ahead`` found chunks 0-1 absent, but its run began
+    only after a reader of chunk 0 had started its own fetch; the run then
+    replaced the reader's flight, chunk 0 was read twice, and whichever of the
+    two ended last hit a KeyError (the reader's EIO, or the daemon's nursery).
+    Now the run claims both chunks when fetch_ahead is called: the reader waits
+    for it and the pack is read once."""
+    a = "sha256:" + "a" * 64
+    entries, pack = run_entries([4096] * 2, a)
+    store = FirstReadWaitsStore({a: pack}, 4096)
+    f = fetcher(tmp_path, store)
+    got: list[bytes] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            f.nursery = nursery
+            f.fetch_ahead(entries)  # the run's task starts at the next checkpoint
+            got.append(await f.get(entries[0]))
+            await f.writes_done()
+            f.nursery = None
+
+    trio.run(main)
+    assert got == [pack[:4096]]
+    assert store.calls == [(blob_key(a), 0, 2 * 4096)]
+    assert all(f.cache.contains(e.sha256.hex()) for e in entries)
