@@ -101,7 +101,8 @@ class ChunkStates:
 
     def held(self, sha: bytes) -> bytes | None:
         """The chunk's bytes if they are in memory (no I/O)."""
-        return self.memory.get(sha) or self._unwritten.get(sha)
+        data = self.memory.get(sha)
+        return self._unwritten.get(sha) if data is None else data
 
     def state(self, sha: bytes) -> ChunkState:
         """Where the chunk is now (an index lookup at most, no I/O)."""
