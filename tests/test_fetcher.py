@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import trio
+import trio.testing
 
 from layerfs.cache.chunkcache import ChunkCache
 from layerfs.cache.chunkfile import BLOCK
@@ -389,7 +390,94 @@ def test_a_background_run_waits_while_readers_fetch(tmp_path):
             await trio.sleep(0.2)
             assert [k for k, _, _ in store.calls] == []  # readers blocked, replay waiting
             release.set()
-        assert [k for k, _, _ in store.calls][-1] == blob_key(b)
+        keys = [k for k, _, _ in store.calls]
+        # the replay starts once at most one reader's fetch goes on (QUIET): after one ended
+        assert keys.index(blob_key(b)) > keys.index(blob_key(a))
 
     trio.run(main)
     assert all(f.cache.contains(e.sha256.hex()) for e in read_set + traced)
+
+
+class FirstReadWaitsStore(RangeStore):
+    """A range store whose single-chunk reads wait (in their worker thread)
+    until a read of a longer range has begun: a reader's fetch is still going
+    on while a run that holds its chunk starts."""
+
+    def __init__(self, packs: dict[str, bytes], chunk: int) -> None:
+        super().__init__(packs)
+        self.chunk = chunk
+        self.run_begun = threading.Event()
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        assert start is not None and end is not None
+        if end - start > self.chunk:
+            self.run_begun.set()
+        else:
+            self.run_begun.wait(10)
+        return super().get(key, start, end)
+
+
+def test_fetch_ahead_claims_its_chunks_when_called_so_a_reader_joins_it(tmp_path):
+    """Regression: ``fetch_ahead`` found chunks 0-1 absent, but its run began
+    only after a reader of chunk 0 had started its own fetch; the run then
+    replaced the reader's flight, chunk 0 was read twice, and whichever of the
+    two ended last hit a KeyError (the reader's EIO, or the daemon's nursery).
+    Now the run claims both chunks when fetch_ahead is called: the reader waits
+    for it and the pack is read once."""
+    a = "sha256:" + "a" * 64
+    entries, pack = run_entries([4096] * 2, a)
+    store = FirstReadWaitsStore({a: pack}, 4096)
+    f = fetcher(tmp_path, store)
+    got: list[bytes] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            f.nursery = nursery
+            f.fetch_ahead(entries)  # the run's task starts at the next checkpoint
+            got.append(await f.get(entries[0]))
+            await f.writes_done()
+            f.nursery = None
+
+    trio.run(main)
+    assert got == [pack[:4096]]
+    assert store.calls == [(blob_key(a), 0, 2 * 4096)]
+    assert all(f.cache.contains(e.sha256.hex()) for e in entries)
+
+
+def test_a_run_claims_all_its_chunks_before_its_first_read(tmp_path):
+    """Regression: ``get_run`` cut the chunks it wanted into runs and fetched them
+    one after another, so a reader could start a fetch of a later run's chunk
+    meanwhile, which that run then replaced (read twice, KeyError). Chunk 1 is
+    cached and longer than a run's gap: the run is read as 0, then 2-3; a
+    reader of chunk 2 that comes while 0 is read now waits for the run."""
+    a = "sha256:" + "a" * 64
+    entries, pack = run_entries([4096, 70_000, 4096, 4096], a)
+    store = FirstReadWaitsStore({a: pack}, 4096)
+    first = threading.Event()
+    release = threading.Event()
+    plain_get = store.get
+
+    def get(key: str, start: int | None = None, end: int | None = None) -> bytes:
+        if start == 0:  # chunk 0: the run's first read
+            first.set()
+            release.wait(10)
+            return RangeStore.get(store, key, start, end)
+        return plain_get(key, start, end)
+
+    store.get = get  # type: ignore[method-assign]
+    f = fetcher(tmp_path, store)
+    f.cache.write(entries[1].sha256.hex(), pack[4096:4096 + 70_000])
+    got: list[bytes] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(f.get_run, entries)
+            await trio.to_thread.run_sync(first.wait, 10)
+            nursery.start_soon(lambda: _append(got, f.get(entries[2])))
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+
+    trio.run(main)
+    c2 = entries[2].pack_offset
+    assert got == [pack[c2:c2 + 4096]]
+    assert store.calls == [(blob_key(a), 0, 4096), (blob_key(a), c2, c2 + 2 * 4096)]

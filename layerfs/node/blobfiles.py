@@ -6,12 +6,11 @@ and answers with views of the overlapping slices, zeros for holes and
 padding: a read inside one chunk copies nothing, any other read copies its
 bytes once.
 Readahead is mostly the kernel's (EROFS and FUSE readahead windows, see the
-daemon); a sequential stream's next cached chunks are read into memory ahead
-of it, a few of its next uncached ones are fetched (a quarter of what it has
-read), and a small random read of a cached chunk reads only the blocks it
-needs. A miss on a small chunk may bring the chunks after it in its
-pack along (the fetcher's ``miss_span``). The first touch of each chunk is
-recorded in order (the layer's access trace).
+daemon); a read tells whether it continues a stream and asks the prefetch
+policy (layerfs/node/prefetch.py) once what to read ahead; a small random
+read of a cached chunk reads only the blocks it needs. A miss on a small
+chunk may bring the chunks after it in its pack along (the miss span). The
+first touch of each chunk is recorded in order (the layer's access trace).
 """
 
 from __future__ import annotations
@@ -21,14 +20,11 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ..formats.chunktable import FILE_START, ChunkEntry, ChunkTable
+from ..formats.chunktable import ChunkEntry, ChunkTable
 from .fetcher import Buffer, ChunkFetcher
 
 FIRST_BLOB_INODE = 16
-CACHED_READAHEAD = 16  # at most this many chunks read ahead from the cache into memory
 PART_READ_FRACTION = 4  # a random read of at most 1/4 of a cached chunk reads just that
-STORE_READAHEAD = 4  # at most this many chunks a stream fetches ahead from the store
-STORE_AHEAD_SHARE = 4  # ... and at most 1/4 of what it has read so far
 MISS_NEIGHBOURS = 64  # at most this many following chunks come along with a miss
 RECENT_READS = 32  # streams (read ends) remembered per blob to tell sequential reads
 ZEROS = bytes(1 << 20)  # shared by every hole a read returns
@@ -114,24 +110,23 @@ class BlobFile:
         pieces = [(i, lo, hi) for i, lo, hi in pieces if hi > lo]
         self._record([i for i, _, _ in pieces])
         self.bytes_read += end - off
-        reads, streamed = self._stream(off, end)
-        depth = min(reads - 1, CACHED_READAHEAD)
-        ahead = min(streamed // (STORE_AHEAD_SHARE * self.table.chunk_size), STORE_READAHEAD)
-        if depth > 0 and pieces:
-            self._read_ahead(pieces[-1][0], depth, ahead)
+        policy = self.fetcher.policy
+        plan = policy.plan(*self._stream(off, end), self.table.chunk_size)
+        if plan.streaming and pieces:
+            last = pieces[-1][0]
+            policy.read_ahead(entries[last + 1:last + 1 + plan.depth], plan)
+        neighbours = MISS_NEIGHBOURS if policy.miss_span else 0
         datas: list[Buffer] = [b""] * len(pieces)
 
         async def get(k: int) -> None:
             i, lo, hi = pieces[k]
             entry = entries[i]
             lo, hi = lo - entry.blob_offset, hi - entry.blob_offset
-            if self.fetcher.takes_neighbours(entry):  # a miss: from the store, with the next
-                after = entries[i + 1:i + 1 + MISS_NEIGHBOURS]
-                datas[k] = memoryview(await self.fetcher.get(entry, after))[lo:hi]
-            elif depth <= 0 and (hi - lo) * PART_READ_FRACTION <= entry.length:
-                datas[k] = await self.fetcher.get_range(entry, lo, hi)
+            after = entries[i + 1:i + 1 + neighbours]  # a miss may bring them (miss span)
+            if not plan.streaming and (hi - lo) * PART_READ_FRACTION <= entry.length:
+                datas[k] = await self.fetcher.get_range(entry, lo, hi, after)
             else:
-                datas[k] = memoryview(await self.fetcher.get(entry))[lo:hi]
+                datas[k] = memoryview(await self.fetcher.get(entry, after))[lo:hi]
 
         if len(pieces) == 1:
             await get(0)
@@ -151,28 +146,6 @@ class BlobFile:
         if len(self.ends) > RECENT_READS:
             del self.ends[next(iter(self.ends))]
         return stream
-
-    def _read_ahead(self, last: int, depth: int, ahead: int) -> None:
-        """Bring up to ``depth`` chunks after ``last``, of the same file, into
-        memory if they are in the cache: their disk reads overlap the kernel's
-        next requests. The depth grows with the stream, so a file read only in
-        part costs few extra reads. Of the first ``ahead`` chunks, those no one
-        has or fetches come from the store (``ahead`` grows with the bytes the
-        stream has read, so a read that stops early costs at most a quarter
-        more); the rest is left to the kernel's readahead, which stops at the
-        file's end."""
-        entries = self.table.entries
-        fetch = []
-        for n, i in enumerate(range(last + 1, min(last + 1 + depth, len(entries)))):
-            entry = entries[i]
-            if entry.flags & FILE_START:
-                break
-            if n < ahead and self.fetcher.absent(entry.sha256):
-                fetch.append(entry)
-            else:
-                self.fetcher.warm(entry)
-        if fetch:
-            self.fetcher.fetch_ahead(fetch)
 
     def _record(self, indexes: list[int]) -> None:
         for i in indexes:

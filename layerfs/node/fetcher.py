@@ -2,26 +2,23 @@
 
 Runs on the trio loop and never blocks it: cache file I/O, store requests,
 decompression and hashing happen in worker threads bounded by
-``trio.CapacityLimiter``s. One fetch per chunk however many readers want it
-(single flight); fetches run in parallel up to a bound; every fetch is bounded
-in time, and its failure (store down, corrupt chunk, timeout) reaches every
-reader that waited for it, then is forgotten so the next read tries again.
-After the store failed to answer, uncached reads fail at once for
-``STORE_COOLDOWN`` seconds, so that one read(2) never waits several timeouts.
-Prefetches (eager, trace, a long stream's next chunks, and with
-``miss_span`` a small chunk's neighbours) fetch runs of chunks that lie one
-after another in a pack with one range read; each chunk of a run has its own
-flight. Background runs (trace replay) wait while readers' fetches go on.
+``trio.CapacityLimiter``s. Every fetch first claims its chunks
+(``ChunkStates.claim``, one synchronous step), so there is one fetch per chunk
+however many readers want it (single flight); fetches run in parallel up to a
+bound; every fetch is bounded in time, and its failure (store down, corrupt
+chunk, timeout) reaches every reader that waited for it, then is forgotten so
+the next read tries again. After the store failed to answer, uncached reads
+fail at once for ``STORE_COOLDOWN`` seconds, so that one read(2) never waits
+several timeouts. A run of chunks that lie one after another in a pack is
+fetched with one range read; each chunk of it has its own flight. The
+prefetch policies (layerfs/node/prefetch.py) only call this core.
 Invariants: docs/node.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TypeAlias, TypeVar
 
 import trio
@@ -31,6 +28,10 @@ from ..chunks import fetch_chunk, fetch_run, pack_runs
 from ..errors import IntegrityError, LayerfsError, StoreUnreachable, TransientStoreError
 from ..formats.chunktable import ChunkEntry
 from ..store.base import Store
+from .chunkstate import ChunkState, ChunkStates, Claim, FetchError, Flight, MemoryChunks
+from .prefetch import Prefetcher
+
+__all__ = ["Buffer", "ChunkFetcher", "FetchError", "MemoryChunks"]
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
@@ -38,50 +39,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 STORE_COOLDOWN = 2.0  # seconds uncached reads fail fast after the store failed
-MAX_UNWRITTEN = 64  # fetched chunks whose cache files may be pending at once
-BACKGROUND_SPAN = 1 << 20  # a background run's range read: small, not to hold up readers' fetches
 QUIET = 1  # a background run starts only while at most this many readers' fetches go on
-
-
-class FetchError(LayerfsError):
-    """cannot read {}: {}"""
-
-    exit_code = 8
-
-
-@dataclass
-class _Flight:
-    done: trio.Event = field(default_factory=trio.Event)
-    data: bytes | None = None
-    error: FetchError | None = None  # None with no data: abandoned, try again
-
-
-class MemoryChunks:
-    """A small LRU of recently used chunks, so the kernel's 128 KiB reads of
-    one chunk do not each reread and recheck its cache file. Trio-thread only."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.size = 0
-        self._items: OrderedDict[bytes, bytes] = OrderedDict()
-
-    def get(self, sha: bytes) -> bytes | None:
-        data = self._items.get(sha)
-        if data is not None:
-            self._items.move_to_end(sha)
-        return data
-
-    def __contains__(self, sha: bytes) -> bool:
-        return sha in self._items
-
-    def put(self, sha: bytes, data: bytes) -> None:
-        if sha in self._items or len(data) > self.limit:
-            return
-        self._items[sha] = data
-        self.size += len(data)
-        while self.size > self.limit:
-            _, old = self._items.popitem(last=False)
-            self.size -= len(old)
 
 
 class ChunkFetcher:
@@ -89,41 +47,40 @@ class ChunkFetcher:
                  parallel: int = 16, io_threads: int = 16, memory: int = 64 << 20,
                  miss_span: int = 0) -> None:
         self.store = store
-        self.miss_span = miss_span
         self.cache = cache
         self.timeout = timeout
         self.parallel = parallel
         self.fetch_limit = trio.CapacityLimiter(parallel)
         self.io_limit = trio.CapacityLimiter(io_threads)
-        self.background_limit = trio.CapacityLimiter(max(1, parallel // 4))
-        self.memory = MemoryChunks(memory)
-        self._flights: dict[bytes, _Flight] = {}
-        self._unwritten: dict[bytes, bytes] = {}  # fetched, cache file not written yet
-        self._written = trio.lowlevel.ParkingLot()  # woken when _unwritten empties
+        self.states = ChunkStates(cache, memory, self.io_limit)
+        self.memory = self.states.memory
         self.nursery: trio.Nursery | None = None
         self.store_down_until = 0.0
         self._reader_fetches = 0  # store reads that readers (or an eager up) wait for
         self._quiet = trio.lowlevel.ParkingLot()  # woken when they drop to QUIET
+        self.policy = Prefetcher(self, miss_span)
+
+    # -- reading one chunk -------------------------------------------------
 
     async def get(self, entry: ChunkEntry, after: Sequence[ChunkEntry] = ()) -> bytes:
         """The verified bytes of one chunk; raises FetchError within the timeout.
         ``after``: the entries that follow it in its blob; if the chunk comes
-        from the store, those that follow it in its pack come along, up to
-        ``miss_span`` stored bytes in all (see :meth:`takes_neighbours`)."""
+        from the store, those that follow it in its pack come along
+        (``Prefetcher.miss_run``)."""
         while True:
-            data = self.memory.get(entry.sha256) or self._unwritten.get(entry.sha256)
+            data = self.states.held(entry.sha256)
             if data is not None:
                 return data
-            flight = self._flights.get(entry.sha256)
-            if flight is None:
-                run = self._miss_run(entry, after) if after else [entry]
-                if len(run) == 1:
-                    return await self._lead(entry)
-                result = (await self._lead_run(run))[0]
+            absent = self.states.state(entry.sha256) is ChunkState.ABSENT
+            run = self.policy.miss_run(entry, after) if after and absent else [entry]
+            claim = self.states.claim(run, cached=True)
+            if claim.lead:  # ours: the entry leads its run
+                result = (await self.lead(claim, keep=False))[0]
                 if isinstance(result, FetchError):
                     raise result
                 self.memory.put(entry.sha256, result)
                 return result
+            flight = claim.wait[0][1]
             await flight.done.wait()
             if flight.data is not None:
                 return flight.data
@@ -131,200 +88,100 @@ class ChunkFetcher:
                 raise flight.error
             # the fetch was abandoned (its owner was cancelled): start another
 
-    def takes_neighbours(self, entry: ChunkEntry) -> bool:
-        """A miss that :meth:`get` would fetch with the chunks after it: a chunk
-        smaller than ``miss_span`` that no one has or fetches (no I/O)."""
-        return entry.stored_length < self.miss_span and self.absent(entry.sha256)
-
-    def _miss_run(self, entry: ChunkEntry, after: Sequence[ChunkEntry]) -> list[ChunkEntry]:
-        """``entry`` and the chunks right after it in its pack, up to the first
-        one someone has or fetches, within ``miss_span`` stored bytes; just
-        ``entry`` if it is cached."""
-        if self.cache.contains(entry.sha256.hex()):
-            return [entry]
-        run, total, shas = [entry], entry.stored_length, {entry.sha256}
-        for nxt in after:
-            last = run[-1]
-            if (nxt.pack != entry.pack or nxt.pack_offset != last.pack_offset + last.stored_length
-                    or total + nxt.stored_length > self.miss_span or nxt.sha256 in shas
-                    or not self.absent(nxt.sha256)):
-                break
-            run.append(nxt)
-            total += nxt.stored_length
-            shas.add(nxt.sha256)
-        return run
-
-    async def _lead(self, entry: ChunkEntry) -> bytes:
-        """Fetch as the one owner of this chunk's flight. Waiters get the bytes or
-        a FetchError; any other end of the owner (cancellation) is only the owner's."""
-        flight = self._flights[entry.sha256] = _Flight()
-        try:
-            flight.data, fetched = await self._load(entry)
-            self.memory.put(entry.sha256, flight.data)
-            if fetched:
-                await self._write_behind(entry.sha256, flight.data)
-            return flight.data
-        except FetchError as exc:
-            flight.error = exc
-            raise
-        finally:
-            del self._flights[entry.sha256]
-            flight.done.set()
-
-    async def get_range(self, entry: ChunkEntry, lo: int, hi: int) -> Buffer:
+    async def get_range(self, entry: ChunkEntry, lo: int, hi: int,
+                        after: Sequence[ChunkEntry] = ()) -> Buffer:
         """Bytes ``[lo, hi)`` of one chunk. From memory or a flight if there;
         else, if the chunk is cached, only the cache file's blocks that hold
         them (a small random read: the chunk is not kept in memory); else the
         whole chunk, as :meth:`get`."""
         sha = entry.sha256
-        if self._only_in_cache(sha):
+        if self.states.state(sha) is ChunkState.CACHED:
             with trio.move_on_after(self.timeout):
                 part = await trio.to_thread.run_sync(self.cache.read_range, sha.hex(), lo, hi,
                                                      limiter=self.io_limit,
                                                      abandon_on_cancel=True)
                 if part is not None and len(part) == hi - lo:
                     return part
-        return memoryview(await self.get(entry))[lo:hi]
-
-    def warm(self, entry: ChunkEntry) -> None:
-        """Read a chunk that is in the cache into memory in the background (a
-        sequential reader's next chunk); never a store fetch for it."""
-        if self.nursery is not None and self._only_in_cache(entry.sha256):
-            self.nursery.start_soon(self._get_quietly, entry)
-
-    def _only_in_cache(self, sha: bytes) -> bool:
-        """The chunk is in the cache index and in neither memory, a flight nor
-        the pending writes (an index lookup, no I/O)."""
-        return (sha not in self.memory and sha not in self._flights
-                and sha not in self._unwritten and self.cache.contains(sha.hex()))
-
-    async def _get_quietly(self, entry: ChunkEntry) -> None:
-        """``get`` in the background: a failure is logged where it happened."""
-        try:
-            await self.get(entry)
-        except FetchError:
-            pass  # logged; the reader that wants it tries again
+        return memoryview(await self.get(entry, after))[lo:hi]
 
     def absent(self, sha: bytes) -> bool:
         """No one has or fetches the chunk (no I/O)."""
-        return sha not in self._flights and not self._have(sha)
+        return self.states.state(sha) is ChunkState.ABSENT
 
-    def fetch_ahead(self, entries: list[ChunkEntry]) -> None:
-        """Fetch from the store, in the background, the chunks a long sequential
-        stream reads next (runs of neighbours; kept in memory too); a failure
-        is only logged: the reader that wants the chunk tries again."""
-        if self.nursery is None:
-            return
-        for run in pack_runs(e for e in entries if self.absent(e.sha256)):
-            self.nursery.start_soon(self._fetch_ahead, run)
+    async def writes_done(self) -> None:
+        """Wait until every fetched chunk's cache file is written."""
+        await self.states.writes_done()
 
-    async def _fetch_ahead(self, run: list[ChunkEntry]) -> None:
-        if len(run) == 1:
-            await self._get_quietly(run[0])
-            return
-        with contextlib.suppress(FetchError):
-            await self._lead_run(run, keep=True)
-
-    async def fetch_all(self, entries: list[ChunkEntry], workers: int) -> None:
-        """Fetch every chunk not yet cached, in pack order, a run per range read,
-        with a bounded pool of workers (the eager ``--prefetch full``); raises
-        the first FetchError."""
-        wanted = sorted((e for e in self._unique(entries) if not self._have(e.sha256)),
-                        key=lambda e: e.location)
-        todo = pack_runs(wanted)
-        failed: list[FetchError] = []
-
-        async def worker() -> None:
-            for run in todo:
-                try:
-                    await self.get_run(run)
-                except FetchError as exc:
-                    failed.append(exc)
-                    nursery.cancel_scope.cancel()
-                    return
-
-        async with trio.open_nursery() as nursery:
-            for _ in range(workers):
-                nursery.start_soon(worker)
-        if failed:
-            raise failed[0]
-        await self.writes_done()
-
-    @staticmethod
-    def _unique(entries: list[ChunkEntry]) -> list[ChunkEntry]:
-        """The entries without repeats of a chunk (its first entry kept)."""
-        seen: set[bytes] = set()
-        unique = []
-        for entry in entries:
-            if entry.sha256 not in seen:
-                seen.add(entry.sha256)
-                unique.append(entry)
-        return unique
-
-    def _have(self, sha: bytes) -> bool:
-        """In memory, waiting for its cache file, or in the cache index (no I/O)."""
-        return (sha in self.memory or sha in self._unwritten
-                or self.cache.contains(sha.hex()))
+    # -- runs --------------------------------------------------------------
 
     async def get_run(self, run: list[ChunkEntry], background: bool = False) -> None:
         """Bring the chunks of a run (see ``pack_runs``) into the cache: one range
         read for those no one has or fetches yet, a wait for those in flight;
-        raises the first FetchError. A ``background`` run first waits until at
-        most ``QUIET`` readers' fetches go on: on a shared link its bytes would
-        queue ahead of theirs."""
-        if background:
-            while self._reader_fetches > QUIET:
-                await self._quiet.park()
-        mine: list[ChunkEntry] = []
-        theirs: list[ChunkEntry] = []
-        for entry in self._unique(run):
-            if entry.sha256 in self._flights:
-                theirs.append(entry)
-            elif not self._have(entry.sha256):
-                mine.append(entry)
-        for part in pack_runs(mine):
-            if len(part) == 1 and not background:
-                await self.get(part[0])
-                continue
-            results = await self._lead_run(part, for_reader=not background)
-            failed = next((r for r in results if isinstance(r, FetchError)), None)
-            if failed is not None:
-                raise failed
-        for entry in theirs:
-            await self.get(entry)
+        raises the first FetchError. A ``background`` run's reads are not
+        counted as readers' (see :meth:`quiet`)."""
+        claim = self.states.claim(run, cached=False)
+        await self.lead(claim, keep=False, for_reader=not background, split=True)
+        for entry, flight in claim.wait:
+            await flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
+            if flight.data is None:  # abandoned by its owner
+                await self.get(entry)
 
-    async def _lead_run(self, run: list[ChunkEntry], keep: bool = False,
-                        for_reader: bool = True) -> list[bytes | FetchError]:
-        """Fetch a run as the owner of each of its chunks' flights; each chunk's
-        bytes or FetchError (raises FetchError if the read itself failed). The
-        bytes go to the cache, and to memory only if ``keep`` (a prefetch must
-        not push out what readers use). Waiters get their chunk's bytes or its
-        FetchError."""
-        flights = [_Flight() for _ in run]
-        for entry, flight in zip(run, flights, strict=True):
-            self._flights[entry.sha256] = flight
+    async def lead(self, claim: Claim, *, keep: bool, for_reader: bool = True,
+                   split: bool = False) -> list[bytes | FetchError]:
+        """Fetch the chunks the claim leads and end their flights: each chunk's
+        bytes or FetchError (raises FetchError if a read itself failed). One
+        chunk a reader wants is read from the cache or the store; several with
+        one range read (``split``: cut into runs of neighbours first, a lone
+        one read as a reader's and kept in memory; the first failure ends it,
+        its later runs abandoned). Fetched bytes go to the cache, and to
+        memory only if ``keep`` (a prefetch must not push out what readers use)."""
         try:
-            results = await self._load_run(run, for_reader)
-            for flight, result in zip(flights, results, strict=True):
-                if isinstance(result, FetchError):
-                    flight.error = result
-                else:
-                    flight.data = result
-            for entry, flight in zip(run, flights, strict=True):
-                if flight.data is not None:
-                    if keep:
-                        self.memory.put(entry.sha256, flight.data)
-                    await self._write_behind(entry.sha256, flight.data)
+            if not split:
+                return await self._lead_part(claim.lead, claim.flights, keep, for_reader)
+            flights = dict(zip((e.sha256 for e in claim.lead), claim.flights, strict=True))
+            results: list[bytes | FetchError] = []
+            for part in pack_runs(claim.lead):
+                lone = len(part) == 1 and for_reader
+                done = await self._lead_part(part, [flights[e.sha256] for e in part],
+                                             keep or lone, for_reader)
+                failed = next((r for r in done if isinstance(r, FetchError)), None)
+                if failed is not None:
+                    raise failed
+                results += done
             return results
+        finally:
+            self.states.release(claim)
+
+    async def _lead_part(self, part: list[ChunkEntry], flights: list[Flight],
+                         keep: bool, for_reader: bool) -> list[bytes | FetchError]:
+        """Load ``part`` (claimed by the caller) and settle its flights: each
+        gets its bytes or FetchError, all of them the error of a failed read."""
+        try:
+            if len(part) == 1 and for_reader:
+                data, fetched = await self._load(part[0])
+                results: list[bytes | FetchError] = [data]
+            else:
+                results, fetched = await self._load_run(part, for_reader), True
         except FetchError as exc:
             for flight in flights:
-                if flight.data is None and flight.error is None:
-                    flight.error = exc
+                flight.error = exc
             raise
-        finally:
-            for entry, flight in zip(run, flights, strict=True):
-                del self._flights[entry.sha256]
-                flight.done.set()
+        for flight, result in zip(flights, results, strict=True):
+            if isinstance(result, FetchError):
+                flight.error = result
+            else:
+                flight.data = result
+        for entry, result in zip(part, results, strict=True):
+            if isinstance(result, bytes):
+                if keep:
+                    self.memory.put(entry.sha256, result)
+                if fetched:
+                    await self.states.write_behind(entry.sha256, result, self.nursery)
+        return results
+
+    # -- the store and the cache --------------------------------------------
 
     async def _load_run(self, run: list[ChunkEntry],
                         for_reader: bool = True) -> list[bytes | FetchError]:
@@ -365,6 +222,11 @@ class ChunkFetcher:
             self._reader_fetches -= for_reader
             if self._reader_fetches <= QUIET:
                 self._quiet.unpark_all()
+
+    async def quiet(self) -> None:
+        """Wait until at most ``QUIET`` readers' store reads go on."""
+        while self._reader_fetches > QUIET:
+            await self._quiet.park()
 
     @staticmethod
     def _failed_chunk(entry: ChunkEntry, exc: IntegrityError) -> FetchError:
@@ -409,50 +271,22 @@ class ChunkFetcher:
         self.cache.note_fetched(len(data))
         return data
 
-    async def _write_behind(self, sha: bytes, data: bytes) -> None:
-        """Write the cache file after the readers have their bytes (they stay
-        readable from ``_unwritten`` meanwhile); with too many writes pending, or
-        no nursery to run them in, the fetch waits for its own write."""
-        if self.nursery is None or len(self._unwritten) >= MAX_UNWRITTEN:
-            await self._write(sha, data)
-            return
-        self._unwritten[sha] = data
-        self.nursery.start_soon(self._write, sha, data)
+    # -- the prefetch policies (layerfs/node/prefetch.py) --------------------
 
-    async def _write(self, sha: bytes, data: bytes) -> None:
-        try:
-            await trio.to_thread.run_sync(self.cache.write, sha.hex(), data,
-                                          limiter=self.io_limit)
-        except OSError as exc:  # the bytes were served; only the cache copy is lost
-            log.warning("cannot write cache file for chunk %s: %s", sha.hex()[:16], exc)
-        finally:
-            self._unwritten.pop(sha, None)
-            if not self._unwritten:
-                self._written.unpark_all()
+    def takes_neighbours(self, entry: ChunkEntry) -> bool:
+        return self.policy.takes_neighbours(entry)
 
-    async def writes_done(self) -> None:
-        """Wait until every fetched chunk's cache file is written."""
-        while self._unwritten:
-            await self._written.park()
+    def warm(self, entry: ChunkEntry) -> None:
+        self.policy.warm(entry)
+
+    def fetch_ahead(self, entries: list[ChunkEntry]) -> None:
+        self.policy.fetch_ahead(entries)
+
+    async def fetch_all(self, entries: list[ChunkEntry], workers: int) -> None:
+        await self.policy.fetch_all(entries, workers)
 
     async def prefetch(self, entries: list[ChunkEntry], workers: int = 1) -> None:
-        """Fetch chunks in the background at low priority, in order, with up to
-        ``workers`` at a time (all prefetches share ``background_limit``); a
-        worker stops at its first error, which is only logged."""
-        todo = pack_runs((e for e in entries if self.absent(e.sha256)), span=BACKGROUND_SPAN)
-
-        async def worker() -> None:
-            for run in todo:
-                async with self.background_limit:
-                    try:
-                        await self.get_run(run, background=True)
-                    except FetchError:
-                        return
-
-        async with trio.open_nursery() as nursery:
-            for _ in range(workers):
-                nursery.start_soon(worker)
+        await self.policy.prefetch(entries, workers)
 
     def spawn_prefetch(self, entries: list[ChunkEntry], workers: int = 1) -> None:
-        if self.nursery is not None and entries:
-            self.nursery.start_soon(self.prefetch, entries, workers)
+        self.policy.spawn_prefetch(entries, workers)

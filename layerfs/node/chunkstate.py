@@ -1,0 +1,174 @@
+"""Where each chunk is on the node, and the one fetch of each chunk in flight.
+
+``ChunkStates`` alone owns the four places a chunk can be — absent, in flight
+(a fetch owns it), in memory (the LRU, or fetched and waiting for its cache
+file) or in the cache — and the flights. A fetch starts with ``claim``: one
+synchronous step, before any ``await``, that makes the caller the owner of
+the flights of the chunks no one has or fetches and names the flights of the
+chunks others fetch, so two fetches of one chunk can never start (the state
+diagram and the rule for each ``await``: docs/node.md). Trio-thread only.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import trio
+
+from ..cache.chunkcache import ChunkCache
+from ..errors import LayerfsError
+from ..formats.chunktable import ChunkEntry
+
+log = logging.getLogger(__name__)
+MAX_UNWRITTEN = 64  # fetched chunks whose cache files may be pending at once
+
+
+class FetchError(LayerfsError):
+    """cannot read {}: {}"""
+
+    exit_code = 8
+
+
+class ChunkState(enum.Enum):
+    ABSENT = "absent"  # no one has or fetches it
+    IN_FLIGHT = "in flight"  # a fetch owns it; readers wait on its flight
+    IN_MEMORY = "in memory"  # in the LRU, or fetched and its cache file pending
+    CACHED = "cached"  # only in the cache index (reading it is disk I/O)
+
+
+@dataclass(eq=False)
+class Flight:
+    """The one fetch of a chunk: its waiters get ``data`` or ``error`` once
+    ``done`` is set; neither means the owner was cancelled (try again)."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    data: bytes | None = None
+    error: FetchError | None = None
+
+
+@dataclass
+class Claim:
+    """What ``ChunkStates.claim`` gave a caller: the chunks it now leads (one
+    flight each, same order) and the flights of the chunks others fetch."""
+
+    lead: list[ChunkEntry]
+    flights: list[Flight]
+    wait: list[tuple[ChunkEntry, Flight]]
+
+
+class MemoryChunks:
+    """A small LRU of recently used chunks, so the kernel's 128 KiB reads of
+    one chunk do not each reread and recheck its cache file. Trio-thread only."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self._items: OrderedDict[bytes, bytes] = OrderedDict()
+
+    def get(self, sha: bytes) -> bytes | None:
+        data = self._items.get(sha)
+        if data is not None:
+            self._items.move_to_end(sha)
+        return data
+
+    def __contains__(self, sha: bytes) -> bool:
+        return sha in self._items
+
+    def put(self, sha: bytes, data: bytes) -> None:
+        if sha in self._items or len(data) > self.limit:
+            return
+        self._items[sha] = data
+        self.size += len(data)
+        while self.size > self.limit:
+            _, old = self._items.popitem(last=False)
+            self.size -= len(old)
+
+
+class ChunkStates:
+    """The chunks' states, their flights and the pending cache writes."""
+
+    def __init__(self, cache: ChunkCache, memory: int, io_limit: trio.CapacityLimiter) -> None:
+        self.cache = cache
+        self.io_limit = io_limit
+        self.memory = MemoryChunks(memory)
+        self._flights: dict[bytes, Flight] = {}
+        self._unwritten: dict[bytes, bytes] = {}  # fetched, cache file not written yet
+        self._written = trio.lowlevel.ParkingLot()  # woken when _unwritten empties
+
+    def held(self, sha: bytes) -> bytes | None:
+        """The chunk's bytes if they are in memory (no I/O)."""
+        data = self.memory.get(sha)
+        return self._unwritten.get(sha) if data is None else data
+
+    def state(self, sha: bytes) -> ChunkState:
+        """Where the chunk is now (an index lookup at most, no I/O)."""
+        if sha in self.memory or sha in self._unwritten:
+            return ChunkState.IN_MEMORY
+        if sha in self._flights:
+            return ChunkState.IN_FLIGHT
+        if self.cache.contains(sha.hex()):
+            return ChunkState.CACHED
+        return ChunkState.ABSENT
+
+    def claim(self, entries: Iterable[ChunkEntry], *, cached: bool) -> Claim:
+        """Lead every chunk of ``entries`` that is absent (and, with
+        ``cached``, every one only in the cache); wait for those in flight;
+        skip the rest. Synchronous: the state seen is the state claimed. The
+        caller must end its flights with ``release`` (in a ``finally``)."""
+        lead: list[ChunkEntry] = []
+        flights: list[Flight] = []
+        wait: list[tuple[ChunkEntry, Flight]] = []
+        seen: set[bytes] = set()
+        for entry in entries:
+            sha = entry.sha256
+            if sha in seen:
+                continue
+            seen.add(sha)
+            state = self.state(sha)
+            if state is ChunkState.IN_FLIGHT:
+                wait.append((entry, self._flights[sha]))
+            elif state is ChunkState.ABSENT or (cached and state is ChunkState.CACHED):
+                flight = self._flights[sha] = Flight()
+                lead.append(entry)
+                flights.append(flight)
+        return Claim(lead, flights, wait)
+
+    def release(self, claim: Claim, error: FetchError | None = None) -> None:
+        """End the claim's flights: those without bytes or an error get
+        ``error`` (None: abandoned, a waiter fetches again); wake the waiters."""
+        for entry, flight in zip(claim.lead, claim.flights, strict=True):
+            if flight.data is None and flight.error is None:
+                flight.error = error
+            if self._flights.get(entry.sha256) is flight:
+                del self._flights[entry.sha256]
+            flight.done.set()
+
+    async def write_behind(self, sha: bytes, data: bytes, nursery: trio.Nursery | None) -> None:
+        """Write the cache file after the readers have their bytes (they stay
+        readable from memory meanwhile); with too many writes pending, or no
+        nursery to run them in, wait for this write."""
+        if nursery is None or len(self._unwritten) >= MAX_UNWRITTEN:
+            await self._write(sha, data)
+            return
+        self._unwritten[sha] = data
+        nursery.start_soon(self._write, sha, data)
+
+    async def _write(self, sha: bytes, data: bytes) -> None:
+        try:
+            await trio.to_thread.run_sync(self.cache.write, sha.hex(), data,
+                                          limiter=self.io_limit)
+        except OSError as exc:  # the bytes were served; only the cache copy is lost
+            log.warning("cannot write cache file for chunk %s: %s", sha.hex()[:16], exc)
+        finally:
+            self._unwritten.pop(sha, None)
+            if not self._unwritten:
+                self._written.unpark_all()
+
+    async def writes_done(self) -> None:
+        """Wait until every fetched chunk's cache file is written."""
+        while self._unwritten:
+            await self._written.park()
