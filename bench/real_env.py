@@ -412,8 +412,8 @@ def main() -> None:
         "method": (
             "Fresh daemon ROOT per run, page cache dropped before `up`; cold start = the `up` "
             "control call (lazy: prefetch none; eager: prefetch full, every chunk of the env "
-            "before it returns) + `layerfs run ID -- sh -c CMD` (new mount and pid namespaces, "
-            "chroot into the sandbox rootfs). bytes_fetched: daemon cache.bytes_fetched "
+            "before it returns) + `layerfs run ID -- sh -c CMD` (an OCI container through runc "
+            "on the sandbox rootfs). bytes_fetched: daemon cache.bytes_fetched "
             "(uncompressed chunk bytes); fraction: of the env's data blobs (files stored inline "
             "in the meta images are not in the blobs; meta images are fetched whole at `up` in "
             "both modes). warm: the test again on the same node after the lazy run, page cache "
