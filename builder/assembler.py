@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import IO
 
 from layerfs.errors import SourceError, UnsupportedEntry
@@ -24,6 +23,7 @@ from layerfs.formats.erofs import (
     max_inline_file,
     xattr_entry,
 )
+from layerfs.manifest import TreeCounts
 from layerfs.tree import FileTree, FsNode
 
 from .pipeline import ChunkPipeline
@@ -35,18 +35,6 @@ MAX_FILE_SIZE = 2**44  # a blob addresses 2^32 blocks of 4 KiB
 
 def display(parts: list[bytes]) -> str:
     return "/" + b"/".join(parts).decode(errors="replace")
-
-
-@dataclass
-class TreeCounts:
-    """What the assembler counted; the tree half of a layer's :class:`LayerStats`."""
-
-    files: int = 0
-    dirs: int = 0
-    symlinks: int = 0
-    others: int = 0
-    file_bytes: int = 0  # logical bytes of regular files
-    inline_bytes: int = 0  # bytes of small files kept in the meta image
 
 
 class LayerAssembler:

@@ -28,6 +28,7 @@ import zstandard
 
 from layerfs.errors import BlobVanished
 from layerfs.formats.chunktable import FILE_START, RAW, ZSTD, ChunkEntry, ChunkTable
+from layerfs.manifest import ChunkStats
 from layerfs.store.base import Store, sha256_digest
 from layerfs.tree import HOLE
 
@@ -76,20 +77,6 @@ class _NewLocation:
     pack_offset: int
     stored_length: int
     compression: int
-
-
-@dataclass
-class ChunkStats:
-    """What the pipeline counted; the chunk half of a layer's :class:`LayerStats`."""
-
-    chunks: int = 0  # chunk slots of all files (incl. holes and repeats)
-    unique_chunks: int = 0
-    holes: int = 0
-    blob_bytes: int = 0  # logical data blob size
-    stored_bytes: int = 0  # compressed bytes of the chunks this layer references
-    uploaded_bytes: int = 0  # bytes of packs this push wrote
-    uploaded_packs: int = 0
-    reused_chunks: int = 0  # chunks found already in the store
 
 
 @dataclass

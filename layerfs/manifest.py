@@ -59,13 +59,21 @@ class MetaRef:
 
 
 @dataclass
-class LayerStats:
+class TreeCounts:
+    """What the assembler counts: the tree half of a layer's :class:`LayerStats`."""
+
     files: int = 0
     dirs: int = 0
     symlinks: int = 0
     others: int = 0
     file_bytes: int = 0  # logical bytes of regular files
     inline_bytes: int = 0  # bytes of small files kept in the meta image
+
+
+@dataclass
+class ChunkStats:
+    """What the pipeline counts: the chunk half of a layer's :class:`LayerStats`."""
+
     chunks: int = 0  # chunk slots of all files (incl. holes and repeats)
     unique_chunks: int = 0
     holes: int = 0
@@ -74,6 +82,11 @@ class LayerStats:
     uploaded_bytes: int = 0  # bytes of packs this push wrote
     uploaded_packs: int = 0
     reused_chunks: int = 0  # chunks found already in the store
+
+
+@dataclass
+class LayerStats(TreeCounts, ChunkStats):
+    """A layer's counts as its manifest records them: both halves."""
 
 
 @dataclass
