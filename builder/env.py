@@ -48,5 +48,9 @@ def create_env(store: Store, name: str, version: str, layer_refs: list[str],
             raise VersionExists(ref)
         return EnvResult(ref, existing, old, published=False)
     digest, _ = store.put_blob(manifest.to_bytes())
-    reg.publish(ENVS, name, version, digest)
+    key = manifest.content_key()
+    if not reg.publish(ENVS, name, version, digest,
+                       same=lambda other: reg.env(other).content_key() == key):
+        winner = reg.read_ref(ENVS, name, version) or digest  # a concurrent create won
+        return EnvResult(ref, winner, reg.env(winner), published=False)
     return EnvResult(ref, digest, manifest, published=True)

@@ -5,7 +5,10 @@ blob the push reused (and did not write) survived a concurrent gc.
 
 A version is immutable. If ``name@version`` already exists, the source is
 built again without uploading anything and compared: the same content is a
-success that writes nothing, other content is :class:`VersionExists`.
+success that writes nothing, other content is :class:`VersionExists`. Content
+is :class:`~layerfs.manifest.LayerIdentity`, not the manifest's bytes (which
+hold the creation time and upload counts), so two builds of one source racing
+to publish both succeed: the one that loses finds the other's layer.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from layerfs.manifest import (
     CHUNK_SIZE_RULE,
     ROLES,
     BlobRef,
+    LayerIdentity,
     LayerManifest,
     LayerStats,
     MetaRef,
+    table_content,
     valid_chunk_size,
 )
 from layerfs.names import check_name, check_version
@@ -131,10 +136,10 @@ def build_layer(reg: Registry, src: str, opts: BuildOptions,
         raise SourceError(src, str(exc)) from None
     table = result.table.to_bytes()
     ref = f"{opts.name}@{opts.version}"
+    identity = LayerIdentity("erofs", opts.role, opts.chunk_size, result.table.blob_size,
+                             sha256_digest(meta), len(meta), table_content(result.table))
     if existing is not None and old is not None:
-        same = (sha256_digest(meta) == old[0].meta.raw_digest
-                and result.table.content_key() == old[1].content_key())
-        if not same:
+        if old[0].identity(old[1]) != identity:
             raise VersionExists(ref)
         return BuildResult(ref, existing, old[0], published=False)
 
@@ -153,17 +158,34 @@ def build_layer(reg: Registry, src: str, opts: BuildOptions,
     manifest_bytes = manifest.to_bytes()
     digest, _ = store.put_blob(manifest_bytes)
     held = {table_digest: table, meta_digest: packed_meta, digest: manifest_bytes}
-    publish_verified(reg, opts.name, opts.version, digest, result.reused, held)
+    named = publish_verified(reg, opts.name, opts.version, digest, result.reused, held,
+                             same=lambda other: _same_layer(reg, other, identity))
+    if named != digest:  # a concurrent build of the same source published first
+        return BuildResult(ref, named, reg.layer(named), published=False)
     return BuildResult(ref, digest, manifest, published=True)
 
 
+def _same_layer(reg: Registry, digest: str, identity: LayerIdentity) -> bool:
+    """Whether the layer manifest at ``digest`` has this content."""
+    manifest = reg.layer(digest)
+    return manifest.identity(reg.chunk_table(manifest)) == identity
+
+
 def publish_verified(reg: Registry, name: str, version: str, digest: str,
-                     reused: set[str], held: dict[str, bytes]) -> None:
+                     reused: set[str], held: dict[str, bytes],
+                     same: Callable[[str], bool] | None = None) -> str:
     """Write the layer ref, then check that the blobs a concurrent gc could have
     taken meanwhile are still there: the packs this push reused and the blobs
     it holds (``held``: digest → bytes; written again if gone). A reused pack
-    that is gone takes the ref back (if this call wrote it) and fails the push."""
-    created = reg.publish(LAYERS, name, version, digest)
+    that is gone takes the ref back (if this call wrote it) and fails the push.
+    Returns the digest the ref names: ``digest``, or the manifest of another
+    push that got there first and that ``same`` (given its digest) accepts;
+    that push checks its own blobs."""
+    created = reg.publish(LAYERS, name, version, digest, same)
+    if not created:
+        winner = reg.read_ref(LAYERS, name, version)
+        if winner is not None and winner != digest:
+            return winner
     digests = sorted(reused | held.keys())
     with ThreadPoolExecutor(VERIFY_WORKERS, thread_name_prefix="verify") as pool:
         present = list(pool.map(lambda d: reg.store.exists(blob_key(d)), digests))
@@ -176,6 +198,7 @@ def publish_verified(reg: Registry, name: str, version: str, digest: str,
         if created:
             reg.store.delete(ref_key(LAYERS, name, version))
         raise BlobVanished(f"pack {lost[0]}", f"{name}@{version} was published")
+    return digest
 
 
 def _dedup_index(reg: Registry, opts: BuildOptions, existing: str | None):

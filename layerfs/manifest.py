@@ -13,6 +13,7 @@ fields included, is one :class:`IntegrityError` naming the field.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import types
 import typing
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import IntegrityError, InvalidName, InvalidReference
+from .formats.chunktable import ChunkTable
 from .names import DIGEST_RE, Ref, check_name, check_version
 
 SCHEMA = 1
@@ -89,6 +91,30 @@ class LayerStats(TreeCounts, ChunkStats):
     """A layer's counts as its manifest records them: both halves."""
 
 
+@dataclass(frozen=True)
+class LayerIdentity:
+    """A layer's content, the part of its manifest that two builds of one source
+    share: the EROFS image, the blob's chunks (where each lies in the blob and
+    its sha256, not which pack holds it) and how the layer is used. Not part of
+    it: the creation time, upload statistics, dedup sources and provenance."""
+
+    kind: str
+    role: str
+    chunk_size: int
+    blob_size: int
+    meta_raw_digest: str
+    meta_raw_size: int
+    table_content: str  # sha256 of the chunk table's content key
+
+
+def table_content(table: ChunkTable) -> str:
+    """sha256 over what the blob holds (:meth:`ChunkTable.content_key`)."""
+    h = hashlib.sha256()
+    for offset, length, sha in table.content_key():
+        h.update(offset.to_bytes(8, "little") + length.to_bytes(8, "little") + sha)
+    return "sha256:" + h.hexdigest()
+
+
 @dataclass
 class LayerManifest:
     name: str
@@ -107,6 +133,11 @@ class LayerManifest:
 
     def to_bytes(self) -> bytes:
         return canonical_json(asdict(self))
+
+    def identity(self, table: ChunkTable) -> LayerIdentity:
+        """What decides that two builds made the same layer (``table``: its chunk table)."""
+        return LayerIdentity(self.kind, self.role, self.chunk_size, self.blob_size,
+                             self.meta.raw_digest, self.meta.raw_size, table_content(table))
 
     @classmethod
     def from_bytes(cls, data: bytes, digest: str = "") -> LayerManifest:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zstandard
@@ -108,12 +109,16 @@ class Registry:
         self.check_binding(kind, ref.name, ref.version, digest)
         return digest
 
-    def publish(self, kind: str, name: str, version: str, digest: str) -> bool:
-        """Write the ref once; True if written now, False if it already said this."""
+    def publish(self, kind: str, name: str, version: str, digest: str,
+                same: Callable[[str], bool] | None = None) -> bool:
+        """Write the ref once; True if written now, False if it already names this
+        manifest or one that ``same`` (given its digest) finds of the same content,
+        as a concurrent build of the same source makes."""
         key = ref_key(kind, name, version)
         if self.store.put_if_absent(key, digest.encode() + b"\n"):
             return True
-        if self.read_ref(kind, name, version) != digest:
+        winner = self.read_ref(kind, name, version)
+        if winner != digest and (winner is None or same is None or not same(winner)):
             raise VersionExists(f"{name}@{version}")
         return False
 
