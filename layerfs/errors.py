@@ -96,13 +96,13 @@ class RefNotFound(LayerfsError):
 class IntegrityError(LayerfsError):
     """integrity check failed for {}: {}"""
 
-    exit_code = 6
+    exit_code = 6  # corrupt data: a digest mismatch, a malformed object
 
 
 class StoreError(LayerfsError):
     """store error: {}"""
 
-    exit_code = 7
+    exit_code = 7  # and the base of the five kinds below
 
 
 class ObjectNotFound(StoreError):
@@ -114,13 +114,7 @@ class ObjectNotFound(StoreError):
 class AccessDenied(StoreError):
     """access denied by store: {}"""
 
-    exit_code = 7
-
-
-class StoreUnreachable(StoreError):
-    """store unreachable: {}"""
-
-    exit_code = 8
+    exit_code = 12
 
 
 class BlobVanished(StoreError):
@@ -132,7 +126,19 @@ class BlobVanished(StoreError):
 class TransientStoreError(StoreError):
     """transient store error: {}"""
 
-    exit_code = 8
+    exit_code = 8  # what the store's retries retry: the two kinds below
+
+
+class StoreUnreachable(TransientStoreError):
+    """store unreachable: {}"""
+
+    exit_code = 8  # no connection, or no answer in time
+
+
+class ObjectUnavailable(TransientStoreError):
+    """object unavailable (the store answers but cannot serve it now): {}"""
+
+    exit_code = 11  # a 5xx or throttling reply, EIO: a lost volume, an overloaded server
 
 
 class RegistryError(LayerfsError):
@@ -157,6 +163,14 @@ class RefMismatch(IntegrityError):
     """integrity check failed for {} ref {}: it points at a manifest of {}"""
 
     exit_code = 6
+
+
+class VerifyFailed(LayerfsError):
+    """verify {}: {}"""
+
+    def __init__(self, refs: str, summary: str, exit_code: int) -> None:
+        super().__init__(refs, summary)
+        self.exit_code = exit_code  # that of the worst kind of object found
 
 
 class BadMetaImage(IntegrityError):

@@ -87,7 +87,7 @@ def test_verify_finds_a_corrupt_chunk(tmp_path, store, store_args):
     store.put(blob_key(pack), bytes(data))
     proc = layerfs("verify", "c@1", *store_args, check=False)
     assert "1 bad" in proc.stdout
-    assert one_line_error(proc, 6).endswith("1 bad objects")
+    assert one_line_error(proc, 6).endswith("verify c@1: 1 bad objects (1 corrupt)")
 
 
 @pytest.mark.parametrize("args,code,words", [

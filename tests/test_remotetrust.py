@@ -258,8 +258,8 @@ def test_verify_refuses_a_meta_image_with_a_chunk_outside_the_blob(store, store_
     republish_with_meta(store, a, chunk_past_blob(store, a), "bad@1")
     proc = layerfs("verify", "bad@1", *store_args, check=False)
     assert proc.returncode == 6 and "outside the blob" in proc.stdout, proc.stdout
-    assert proc.stderr.strip().splitlines() == ["layerfs: error: integrity check failed for "
-                                                "bad@1: 1 bad objects"], proc.stderr
+    assert proc.stderr.strip().splitlines() == ["layerfs: error: verify bad@1: 1 bad objects "
+                                                "(1 corrupt)"], proc.stderr
 
 
 # -- the daemon --

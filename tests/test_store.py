@@ -19,6 +19,7 @@ from layerfs.errors import (
     AccessDenied,
     IntegrityError,
     ObjectNotFound,
+    ObjectUnavailable,
     StoreError,
     StoreUnreachable,
     TransientStoreError,
@@ -384,14 +385,15 @@ ERROR_MAP: list[tuple[Exception, type[StoreError]]] = [
     (client_error("AccessDenied", 403), AccessDenied),
     (client_error("InvalidAccessKeyId", 403), AccessDenied),
     (client_error("SignatureDoesNotMatch", 403), AccessDenied),
-    (client_error("SlowDown", 503), TransientStoreError),
-    (client_error("InternalError", 500), TransientStoreError),
-    (client_error("RequestTimeout", 400), TransientStoreError),
+    (client_error("SlowDown", 503), ObjectUnavailable),
+    (client_error("InternalError", 500), ObjectUnavailable),
+    (client_error("RequestTimeout", 400), ObjectUnavailable),
     (client_error("InvalidArgument", 400), StoreError),
     (bx.EndpointConnectionError(endpoint_url="http://h"), StoreUnreachable),
     (bx.ConnectTimeoutError(endpoint_url="http://h"), StoreUnreachable),
     (bx.ConnectionClosedError(endpoint_url="http://h"), StoreUnreachable),
-    (bx.ReadTimeoutError(endpoint_url="http://h"), TransientStoreError),
+    (bx.ReadTimeoutError(endpoint_url="http://h"), StoreUnreachable),
+    (bx.IncompleteReadError(actual_bytes=1, expected_bytes=2), ObjectUnavailable),
     (bx.NoCredentialsError(), AccessDenied),
 ]
 
@@ -413,8 +415,8 @@ RANGE_ERRORS: list[tuple[Reply, type[Exception] | None]] = [
     (Reply(404, "NoSuchKey"), Missing),
     (Reply(404, "NoSuchBucket"), Missing),
     (Reply(403, "AccessDenied"), AccessDenied),
-    (Reply(503, "SlowDown"), TransientStoreError),
-    (Reply(500), TransientStoreError),
+    (Reply(503, "SlowDown"), ObjectUnavailable),
+    (Reply(500), ObjectUnavailable),
     (Reply(301, "PermanentRedirect"), Unsupported),
     (Reply(400, "AuthorizationQueryParametersError"), Unsupported),
     (Reply(400, "InvalidArgument"), StoreError),
@@ -548,14 +550,14 @@ class FakeStore(Store):
         raise NotImplementedError
 
 
-@pytest.mark.parametrize("error", [TransientStoreError, StoreUnreachable])
+@pytest.mark.parametrize("error", [TransientStoreError, StoreUnreachable, ObjectUnavailable])
 def test_retry_recovers(error: type[StoreError]) -> None:
     store = FakeStore(failures=2, error=error)
     assert store.get("k") == b"ok"
     assert store.calls == 3
 
 
-@pytest.mark.parametrize("error", [TransientStoreError, StoreUnreachable])
+@pytest.mark.parametrize("error", [TransientStoreError, StoreUnreachable, ObjectUnavailable])
 def test_retry_gives_up_after_attempts(error: type[StoreError]) -> None:
     store = FakeStore(failures=10**6, error=error, attempts=4)
     with pytest.raises(error, match="failure 4"):

@@ -5,16 +5,35 @@ gives up within its deadline when the store stops answering."""
 
 from __future__ import annotations
 
+import http.server
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+import trio
+from conftest import TEST_BUCKET
 from faultstore import Fault, FaultStore
+from s3server import DUMMY_AWS_ENV, free_ports
 from support import build
 from test_builder import write_tree
+from test_cli import layerfs
 
 from layerfs.builder.env import create_env
-from layerfs.errors import VersionExists
+from layerfs.cache.chunkcache import ChunkCache
+from layerfs.errors import (
+    AccessDenied,
+    IntegrityError,
+    ObjectNotFound,
+    ObjectUnavailable,
+    StoreUnreachable,
+    VersionExists,
+)
+from layerfs.node.control import exit_code_of
+from layerfs.node.fetcher import ChunkFetcher, FetchError
 from layerfs.registry import ENVS, LAYERS, Registry
+from layerfs.store.base import blob_key
+from layerfs.store.file import FileStore
+from layerfs.verify import EXIT_CODES, Found, verify_layer, worst
 
 # ------------------------------------------------ identical builds at once
 
@@ -66,3 +85,143 @@ def test_identical_env_creates_at_once_both_succeed(tmp_path, store):
         results = list(pool.map(lambda _: create_env(faulty, "e", "1", ["base@1"]), range(2)))
     assert sorted(r.published for r in results) == [False, True]
     assert {r.digest for r in results} == {Registry(store).resolve(ENVS, "e@1")}
+
+
+# ------------------------------------------------ one error class per kind of failure
+
+
+def built_layer(tmp_path, store, files: int = 12):
+    """A layer t@1 with several packs; its registry and chunk table."""
+    write_tree(tmp_path / "src", 3, files=files)
+    result = build(store, str(tmp_path / "src"), chunk_size=16384, pack_size=65536)
+    reg = Registry(store)
+    return reg, result, reg.chunk_table(result.manifest)
+
+
+def test_store_errors_have_their_own_classes_and_codes():
+    kinds = [ObjectNotFound, ObjectUnavailable, StoreUnreachable, AccessDenied, IntegrityError]
+    assert len({k.exit_code for k in kinds}) == len(kinds)
+    messages = {k: k("x", "y").message() for k in kinds}
+    assert messages[ObjectUnavailable].startswith("object unavailable")
+    assert messages[StoreUnreachable].startswith("store unreachable")
+    assert messages[AccessDenied].startswith("access denied")
+
+
+def test_verify_lists_what_it_found_per_object(tmp_path, store):
+    reg, result, table = built_layer(tmp_path, store)
+    packs = sorted(table.packs())
+    assert len(packs) >= 4
+    unavailable, missing, corrupt = packs[0], packs[1], packs[2]
+    faulty = FaultStore(store)
+    faulty.inject(Fault("get", blob_key(unavailable)[-64:],
+                        error=lambda key: ObjectUnavailable(f"get {key}: InternalError")))
+    store.delete(blob_key(missing))
+    entry = next(e for e in table.entries if e.pack == corrupt)
+    data = bytearray(store.get(blob_key(corrupt)))
+    data[entry.pack_offset] ^= 0xFF
+    store.put(blob_key(corrupt), bytes(data))
+
+    report = verify_layer(Registry(faulty), result.digest)
+    found = {o.digest: o.found for o in report.objects if o.what == "pack"}
+    assert found[unavailable] is Found.UNAVAILABLE
+    assert found[missing] is Found.MISSING
+    assert found[corrupt] is Found.CORRUPT
+    assert {found[p] for p in packs[3:]} == {Found.OK}
+    assert [o.found for o in report.objects if o.what != "pack"] == [Found.OK, Found.OK]
+    assert report.found is Found.CORRUPT  # the worst
+    assert EXIT_CODES[worst([Found.UNAVAILABLE, Found.MISSING])] == ObjectNotFound.exit_code
+
+
+def test_verify_exit_code_is_the_worst_object(tmp_path, store, store_args):
+    _, _, table = built_layer(tmp_path, store)
+    missing = sorted(table.packs())[0]
+    store.delete(blob_key(missing))
+    proc = layerfs("verify", "t@1", *store_args, check=False)
+    assert proc.returncode == ObjectNotFound.exit_code, proc.stderr
+    assert f"  missing     pack {missing}" in proc.stdout
+    assert proc.stdout.count("  ok          pack ") == len(table.packs()) - 1
+    assert proc.stderr == "layerfs: error: verify t@1: 1 bad objects (1 missing)\n"
+
+
+class UnavailableS3(http.server.BaseHTTPRequestHandler):
+    """An S3 endpoint that answers every request 503 ServiceUnavailable."""
+
+    def _unavailable(self) -> None:
+        body = b"<Error><Code>ServiceUnavailable</Code><Message>volume lost</Message></Error>"
+        self.send_response(503)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _unavailable
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def unavailable_endpoint():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), UnavailableS3)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def cli_error(proc) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("layerfs: error: "), proc.stderr
+    return lines[0]
+
+
+def test_cli_unavailable_store_is_its_own_exit(unavailable_endpoint, monkeypatch):
+    for name, value in DUMMY_AWS_ENV.items():
+        monkeypatch.setenv(name, value)
+    proc = layerfs("ls", "--store", "s3://bkt/p", "--s3-endpoint", unavailable_endpoint,
+                   check=False)
+    assert proc.returncode == ObjectUnavailable.exit_code
+    assert "object unavailable" in cli_error(proc) and "ServiceUnavailable" in proc.stderr
+
+
+def test_cli_unreachable_store_is_its_own_exit(monkeypatch):
+    for name, value in DUMMY_AWS_ENV.items():
+        monkeypatch.setenv(name, value)
+    endpoint = f"http://127.0.0.1:{free_ports(1)[0]}"  # a stopped server: nothing listens
+    proc = layerfs("ls", "--store", "s3://bkt/p", "--s3-endpoint", endpoint, check=False)
+    assert proc.returncode == StoreUnreachable.exit_code
+    assert cli_error(proc).startswith(f"layerfs: error: store unreachable: {endpoint}")
+
+
+def test_cli_denied_is_its_own_exit(s3_server, monkeypatch):
+    for name, value in DUMMY_AWS_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    proc = layerfs("ls", "--store", f"s3://{TEST_BUCKET}/denied", "--s3-endpoint",
+                   s3_server.endpoint, check=False)
+    assert proc.returncode == AccessDenied.exit_code
+    assert cli_error(proc).startswith("layerfs: error: access denied by store: ")
+
+
+@pytest.mark.daemon_log(r"ERROR layerfs\.node\.fetcher: .*: object unavailable \(the store "
+                        r"answers but cannot serve it now\): get blobs/sha256/")
+def test_fetcher_log_names_the_error_class(tmp_path, caplog):
+    store = FileStore(tmp_path / "store")
+    _, _, table = built_layer(tmp_path, store, files=2)
+    entry = table.entries[0]
+    faulty = FaultStore(store)
+    faulty.inject(Fault("get", entry.pack[7:],
+                        error=lambda key: ObjectUnavailable(f"get {key}: InternalError")))
+    fetcher = ChunkFetcher(faulty, ChunkCache(tmp_path / "cache", 1 << 20), timeout=10)
+
+    async def main() -> FetchError:
+        with pytest.raises(FetchError) as info:
+            await fetcher.get(entry)
+        return info.value
+
+    error = trio.run(main)
+    assert exit_code_of(error) == ObjectUnavailable.exit_code
+    logged = [r.getMessage() for r in caplog.records if r.name == "layerfs.node.fetcher"]
+    assert any("object unavailable" in line for line in logged), logged

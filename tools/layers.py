@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import click
 
 from layerfs.builder.layer import BuildOptions, Progress, build_layer
-from layerfs.errors import IntegrityError
+from layerfs.errors import VerifyFailed
 from layerfs.inspect import env_report, layer_report, resolve_any
 from layerfs.manifest import ROLES
 from layerfs.registry import ENVS, LAYERS, Registry
-from layerfs.verify import verify_layer
+from layerfs.verify import EXIT_CODES, Found, VerifyReport, verify_layer, worst
 
 from .common import Output, human_bytes, parse_size, stderr_is_tty, store_options
 from .progress import ProgressLine
@@ -130,18 +131,38 @@ def _env_text(r: dict) -> str:
 @click.argument("ref")
 @store_options
 def verify(out: Output, reg: Registry, ref: str) -> None:
-    """Check that every chunk of the layer (or of every layer of the env) REF is
-    present and matches its sha256."""
+    """Check that every object of the layer (or of every layer of the env) REF
+    is there and matches its sha256: its meta image, chunk table and each pack
+    it uses. Lists per object what it found (ok, missing, unavailable,
+    unreachable, denied, corrupt, error) and exits as the worst."""
     kind, digest = resolve_any(reg, ref)
     digests = [x.digest for x in reg.env(digest).layers] if kind == ENVS else [digest]
     reports = [verify_layer(reg, d) for d in digests]
-    doc = [{"ref": r.ref, "chunks": r.chunks, "bytes": r.bytes, "problems": r.problems}
-           for r in reports]
-    out.emit(doc, lambda: "\n".join(
-        f"{r.ref}: {r.chunks} chunks, {human_bytes(r.bytes)}: "
-        + ("ok" if r.ok else f"{len(r.problems)} bad\n  " + "\n  ".join(r.problems))
-        for r in reports))
+    out.emit([_verify_doc(r) for r in reports], lambda: "\n".join(map(_verify_text, reports)))
     bad = [r for r in reports if not r.ok]
     if bad:
-        raise IntegrityError(", ".join(r.ref for r in bad), f"{sum(len(r.problems) for r in bad)}"
-                             " bad objects")
+        found = worst([r.found for r in bad])
+        counts = Counter(o.found.value for r in bad for o in r.objects if o.found is not Found.OK)
+        summary = ", ".join(f"{n} {what}" for what, n in sorted(counts.items()))
+        raise VerifyFailed(", ".join(r.ref for r in bad),
+                           f"{sum(counts.values())} bad objects ({summary})", EXIT_CODES[found])
+
+
+def _verify_doc(r: VerifyReport) -> dict[str, Any]:
+    return {"ref": r.ref, "chunks": r.chunks, "bytes": r.bytes, "found": r.found.value,
+            "problems": r.problems,
+            "objects": [{"what": o.what, "digest": o.digest, "found": o.found.value,
+                         "chunks": o.chunks, "bad_chunks": o.bad_chunks, "detail": o.detail}
+                        for o in r.objects]}
+
+
+def _verify_text(r: VerifyReport) -> str:
+    bad = len(r.problems)
+    head = (f"{r.ref}: {r.chunks} chunks, {human_bytes(r.bytes)}, {len(r.objects)} objects: "
+            + ("ok" if r.ok else f"{bad} bad"))
+    lines = [head]
+    for o in r.objects:
+        chunks = f" ({o.bad_chunks} of {o.chunks} chunks)" if o.bad_chunks and o.chunks > 1 else ""
+        detail = f": {o.detail}" if o.detail else ""
+        lines.append(f"  {o.found.value:11} {o.what} {o.digest}{chunks}{detail}")
+    return "\n".join(lines)

@@ -3,8 +3,9 @@
 Keys are ``/``-separated relative paths (``blobs/sha256/<hex>``,
 ``refs/layers/<name>/<version>``). Backends raise only the errors of
 :mod:`layerfs.errors`: ``ObjectNotFound``, ``AccessDenied``,
-``StoreUnreachable`` and ``StoreError``; transient failures are retried here,
-with exponential backoff and full jitter, a bounded number of times.
+``ObjectUnavailable``, ``StoreUnreachable`` (both ``TransientStoreError``) and
+``StoreError``; transient failures are retried here, with exponential backoff
+and full jitter, a bounded number of times.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..errors import ObjectNotFound, StoreUnreachable, TransientStoreError
+from ..errors import ObjectNotFound, TransientStoreError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,7 +45,7 @@ class RetryPolicy:
         for attempt in range(1, self.attempts + 1):
             try:
                 return fn()
-            except (TransientStoreError, StoreUnreachable) as exc:
+            except TransientStoreError as exc:  # unavailable or unreachable
                 if attempt == self.attempts:
                     raise
                 delay = random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))

@@ -6,6 +6,11 @@ never listed as an object), are fsynced, and are renamed (``put``) or
 hard-linked (``put_if_absent``) into place, after which the directory is
 fsynced. A writer killed mid-way leaves its temporary file behind:
 ``list_temporaries`` finds those for gc. ``refresh`` is ``utime(2)``.
+
+Errors: ENOENT on a read is a missing object, EACCES/EPERM/EROFS access
+denied, EIO/EAGAIN/ESTALE an unavailable object (retried), and the errors of a
+network mount that lost its server (ETIMEDOUT, ENOTCONN, ...) an unreachable
+store (retried).
 """
 
 from __future__ import annotations
@@ -18,13 +23,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from ..errors import AccessDenied, StoreError, TransientStoreError, UsageError
+from ..errors import AccessDenied, ObjectUnavailable, StoreError, StoreUnreachable, UsageError
 from .base import ObjectInfo, RetryPolicy, Store
 from .keys import TEMP_MARK, check_key, check_prefix
 
 DENIED = {errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
           errno.EROFS: "read-only file system"}  # fmt: skip
-TRANSIENT = {errno.EAGAIN, errno.EINTR, errno.ESTALE, errno.ETIMEDOUT}
+UNAVAILABLE = {errno.EIO, errno.EAGAIN, errno.EINTR, errno.ESTALE, errno.EBUSY}
+UNREACHABLE = {errno.ETIMEDOUT, errno.ENOTCONN, errno.EHOSTDOWN, errno.EHOSTUNREACH,
+               errno.ECONNREFUSED, errno.ECONNABORTED, errno.ECONNRESET}  # a network mount
 NOT_AN_OBJECT = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR}
 FILE_MODE = 0o644
 
@@ -90,8 +97,10 @@ class FileStore(Store):
         message = f"cannot {action} {where}: {detail}"
         if code in DENIED:
             return AccessDenied(message)
-        if code in TRANSIENT:
-            return TransientStoreError(message)
+        if code in UNAVAILABLE:
+            return ObjectUnavailable(message)
+        if code in UNREACHABLE:
+            return StoreUnreachable(message)
         return StoreError(message)
 
     def _path(self, key: str) -> Path:

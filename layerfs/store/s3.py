@@ -22,16 +22,16 @@ import boto3
 import botocore.exceptions as bx
 from botocore.config import Config
 
-from ..errors import AccessDenied, StoreError, StoreUnreachable, TransientStoreError, UsageError
+from ..errors import AccessDenied, ObjectUnavailable, StoreError, StoreUnreachable, UsageError
 from .base import ObjectInfo, RetryPolicy, Store
 from .keys import check_key, check_prefix
-from .s3errors import S3Failure, classify
+from .s3errors import S3Failure, classify, error_class
 from .s3ranges import Missing, RangeReader, Unsupported
 
 log = logging.getLogger(__name__)
 NO_CREDENTIALS = (bx.NoCredentialsError, bx.PartialCredentialsError, bx.CredentialRetrievalError)
-UNREACHABLE = (bx.ConnectionError, bx.ConnectionClosedError)  # incl. connect timeouts, TLS
-TRANSIENT_IO = (bx.HTTPClientError, bx.IncompleteReadError)  # read timeouts, cut bodies
+UNREACHABLE = (bx.ConnectionError, bx.HTTPClientError)  # no connection, no answer in time
+CUT_BODY = (bx.IncompleteReadError, bx.ResponseStreamingError)  # the answer broke off
 
 SESSION_ENV = (
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
@@ -135,10 +135,10 @@ class S3Store(Store):
             return self._client_error(exc, key, what)
         if isinstance(exc, NO_CREDENTIALS):
             return AccessDenied(f"{what}: no usable AWS credentials ({exc})")
+        if isinstance(exc, CUT_BODY):
+            return ObjectUnavailable(f"{what} at {self.where}: {exc}")
         if isinstance(exc, UNREACHABLE):
             return StoreUnreachable(f"{self.where}: {exc}")
-        if isinstance(exc, TRANSIENT_IO):
-            return TransientStoreError(f"{what} at {self.where}: {exc}")
         return StoreError(f"{what} at {self.where}: {exc}")
 
     def _client_error(self, exc: bx.ClientError, key: str, what: str) -> StoreError:
@@ -149,8 +149,7 @@ class S3Store(Store):
         if failure is S3Failure.MISSING_BUCKET:
             return StoreError(f"bucket {self.bucket!r} does not exist at {self.where}")
         message = exc.response.get("Error", {}).get("Message") or code
-        kind = {S3Failure.DENIED: AccessDenied, S3Failure.TRANSIENT: TransientStoreError}
-        return kind.get(failure, StoreError)(f"{what}: {code}: {message}")
+        return error_class(failure)(f"{what}: {code}: {message}")
 
     def _denied_or_no_bucket(self, error: StoreError) -> StoreError:
         """SeaweedFS answers AccessDenied to writes into a missing bucket: say which."""

@@ -24,17 +24,17 @@ from typing import Any
 
 import urllib3
 
-from ..errors import AccessDenied, StoreError, StoreUnreachable, TransientStoreError
-from .s3errors import S3Failure, classify
+from ..errors import ObjectUnavailable, StoreError, StoreUnreachable
+from .s3errors import S3Failure, classify, error_class
 
 SIGNED_SECONDS = 3600
 REUSE_SECONDS = 600  # well inside the signature's life and short-lived credentials
 MAX_URLS = 4096  # presigned URLs kept (one per recently read object)
 _CODE = re.compile(rb"<Code>([^<]*)</Code>")
 
-UNREACHABLE = (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError)
-TRANSIENT_IO = (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError,
-                urllib3.exceptions.IncompleteRead)  # fmt: skip
+UNREACHABLE = (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError,
+               urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError)  # fmt: skip
+CUT_BODY = (urllib3.exceptions.IncompleteRead,)  # the answer broke off
 
 
 class Missing(Exception):
@@ -102,10 +102,10 @@ class RangeReader:
         try:
             return self.pool.request("GET", url, headers=headers, preload_content=True,
                                      redirect=False)
+        except CUT_BODY as exc:
+            raise ObjectUnavailable(f"get {key} at {self.where}: {exc}") from exc
         except UNREACHABLE as exc:
             raise StoreUnreachable(f"{self.where}: {exc}") from exc
-        except TRANSIENT_IO as exc:
-            raise TransientStoreError(f"get {key} at {self.where}: {exc}") from exc
         except urllib3.exceptions.HTTPError as exc:
             raise StoreError(f"get {key} at {self.where}: {exc}") from exc
 
@@ -120,8 +120,7 @@ class RangeReader:
         failure = classify(code, reply.status)
         if failure in (S3Failure.MISSING_OBJECT, S3Failure.MISSING_BUCKET):
             raise Missing(code)
-        kind = {S3Failure.DENIED: AccessDenied, S3Failure.TRANSIENT: TransientStoreError}
-        raise kind.get(failure, StoreError)(what)
+        raise error_class(failure)(what)
 
     def close(self) -> None:
         self.pool.clear()
