@@ -135,6 +135,12 @@ class StoreUnreachable(TransientStoreError):
     exit_code = 8  # no connection, or no answer in time
 
 
+class NoProgress(StoreUnreachable):
+    """store unreachable: no progress for {}s (--timeout), giving up: {}"""
+
+    exit_code = 8
+
+
 class ObjectUnavailable(TransientStoreError):
     """object unavailable (the store answers but cannot serve it now): {}"""
 

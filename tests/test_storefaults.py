@@ -6,14 +6,19 @@ gives up within its deadline when the store stops answering."""
 from __future__ import annotations
 
 import http.server
+import logging
+import os
+import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 import trio
 from conftest import TEST_BUCKET
-from faultstore import Fault, FaultStore
-from s3server import DUMMY_AWS_ENV, free_ports
+from conftest import _create_bucket as create_test_bucket
+from faultstore import FAST_RETRY, Fault, FaultStore
+from s3server import DUMMY_AWS_ENV, find_weed, free_ports, start_server
 from support import build
 from test_builder import write_tree
 from test_cli import layerfs
@@ -23,6 +28,7 @@ from layerfs.cache.chunkcache import ChunkCache
 from layerfs.errors import (
     AccessDenied,
     IntegrityError,
+    NoProgress,
     ObjectNotFound,
     ObjectUnavailable,
     StoreUnreachable,
@@ -33,6 +39,7 @@ from layerfs.node.fetcher import ChunkFetcher, FetchError
 from layerfs.registry import ENVS, LAYERS, Registry
 from layerfs.store.base import blob_key
 from layerfs.store.file import FileStore
+from layerfs.store.s3 import S3Store
 from layerfs.verify import EXIT_CODES, Found, verify_layer, worst
 
 # ------------------------------------------------ identical builds at once
@@ -225,3 +232,92 @@ def test_fetcher_log_names_the_error_class(tmp_path, caplog):
     assert exit_code_of(error) == ObjectUnavailable.exit_code
     logged = [r.getMessage() for r in caplog.records if r.name == "layerfs.node.fetcher"]
     assert any("object unavailable" in line for line in logged), logged
+
+
+# ------------------------------------------------ a push's deadline
+
+
+@pytest.fixture(scope="module")
+def own_s3_server(tmp_path_factory):
+    """A SeaweedFS of these tests' own (they freeze it), with the test bucket."""
+    weed = find_weed()
+    if weed is None:
+        pytest.fail("SeaweedFS 'weed' binary not found (make deps installs it)")
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in DUMMY_AWS_ENV.items():
+            env.setenv(name, value)
+        server = start_server(weed, tmp_path_factory.mktemp("frozen-seaweedfs"))
+        try:
+            create_test_bucket(server.endpoint)
+            yield server
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+            server.stop()
+
+
+@contextmanager
+def frozen(server):
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+
+
+def test_retries_are_logged_at_info(tmp_path, caplog):
+    faulty = FaultStore(FileStore(tmp_path / "store"))
+    fault = faulty.inject(Fault("put", "refs/", error=lambda key: ObjectUnavailable(key)))
+    with caplog.at_level(logging.INFO, logger="layerfs.store.base"), \
+            pytest.raises(ObjectUnavailable):
+        faulty.put("refs/x", b"1")
+    retries = [r for r in caplog.records if "retry" in r.getMessage()]
+    assert fault.hits == FAST_RETRY.attempts
+    assert [r.levelno for r in retries] == [logging.INFO] * (FAST_RETRY.attempts - 1)
+
+
+def test_s3_push_to_a_frozen_store_gives_up_at_its_timeout(own_s3_server, monkeypatch):
+    for name, value in DUMMY_AWS_ENV.items():
+        monkeypatch.setenv(name, value)
+    store = S3Store(TEST_BUCKET, "frozen", endpoint=own_s3_server.endpoint)
+    store.set_timeout(2)
+    store.put("refs/before", b"1")
+    with frozen(own_s3_server):
+        with pytest.raises(NoProgress) as info:
+            store.put_blob(b"pack bytes" * 1000)
+        assert info.value.exit_code == StoreUnreachable.exit_code
+        assert "no progress for 2s" in str(info.value)
+    store.close()
+
+
+def test_cli_build_to_a_frozen_store_exits_at_its_timeout(tmp_path, own_s3_server,
+                                                          monkeypatch):
+    for name, value in DUMMY_AWS_ENV.items():
+        monkeypatch.setenv(name, value)
+    write_tree(tmp_path / "src", 4, files=6)
+    with frozen(own_s3_server):
+        proc = layerfs("build", str(tmp_path / "src"), "--name", "t", "--version", "1",
+                       "--timeout", "3", "--store", f"s3://{TEST_BUCKET}/frozen",
+                       "--s3-endpoint", own_s3_server.endpoint, check=False)
+    assert proc.returncode == StoreUnreachable.exit_code, proc.stderr
+    assert cli_error(proc).startswith("layerfs: error: store unreachable: no progress for 3s "
+                                      "(--timeout), giving up: ")
+
+
+def test_file_store_write_blocked_on_a_hung_mount_gives_up_at_its_timeout(tmp_path,
+                                                                         monkeypatch):
+    """A write(2) that never returns (a network mount whose server is gone) is
+    left in its thread; the call fails at the store's timeout."""
+    import layerfs.store.file as file_store
+
+    hung = threading.Event()
+    real_fsync = os.fsync
+    monkeypatch.setattr(file_store.os, "fsync",
+                        lambda fd: hung.wait() if not hung.is_set() else real_fsync(fd))
+    store = FileStore(tmp_path / "store")
+    store.set_timeout(1)
+    try:
+        with pytest.raises(NoProgress) as info:
+            store.put_blob(b"pack bytes")
+        assert "no answer from the file system" in str(info.value)
+    finally:
+        hung.set()

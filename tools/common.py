@@ -13,6 +13,22 @@ import click
 from layerfs import sizes
 from layerfs.registry import Registry
 from layerfs.store import open_store
+from layerfs.store.base import DEFAULT_TIMEOUT
+
+
+def write_store_options(fn: Callable) -> Callable:
+    """:func:`store_options` and ``--timeout SECONDS``, on a command that writes."""
+
+    @click.option("--timeout", "store_timeout", type=click.FloatRange(min=0.1), metavar="SECONDS",
+                  envvar="LAYERFS_TIMEOUT", default=DEFAULT_TIMEOUT, show_default=True,
+                  help="Give up when the store has made no progress for this long "
+                       "[env: LAYERFS_TIMEOUT].")
+    @functools.wraps(fn)
+    def wrapper(out: Output, reg: Registry, store_timeout: float, **kw: Any):
+        reg.store.set_timeout(store_timeout)
+        return fn(out, reg, **kw)
+
+    return store_options(wrapper)
 
 
 def store_options(fn: Callable) -> Callable:

@@ -10,7 +10,7 @@ from layerfs.node import protocol
 from layerfs.node.control import call
 from layerfs.registry import Registry
 
-from .common import Output, human_bytes, parse_size, store_options
+from .common import Output, human_bytes, parse_size, write_store_options
 from .node import json_option, root_option
 
 
@@ -20,7 +20,7 @@ from .node import json_option, root_option
 @click.option("--version", "version", required=True, help="Layer version.")
 @click.option("--parent", metavar="REF", help="The sealed layer this one sits on.")
 @click.option("--chunk-size", default="1M", show_default=True)
-@store_options
+@write_store_options
 def build_disk_cmd(out: Output, reg: Registry, image: str, name: str, version: str,
                    parent: str | None, chunk_size: str) -> None:
     """Import the raw disk IMAGE (a multiple of 512 bytes) as a sealed LSMT layer;

@@ -8,7 +8,7 @@ from layerfs.builder.env import create_env
 from layerfs.names import Ref
 from layerfs.registry import ENVS, Registry
 
-from .common import Output, store_options
+from .common import Output, store_options, write_store_options
 
 
 @click.group()
@@ -22,7 +22,7 @@ def env() -> None:
               help="A layer, top first (repeat: workspace, toolchain, base).")
 @click.option("--on", "on", metavar="ENV",
               help="Put the layers on top of env ENV's layers and keep its image config.")
-@store_options
+@write_store_options
 def create(out: Output, reg: Registry, ref: str, layers: tuple[str, ...],
            on: str | None) -> None:
     """Create the env REF (name@version) from layers, top first (on top of ENV with --on)."""

@@ -12,7 +12,13 @@ from layerfs.builder.oci.resolve import parse_platform
 from layerfs.builder.oci.sources import open_source
 from layerfs.registry import Registry
 
-from .common import Output, human_bytes, parse_size, stderr_is_tty, store_options
+from .common import (
+    Output,
+    human_bytes,
+    parse_size,
+    stderr_is_tty,
+    write_store_options,
+)
 
 
 class ImportBar:
@@ -66,7 +72,7 @@ class ImportBar:
               help="Fold consecutive image layers into layers of up to SIZE (e.g. 3G).")
 @click.option("--chunk-size", default="1M", show_default=True,
               help="Chunk size, a power of two from 4K to 16M.")
-@store_options
+@write_store_options
 def import_cmd(out: Output, reg: Registry, src: str, name: str, version: str, plain_http: bool,
                platform: str | None, fold: str | None, chunk_size: str) -> None:
     """Import the image SRC as the env NAME@VERSION: each image layer becomes

@@ -14,7 +14,14 @@ from layerfs.manifest import ROLES
 from layerfs.registry import ENVS, LAYERS, Registry
 from layerfs.verify import EXIT_CODES, Found, VerifyReport, verify_layer, worst
 
-from .common import Output, human_bytes, parse_size, stderr_is_tty, store_options
+from .common import (
+    Output,
+    human_bytes,
+    parse_size,
+    stderr_is_tty,
+    store_options,
+    write_store_options,
+)
 from .progress import ProgressLine
 
 
@@ -27,7 +34,7 @@ from .progress import ProgressLine
               help="Chunk size, a power of two from 4K to 16M.")
 @click.option("--dedup-with", multiple=True, metavar="REF",
               help="Also reuse chunks stored by this layer (repeatable).")
-@store_options
+@write_store_options
 def build(out: Output, reg: Registry, src: str, name: str, version: str, role: str,
           chunk_size: str, dedup_with: tuple[str, ...]) -> None:
     """Build SRC (a directory, a tar/tar.gz/tar.zst file, or - for stdin) into

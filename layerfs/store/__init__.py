@@ -39,11 +39,20 @@ def default_store_url() -> str:
     return "file://" + str(Path.home() / USER_STORE)
 
 
-def open_store(url: str | None = None, s3_endpoint: str | None = None) -> Store:
+def open_store(url: str | None = None, s3_endpoint: str | None = None,
+               timeout: float | None = None) -> Store:
     """The store named by ``url`` (default: :func:`default_store_url`).
 
-    ``s3_endpoint`` applies to ``s3://`` URLs only (default ``$AWS_ENDPOINT_URL``).
+    ``s3_endpoint`` applies to ``s3://`` URLs only (default ``$AWS_ENDPOINT_URL``);
+    ``timeout``: seconds without progress before calls give up (``Store.set_timeout``).
     """
+    store = _open(url, s3_endpoint)
+    if timeout is not None:
+        store.set_timeout(timeout)
+    return store
+
+
+def _open(url: str | None, s3_endpoint: str | None) -> Store:
     url = url or default_store_url()
     scheme = urlsplit(url).scheme
     if scheme == "":

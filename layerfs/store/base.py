@@ -5,7 +5,9 @@ Keys are ``/``-separated relative paths (``blobs/sha256/<hex>``,
 :mod:`layerfs.errors`: ``ObjectNotFound``, ``AccessDenied``,
 ``ObjectUnavailable``, ``StoreUnreachable`` (both ``TransientStoreError``) and
 ``StoreError``; transient failures are retried here, with exponential backoff
-and full jitter, a bounded number of times.
+and full jitter, a bounded number of times and only while the store has not
+failed without progress for longer than its ``timeout`` (:class:`Stall`;
+then :class:`~layerfs.errors.NoProgress`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..errors import ObjectNotFound, TransientStoreError
+from ..errors import NoProgress, ObjectNotFound, StoreUnreachable, TransientStoreError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -34,23 +36,62 @@ class ObjectInfo:
     mtime: float  # seconds since the epoch
 
 
+DEFAULT_TIMEOUT = 60.0  # seconds a store may fail without progress before calls give up
+
+
+class Stall:
+    """How long a store has failed without progress: from its first failure
+    since its last success (any call of any thread). Calls retry only while
+    this is under the store's timeout, so a push whose store stops answering
+    ends within about that long, however many objects it writes."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None  # monotonic time of the first failure
+
+    def ok(self) -> None:
+        self._since = None
+
+    def failed(self, started: float) -> float:
+        """Note a failure of an attempt made at ``started`` (monotonic); seconds
+        failed without progress so far."""
+        if self._since is None:
+            self._since = started
+        return time.monotonic() - self._since
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     attempts: int = 5
     base_delay: float = 0.1
     max_delay: float = 2.0
 
-    def run(self, what: str, fn: Callable[[], T]) -> T:
-        """Call ``fn``; retry on transient errors and unreachable endpoints."""
+    def run(self, what: str, fn: Callable[[], T], stall: Stall | None = None,
+            timeout: float = DEFAULT_TIMEOUT) -> T:
+        """Call ``fn``; retry on transient errors (an unavailable object, an
+        unreachable store) until ``attempts`` are made or the store has failed
+        without progress (``stall``) for ``timeout`` seconds. Every call makes
+        at least one attempt; each retry is logged at INFO."""
+        stall = stall or Stall()
         for attempt in range(1, self.attempts + 1):
+            started = time.monotonic()
             try:
-                return fn()
-            except TransientStoreError as exc:  # unavailable or unreachable
+                result = fn()
+            except TransientStoreError as exc:
+                stalled = stall.failed(started)
+                if stalled >= timeout:
+                    if isinstance(exc, StoreUnreachable):
+                        raise NoProgress(f"{timeout:g}", exc.message()) from exc
+                    raise  # an unavailable object stays what it is
                 if attempt == self.attempts:
                     raise
                 delay = random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
-                log.debug("%s failed (%s), retry %d in %.2fs", what, exc, attempt, delay)
+                delay = min(delay, timeout - stalled)
+                log.info("%s failed (%s), retry %d of %d in %.2fs", what, exc, attempt,
+                         self.attempts - 1, delay)
                 time.sleep(delay)
+                continue
+            stall.ok()
+            return result
         raise AssertionError("unreachable")
 
 
@@ -71,6 +112,21 @@ class Store(ABC):
 
     url: str
     retry: RetryPolicy = RetryPolicy()
+    timeout: float = DEFAULT_TIMEOUT  # see Stall; set_timeout() changes it
+
+    def set_timeout(self, seconds: float) -> None:
+        """Give up after ``seconds`` without progress (and bound each attempt by it)."""
+        self.timeout = seconds
+
+    @property
+    def stall(self) -> Stall:
+        stall = self.__dict__.get("_stall")
+        if stall is None:
+            stall = self.__dict__.setdefault("_stall", Stall())
+        return stall
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        return self.retry.run(what, fn, self.stall, self.timeout)
 
     # -- primitives each backend implements (no retries inside) --
     @abstractmethod
@@ -106,17 +162,17 @@ class Store(ABC):
     # -- the API the rest of layerfs uses --
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """Whole object, or bytes ``[start, end)`` of it."""
-        return self.retry.run(f"get {key}", lambda: self._get(key, start, end))
+        return self._retry(f"get {key}", lambda: self._get(key, start, end))
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         """Atomic replace: readers see the old object or the new one, never a part."""
-        self.retry.run(f"put {key}", lambda: self._put(key, data))
+        self._retry(f"put {key}", lambda: self._put(key, data))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        return self.retry.run(f"put {key}", lambda: self._put_if_absent(key, data))
+        return self._retry(f"put {key}", lambda: self._put_if_absent(key, data))
 
     def head(self, key: str) -> ObjectInfo | None:
-        return self.retry.run(f"head {key}", lambda: self._head(key))
+        return self._retry(f"head {key}", lambda: self._head(key))
 
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
@@ -124,26 +180,26 @@ class Store(ABC):
     def refresh(self, key: str) -> bool:
         """Make ``key`` young again (its mtime becomes now), so that gc's grace
         period counts from this call; False if ``key`` does not exist."""
-        return self.retry.run(f"refresh {key}", lambda: self._refresh(key))
+        return self._retry(f"refresh {key}", lambda: self._refresh(key))
 
     def list_temporaries(self) -> list[ObjectInfo]:
         """Leftovers of interrupted writes, sorted by key; their keys are only
         good for :meth:`delete_temporary`."""
-        items = self.retry.run("list temporaries", lambda: list(self._temporaries()))
+        items = self._retry("list temporaries", lambda: list(self._temporaries()))
         return sorted(items, key=lambda o: o.key)
 
     def delete_temporary(self, key: str) -> None:
         """Delete a leftover that :meth:`list_temporaries` named."""
-        self.retry.run(f"delete {key}", lambda: self._delete_temporary(key))
+        self._retry(f"delete {key}", lambda: self._delete_temporary(key))
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Objects whose key starts with ``prefix``, sorted by key."""
-        items = self.retry.run(f"list {prefix}", lambda: list(self._list(prefix)))
+        items = self._retry(f"list {prefix}", lambda: list(self._list(prefix)))
         return sorted(items, key=lambda o: o.key)
 
     def delete(self, key: str) -> None:
         """Delete ``key``; deleting a missing key is not an error."""
-        self.retry.run(f"delete {key}", lambda: self._delete(key))
+        self._retry(f"delete {key}", lambda: self._delete(key))
 
     # -- content-addressed blobs --
     def put_blob(self, data: bytes | memoryview, digest: str | None = None) -> tuple[str, bool]:

@@ -10,7 +10,8 @@ fsynced. A writer killed mid-way leaves its temporary file behind:
 Errors: ENOENT on a read is a missing object, EACCES/EPERM/EROFS access
 denied, EIO/EAGAIN/ESTALE an unavailable object (retried), and the errors of a
 network mount that lost its server (ETIMEDOUT, ENOTCONN, ...) an unreachable
-store (retried).
+store (retried). A write that does not return within the store's timeout
+(a hung mount) is left blocked in its thread and fails as an unreachable store.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Iterator
+import threading
+import typing
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -34,6 +37,7 @@ UNREACHABLE = {errno.ETIMEDOUT, errno.ENOTCONN, errno.EHOSTDOWN, errno.EHOSTUNRE
                errno.ECONNREFUSED, errno.ECONNABORTED, errno.ECONNRESET}  # a network mount
 NOT_AN_OBJECT = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR}
 FILE_MODE = 0o644
+T = typing.TypeVar("T")
 
 
 def path_from_url(url: str) -> Path:
@@ -202,8 +206,44 @@ class FileStore(Store):
                 return
             raise self._error(exc, key, "delete", reading=False) from exc
 
-    # -- writes --
+    # -- writes, each bounded by the store's timeout --
+    def _bounded(self, what: str, write: Callable[[], T]) -> T:
+        """``write()`` in a daemon thread; StoreUnreachable if it has not returned
+        within the store's timeout (a hung network mount), leaving it behind."""
+        outcome: list[tuple[bool, object]] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome.append((True, write()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                outcome.append((False, exc))
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="store-write", daemon=True).start()
+        if not done.wait(self.timeout):
+            raise StoreUnreachable(f"cannot {what}: no answer from the file system at "
+                                   f"{self.root} within {self.timeout:g}s")
+        ok, value = outcome[0]
+        if not ok:
+            raise typing.cast(BaseException, value)
+        return typing.cast(T, value)
+
     def _refresh(self, key: str) -> bool:
+        return self._bounded(f"refresh {self.root / key}", lambda: self._refresh_now(key))
+
+    def _put(self, key: str, data: bytes | memoryview) -> None:
+        self._bounded(f"write {self.root / key}", lambda: self._put_now(key, data))
+
+    def _put_if_absent(self, key: str, data: bytes) -> bool:
+        return self._bounded(f"write {self.root / key}",
+                             lambda: self._put_if_absent_now(key, data))
+
+    def _delete(self, key: str) -> None:
+        self._bounded(f"delete {self.root / key}", lambda: self._delete_now(key))
+
+    def _refresh_now(self, key: str) -> bool:
         path = self._path(key)
         try:
             os.utime(path)
@@ -213,7 +253,7 @@ class FileStore(Store):
             raise self._error(exc, key, "refresh", reading=False) from exc
         return True
 
-    def _put(self, key: str, data: bytes | memoryview) -> None:
+    def _put_now(self, key: str, data: bytes | memoryview) -> None:
         path = self._path(key)
         try:
             self._make_dirs(path.parent)
@@ -227,7 +267,7 @@ class FileStore(Store):
         except OSError as exc:
             raise self._error(exc, key, "write", reading=False) from exc
 
-    def _put_if_absent(self, key: str, data: bytes) -> bool:
+    def _put_if_absent_now(self, key: str, data: bytes) -> bool:
         path = self._path(key)
         try:
             self._make_dirs(path.parent)
@@ -243,7 +283,7 @@ class FileStore(Store):
         except OSError as exc:
             raise self._error(exc, key, "write", reading=False) from exc
 
-    def _delete(self, key: str) -> None:
+    def _delete_now(self, key: str) -> None:
         path = self._path(key)
         try:
             path.unlink()

@@ -42,20 +42,23 @@ _sessions: dict[tuple[str | None, ...], boto3.session.Session] = {}
 _sessions_lock = threading.Lock()
 
 
-def client_config() -> Config:
+CONNECT_TIMEOUT, READ_TIMEOUT = 3.0, 30.0  # per attempt, and at most the store's timeout
+
+
+def client_config(timeout: float = READ_TIMEOUT) -> Config:
     """One attempt per call (botocore's ``max_attempts: 1`` would mean one *retry*)."""
     return Config(
-        connect_timeout=3,
-        read_timeout=30,
+        connect_timeout=min(CONNECT_TIMEOUT, timeout),
+        read_timeout=min(READ_TIMEOUT, timeout),
         retries={"total_max_attempts": 1, "mode": "standard"},
         max_pool_connections=32,
         signature_version="s3v4",  # presigned URLs too (botocore presigns with SigV2 otherwise)
     )
 
 
-def make_client(endpoint: str | None) -> Any:
+def make_client(endpoint: str | None, timeout: float = READ_TIMEOUT) -> Any:
     """A boto3 S3 client; sessions (slow to build) are shared per credential environment."""
-    config = client_config()
+    config = client_config(timeout)
     if endpoint:  # S3-compatible servers want bucket-in-path addressing
         config = config.merge(Config(s3={"addressing_style": "path"}))
     env = tuple(os.environ.get(name) for name in SESSION_ENV)
@@ -105,9 +108,23 @@ class S3Store(Store):
         self.url = f"s3://{bucket}/{self.prefix}"
         if retry is not None:
             self.retry = retry
-        self.client = make_client(self.endpoint)
-        self.ranges: RangeReader | None = RangeReader(self.client, bucket, self.where)
+        self._connect()
         self._conditional_put = True
+
+    def _connect(self) -> None:
+        """The client and range reader, their timeouts per attempt within ``timeout``."""
+        self.client = make_client(self.endpoint, self.timeout)
+        self.ranges: RangeReader | None = RangeReader(
+            self.client, self.bucket, self.where,
+            connect_timeout=min(CONNECT_TIMEOUT, self.timeout),
+            read_timeout=min(READ_TIMEOUT, self.timeout))
+
+    def set_timeout(self, seconds: float) -> None:
+        before = min(READ_TIMEOUT, self.timeout)
+        super().set_timeout(seconds)
+        if min(READ_TIMEOUT, seconds) != before:  # per-attempt timeouts change
+            self.close()
+            self._connect()
 
     @classmethod
     def from_url(
