@@ -99,9 +99,9 @@ def test_retry_survives_gc_between_reuse_and_ref(tmp_path, store, monkeypatch):
     reports = []
     real_publish = Registry.publish
 
-    def gc_then_publish(self, kind, name, version, digest):
+    def gc_then_publish(self, kind, name, version, digest, same=None):
         reports.append(collect(Registry(store), dry_run=False, grace=GRACE))
-        return real_publish(self, kind, name, version, digest)
+        return real_publish(self, kind, name, version, digest, same)
 
     monkeypatch.setattr(Registry, "publish", gc_then_publish)
     result = build(store, str(tmp_path / "src"), name="app", chunk_size=16384, pack_size=65536)
@@ -119,11 +119,11 @@ def test_dedup_with_a_layer_whose_ref_is_deleted_during_the_push(tmp_path, store
     reports = []
     real_publish = Registry.publish
 
-    def drop_base_gc_then_publish(self, kind, name, version, digest):
+    def drop_base_gc_then_publish(self, kind, name, version, digest, same=None):
         if name == "app":
             store.delete(ref_key(LAYERS, "base", "1"))
             reports.append(collect(Registry(store), dry_run=False, grace=GRACE))
-        return real_publish(self, kind, name, version, digest)
+        return real_publish(self, kind, name, version, digest, same)
 
     monkeypatch.setattr(Registry, "publish", drop_base_gc_then_publish)
     result = build(store, str(tmp_path / "app"), name="app", chunk_size=16384, pack_size=65536,
@@ -144,8 +144,8 @@ def test_reused_pack_lost_after_the_ref_fails_the_push_and_takes_the_ref_back(
     real_publish = Registry.publish
     pack = Registry(store).chunk_table(base.manifest).packs()[0]
 
-    def publish_then_lose_pack(self, kind, name, version, digest):
-        written = real_publish(self, kind, name, version, digest)
+    def publish_then_lose_pack(self, kind, name, version, digest, same=None):
+        written = real_publish(self, kind, name, version, digest, same)
         if name == "app":
             store.delete(blob_key(pack))  # what a gc in its head-to-delete window does
         return written
@@ -165,8 +165,8 @@ def test_retry_puts_back_its_own_blobs_lost_after_the_ref(tmp_path, store, monke
     failed_push(store, tmp_path / "src")
     real_publish = Registry.publish
 
-    def publish_then_lose_table(self, kind, name, version, digest):
-        written = real_publish(self, kind, name, version, digest)
+    def publish_then_lose_table(self, kind, name, version, digest, same=None):
+        written = real_publish(self, kind, name, version, digest, same)
         manifest = self.layer(digest)
         store.delete(blob_key(manifest.chunk_table.digest))
         store.delete(blob_key(manifest.meta.digest))
