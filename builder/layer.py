@@ -158,10 +158,11 @@ def build_layer(reg: Registry, src: str, opts: BuildOptions,
     manifest_bytes = manifest.to_bytes()
     digest, _ = store.put_blob(manifest_bytes)
     held = {table_digest: table, meta_digest: packed_meta, digest: manifest_bytes}
-    named = publish_verified(reg, opts.name, opts.version, digest, result.reused, held,
-                             same=lambda other: _same_layer(reg, other, identity))
-    if named != digest:  # a concurrent build of the same source published first
-        return BuildResult(ref, named, reg.layer(named), published=False)
+    named, created = publish_verified(reg, opts.name, opts.version, digest, result.reused,
+                                      held, same=lambda other: _same_layer(reg, other, identity))
+    if not created:  # a concurrent build of the same source published first
+        return BuildResult(ref, named, reg.layer(named) if named != digest else manifest,
+                           published=False)
     return BuildResult(ref, digest, manifest, published=True)
 
 
@@ -173,19 +174,20 @@ def _same_layer(reg: Registry, digest: str, identity: LayerIdentity) -> bool:
 
 def publish_verified(reg: Registry, name: str, version: str, digest: str,
                      reused: set[str], held: dict[str, bytes],
-                     same: Callable[[str], bool] | None = None) -> str:
+                     same: Callable[[str], bool] | None = None) -> tuple[str, bool]:
     """Write the layer ref, then check that the blobs a concurrent gc could have
     taken meanwhile are still there: the packs this push reused and the blobs
     it holds (``held``: digest → bytes; written again if gone). A reused pack
     that is gone takes the ref back (if this call wrote it) and fails the push.
-    Returns the digest the ref names: ``digest``, or the manifest of another
-    push that got there first and that ``same`` (given its digest) accepts;
-    that push checks its own blobs."""
+    Returns the digest the ref names and whether this call wrote it; the
+    digest is ``digest`` or that of another push's manifest that got there
+    first and that ``same`` (given its digest) accepts (that push checks its
+    own blobs)."""
     created = reg.publish(LAYERS, name, version, digest, same)
     if not created:
         winner = reg.read_ref(LAYERS, name, version)
         if winner is not None and winner != digest:
-            return winner
+            return winner, False
     digests = sorted(reused | held.keys())
     with ThreadPoolExecutor(VERIFY_WORKERS, thread_name_prefix="verify") as pool:
         present = list(pool.map(lambda d: reg.store.exists(blob_key(d)), digests))
@@ -198,7 +200,7 @@ def publish_verified(reg: Registry, name: str, version: str, digest: str,
         if created:
             reg.store.delete(ref_key(LAYERS, name, version))
         raise BlobVanished(f"pack {lost[0]}", f"{name}@{version} was published")
-    return digest
+    return digest, created
 
 
 def _dedup_index(reg: Registry, opts: BuildOptions, existing: str | None):

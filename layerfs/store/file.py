@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
 import secrets
 import stat
 import threading
@@ -69,6 +70,35 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
+
+
+class Writers:
+    """Daemon threads that run file-store writes, kept for reuse; a new one is
+    started whenever none is idle, so a write blocked for good (a hung mount)
+    holds up only its own thread."""
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, task: Callable[[], None]) -> None:
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1
+        self._tasks.put(task)
+        if start:
+            threading.Thread(target=self._work, name="store-write", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            self._tasks.get()()
+            with self._lock:
+                self._idle += 1
+
+
+WRITERS = Writers()
 
 
 class FileStore(Store):
@@ -208,12 +238,12 @@ class FileStore(Store):
 
     # -- writes, each bounded by the store's timeout --
     def _bounded(self, what: str, write: Callable[[], T]) -> T:
-        """``write()`` in a daemon thread; StoreUnreachable if it has not returned
+        """``write()`` in a writer thread; StoreUnreachable if it has not returned
         within the store's timeout (a hung network mount), leaving it behind."""
         outcome: list[tuple[bool, object]] = []
         done = threading.Event()
 
-        def run() -> None:
+        def task() -> None:
             try:
                 outcome.append((True, write()))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
@@ -221,7 +251,7 @@ class FileStore(Store):
             finally:
                 done.set()
 
-        threading.Thread(target=run, name="store-write", daemon=True).start()
+        WRITERS.submit(task)
         if not done.wait(self.timeout):
             raise StoreUnreachable(f"cannot {what}: no answer from the file system at "
                                    f"{self.root} within {self.timeout:g}s")
