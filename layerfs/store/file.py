@@ -6,6 +6,16 @@ never listed as an object), are fsynced, and are renamed (``put``) or
 hard-linked (``put_if_absent``) into place, after which the directory is
 fsynced. A writer killed mid-way leaves its temporary file behind:
 ``list_temporaries`` finds those for gc. ``refresh`` is ``utime(2)``.
+
+A shared file system may not keep the promises of ``link(2)`` and
+``rename(2)`` between its clients (two clients both "create" a key, a reader
+sees a torn file), so every write reads the object back and compares:
+``put_if_absent`` wins only if the key holds its bytes afterwards, and a
+``put`` whose read-back differs is a transient error (retried). A blob is
+named by its digest and verified by every reader, so its read-back compares
+only the size. ``layerfs store
+check`` (layerfs/store/check.py) runs the races that show whether a mount is
+safe to share.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from ..errors import AccessDenied, StoreError, TransientStoreError, UsageError
-from .base import ObjectInfo, RetryPolicy, Store
+from .base import BLOB_PREFIX, ObjectInfo, RetryPolicy, Store
 from .keys import TEMP_MARK, check_key, check_prefix
 
 DENIED = {errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
@@ -58,6 +68,19 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
+
+
+def _read_back(path: Path) -> bytes:
+    """What a reader sees at ``path`` now."""
+    with open(path, "rb", buffering=0) as f:
+        return f.read()
+
+
+def _holds(path: Path, data: bytes | memoryview, whole: bool) -> bool:
+    """Whether ``path`` holds ``data`` now (``whole``: its bytes, else its size)."""
+    if whole:
+        return _read_back(path) == data
+    return os.stat(path).st_size == memoryview(data).nbytes
 
 
 class FileStore(Store):
@@ -215,12 +238,22 @@ class FileStore(Store):
                 temp.unlink(missing_ok=True)
                 raise
             _fsync_dir(path.parent)
+            same = _holds(path, data, whole=not key.startswith(BLOB_PREFIX))
         except OSError as exc:
             raise self._error(exc, key, "write", reading=False) from exc
+        if not same:
+            raise TransientStoreError(f"wrote {path} but read back other bytes"
+                                      " (a concurrent writer, or a torn write on a shared"
+                                      " file system)")
 
     def _put_if_absent(self, key: str, data: bytes) -> bool:
+        """Hard-link a temporary file to the key; True only if the key then
+        holds ``data`` (a shared file system whose ``link(2)`` let another
+        client's create win too shows here as other bytes, and this call lost)."""
         path = self._path(key)
         try:
+            if path.exists():  # a client whose link(2) ignores other clients' files
+                return False
             self._make_dirs(path.parent)
             temp = self._write_temp(path.parent, data)
             try:
@@ -230,7 +263,7 @@ class FileStore(Store):
             finally:
                 temp.unlink(missing_ok=True)
             _fsync_dir(path.parent)
-            return True
+            return _read_back(path) == data
         except OSError as exc:
             raise self._error(exc, key, "write", reading=False) from exc
 
