@@ -42,7 +42,8 @@ def default_store_url() -> str:
 def open_store(url: str | None = None, s3_endpoint: str | None = None) -> Store:
     """The store named by ``url`` (default: :func:`default_store_url`).
 
-    ``s3_endpoint`` applies to ``s3://`` URLs only (default ``$AWS_ENDPOINT_URL``).
+    ``s3_endpoint`` applies to ``s3://`` URLs only (default ``$AWS_ENDPOINT_URL``);
+    a comma-separated list names several gateways to fail over between.
     """
     url = url or default_store_url()
     scheme = urlsplit(url).scheme
@@ -55,9 +56,9 @@ def open_store(url: str | None = None, s3_endpoint: str | None = None) -> Store:
 
         return FileStore.from_url(url)
     if scheme == "s3":
-        from .s3 import S3Store
+        from .s3failover import open_s3
 
-        return S3Store.from_url(url, endpoint=s3_endpoint)
+        return open_s3(url, s3_endpoint)
     raise UsageError(
         f"unknown store URL scheme {scheme!r} in {url!r}: use file:///path or s3://bucket/prefix"
     )
