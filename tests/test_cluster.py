@@ -18,8 +18,11 @@ from pathlib import Path
 import pytest
 import trio
 from cluster import BUCKET_000, BUCKET_010, Cluster, start_cluster
+from nodes import NodeDaemon
 from s3server import DUMMY_AWS_ENV, S3Server, find_weed, free_ports
+from support import need_root
 
+from layerfs.builder.env import create_env
 from layerfs.cache.chunkcache import ChunkCache
 from layerfs.errors import StoreUnreachable
 from layerfs.formats.chunktable import ChunkEntry
@@ -195,3 +198,38 @@ def test_a_volume_server_killed_under_000_fails_only_what_it_held(healthy: Clust
     # one line naming what it could not read (per-object listing: issue 16, item 2)
     assert proc.returncode != 0 and proc.stderr.startswith("layerfs: error: ")
     assert url in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+@pytest.mark.cluster
+@pytest.mark.daemon_log(FAILOVER_LOG)
+def test_two_daemons_read_a_build_while_a_gateway_and_a_volume_server_die(
+        healthy: Cluster, tmp_path: Path) -> None:
+    """Builds and two node daemons on the cluster (replication 010, both gateways
+    configured): the second daemon reads everything cold after the first
+    gateway and the volume server of the layer's first pack are killed."""
+    need_root()
+    endpoints = ",".join(healthy.endpoints)
+    url = f"s3://{BUCKET_010}/d-{uuid.uuid4().hex[:8]}"
+    digest = build(tmp_path, url, endpoints, "two", seed=3)
+    store = open_store(url, endpoints)
+    try:
+        create_env(store, "e", "1", ["c/two@1"])
+        first_pack = entries(store, digest)[0].pack
+        prefix = store.prefix  # type: ignore[attr-defined]
+    finally:
+        store.close()
+    source = {p.name: p.read_bytes() for p in (tmp_path / "tree-two").iterdir()}
+    args = ["--store", url, "--s3-endpoint", endpoints]
+    first = NodeDaemon(tmp_path / "n1", args, cache_size="64M").start()
+    second = NodeDaemon(tmp_path / "n2", args, cache_size="64M").start()
+    try:
+        rootfs = Path(first.cli("up", "e@1", "--id", "a").stdout.strip())
+        assert {name: (rootfs / name).read_bytes() for name in source} == source
+        healthy.kill(healthy.volume_of(BUCKET_010, prefix + blob_key(first_pack)))
+        healthy.kill(healthy.gateways[0])
+        rootfs = Path(second.cli("up", "e@1", "--id", "b").stdout.strip())
+        assert {name: (rootfs / name).read_bytes() for name in source} == source
+        first.cli("down", "a")
+        second.cli("down", "b")
+    finally:
+        assert first.cleanup() == [] and second.cleanup() == []
