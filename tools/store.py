@@ -34,7 +34,7 @@ def check(urls: tuple[str, ...], writers: int, rounds: int, payload: int,
     may win, and all must read the winner's bytes) and puts its own bytes to
     another (every read must be one writer's bytes whole). Give several URLs
     (e.g. two mounts of one shared file system) to spread the writers over them.
-    Exit 0 if safe, 10 if not.
+    Exit 0 if safe, 11 if not.
     """
     plan = CheckPlan(urls, writers, rounds, payload, s3_endpoint)
     first = open_store(urls[0], s3_endpoint=s3_endpoint)

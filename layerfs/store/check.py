@@ -87,7 +87,7 @@ class CheckResult:
 class StoreNotSafe(LayerfsError):
     """{}"""
 
-    exit_code = 10
+    exit_code = 11
 
 
 def token(writer: int, round_: int, size: int) -> bytes:
