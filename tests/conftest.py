@@ -36,6 +36,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "daemon_log(*patterns): WARNING/ERROR log records (regexes) the test "
         "expects from its daemons or in-process")
+    config.addinivalue_line(
+        "markers", "cluster: runs on the real SeaweedFS cluster of tests/cluster.py")
 
 
 def declared_patterns(item: pytest.Item) -> list[re.Pattern[str]]:

@@ -14,9 +14,10 @@ import trio.testing
 from layerfs.cache.chunkcache import ChunkCache
 from layerfs.cache.chunkfile import BLOCK
 from layerfs.chunks import pack_runs
-from layerfs.errors import StoreUnreachable
+from layerfs.errors import StoreUnreachable, TransientStoreError
 from layerfs.formats.chunktable import FILE_START, RAW, ChunkEntry, ChunkTable
 from layerfs.node.blobfiles import BlobFile
+from layerfs.node.failfast import OBJECT_BACKOFF, OBJECT_BACKOFF_MAX, FailFast
 from layerfs.node.fetcher import ChunkFetcher, FetchError
 from layerfs.store.base import blob_key
 
@@ -129,6 +130,81 @@ def test_a_hung_store_is_eio_within_the_timeout(tmp_path):
 
     trio.run(main)
     store.release.set()
+
+
+BAD_PACK = "sha256:" + "b" * 64
+LOST = b"lost chunk " * 1000
+BAD_ENTRY = ChunkEntry(0, len(LOST), hashlib.sha256(LOST).digest(), BAD_PACK, 0, len(LOST), RAW)
+OTHER = b"other chunk " * 1000
+OTHER_ENTRY = ChunkEntry(0, len(OTHER), hashlib.sha256(OTHER).digest(), "sha256:" + "c" * 64,
+                         0, len(OTHER), RAW)
+
+
+class FaultyStore:
+    """Fault injection: answers an error for the objects in ``broken`` (a 500
+    for one lost volume), DATA or OTHER for the others; records the keys read."""
+
+    def __init__(self, broken: set[str], error: Exception) -> None:
+        self.broken = broken
+        self.error = error
+        self.keys: list[str] = []
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        self.keys.append(key)
+        if key in self.broken:
+            raise self.error
+        return OTHER if key == blob_key(OTHER_ENTRY.pack) else DATA
+
+
+@pytest.mark.daemon_log(r"transient store error: 500 for one object")
+def test_one_unservable_pack_fails_fast_alone_and_other_reads_go_on(tmp_path):
+    """Regression (issue 16, item 3): one object's 500 once failed every uncached
+    read of the node for 2 s; now only that pack fails fast, within its backoff."""
+    store = FaultyStore({blob_key(BAD_PACK)}, TransientStoreError("500 for one object"))
+    f = fetcher(tmp_path, store)
+
+    async def main() -> None:
+        with pytest.raises(FetchError, match="500 for one object"):
+            await f.get(BAD_ENTRY)
+        assert await f.get(ENTRY) == DATA  # another pack, right after the failure
+        assert await f.get(OTHER_ENTRY) == OTHER
+        reads = len(store.keys)
+        with pytest.raises(FetchError, match=r"unavailable \(failed 1 time"):
+            await f.get(BAD_ENTRY)
+        assert len(store.keys) == reads  # failed fast: the store was not asked again
+
+    trio.run(main)
+
+
+@pytest.mark.daemon_log(r"store unreachable: connection refused")
+def test_a_store_that_does_not_answer_fails_every_uncached_read_fast(tmp_path):
+    store = FaultyStore({blob_key(BAD_PACK)}, StoreUnreachable("connection refused"))
+    f = fetcher(tmp_path, store)
+
+    async def main() -> None:
+        with pytest.raises(FetchError, match="connection refused"):
+            await f.get(BAD_ENTRY)
+        with pytest.raises(FetchError, match=r"store unavailable \(failed just now"):
+            await f.get(ENTRY)
+        assert store.keys == [blob_key(BAD_PACK)]
+
+    trio.run(main)
+
+
+def test_a_packs_backoff_doubles_up_to_a_bound_and_a_success_forgets_it():
+    fail_fast = FailFast()
+    now, waits = 100.0, []
+    for _ in range(8):
+        fail_fast.pack_failed("p", now, "500")
+        waits.append(fail_fast.packs["p"].until - now)
+        assert fail_fast.refusal("p", now + waits[-1] - 0.01) is not None
+        assert fail_fast.refusal("p", now + waits[-1]) is None
+        assert fail_fast.refusal("q", now) is None
+    assert waits[:3] == [OBJECT_BACKOFF, 2 * OBJECT_BACKOFF, 4 * OBJECT_BACKOFF]
+    assert waits[-1] == OBJECT_BACKOFF_MAX
+    fail_fast.pack_served("p")
+    fail_fast.pack_failed("p", now, "500")
+    assert fail_fast.packs["p"].until - now == OBJECT_BACKOFF
 
 
 class PackStore:

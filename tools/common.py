@@ -38,7 +38,8 @@ def store_options(fn: Callable) -> Callable:
                   help="file:///path or s3://bucket/prefix [env: LAYERFS_STORE; default: "
                        "/var/lib/layerfs/store as root].")
     @click.option("--s3-endpoint", envvar="AWS_ENDPOINT_URL", metavar="URL",
-                  help="S3 endpoint for s3:// stores [env: AWS_ENDPOINT_URL].")
+                  help="S3 endpoint for s3:// stores; several, comma separated, to fail "
+                       "over between [env: AWS_ENDPOINT_URL].")
     @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
     @functools.wraps(fn)
     def wrapper(store_url: str | None, s3_endpoint: str | None, as_json: bool, **kw: Any):

@@ -11,6 +11,7 @@ from layerfs import __version__
 from layerfs.errors import LayerfsError
 
 from . import disks, envs, exports, gc, images, layers, node
+from .store import store as store_group
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -31,6 +32,7 @@ cli.add_command(envs.env)
 cli.add_command(images.import_cmd)
 cli.add_command(gc.gc)
 cli.add_command(exports.export)
+cli.add_command(store_group)
 for command in (node.daemon, node.up, node.down, node.ps, node.run, node.stats, node.trace,
                 node.commit,
                 disks.build_disk_cmd, disks.disk, disks.vm):

@@ -7,9 +7,11 @@ decompression and hashing happen in worker threads bounded by
 however many readers want it (single flight); fetches run in parallel up to a
 bound; every fetch is bounded in time, and its failure (store down, corrupt
 chunk, timeout) reaches every reader that waited for it, then is forgotten so
-the next read tries again. After the store failed to answer, uncached reads
-fail at once for ``STORE_COOLDOWN`` seconds, so that one read(2) never waits
-several timeouts. A run of chunks that lie one after another in a pack is
+the next read tries again. A failed read makes the next reads of what
+failed fail at once for a while (layerfs/node/failfast.py), so that one
+read(2) never waits several timeouts: reads of one pack the store could not
+serve, with a backoff, and every uncached read only when the store itself did
+not answer (``STORE_COOLDOWN``). A run of chunks that lie one after another in a pack is
 fetched with one range read; each chunk of it has its own flight. The
 prefetch policies (layerfs/node/prefetch.py) only call this core.
 Invariants: docs/node.md.
@@ -25,20 +27,20 @@ import trio
 
 from ..cache.chunkcache import ChunkCache
 from ..chunks import fetch_chunk, fetch_run, pack_runs
-from ..errors import IntegrityError, LayerfsError, StoreUnreachable, TransientStoreError
+from ..errors import IntegrityError, LayerfsError, StoreError, StoreUnreachable
 from ..formats.chunktable import ChunkEntry
 from ..store.base import Store
 from .chunkstate import ChunkState, ChunkStates, Claim, FetchError, Flight, MemoryChunks
+from .failfast import STORE_COOLDOWN, FailFast
 from .prefetch import Prefetcher
 
-__all__ = ["Buffer", "ChunkFetcher", "FetchError", "MemoryChunks"]
+__all__ = ["STORE_COOLDOWN", "Buffer", "ChunkFetcher", "FetchError", "MemoryChunks"]
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
-STORE_COOLDOWN = 2.0  # seconds uncached reads fail fast after the store failed
 QUIET = 1  # a background run starts only while at most this many readers' fetches go on
 
 
@@ -55,7 +57,7 @@ class ChunkFetcher:
         self.states = ChunkStates(cache, memory, self.io_limit)
         self.memory = self.states.memory
         self.nursery: trio.Nursery | None = None
-        self.store_down_until = 0.0
+        self.fail_fast = FailFast()
         self._reader_fetches = 0  # store reads that readers (or an eager up) wait for
         self._quiet = trio.lowlevel.ParkingLot()  # woken when they drop to QUIET
         self.policy = Prefetcher(self, miss_span)
@@ -191,28 +193,37 @@ class ChunkFetcher:
         for _ in run:
             self.cache.note_miss()
         with trio.move_on_after(self.timeout) as scope:
-            results = await self._from_store(where, self._fetch_run, run, for_reader)
+            results = await self._from_store(where, run[0].pack, self._fetch_run, run,
+                                             for_reader)
             return [self._failed_chunk(e, r) if isinstance(r, IntegrityError) else r
                     for e, r in zip(run, results, strict=True)]
         assert scope.cancelled_caught
-        self._store_failed()
+        self._store_failed(f"no answer within {self.timeout:.0f}s")
         log.error("%s: no answer from the store within %.0fs", where, self.timeout)
         raise FetchError(where, f"timed out after {self.timeout:.0f}s")
 
-    async def _from_store(self, where: str, fetch: Callable[[T], R], arg: T,
+    async def _from_store(self, where: str, pack: str, fetch: Callable[[T], R], arg: T,
                           for_reader: bool = True) -> R:
-        """``fetch(arg)`` in a worker thread under ``fetch_limit``; its errors as
-        FetchError with a log line, a store outage also opening the fail-fast
-        window (during which it fails at once). Counted in ``_reader_fetches``
-        unless it is a background fetch."""
-        if trio.current_time() < self.store_down_until:
-            raise FetchError(where, "store unavailable (failed just now)")
+        """``fetch(arg)`` (a read of ``pack``) in a worker thread under
+        ``fetch_limit``; its errors as FetchError with a log line. It fails at
+        once while ``fail_fast`` refuses the pack; a store that did not answer
+        opens the store-wide window, any other store error the pack's backoff.
+        Counted in ``_reader_fetches`` unless it is a background fetch."""
+        refusal = self.fail_fast.refusal(pack, trio.current_time())
+        if refusal is not None:
+            raise FetchError(where, refusal)
         self._reader_fetches += for_reader
         try:
             async with self.fetch_limit:
-                return await trio.to_thread.run_sync(fetch, arg, abandon_on_cancel=True)
-        except (StoreUnreachable, TransientStoreError) as exc:
-            self._store_failed()
+                result = await trio.to_thread.run_sync(fetch, arg, abandon_on_cancel=True)
+            self.fail_fast.pack_served(pack)
+            return result
+        except StoreUnreachable as exc:
+            self._store_failed(str(exc))
+            log.error("%s: %s", where, exc)
+            raise FetchError(where, str(exc)) from exc
+        except StoreError as exc:
+            self.fail_fast.pack_failed(pack, trio.current_time(), str(exc))
             log.error("%s: %s", where, exc)
             raise FetchError(where, str(exc)) from exc
         except LayerfsError as exc:
@@ -253,17 +264,18 @@ class ChunkFetcher:
                     return data, False  # type: ignore[return-value]  # a memoryview: see issue 14
             else:
                 self.cache.note_miss()
-            return await self._from_store(f"chunk {sha[:16]}", self._fetch, entry), True
+            return await self._from_store(f"chunk {sha[:16]}", entry.pack, self._fetch,
+                                          entry), True
         assert scope.cancelled_caught
-        self._store_failed()
+        self._store_failed(f"no answer within {self.timeout:.0f}s")
         log.error("chunk %s: no answer from the store within %.0fs", sha[:16], self.timeout)
         raise FetchError(f"chunk {sha[:16]}", f"timed out after {self.timeout:.0f}s")
 
-    def _store_failed(self) -> None:
-        """For a moment, fail uncached reads at once instead of waiting again: the
-        kernel retries a failed read page by page, and each retry would otherwise
-        wait a whole timeout."""
-        self.store_down_until = trio.current_time() + STORE_COOLDOWN
+    def _store_failed(self, reason: str) -> None:
+        """The store did not answer: for a moment, fail uncached reads at once
+        instead of waiting again (the kernel retries a failed read page by page,
+        and each retry would otherwise wait a whole timeout)."""
+        self.fail_fast.store_failed(trio.current_time(), reason)
 
     def _fetch(self, entry: ChunkEntry) -> bytes:
         """Worker thread: range-read the pack, decompress, verify."""

@@ -44,6 +44,7 @@ def open_store(url: str | None = None, s3_endpoint: str | None = None,
     """The store named by ``url`` (default: :func:`default_store_url`).
 
     ``s3_endpoint`` applies to ``s3://`` URLs only (default ``$AWS_ENDPOINT_URL``);
+    a comma-separated list names several gateways to fail over between.
     ``timeout``: seconds without progress before calls give up (``Store.set_timeout``).
     """
     store = _open(url, s3_endpoint)
@@ -64,9 +65,9 @@ def _open(url: str | None, s3_endpoint: str | None) -> Store:
 
         return FileStore.from_url(url)
     if scheme == "s3":
-        from .s3 import S3Store
+        from .s3failover import open_s3
 
-        return S3Store.from_url(url, endpoint=s3_endpoint)
+        return open_s3(url, s3_endpoint)
     raise UsageError(
         f"unknown store URL scheme {scheme!r} in {url!r}: use file:///path or s3://bucket/prefix"
     )

@@ -12,6 +12,16 @@ denied, EIO/EAGAIN/ESTALE an unavailable object (retried), and the errors of a
 network mount that lost its server (ETIMEDOUT, ENOTCONN, ...) an unreachable
 store (retried). A write that does not return within the store's timeout
 (a hung mount) is left blocked in its thread and fails as an unreachable store.
+
+A shared file system may not keep the promises of ``link(2)`` and
+``rename(2)`` between its clients (two clients both "create" a key, a reader
+sees a torn file), so every write reads the object back and compares:
+``put_if_absent`` wins only if the key holds its bytes afterwards, and a
+``put`` whose read-back differs is a transient error (retried). A blob is
+named by its digest and verified by every reader, so its read-back compares
+only the size. ``layerfs store
+check`` (layerfs/store/check.py) runs the races that show whether a mount is
+safe to share.
 """
 
 from __future__ import annotations
@@ -27,8 +37,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from ..errors import AccessDenied, ObjectUnavailable, StoreError, StoreUnreachable, UsageError
-from .base import ObjectInfo, RetryPolicy, Store
+from ..errors import (
+    AccessDenied,
+    ObjectUnavailable,
+    StoreError,
+    StoreUnreachable,
+    TransientStoreError,
+    UsageError,
+)
+from .base import BLOB_PREFIX, ObjectInfo, RetryPolicy, Store
 from .keys import TEMP_MARK, check_key, check_prefix
 
 DENIED = {errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
@@ -99,6 +116,19 @@ class Writers:
 
 
 WRITERS = Writers()
+
+
+def _read_back(path: Path) -> bytes:
+    """What a reader sees at ``path`` now."""
+    with open(path, "rb", buffering=0) as f:
+        return f.read()
+
+
+def _holds(path: Path, data: bytes | memoryview, whole: bool) -> bool:
+    """Whether ``path`` holds ``data`` now (``whole``: its bytes, else its size)."""
+    if whole:
+        return _read_back(path) == data
+    return os.stat(path).st_size == memoryview(data).nbytes
 
 
 class FileStore(Store):
@@ -294,12 +324,22 @@ class FileStore(Store):
                 temp.unlink(missing_ok=True)
                 raise
             _fsync_dir(path.parent)
+            same = _holds(path, data, whole=not key.startswith(BLOB_PREFIX))
         except OSError as exc:
             raise self._error(exc, key, "write", reading=False) from exc
+        if not same:
+            raise TransientStoreError(f"wrote {path} but read back other bytes"
+                                      " (a concurrent writer, or a torn write on a shared"
+                                      " file system)")
 
     def _put_if_absent_now(self, key: str, data: bytes) -> bool:
+        """Hard-link a temporary file to the key; True only if the key then
+        holds ``data`` (a shared file system whose ``link(2)`` let another
+        client's create win too shows here as other bytes, and this call lost)."""
         path = self._path(key)
         try:
+            if path.exists():  # a client whose link(2) ignores other clients' files
+                return False
             self._make_dirs(path.parent)
             temp = self._write_temp(path.parent, data)
             try:
@@ -309,7 +349,7 @@ class FileStore(Store):
             finally:
                 temp.unlink(missing_ok=True)
             _fsync_dir(path.parent)
-            return True
+            return _read_back(path) == data
         except OSError as exc:
             raise self._error(exc, key, "write", reading=False) from exc
 

