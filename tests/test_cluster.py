@@ -24,7 +24,7 @@ from support import need_root
 
 from layerfs.builder.env import create_env
 from layerfs.cache.chunkcache import ChunkCache
-from layerfs.errors import StoreUnreachable
+from layerfs.errors import ObjectUnavailable, StoreUnreachable
 from layerfs.formats.chunktable import ChunkEntry
 from layerfs.node.fetcher import ChunkFetcher, FetchError
 from layerfs.registry import Registry
@@ -191,13 +191,15 @@ def test_a_volume_server_killed_under_000_fails_only_what_it_held(healthy: Clust
         results = read_chunks(store, tmp_path, [lost, kept, lost])
     finally:
         store.close()
-    assert isinstance(results[0], str) and "timed out" not in results[0], results[0]
+    assert isinstance(results[0], str) and "object unavailable" in results[0], results[0]
     assert isinstance(results[1], bytes)  # another pack, right after the failure
     assert isinstance(results[2], str) and "unavailable (failed 1 time" in results[2]
-    proc = layerfs("verify", lost_ref, "--store", url, "--s3-endpoint", endpoints)
-    # one line naming what it could not read (per-object listing: issue 16, item 2)
-    assert proc.returncode != 0 and proc.stderr.startswith("layerfs: error: ")
-    assert url in proc.stderr and len(proc.stderr.splitlines()) == 1
+    proc = layerfs("verify", lost_ref, "--store", url, "--s3-endpoint", endpoints, "--json")
+    # one line saying what it could not read, and per object what it found
+    assert proc.returncode == ObjectUnavailable.exit_code, proc.stderr
+    assert proc.stderr.startswith("layerfs: error: ") and len(proc.stderr.splitlines()) == 1
+    assert "unavailable" in proc.stderr and "corrupt" not in proc.stderr
+    assert lost.pack.split(":")[-1] in proc.stdout and "\"found\": \"unavailable\"" in proc.stdout
 
 
 @pytest.mark.cluster
