@@ -255,17 +255,30 @@ class Sandboxes:
             # half the fetch slots, so that sandboxes already up still get theirs
             await fetcher.fetch_all(entries, workers=max(1, fetcher.parallel // 2))
         elif record.prefetch in ("trace", "auto"):
-            orders: list[list[int]] = [[] for _ in blobs]
+            auto = record.prefetch == "auto"
+            if fetcher.nursery is None:
+                await self._replay_traces(blobs, auto)
+            else:  # in the background: the sandbox is up without waiting for the GETs
+                fetcher.nursery.start_soon(self._replay_traces, blobs, auto)
 
-            async def trace_of(k: int) -> None:
+    async def _replay_traces(self, blobs: list[BlobFile], pushed_only: bool) -> None:
+        """Get the layers' traces (all at once: one store round trip) and replay
+        each in the background."""
+        orders: list[list[int]] = [[] for _ in blobs]
+
+        async def trace_of(k: int) -> None:
+            try:
                 orders[k] = await trio.to_thread.run_sync(self._trace_for, blobs[k].digest,
-                                                          record.prefetch == "auto")
+                                                          pushed_only)
+            except Exception as exc:  # noqa: BLE001 - a replay is only a hint
+                log.error("access trace of %s not replayed: %s", blobs[k].digest, exc)
 
-            async with trio.open_nursery() as nursery:  # one store round trip for them all
-                for k in range(len(blobs)):
-                    nursery.start_soon(trace_of, k)
-            for blob, order in zip(blobs, orders, strict=True):
-                fetcher.spawn_prefetch(blob.entries_in_order(order), workers=TRACE_WORKERS)
+        async with trio.open_nursery() as nursery:
+            for k in range(len(blobs)):
+                nursery.start_soon(trace_of, k)
+        for blob, order in zip(blobs, orders, strict=True):
+            self.layers.fetcher.spawn_prefetch(blob.entries_in_order(order),
+                                               workers=TRACE_WORKERS)
 
     def _trace_for(self, digest: str, pushed_only: bool) -> list[int]:
         """Worker thread: the layer's trace pushed to the store merged into this
