@@ -72,6 +72,7 @@ def test_first_up_of_a_never_seen_env_gets_each_object_once(node, tmp_path):
         assert (rootfs / "lower" / "a").read_text() == "upper a"  # inline: no chunk read
         after = other.request("stats")["store"]
         assert {k: after[k] - before.get(k, 0) for k in after} == {"get": 2 + 2 * 3}
+        assert f"store requests: get {after['get']}" in other.cli("stats").stdout
         other.cli("down", "s1")
         other.cli("up", "e@1", "--id", "s2")  # manifests now known: the ref and 2 traces
         assert settled_gets(other) - after["get"] == 1 + 2

@@ -187,6 +187,9 @@ def stats(root: str, as_json: bool) -> None:
                  f"{c['entries']} chunks; hits {c['hits']}, misses {c['misses']}, fetched "
                  f"{human_bytes(c['bytes_fetched'])}, written {human_bytes(c['bytes_written'])}"
                  f", evictions {c['evictions']}, corrupt {c['corrupt']}"]
+        if res.store:
+            lines.append("store requests: " + ", ".join(f"{kind} {n}" for kind, n
+                                                         in sorted(res.store.items())))
         for digest, layer in res.layers.items():
             lines.append(f"layer {digest[:19]}: read {human_bytes(layer.bytes_read)} of "
                          f"{human_bytes(layer.blob_bytes)}, chunks {layer.chunks_touched}"
