@@ -27,6 +27,15 @@ image's bytes, and the test's result line.
                              [--miss-span 128K] (the daemons' --miss-span)
 
 Needs root. Prints a table and writes bench/results/real_env.json.
+
+``--workload debian`` measures fetch granularity instead (issue 15's workload):
+a plain ``debootstrap --variant=minbase bookworm`` tree as one layer, built once
+per ``--chunk-sizes``, and for each chunk size and each ``--miss-spans`` value,
+``--reps`` alternating cold runs (fresh ROOT, page cache dropped, ``up
+--prefetch none``) of ``apt-get --version; dpkg -l; perl -e 1; ls -lR
+/usr/share/doc; bash --version`` through ``layerfs run``. Reported per setting:
+the bytes fetched (and their fraction of the layer's blob), the store GETs of
+the whole run, and the cold start; written to bench/results/granularity.json.
 """
 
 from __future__ import annotations
@@ -314,6 +323,144 @@ class Bench:
         return out
 
 
+# -- fetch granularity on the Debian workload ------------------------------------------------
+
+DEBIAN_CMD = ("apt-get --version; dpkg -l; perl -e 1; ls -lR /usr/share/doc; bash --version")
+
+
+def ensure_minbase(work: Path) -> dict:
+    """A plain bookworm minbase tree (no extra packages), made once."""
+    base, marker = work / "minbase", work / "minbase.json"
+    info = load_marker(marker)
+    if info and base.is_dir():
+        return info
+    tmp = work / "minbase.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    mirror = debian_mirror()
+    print(f"debootstrap --variant=minbase {SUITE} from {mirror} (once)...", flush=True)
+    with open(work / "debootstrap-minbase.log", "wb") as log:
+        sh(["debootstrap", "--variant=minbase", SUITE, str(tmp), mirror], stdout=log,
+           stderr=subprocess.STDOUT)
+    for sub in ("var/cache/apt/archives", "var/lib/apt/lists"):
+        for p in (tmp / sub).glob("*"):
+            if p.is_file() and p.name != "lock":
+                p.unlink()
+    tmp.rename(base)
+    files, size = tree_bytes(base)
+    return save_marker(marker, {"mirror": mirror, "suite": SUITE, "files": files, "bytes": size})
+
+
+def push_minbase(store: Any, work: Path, info: dict, chunk_size: int) -> dict:
+    """The minbase as one layer of ``chunk_size`` chunks, and an env of it."""
+    reg = Registry(store)
+    name, version = "bench/debian/base", f"g{GEN}-{info['id']}-c{chunk_size >> 10}k"
+    digest = reg.read_ref(LAYERS, name, version)
+    if digest is None:
+        print(f"pushing {name}@{version}...", flush=True)
+        digest = build_layer(reg, str(work / "minbase"),
+                             BuildOptions(name, version, role="base",
+                                          chunk_size=chunk_size)).digest
+    manifest = reg.layer(digest)
+    table = reg.chunk_table(manifest)
+    create_env(store, "bench/debian/env", version, [f"{name}@{version}"])
+    return {"env": f"bench/debian/env@{version}", "chunk_size": chunk_size,
+            "blob_bytes": table.blob_size, "stored_bytes": table.stored_bytes(),
+            "chunks": len(table), "meta_bytes": manifest.meta.size,
+            "file_bytes": info["bytes"]}
+
+
+def granularity_run(args: argparse.Namespace, work: Path, store_args: list[str], oddities: list,
+                    layer: dict, miss_span: str, rep: int) -> dict:
+    runs = DaemonRuns(work, oddities, "20G", args.read_timeout,
+                      daemon_args=["--miss-span", miss_span, *layer_readahead(args)])
+    node = runs.start(clear_dir(work / "node" / "g", oddities), "g", store_args)
+    try:
+        drop_caches()
+        start = time.perf_counter()
+        node.request("up", id="s", env=layer["env"], prefetch="none")
+        up_s = time.perf_counter() - start
+        secs, code, last = run_test(node.root, "s", DEBIAN_CMD)
+        cold = time.perf_counter() - start
+        stats = node.request("stats")
+        node.request("down", id="s")
+    finally:
+        runs.finish(node, remove_root=True)
+    if code:
+        oddities.append(f"chunk {layer['chunk_size']} span {miss_span}: exit {code}: {last}")
+    out = {"chunk_size": layer["chunk_size"], "miss_span": miss_span, "rep": rep,
+           "up_s": round(up_s, 3), "run_s": round(secs, 3), "cold_start_s": round(cold, 3),
+           "bytes_fetched": stats["cache"]["bytes_fetched"],
+           "chunks_fetched": stats["cache"]["entries"],
+           "store_gets": stats.get("store", {}).get("get"), "exit": code}
+    out["fraction"] = round(out["bytes_fetched"] / layer["blob_bytes"], 4)
+    print(f"  chunk {layer['chunk_size'] >> 10:5} KiB span {miss_span:>5} rep {rep}: cold "
+          f"{cold:5.2f} s, fetched {out['bytes_fetched'] / 1e6:6.1f} MB "
+          f"({out['fraction']:.1%}), {out['store_gets']} GETs", flush=True)
+    return out
+
+
+def granularity_main(args: argparse.Namespace, work: Path) -> None:
+    info = ensure_minbase(work)
+    sizes = [corpus_size(s) for s in args.chunk_sizes.split(",")]
+    spans = [s.strip() for s in args.miss_spans.split(",")]
+    oddities: list[str] = []
+    runs: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        url, endpoint = args.store or DEFAULT_URL, args.s3_endpoint
+        if args.store is None:
+            endpoint = stack.enter_context(corpus.seaweedfs()).endpoint
+        store = open_store(url, s3_endpoint=endpoint)
+        try:
+            layers = [push_minbase(store, work, info, size) for size in sizes]
+        finally:
+            store.close()
+        store_args = ["--store", url] + (["--s3-endpoint", endpoint]
+                                         if url.startswith("s3://") and endpoint else [])
+        settings = [(layer, span) for layer in layers for span in spans]
+        for rep in range(args.reps):
+            order = settings if rep % 2 == 0 else settings[::-1]
+            for layer, span in order:
+                runs.append(granularity_run(args, work, store_args, oddities, layer, span, rep))
+    table = []
+    print(f"\n{'chunk':>7} {'span':>6} {'fetched MB':>11} {'of blob':>8} {'GETs':>6} "
+          f"{'cold s':>7}")
+    for layer, span in settings:
+        rs = [r for r in runs if r["chunk_size"] == layer["chunk_size"] and r["miss_span"] == span]
+        row = {"chunk_size": layer["chunk_size"], "miss_span": span,
+               "blob_bytes": layer["blob_bytes"],
+               **{f"{k}_p50": statistics.median(r[k] for r in rs)
+                  for k in ("bytes_fetched", "fraction", "store_gets", "cold_start_s")}}
+        table.append(row)
+        print(f"{layer['chunk_size'] >> 10:>5}K {span:>6} {row['bytes_fetched_p50'] / 1e6:11.1f} "
+              f"{row['fraction_p50']:8.1%} {row['store_gets_p50']:6.0f} "
+              f"{row['cold_start_s_p50']:7.2f}")
+    result = {"params": {"reps": args.reps, "chunk_sizes": sizes, "miss_spans": spans,
+                         "command": DEBIAN_CMD, "store": args.store or DEFAULT_URL,
+                         "layer_readahead": args.layer_readahead},
+              "machine": {"cpus": os.cpu_count(), "kernel": platform.release()},
+              "layerfs_commit": git_head(), "source": info, "layers": layers,
+              "runs": runs, "summary": table, "oddities": oddities,
+              "method": ("Fresh daemon ROOT per run, page cache dropped, up --prefetch none, "
+                         "then layerfs run of the command; bytes_fetched: the daemon's "
+                         "cache.bytes_fetched (uncompressed chunk bytes); fraction: of the "
+                         "layer's data blob; settings alternate order between reps; medians.")}
+    out = Path(args.out if args.out_given else HERE / "results" / "granularity.json")
+    out.write_text(json.dumps(result, indent=1))
+    for odd in oddities:
+        print("oddity:", odd)
+    print(f"wrote {out}")
+
+
+def layer_readahead(args: argparse.Namespace) -> list[str]:
+    return ["--layer-readahead", args.layer_readahead] if args.layer_readahead else []
+
+
+def corpus_size(text: str) -> int:
+    from layerfs.sizes import parse_size
+
+    return parse_size(text.strip())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--project", default="iniconfig", help="the PyPI sdist for the workspace")
@@ -328,13 +475,23 @@ def main() -> None:
     ap.add_argument("--s3-endpoint", default=None)
     ap.add_argument("--work", default=str(HERE / "work" / "real"))
     ap.add_argument("--out", default=str(HERE / "results" / "real_env.json"))
+    ap.add_argument("--workload", choices=("pytest", "debian"), default="pytest")
+    ap.add_argument("--chunk-sizes", default="1M,256K,64K", help="--workload debian")
+    ap.add_argument("--miss-spans", default="0,128K", help="--workload debian")
+    ap.add_argument("--layer-readahead", default=None,
+                    help="--workload debian: the daemons' --layer-readahead")
     args = ap.parse_args()
+    args.out_given = "--out" in sys.argv
     if os.geteuid() != 0:
         sys.exit("bench/real_env.py needs root (debootstrap, chroot, mounts)")
     started = time.perf_counter()
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.workload == "debian":
+        detach_mounts(work)
+        granularity_main(args, work)
+        return
     detach_mounts(work)
     shutil.rmtree(work / "logs", ignore_errors=True)
     wheels = [w.strip() for w in args.wheels.split(",") if w.strip()]

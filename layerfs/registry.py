@@ -40,6 +40,7 @@ from .store.base import Store, blob_key, sha256_digest
 LAYERS, ENVS = "layers", "envs"
 MAX_REF_BYTES = 1024  # a ref is one digest line; anything longer is not a ref
 HEADS_KEPT = 4096  # manifest heads (kind, name, version) remembered by digest
+MANIFESTS_KEPT = 256  # whole manifests remembered by digest (a ref check, then a fetch)
 KINDS_OF = {LAYERS: ("erofs", "lsmt"), ENVS: ("env",)}
 
 
@@ -77,6 +78,7 @@ class Registry:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._heads: OrderedDict[str, ManifestHead] = OrderedDict()
+        self._manifests: OrderedDict[str, bytes] = OrderedDict()
         self._lock = threading.Lock()
 
     # -- refs --
@@ -151,8 +153,19 @@ class Registry:
 
     # -- manifests --
     def manifest_bytes(self, digest: str) -> bytes:
-        """A manifest blob, checked against its digest."""
-        return self.store.get_blob(digest)
+        """A manifest blob, checked against its digest. The last ones are kept:
+        checking a ref and then reading its manifest is one store round trip."""
+        with self._lock:
+            data = self._manifests.get(digest)
+            if data is not None:
+                self._manifests.move_to_end(digest)
+                return data
+        data = self.store.get_blob(digest)
+        with self._lock:
+            self._manifests[digest] = data
+            while len(self._manifests) > MANIFESTS_KEPT:
+                self._manifests.popitem(last=False)
+        return data
 
     def _head(self, digest: str) -> ManifestHead:
         """The kind and name@version of the manifest at ``digest``. Kept in memory:

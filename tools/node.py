@@ -80,9 +80,11 @@ def group_id(group: str) -> int:
 @click.option("--layer", "layers", multiple=True, metavar="REF",
               help="Layers instead of an env, top first (repeatable).")
 @click.option("--id", "sid", required=True, help="Sandbox id.")
-@click.option("--prefetch", type=click.Choice(["none", "full", "trace"]), default="none",
-              show_default=True, help="none: lazy; full: fetch everything first; "
-                                      "trace: replay recorded access order in the background.")
+@click.option("--prefetch", type=click.Choice(["auto", "none", "full", "trace"]),
+              default="auto", show_default=True,
+              help="auto: replay a layer's pushed access trace in the background, if it has "
+                   "one; none: lazy only; full: fetch everything first; trace: replay this "
+                   "node's and the pushed trace.")
 @click.option("--bundle", "bundle_dir", metavar="DIR",
               help="Also write an OCI runtime bundle for the sandbox: DIR/config.json runs "
                    "the image's Entrypoint + Cmd as its User, with its Env and WorkingDir "
@@ -185,6 +187,9 @@ def stats(root: str, as_json: bool) -> None:
                  f"{c['entries']} chunks; hits {c['hits']}, misses {c['misses']}, fetched "
                  f"{human_bytes(c['bytes_fetched'])}, written {human_bytes(c['bytes_written'])}"
                  f", evictions {c['evictions']}, corrupt {c['corrupt']}"]
+        if res.store:
+            lines.append("store requests: " + ", ".join(f"{kind} {n}" for kind, n
+                                                         in sorted(res.store.items())))
         for digest, layer in res.layers.items():
             lines.append(f"layer {digest[:19]}: read {human_bytes(layer.bytes_read)} of "
                          f"{human_bytes(layer.blob_bytes)}, chunks {layer.chunks_touched}"

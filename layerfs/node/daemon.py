@@ -11,7 +11,6 @@ mounts, then FUSE, and exit 0.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -29,6 +28,7 @@ from ..formats.erofs import write_meta_image
 from ..mounts import fs_type, mount_erofs, mounts_under, set_readahead, umount
 from ..registry import LAYERS, Registry
 from ..store import open_store
+from ..store.counting import CountingStore
 from ..tree import FileTree
 from . import protocol
 from .blobfiles import BlobDirectory
@@ -37,7 +37,8 @@ from .diskmanager import DiskManager
 from .fetcher import ChunkFetcher
 from .fusefs import NodeFS
 from .replica import Replica
-from .sandboxes import LayerMounts, Sandboxes, trace_key
+from .sandboxes import LayerMounts, Sandboxes
+from .traces import merge_traces, trace_bytes, trace_key
 
 log = logging.getLogger(__name__)
 DEFAULT_ROOT = "/var/lib/layerfs"
@@ -131,7 +132,7 @@ class Daemon:
         clean_stale_mounts(self.root)  # a crashed daemon's mounts (dead FUSE included)
         secure_root(self.root, cfg.fuse_group)
         probe_erofs_mounts(self.root)
-        self.store = open_store(cfg.store_url, s3_endpoint=cfg.s3_endpoint)
+        self.store = CountingStore(open_store(cfg.store_url, s3_endpoint=cfg.s3_endpoint))
         self.reg = Registry(self.store)
         self.replica = Replica(self.root)
         self.cache = ChunkCache(self.root / "cache", cfg.cache_size)
@@ -262,19 +263,20 @@ class Daemon:
                                          chunks_touched=len(m.blob.touched),
                                          chunks=len(m.blob.table), blob_bytes=m.blob.size)
                   for d, m in self.layers.mounted.items()}
-        return protocol.StatsAnswer(self.cache.snapshot(), layers, len(self.sandboxes.records))
+        return protocol.StatsAnswer(self.cache.snapshot(), layers, len(self.sandboxes.records),
+                                    self.store.requests())
 
     async def trace_push(self, request: protocol.TracePush) -> protocol.TracePushAnswer:
         ref = request.ref
         digest = await trio.to_thread.run_sync(self.reg.resolve, LAYERS, ref)
         mounted = self.layers.mounted.get(digest)
-        order = list(mounted.blob.trace) if mounted else []
-        if not order:
-            order = await trio.to_thread.run_sync(self.replica.trace, digest)
+        order = await trio.to_thread.run_sync(self.replica.trace, digest)
+        order = merge_traces(order, list(mounted.blob.trace) if mounted else [])
         if not order:
             raise UsageError(f"no access trace recorded for {ref} on this node")
-        await trio.to_thread.run_sync(self.store.put, trace_key(digest),
-                                      json.dumps(order).encode())
+        pushed = await trio.to_thread.run_sync(self.sandboxes.pushed_trace, digest)
+        order = merge_traces(pushed or [], order)  # other nodes' runs stay in it
+        await trio.to_thread.run_sync(self.store.put, trace_key(digest), trace_bytes(order))
         return protocol.TracePushAnswer(ref, digest, len(order))
 
 

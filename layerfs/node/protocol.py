@@ -132,7 +132,7 @@ class Up(Request):
     id: str = ""
     env: str | None = None
     layers: list[str] = field(default_factory=list)
-    prefetch: str = "none"
+    prefetch: str = "auto"
 
 
 @dataclass
@@ -308,6 +308,7 @@ class StatsAnswer(Message):
     cache: dict[str, int]
     layers: dict[str, LayerStats]
     sandboxes: int
+    store: dict[str, int] = field(default_factory=dict)  # requests sent, by kind
 
 
 @dataclass

@@ -28,6 +28,7 @@ import logging
 import os
 import stat
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,10 +119,12 @@ class Replica:
         if have is not None:
             return have, None
         manifest = reg.layer(digest)
-        table_bytes = reg.store.get_blob(manifest.chunk_table.digest)
+        with ThreadPoolExecutor(1) as pool:  # the two objects in one round trip
+            table_get = pool.submit(reg.store.get_blob, manifest.chunk_table.digest)
+            image = reg.meta_image(manifest)  # digest and structure (erofscheck) checked
+            table_bytes = table_get.result()
         table = ChunkTable.from_bytes(table_bytes)
         reg.check_table(manifest, table)
-        image = reg.meta_image(manifest)  # digest and structure (erofscheck) checked
         meta = self.meta_dir / (digest.removeprefix("sha256:") + ".erofs")
         fd = write_atomically(meta, image)
         try:

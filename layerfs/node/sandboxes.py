@@ -16,7 +16,6 @@ the daemon before the syscall returns.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import re
@@ -39,11 +38,13 @@ from .blobfiles import BlobDirectory, BlobFile
 from .fetcher import ChunkFetcher
 from .protocol import BadMessage, CommitAnswer, SandboxRecord, SandboxStatus
 from .replica import Replica
+from .traces import merge_traces, parse_trace, trace_key
 
 log = logging.getLogger(__name__)
 TRACE_WORKERS = 4  # fetches of one layer's trace replay at a time (one store round trip each)
 SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-PREFETCH = ("none", "full", "trace")
+# auto: a layer's pushed trace if it has one; trace: its trace, local or pushed
+PREFETCH = ("none", "full", "trace", "auto")
 # A layer's own trusted.overlay.* xattrs never steer lookups into other
 # directories (redirect) nor make a file's data come from elsewhere (metacopy),
 # and the upper directory stays one a layer can hold (`commit`): no renamed
@@ -134,9 +135,10 @@ class LayerMounts:
         layer.path.rmdir()
 
     def save_trace(self, blob: BlobFile) -> None:
-        """Keep the longest first-touch order seen for the layer."""
-        if len(blob.trace) > len(self.replica.trace(blob.digest)):
-            self.replica.put_trace(blob.digest, list(blob.trace))
+        """Merge this mount's first-touch order into the layer's trace."""
+        if blob.trace:
+            kept = self.replica.trace(blob.digest)
+            self.replica.put_trace(blob.digest, merge_traces(kept, list(blob.trace)))
 
     async def unmount_all(self) -> None:
         for digest in list(self.mounted):
@@ -172,7 +174,7 @@ class Sandboxes:
         return [self.reg.resolve(LAYERS, ref) for ref in layer_refs], None
 
     async def up(self, sid: str, env: str | None = None, layers: list[str] | None = None,
-                 prefetch: str = "none") -> SandboxRecord:
+                 prefetch: str = "auto") -> SandboxRecord:
         if not SANDBOX_ID.fullmatch(sid or ""):
             raise UsageError(f"invalid sandbox id {sid!r} (expected [A-Za-z0-9][A-Za-z0-9._-]*)")
         if prefetch not in PREFETCH:
@@ -207,10 +209,7 @@ class Sandboxes:
         sdir = self._dir(record.id)
         acquired: list[str] = []
         try:
-            mounted = []
-            for digest in record.layers:
-                mounted.append(await self.layers.acquire(digest))
-                acquired.append(digest)
+            mounted = await self._acquire_all(record.layers, acquired)
             await trio.to_thread.run_sync(make_dirs, sdir, fresh)
             lower = ":".join(str(m.path) for m in mounted)
             opts = (f"lowerdir={lower},upperdir={sdir / 'upper'},workdir={sdir / 'work'},"
@@ -225,6 +224,29 @@ class Sandboxes:
             raise
         record.state = "up"
 
+    async def _acquire_all(self, digests: list[str], acquired: list[str]) -> list[MountedLayer]:
+        """The layers, in order, each fetched and mounted in a task of its own
+        (a never-seen layer's objects cost one round trip for the lot, not one
+        per layer); each acquired one is added to ``acquired``. The first
+        failure is raised as itself once the others are done."""
+        mounted: list[MountedLayer | None] = [None] * len(digests)
+        failed: list[Exception] = []
+
+        async def one(k: int) -> None:
+            try:
+                mounted[k] = await self.layers.acquire(digests[k])
+            except Exception as exc:  # noqa: BLE001 - raised below, the first one
+                failed.append(exc)
+                return
+            acquired.append(digests[k])
+
+        async with trio.open_nursery() as nursery:
+            for k in range(len(digests)):
+                nursery.start_soon(one, k)
+        if failed:
+            raise failed[0]
+        return [m for m in mounted if m is not None]
+
     async def _prefetch(self, record: SandboxRecord) -> None:
         fetcher = self.layers.fetcher
         blobs = [self.layers.mounted[d].blob for d in record.layers]
@@ -232,20 +254,50 @@ class Sandboxes:
             entries = [e for b in blobs for e in b.table.entries]
             # half the fetch slots, so that sandboxes already up still get theirs
             await fetcher.fetch_all(entries, workers=max(1, fetcher.parallel // 2))
-        elif record.prefetch == "trace":
-            for blob in blobs:
-                order = await trio.to_thread.run_sync(self._trace_for, blob.digest)
-                fetcher.spawn_prefetch(blob.entries_in_order(order), workers=TRACE_WORKERS)
+        elif record.prefetch in ("trace", "auto"):
+            auto = record.prefetch == "auto"
+            if fetcher.nursery is None:
+                await self._replay_traces(blobs, auto)
+            else:  # in the background: the sandbox is up without waiting for the GETs
+                fetcher.nursery.start_soon(self._replay_traces, blobs, auto)
 
-    def _trace_for(self, digest: str) -> list[int]:
-        """Worker thread: this node's recorded trace, else the one pushed to the store."""
-        order = self.replica.trace(digest)
-        if order:
-            return order
-        try:
-            return list(json.loads(self.reg.store.get(trace_key(digest))))
-        except (LayerfsError, ValueError):
+    async def _replay_traces(self, blobs: list[BlobFile], pushed_only: bool) -> None:
+        """Get the layers' traces (all at once: one store round trip) and replay
+        each in the background."""
+        orders: list[list[int]] = [[] for _ in blobs]
+
+        async def trace_of(k: int) -> None:
+            try:
+                orders[k] = await trio.to_thread.run_sync(self._trace_for, blobs[k].digest,
+                                                          pushed_only)
+            except Exception as exc:  # noqa: BLE001 - a replay is only a hint
+                log.error("access trace of %s not replayed: %s", blobs[k].digest, exc)
+
+        async with trio.open_nursery() as nursery:
+            for k in range(len(blobs)):
+                nursery.start_soon(trace_of, k)
+        for blob, order in zip(blobs, orders, strict=True):
+            self.layers.fetcher.spawn_prefetch(blob.entries_in_order(order),
+                                               workers=TRACE_WORKERS)
+
+    def _trace_for(self, digest: str, pushed_only: bool) -> list[int]:
+        """Worker thread: the layer's trace pushed to the store merged into this
+        node's own; with ``pushed_only``, nothing if none was pushed."""
+        pushed = self.pushed_trace(digest)
+        if pushed is None and pushed_only:
             return []
+        return merge_traces(self.replica.trace(digest), pushed or [])
+
+    def pushed_trace(self, digest: str) -> list[int] | None:
+        """Worker thread: the trace in the store, if there is a valid one."""
+        try:
+            data = self.reg.store.get(trace_key(digest))
+        except LayerfsError:
+            return None
+        order = parse_trace(data)
+        if order is None:
+            log.warning("ignoring the malformed access trace %s in the store", trace_key(digest))
+        return order
 
     async def down(self, sid: str, keep_upper: bool = False) -> SandboxRecord:
         record = self.records.get(sid)
@@ -356,9 +408,5 @@ def make_dirs(sdir: Path, fresh: bool) -> None:
     os.chmod(sdir, 0o700)
     for sub in ("upper", "work", "rootfs"):
         (sdir / sub).mkdir(exist_ok=not fresh)
-
-
-def trace_key(digest: str) -> str:
-    return "traces/" + digest.removeprefix("sha256:")
 
 
