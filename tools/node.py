@@ -46,7 +46,7 @@ def json_option(fn):
 @click.option("--miss-span", default="0", show_default=True,
               help="A read that misses a smaller chunk fetches it together with the chunks "
                    "after it in its pack, up to this many bytes in all (0: alone).")
-@click.option("--store-fetches", default=16, show_default=True, type=click.IntRange(1, 1024),
+@click.option("--store-fetches", default=16, show_default=True,
               help="Store reads (a chunk or a run of chunks each) the daemon has in flight "
                    "at once.")
 @click.option("--fuse-group", metavar="GROUP",
@@ -59,6 +59,8 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
            store_fetches: int, fuse_group: str | None, log_level: str) -> None:
     """Run the node daemon in the foreground (logs to stderr)."""
     logging.getLogger().setLevel(log_level.upper())
+    if store_fetches < 1:
+        raise UsageError(f"--store-fetches {store_fetches}: at least 1")
     if os.geteuid() != 0:
         raise UsageError("the daemon needs root (FUSE, EROFS and overlayfs mounts)")
     cfg = DaemonConfig(root=root, store_url=store_url, s3_endpoint=s3_endpoint,
