@@ -15,11 +15,14 @@ another, are cut into ``--readers`` equal slices (whole MiBs).
   reader), one thread each (each its own store client) doing one ranged GET
   per chunk, one after another; stored bytes / time.
 
+``--latency-ms``: S3 through lazy_vs_prefetch.py's delaying proxy (both
+sides), as over a network where requests in flight, not CPU, bound the rate.
+
 Each rep runs the baseline and every N, the order reversed on odd reps;
 ratios are medians over reps of readers / that rep's baseline. Needs root.
 
     python bench/store_fetches.py [--values 8,16,32,64,128] [--readers 64]
-        [--stores file,s3] [--size 1G] [--reps 3] [--quick]
+        [--stores file,s3] [--size 1G] [--reps 3] [--latency-ms 0] [--quick]
 
 Prints a table and writes bench/results/store_fetches.json.
 """
@@ -226,7 +229,10 @@ def large_entries(store: Store, digest: str, chunk_size: int = MiB) -> list[Chun
 
 
 @contextlib.contextmanager
-def store_sides(names: list[str], work: Path, src: Path, layer: dict) -> Iterator[list[StoreSide]]:
+def store_sides(names: list[str], work: Path, src: Path, layer: dict,
+                latency_ms: float) -> Iterator[list[StoreSide]]:
+    """The stores the layer is in; S3 reached through a delaying proxy if
+    ``latency_ms`` (lazy_vs_prefetch.Throttle: no rate limit, that delay each way)."""
     sides = []
     file_dir = str(work / "store")
     if "file" in names:
@@ -238,14 +244,20 @@ def store_sides(names: list[str], work: Path, src: Path, layer: dict) -> Iterato
         yield sides
         return
     import corpus
+    from lazy_vs_prefetch import Throttle, store_port
 
     from layerfs.store.s3 import S3Store
 
-    with corpus.seaweedfs(work / "seaweedfs") as server:
-        endpoint = server.endpoint
-        store = S3Store(corpus.BUCKET, "node", endpoint=endpoint)
+    with corpus.seaweedfs(work / "seaweedfs") as server, contextlib.ExitStack() as stack:
+        store = S3Store(corpus.BUCKET, "node", endpoint=server.endpoint)
         digest, _ = nodebench.ensure_layer(store, src, f"bench/node-{layer['label'].lower()}",
                                            f"g{nodebench.GEN}-{nodebench.SEED}")
+        endpoint = server.endpoint
+        if latency_ms > 0:
+            throttle = Throttle("proxy", 0.0, latency_ms)
+            host, port = throttle.start(*store_port(server.endpoint))
+            stack.callback(throttle.stop)
+            endpoint = f"http://{host}:{port}"
         sides.append(StoreSide("s3", lambda: S3Store(corpus.BUCKET, "node", endpoint=endpoint),
                                ["--store", f"s3://{corpus.BUCKET}/node", "--s3-endpoint",
                                 endpoint], digest, large_entries(store, digest)))
@@ -260,6 +272,8 @@ def main() -> None:
     ap.add_argument("--stores", default="file,s3")
     ap.add_argument("--size", default="1G", help="the layer (bench/node.py's of that size)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--latency-ms", type=float, default=0.0,
+                    help="S3 through a proxy adding this one-way delay, each direction")
     ap.add_argument("--quick", action="store_true", help="a 200M layer, N=16,64, one rep")
     DaemonRuns.add_arguments(ap)
     ap.add_argument("--work", default=str(HERE / "work" / "node"))
@@ -286,7 +300,7 @@ def main() -> None:
     bench = Bench(args, work, files)
     result: dict[str, Any] = {}
     try:
-        with store_sides(args.stores.split(","), work, src, layer) as sides:
+        with store_sides(args.stores.split(","), work, src, layer, args.latency_ms) as sides:
             for side in sides:
                 print(f"{args.readers} cold readers, {side.name} store, --store-fetches "
                       f"{args.values}", flush=True)
@@ -296,7 +310,8 @@ def main() -> None:
         detach_mounts(work / "roots")
     out = {"commit": git_head(),
            "params": {"readers": args.readers, "values": args.values, "size": label,
-                      "reps": args.reps, "miss_span": args.miss_span, "quick": args.quick},
+                      "reps": args.reps, "miss_span": args.miss_span, "quick": args.quick,
+                      "s3_latency_ms": args.latency_ms},
            "machine": {"cpus": os.cpu_count(), "kernel": platform.release()},
            "stores": result, "daemon_logs": bench.daemons.scan_logs(),
            "oddities": bench.oddities, "runtime_s": round(time.perf_counter() - started, 1),
