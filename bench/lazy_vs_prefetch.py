@@ -42,6 +42,10 @@ reference's 60+ min against 35 min), reported against the reference's targets:
 lazy <= 1.05x cached, lazy+trace <= lazy, bytes fetched <= 1.05x the distinct
 file chunks the tasks read, disk writes lazy <= 0.45x eager.
 
+``--quick`` (4 sandboxes at once, think time x0.25): a smoke run; with
+``--shape reference`` it still takes ~3 minutes here, the eager pass pulling
+the 4 envs' 2.5 GB through the 300 Mbit/s link.
+
     python bench/lazy_vs_prefetch.py [--shape today|reference] [--quick]
         [--sandboxes 96] [--concurrency 8]
         [--rate-mbit 1000] [--latency-ms 1] [--modes eager,cached,lazy,lazy+trace]
@@ -111,7 +115,7 @@ SHAPES = {"today": {"rate_mbit": 1000.0, "think_scale": 1.0, "sandboxes": 48,
                     "concurrency": 12},
           "reference": {"rate_mbit": 300.0, "think_scale": 1.0, "sandboxes": 48,
                         "concurrency": 12}}
-QUICK = {"sandboxes": 12, "concurrency": 6, "think_scale": 0.25}
+QUICK = {"sandboxes": 4, "concurrency": 4, "think_scale": 0.25}
 
 
 # -- the link: a throttling proxy or tc -----------------------------------------------
@@ -847,8 +851,8 @@ def main() -> None:
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.out is None:
-        args.out = str(HERE / "results" / ("lazy_vs_prefetch.json" if args.shape == "today"
-                                           else f"lazy_vs_prefetch_{args.shape}.json"))
+        name = "lazy_vs_prefetch" + ("" if args.shape == "today" else f"_{args.shape}")
+        args.out = str(HERE / "results" / (name + ("_quick" if args.quick else "") + ".json"))
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in args.modes:
         if m not in MODES:
