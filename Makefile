@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 APT_PKGS := fuse3 libfuse3-dev pkg-config erofs-utils busybox-static attr zstd tar \
             qemu-utils e2fsprogs util-linux runc crun passwd gcc libc6-dev \
-            docker-registry apache2-utils skopeo umoci
+            docker-registry apache2-utils skopeo umoci containerd debootstrap
 
 .PHONY: all deps apt-deps test demo lint bench-build clean
 

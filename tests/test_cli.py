@@ -98,6 +98,7 @@ def test_verify_finds_a_corrupt_chunk(tmp_path, store, store_args):
      "power of two"),
     (["inspect", "nothere@1"], 5, "no such layer or env"),
     (["env", "create", "e@1", "--layer", "missing@1"], 5, "no such layer"),
+    (["daemon", "--store-fetches", "0"], 2, "--store-fetches 0: at least 1"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, code, words):
     write_tree(tmp_path / "src", 1, files=1)

@@ -557,3 +557,42 @@ def test_a_run_claims_all_its_chunks_before_its_first_read(tmp_path):
     c2 = entries[2].pack_offset
     assert got == [pack[c2:c2 + 4096]]
     assert store.calls == [(blob_key(a), 0, 4096), (blob_key(a), c2, c2 + 2 * 4096)]
+
+
+
+class GatheringStore:
+    """Serves ``count`` chunks, one per pack, each only once ``count`` reads are in
+    flight at the same time (a barrier)."""
+
+    def __init__(self, count: int) -> None:
+        self.barrier = threading.Barrier(count, timeout=10)
+        self.data = {f"sha256:{i:064x}": b"chunk %d " % i * 100 for i in range(count)}
+
+    def entries(self) -> list[ChunkEntry]:
+        return [ChunkEntry(i << 20, len(data), hashlib.sha256(data).digest(), pack, 0,
+                           len(data), RAW) for i, (pack, data) in enumerate(self.data.items())]
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        self.barrier.wait()  # BrokenBarrierError if fewer reads ever run at once
+        return next(d for p, d in self.data.items() if blob_key(p) == key)
+
+
+def test_the_store_fetch_limit_is_the_concurrency_also_above_trios_thread_default(tmp_path):
+    """Regression: store reads ran in trio's default worker-thread pool (40
+    threads), so ``--store-fetches 64`` had at most 40 reads in flight."""
+    count = 64
+    store = GatheringStore(count)
+    f = ChunkFetcher(store, ChunkCache(tmp_path / "cache", 1 << 20), timeout=20.0,
+                     parallel=count)
+    got: list[bytes] = []
+
+    async def main() -> None:
+        async def read(entry: ChunkEntry) -> None:
+            got.append(await f.get(entry))
+
+        async with trio.open_nursery() as nursery:
+            for entry in store.entries():
+                nursery.start_soon(read, entry)
+
+    trio.run(main)
+    assert sorted(got) == sorted(store.data.values())

@@ -46,6 +46,9 @@ def json_option(fn):
 @click.option("--miss-span", default="0", show_default=True,
               help="A read that misses a smaller chunk fetches it together with the chunks "
                    "after it in its pack, up to this many bytes in all (0: alone).")
+@click.option("--store-fetches", default=16, show_default=True,
+              help="Store reads (a chunk or a run of chunks each) the daemon has in flight "
+                   "at once.")
 @click.option("--fuse-group", metavar="GROUP",
               help="A group (name or gid) whose members may open the files under ROOT/fuse "
                    "and the meta images, e.g. a VMM's user (default: root only).")
@@ -53,16 +56,18 @@ def json_option(fn):
               type=click.Choice(["debug", "info", "warning", "error"]))
 def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size: str,
            read_timeout: float, readahead: str, layer_readahead: str, miss_span: str,
-           fuse_group: str | None, log_level: str) -> None:
+           store_fetches: int, fuse_group: str | None, log_level: str) -> None:
     """Run the node daemon in the foreground (logs to stderr)."""
     logging.getLogger().setLevel(log_level.upper())
+    if store_fetches < 1:
+        raise UsageError(f"--store-fetches {store_fetches}: at least 1")
     if os.geteuid() != 0:
         raise UsageError("the daemon needs root (FUSE, EROFS and overlayfs mounts)")
     cfg = DaemonConfig(root=root, store_url=store_url, s3_endpoint=s3_endpoint,
                        cache_size=parse_size(cache_size), read_timeout=read_timeout,
                        readahead=parse_size(readahead),
                        layer_readahead=parse_size(layer_readahead),
-                       miss_span=parse_size(miss_span),
+                       miss_span=parse_size(miss_span), fetch_parallel=store_fetches,
                        fuse_group=group_id(fuse_group) if fuse_group else None)
     Daemon(cfg).run()
 

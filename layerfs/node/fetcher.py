@@ -53,6 +53,9 @@ class ChunkFetcher:
         self.timeout = timeout
         self.parallel = parallel
         self.fetch_limit = trio.CapacityLimiter(parallel)
+        # the store reads' worker threads, those abandoned after a timeout included
+        # (trio's default limiter, 40 threads shared by all, would cap ``parallel``)
+        self.store_threads = trio.CapacityLimiter(max(40, 2 * parallel))
         self.io_limit = trio.CapacityLimiter(io_threads)
         self.states = ChunkStates(cache, memory, self.io_limit)
         self.memory = self.states.memory
@@ -215,7 +218,8 @@ class ChunkFetcher:
         self._reader_fetches += for_reader
         try:
             async with self.fetch_limit:
-                result = await trio.to_thread.run_sync(fetch, arg, abandon_on_cancel=True)
+                result = await trio.to_thread.run_sync(fetch, arg, abandon_on_cancel=True,
+                                                       limiter=self.store_threads)
             self.fail_fast.pack_served(pack)
             return result
         except StoreUnreachable as exc:

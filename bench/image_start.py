@@ -1,0 +1,424 @@
+#!/usr/bin/env python3
+"""Cold start of one image: containerd's full pull against layerfs, side by side.
+
+The image: ``debootstrap --variant=minbase bookworm`` (made once under the work
+dir), packed as one gzip OCI layer and pushed with ``skopeo`` into a local
+``docker-registry`` on 127.0.0.1 (tests/registryserver.py). The workload:
+``apt-get --version; dpkg -l; perl -e 1; ls -lR /usr/share/doc; bash --version``.
+
+* **containerd**: its own containerd (root, state dir and socket under the work
+  dir, CRI off, overlayfs snapshotter), started on an empty root; timed:
+  ``ctr image pull --plain-http`` (fetch, then unpack into snapshots) +
+  ``ctr run --rm`` of the workload (runc through containerd-shim-runc-v2).
+* **layerfs**: the image imported once with ``layerfs import docker://...``
+  into the store (SeaweedFS S3 on 127.0.0.1, or ``--store file``); a
+  ``layerfs daemon`` started on an empty ROOT; timed: ``layerfs up`` +
+  ``layerfs run`` (runc) of the workload.
+* **local dir** (reference): the workload in the unpacked tree
+  (``unshare -m chroot``).
+
+Each cold rep starts from an empty node (containerd root or daemon ROOT
+removed, daemon restarted, page cache dropped), the two sides alternating which
+goes first. The node's disk writes: ``write_bytes`` of /proc/PID/io of the
+node's daemon (containerd, or ``layerfs daemon``) over the timed part, and
+``du`` of its root afterwards. The start of a bare layerfs client (``layerfs
+ps``) is timed too: ``up`` and ``run`` each pay it. Needs root.
+
+    python bench/image_start.py [--reps 3] [--store s3|file] [--quick]
+
+Prints a table and writes bench/results/image_start.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import hashlib
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from daemons import DaemonRuns, clear_dir, drop_caches, git_head, print_footer
+
+from layerfs.node.process import LAYERFS, DaemonProcess, detach_mounts
+
+HERE = Path(__file__).resolve().parent
+
+WORKLOAD = ("apt-get --version; dpkg -l; perl -e 1; ls -lR /usr/share/doc; bash --version")
+SUITE = "bookworm"
+REPO, TAG = "bench/minbase", SUITE
+ENV_REF = f"{REPO}@1"
+SIDES = ("containerd", "layerfs")
+TARGETS = {"cold start layerfs / containerd": 1 / 8, "disk writes layerfs / containerd": 0.1}
+
+
+def sh(argv: list[str], **kw: Any) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, check=True, **kw)
+
+
+def timed_run(argv: list[str], env: dict[str, str] | None = None) -> float:
+    """Run ``argv`` (output discarded, a failure raised with its stderr); seconds."""
+    start = time.perf_counter()
+    done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env=env, timeout=600)
+    took = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:3])} failed ({done.returncode}): "
+                           f"{done.stderr.strip()[-2000:]}")
+    return took
+
+
+def write_bytes(pid: int) -> int:
+    """Bytes the process (all its threads) caused to be written to block devices."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("write_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def du_bytes(path: Path) -> int:
+    done = subprocess.run(["du", "-sxb", str(path)], capture_output=True, text=True)
+    return int(done.stdout.split()[0]) if done.returncode == 0 and done.stdout else 0
+
+
+# -- the image ------------------------------------------------------------------------
+
+def ensure_minbase(work: Path) -> dict:
+    """The debootstrap minbase tree ``work/minbase`` (made once)."""
+    base, marker = work / "minbase", work / "minbase.json"
+    if marker.exists() and base.is_dir():
+        return json.loads(marker.read_text())
+    tmp = work / "minbase.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"debootstrap --variant=minbase {SUITE} (once)...", flush=True)
+    with open(work / "debootstrap.log", "wb") as log:
+        sh(["debootstrap", "--variant=minbase", SUITE, str(tmp), "http://deb.debian.org/debian"],
+           stdout=log, stderr=subprocess.STDOUT)
+    for sub in ("var/cache/apt/archives", "var/lib/apt/lists"):
+        for p in (tmp / sub).glob("*"):
+            if p.is_file() and p.name != "lock":
+                p.unlink()
+    tmp.rename(base)
+    info = {"suite": SUITE, "bytes": du_bytes(base)}
+    marker.write_text(json.dumps(info))
+    return info
+
+
+def put_blob(layout: Path, data: bytes) -> dict:
+    digest = hashlib.sha256(data).hexdigest()
+    (layout / "blobs" / "sha256" / digest).write_bytes(data)
+    return {"digest": f"sha256:{digest}", "size": len(data)}
+
+
+def ensure_layout(work: Path, base: Path) -> dict:
+    """An OCI layout of the tree: one gzip layer, PATH and bash in its config."""
+    layout, marker = work / "oci", work / "oci.json"
+    if marker.exists() and layout.is_dir():
+        return json.loads(marker.read_text())
+    shutil.rmtree(layout, ignore_errors=True)
+    (layout / "blobs" / "sha256").mkdir(parents=True)
+    tar = subprocess.run(["tar", "--numeric-owner", "--xattrs", "-C", str(base), "-cf", "-",
+                          "."], check=True, capture_output=True).stdout
+    layer = put_blob(layout, gzip.compress(tar, 6, mtime=0))
+    config = {"architecture": "amd64", "os": "linux",
+              "config": {"Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:"
+                                 "/sbin:/bin"], "Cmd": ["/bin/bash"]},
+              "rootfs": {"type": "layers",
+                         "diff_ids": [f"sha256:{hashlib.sha256(tar).hexdigest()}"]}}
+    cfg = put_blob(layout, json.dumps(config).encode())
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **cfg},
+                "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+                            **layer}]}
+    man = put_blob(layout, json.dumps(manifest).encode())
+    index = {"schemaVersion": 2, "manifests": [
+        {"mediaType": "application/vnd.oci.image.manifest.v1+json", **man,
+         "annotations": {"org.opencontainers.image.ref.name": TAG}}]}
+    (layout / "index.json").write_text(json.dumps(index))
+    (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    info = {"tar_bytes": len(tar), "gzip_bytes": layer["size"], "manifest": man["digest"]}
+    marker.write_text(json.dumps(info))
+    return info
+
+
+# -- containerd -----------------------------------------------------------------------
+
+class Containerd:
+    """A containerd of the benchmark's own: root, state and socket under ``home``."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.root, self.state = home / "root", home / "state"
+        self.sock = home / "ctrd.sock"
+        self.proc: subprocess.Popen | None = None
+
+    def config(self) -> str:
+        return "\n".join([
+            "version = 2", f'root = "{self.root}"', f'state = "{self.state}"',
+            'disabled_plugins = ["io.containerd.grpc.v1.cri"]',
+            "[grpc]", f'  address = "{self.sock}"',
+            "[ttrpc]", f'  address = "{self.sock}.ttrpc"',
+            "[metrics]", '  address = ""', ""])
+
+    def start(self) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / "config.toml").write_text(self.config())
+        with open(self.home / "containerd.log", "ab") as log:
+            self.proc = subprocess.Popen(["containerd", "--config", str(self.home / "config.toml")],
+                                         stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while subprocess.run(self.ctr("version"), capture_output=True).returncode != 0:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"containerd did not start: see {self.home}/containerd.log")
+            time.sleep(0.1)
+
+    def ctr(self, *args: str) -> list[str]:
+        return ["ctr", "-a", str(self.sock), *args]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+            self.proc = None
+
+    def wipe(self, oddities: list[str]) -> None:
+        """Remove root and state (detaching what is left mounted there first)."""
+        for path in (self.root, self.state):
+            clear_dir(path, oddities)
+
+
+# -- the benchmark --------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, work: Path, image: str,
+                 store_env: dict[str, str], base: Path) -> None:
+        self.args = args
+        self.work = work
+        self.image = image  # HOST:PORT/REPO:TAG
+        self.store_env = store_env  # LAYERFS_STORE (and the S3 endpoint)
+        self.base = base
+        self.oddities: list[str] = []
+        self.daemons = DaemonRuns(work, self.oddities, "20G", request_timeout=600,
+                                  daemon_args=DaemonRuns.options(args))
+        self.ctrd = Containerd(work / "ctrd")
+
+    def store_args(self) -> list[str]:
+        args = ["--store", self.store_env["LAYERFS_STORE"]]
+        if "AWS_ENDPOINT_URL" in self.store_env:
+            args += ["--s3-endpoint", self.store_env["AWS_ENDPOINT_URL"]]
+        return args
+
+    def containerd(self, rep: int) -> dict:
+        self.ctrd.wipe(self.oddities)
+        self.ctrd.start()
+        try:
+            assert self.ctrd.proc is not None
+            pid = self.ctrd.proc.pid
+            drop_caches()
+            w0 = write_bytes(pid)
+            pull = timed_run(self.ctrd.ctr("image", "pull", "--plain-http", self.image))
+            run = timed_run(self.ctrd.ctr("run", "--rm", self.image, f"bench{rep}",
+                                          "sh", "-c", WORKLOAD))
+            os.sync()
+            written = write_bytes(pid) - w0
+            used = du_bytes(self.ctrd.root)
+        finally:
+            self.ctrd.stop()
+        return {"pull_s": round(pull, 3), "run_s": round(run, 3),
+                "cold_start_s": round(pull + run, 3), "disk_written_bytes": written,
+                "root_du_bytes": used}
+
+    def layerfs(self, rep: int) -> dict:
+        root = clear_dir(self.work / "roots" / "node", self.oddities)
+        node: DaemonProcess = self.daemons.start(root, "node", self.store_args())
+        sid = f"bench{rep}"
+        try:
+            assert node.proc is not None
+            pid = node.proc.pid
+            du0 = du_bytes(root)
+            drop_caches()
+            w0 = write_bytes(pid)
+            up = timed_run([*LAYERFS, "up", ENV_REF, "--id", sid, "--root", str(root)])
+            run = timed_run([*LAYERFS, "run", sid, "--root", str(root), "--",
+                             "sh", "-c", WORKLOAD])
+            os.sync()
+            written = write_bytes(pid) - w0
+            used = du_bytes(root) - du0
+            cache = node.request("stats")["cache"]
+            client = timed_run([*LAYERFS, "ps", "--root", str(root)])  # a client's start alone
+            node.request("down", id=sid)
+        finally:
+            self.daemons.finish(node, remove_root=True)
+        return {"up_s": round(up, 3), "run_s": round(run, 3),
+                "cold_start_s": round(up + run, 3), "disk_written_bytes": written,
+                "root_du_bytes": used, "bytes_fetched": cache.get("bytes_fetched", 0),
+                "client_start_s": round(client, 3)}
+
+    def local(self) -> float:
+        drop_caches()
+        return timed_run(["unshare", "-m", "chroot", str(self.base), "sh", "-c", WORKLOAD])
+
+    def run(self) -> dict:
+        sides: dict[str, list[dict]] = {s: [] for s in SIDES}
+        local: list[float] = []
+        for rep in range(self.args.reps):
+            order = SIDES if rep % 2 == 0 else SIDES[::-1]
+            for side in order:
+                sample = getattr(self, side)(rep)
+                sides[side].append(sample)
+                print(f"  rep {rep + 1} {side:10} cold start {sample['cold_start_s']:.3f} s, "
+                      f"disk written {sample['disk_written_bytes'] / 1e6:.1f} MB", flush=True)
+            local.append(round(self.local(), 3))
+        return {"samples": sides, "local_dir_s": local}
+
+
+def median_of(samples: list[dict], key: str) -> float:
+    return statistics.median(s[key] for s in samples)
+
+
+def summarize(result: dict) -> dict:
+    ctrd, lfs = result["samples"]["containerd"], result["samples"]["layerfs"]
+    out = {side: {k: median_of(result["samples"][side], k) for k in result["samples"][side][0]}
+           for side in SIDES}
+    out["local_dir_s"] = statistics.median(result["local_dir_s"])
+    start = [b["cold_start_s"] / a["cold_start_s"] for a, b in zip(ctrd, lfs, strict=True)]
+    disk = [b["disk_written_bytes"] / max(1, a["disk_written_bytes"])
+            for a, b in zip(ctrd, lfs, strict=True)]
+    out["ratios"] = {"cold start layerfs / containerd": round(statistics.median(start), 4),
+                     "disk writes layerfs / containerd": round(statistics.median(disk), 4),
+                     "per_rep_cold_start": [round(r, 4) for r in start],
+                     "per_rep_disk_writes": [round(r, 4) for r in disk]}
+    return out
+
+
+def print_table(summary: dict, image: dict) -> None:
+    c, lf = summary["containerd"], summary["layerfs"]
+    print(f"\nimage: {image['tar_bytes'] / 1e6:.0f} MB, {image['gzip_bytes'] / 1e6:.0f} MB as "
+          f"one gzip layer")
+    print(f"{'system':40} {'cold start s':>12} {'fetched MB':>10} {'disk written MB':>15}")
+    print(f"{'containerd, full pull + ctr run':40} {c['cold_start_s']:12.3f} "
+          f"{image['gzip_bytes'] / 1e6:10.1f} {c['disk_written_bytes'] / 1e6:15.1f}")
+    print(f"{'layerfs up + layerfs run (runc)':40} {lf['cold_start_s']:12.3f} "
+          f"{lf['bytes_fetched'] / 1e6:10.1f} {lf['disk_written_bytes'] / 1e6:15.1f}")
+    print(f"{'  of which two client starts':40} {2 * lf['client_start_s']:12.3f}")
+    print(f"{'local dir (unshare + chroot)':40} {summary['local_dir_s']:12.3f}")
+    for name, bound in TARGETS.items():
+        ratio = summary["ratios"][name]
+        print(f"{name}: {ratio:.3f} (target <= {bound:.3f}: "
+              f"{'met' if ratio <= bound else 'missed'})")
+
+
+@contextlib.contextmanager
+def store_for(kind: str, work: Path) -> Iterator[dict[str, str]]:
+    """The environment that names the layerfs store: SeaweedFS S3 or file://."""
+    if kind == "file":
+        yield {"LAYERFS_STORE": f"file://{work / 'store'}"}
+        return
+    import corpus
+    with corpus.seaweedfs(work / "seaweedfs") as server:
+        yield {"LAYERFS_STORE": f"s3://{corpus.BUCKET}/image-start",
+               "AWS_ENDPOINT_URL": server.endpoint}
+
+
+def import_image(image: str, store_env: dict[str, str]) -> float | None:
+    """``layerfs import`` of the image into the store (seconds); None if an earlier
+    run imported it."""
+    env = os.environ | store_env
+    listed = subprocess.run([*LAYERFS, "env", "ls", REPO, "--json"], capture_output=True,
+                            text=True, env=env)
+    if listed.returncode == 0 and ENV_REF in listed.stdout:
+        return None
+    return timed_run([*LAYERFS, "import", f"docker://{image}", "--name", REPO, "--version", "1",
+                      "--plain-http"], env=env)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3, help="cold reps of each side")
+    ap.add_argument("--store", choices=("s3", "file"), default="s3")
+    ap.add_argument("--quick", action="store_true", help="one rep of each side")
+    DaemonRuns.add_arguments(ap)
+    ap.add_argument("--work", default="/tmp/layerfs-bench/image-start")
+    ap.add_argument("--out", default=str(HERE / "results" / "image_start.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.reps = 1
+    if os.geteuid() != 0:
+        sys.exit("bench/image_start.py needs root (containerd, FUSE, EROFS, overlay mounts)")
+    for tool in ("containerd", "ctr", "runc", "docker-registry", "skopeo", "debootstrap"):
+        if not shutil.which(tool):
+            sys.exit(f"{tool} not found: `make apt-deps` installs it")
+    from registryserver import push, start_registry
+
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    detach_mounts(work / "roots")
+    started = time.perf_counter()
+    base_info = ensure_minbase(work)
+    image_info = ensure_layout(work, work / "minbase")
+    bench = None
+    registry = start_registry(shutil.which("docker-registry") or "", work / "registry")
+    try:
+        ref = push(work / "oci", TAG, registry, REPO).removeprefix("docker://")
+        with store_for(args.store, work) as store_env:
+            import_s = import_image(ref, store_env)
+            took = "done by an earlier run" if import_s is None else f"{import_s:.1f} s"
+            print(f"image {ref}: {image_info['gzip_bytes'] / 1e6:.0f} MB gzip; layerfs import "
+                  f"{took} ({store_env['LAYERFS_STORE']})", flush=True)
+            bench = Bench(args, work, ref, store_env, work / "minbase")
+            result = bench.run()
+    finally:
+        if bench is not None:
+            bench.daemons.stop_all()
+            bench.ctrd.stop()
+        registry.stop()
+        left = detach_mounts(work / "roots")
+        if left:
+            print(f"detached leftover mounts: {left}", file=sys.stderr)
+    summary = summarize(result)
+    out = {"commit": git_head(),
+           "params": {"reps": args.reps, "store": args.store, "quick": args.quick,
+                      "miss_span": args.miss_span, "workload": WORKLOAD},
+           "machine": {"cpus": os.cpu_count(), "kernel": platform.release()},
+           "image": {**base_info, **image_info, "ref": ref},
+           "import_s": None if import_s is None else round(import_s, 2),
+           **result, "summary": summary, "targets": TARGETS,
+           "daemon_logs": bench.daemons.scan_logs(), "oddities": bench.oddities,
+           "runtime_s": round(time.perf_counter() - started, 1),
+           "method": (
+               "Cold start = containerd: `ctr image pull --plain-http` + `ctr run --rm` on a "
+               "fresh containerd root (overlayfs snapshotter); layerfs: `layerfs up` + "
+               "`layerfs run` (runc) on a fresh daemon ROOT, the image imported into the "
+               "store beforehand (once: a publishing step, like the push to the registry). "
+               "Daemons started before the timed part; page cache dropped right before it; "
+               "sides alternate which goes first; medians over reps, ratios are medians of "
+               "per-rep ratios. Disk written: /proc/PID/io write_bytes of containerd or the "
+               "layerfs daemon over the timed part (after sync); root_du_bytes: du of its "
+               "root afterwards.")}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print_table(summary, image_info)
+    print_footer(out["daemon_logs"], bench.oddities, f"{out['runtime_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
