@@ -1,4 +1,5 @@
-"""Options and output helpers shared by every command group."""
+"""Options and output helpers shared by every command group (import-light: the
+node commands use them; the store and registry are imported when opened)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from typing import Any
 import click
 
 from layerfs import sizes
-from layerfs.registry import Registry
-from layerfs.store import open_store
 
 
 def store_options(fn: Callable) -> Callable:
@@ -26,6 +25,9 @@ def store_options(fn: Callable) -> Callable:
     @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
     @functools.wraps(fn)
     def wrapper(store_url: str | None, s3_endpoint: str | None, as_json: bool, **kw: Any):
+        from layerfs.registry import Registry
+        from layerfs.store import open_store
+
         store = open_store(store_url, s3_endpoint=s3_endpoint)
         try:
             return fn(Output(as_json), Registry(store), **kw)
