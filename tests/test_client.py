@@ -138,3 +138,20 @@ def test_the_api_raises_the_layerfs_errors(node, tmp_path):
     with pytest.raises(UsageError, match="not both"):
         client.up("bad", env="e@1", layers=["base@1"])
     assert client.ps() == []
+
+
+def test_loading_the_run_command_starts_no_process():
+    """``layerfs run``'s modules find libc without running ``ldconfig -p``
+    (what ``ctypes.util.find_library`` does), twice, on every start."""
+    probe = ("import subprocess, sys\n"
+             "started = []\n"
+             "init = subprocess.Popen.__init__\n"
+             "def record(self, args, *a, **kw):\n"
+             "    started.append(args)\n"
+             "    init(self, args, *a, **kw)\n"
+             "subprocess.Popen.__init__ = record\n"
+             "import layerfs.tools.run\n"
+             "print(repr(started))\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert proc.stdout.strip() == "[]"
