@@ -12,7 +12,6 @@ What is mounted where is read from ``/proc/self/mountinfo`` by
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import re
@@ -31,7 +30,7 @@ _bdi_lock = threading.Lock()  # one EROFS mount at a time while its bdi is found
 MOUNTINFO = "/proc/self/mountinfo"
 _ESCAPE = re.compile(rb"\\([0-7]{3})")  # mountinfo escapes space, tab, newline, backslash as octal
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # libc, already loaded: no `ldconfig -p` run
 
 
 def mount(source: str, target: str, fstype: str, flags: int = 0, data: str = "") -> None:

@@ -1,4 +1,5 @@
-"""Options and output helpers shared by every command group."""
+"""Options and output helpers shared by every command group (import-light: the
+node commands use them; the store and registry are imported when opened)."""
 
 from __future__ import annotations
 
@@ -11,21 +12,19 @@ from typing import Any
 import click
 
 from layerfs import sizes
-from layerfs.registry import Registry
-from layerfs.store import open_store
-from layerfs.store.base import DEFAULT_TIMEOUT
 
 
 def write_store_options(fn: Callable) -> Callable:
     """:func:`store_options` and ``--timeout SECONDS``, on a command that writes."""
 
     @click.option("--timeout", "store_timeout", type=click.FloatRange(min=0.1), metavar="SECONDS",
-                  envvar="LAYERFS_TIMEOUT", default=DEFAULT_TIMEOUT, show_default=True,
+                  envvar="LAYERFS_TIMEOUT", default=None,
                   help="Give up when the store has made no progress for this long "
-                       "[env: LAYERFS_TIMEOUT].")
+                       "[env: LAYERFS_TIMEOUT; default: 60].")
     @functools.wraps(fn)
-    def wrapper(out: Output, reg: Registry, store_timeout: float, **kw: Any):
-        reg.store.set_timeout(store_timeout)
+    def wrapper(out: Output, reg: Any, store_timeout: float | None, **kw: Any):
+        if store_timeout is not None:  # else the store's DEFAULT_TIMEOUT
+            reg.store.set_timeout(store_timeout)
         return fn(out, reg, **kw)
 
     return store_options(wrapper)
@@ -43,6 +42,9 @@ def store_options(fn: Callable) -> Callable:
     @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
     @functools.wraps(fn)
     def wrapper(store_url: str | None, s3_endpoint: str | None, as_json: bool, **kw: Any):
+        from layerfs.registry import Registry
+        from layerfs.store import open_store
+
         store = open_store(store_url, s3_endpoint=s3_endpoint)
         try:
             return fn(Output(as_json), Registry(store), **kw)

@@ -1,22 +1,19 @@
-"""Node commands: daemon, up, down, ps, run, stats, trace push, commit."""
+"""Node commands: daemon, up, down, ps, stats, trace push, commit (``run`` is in
+:mod:`.run`). Each client command is a thin call of :class:`layerfs.node.Client`;
+this module imports neither the daemon (imported by ``daemon`` when it runs)
+nor trio, pyfuse3, lmdb or boto3 (tests/test_client.py checks it)."""
 
 from __future__ import annotations
 
 import grp
-import logging
 import os
-import resource
-import sys
-from typing import Any
 
 import click
 
 from layerfs.errors import UsageError
-from layerfs.node import bundle, protocol, runner
-from layerfs.node.control import call
-from layerfs.node.daemon import DEFAULT_ROOT, Daemon, DaemonConfig
-from layerfs.node.protocol import SandboxRecord
-from layerfs.node.sandboxes import LAYER_ROLES
+from layerfs.node.client import Client
+from layerfs.node.control import DEFAULT_ROOT
+from layerfs.node.protocol import LAYER_ROLES
 
 from .common import Output, human_bytes, parse_size
 
@@ -58,6 +55,10 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
            read_timeout: float, readahead: str, layer_readahead: str, miss_span: str,
            store_fetches: int, fuse_group: str | None, log_level: str) -> None:
     """Run the node daemon in the foreground (logs to stderr)."""
+    import logging
+
+    from layerfs.node.daemon import Daemon, DaemonConfig
+
     logging.getLogger().setLevel(log_level.upper())
     if store_fetches < 1:
         raise UsageError(f"--store-fetches {store_fetches}: at least 1")
@@ -101,35 +102,12 @@ def up(env_ref: str | None, layers: tuple[str, ...], sid: str, prefetch: str,
     """Bring up sandbox ID from ENV_REF (or --layer refs); print its rootfs path."""
     if bool(env_ref) == bool(layers):
         raise UsageError("give ENV_REF or --layer refs (not both)")
-    record = call(root, protocol.Up(id=sid, env=env_ref, layers=list(layers),
-                                    prefetch=prefetch), protocol.SandboxAnswer).sandbox
+    record = Client(root).up(sid, env=env_ref, layers=layers, prefetch=prefetch,
+                             bundle_dir=bundle_dir)
     doc = record.to_json()
     if bundle_dir:
-        try:
-            config, _ = container_config(record, network="none")
-            doc["bundle"] = bundle.write_bundle(os.path.abspath(bundle_dir), config,
-                                                private=False)
-        except BaseException:  # no sandbox without the bundle asked for
-            call(root, protocol.Down(id=sid), protocol.SandboxAnswer)
-            raise
+        doc["bundle"] = os.path.join(os.path.abspath(bundle_dir), "config.json")
     Output(as_json).emit(doc, record.rootfs)
-
-
-def container_config(record: SandboxRecord, network: str, command: tuple[str, ...] = (),
-                     entrypoint: str | None = None, user: str | None = None,
-                     terminal: bool = False) -> tuple[dict[str, Any], int]:
-    """The config.json of a sandbox's container from its record (the env's image
-    config), and the signal that stops it."""
-    image = bundle.image_config_from(record.config)
-    hostname = record.id[:63]
-    process = bundle.image_process(record.rootfs, image, hostname, command=command,
-                                   entrypoint=entrypoint, user=user,
-                                   term=os.environ.get("TERM"), terminal=terminal)
-    config = bundle.runtime_config(record.rootfs, process, hostname=hostname,
-                                   network=network,
-                                   nofile=resource.getrlimit(resource.RLIMIT_NOFILE),
-                                   annotations=bundle.image_annotations(image))
-    return config, bundle.stop_signal(image)
 
 
 @click.command()
@@ -139,8 +117,8 @@ def container_config(record: SandboxRecord, network: str, command: tuple[str, ..
 @json_option
 def down(sid: str, keep_upper: bool, root: str, as_json: bool) -> None:
     """Take sandbox ID down and unmount what only it used."""
-    res = call(root, protocol.Down(id=sid, keep_upper=keep_upper), protocol.SandboxAnswer)
-    Output(as_json).emit(res.sandbox.to_json(), f"{sid} down")
+    record = Client(root).down(sid, keep_upper=keep_upper)
+    Output(as_json).emit(record.to_json(), f"{sid} down")
 
 
 @click.command()
@@ -155,8 +133,7 @@ def commit(sid: str, name: str, version: str, role: str, root: str, as_json: boo
     """Commit sandbox ID's changes (its overlay upper directory, whiteouts and opaque
     directories included) as layer NAME@VERSION, chunks shared with the sandbox's
     layers. The sandbox stays up; see docs/node.md for what a running one gets."""
-    res = call(root, protocol.Commit(id=sid, name=name, version=version, role=role),
-               protocol.CommitAnswer)
+    res = Client(root).commit(sid, name, version, role=role)
     state = "" if res.published else "  (unchanged: already published)"
     Output(as_json).emit(res.to_json(), f"{res.ref} {res.digest}{state}")
 
@@ -166,7 +143,7 @@ def commit(sid: str, name: str, version: str, role: str, root: str, as_json: boo
 @json_option
 def ps(root: str, as_json: bool) -> None:
     """List sandboxes: state, layers, upper size, bytes read from their layers."""
-    rows = call(root, protocol.Ps(), protocol.PsAnswer).sandboxes
+    rows = Client(root).ps()
 
     def text() -> str:
         lines = [f"{'ID':20} {'STATE':8} {'UPPER':>10} {'READ':>10}  LAYERS"]
@@ -184,7 +161,7 @@ def ps(root: str, as_json: bool) -> None:
 @json_option
 def stats(root: str, as_json: bool) -> None:
     """Cache statistics and per-layer bytes read."""
-    res = call(root, protocol.Stats(), protocol.StatsAnswer)
+    res = Client(root).stats()
     c = res.cache
 
     def text() -> str:
@@ -204,39 +181,6 @@ def stats(root: str, as_json: bool) -> None:
     Output(as_json).emit(res.to_json(), text)
 
 
-@click.command(context_settings={"ignore_unknown_options": True})
-@click.argument("sid", metavar="ID")
-@click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
-@click.option("--runtime", "runtime_name", envvar="LAYERFS_RUNTIME", default=runner.DEFAULT_RUNTIME,
-              show_default=True, type=click.Choice(runner.RUNTIMES),
-              help="The OCI runtime, found on PATH [env: LAYERFS_RUNTIME].")
-@click.option("--network", default="none", show_default=True,
-              type=click.Choice(bundle.NETWORK_MODES),
-              help="none: a new network namespace with only loopback; host: the node's.")
-@click.option("--user", "user", metavar="USER[:GROUP]",
-              help="Run as this user instead of the image's User (names from the image's "
-                   "/etc/passwd and /etc/group, or numbers).")
-@click.option("--entrypoint", metavar="PROG",
-              help="Replace the image's Entrypoint (and its Cmd); '' for none.")
-@root_option
-def run(sid: str, cmd: tuple[str, ...], runtime_name: str, network: str, user: str | None,
-        entrypoint: str | None, root: str) -> None:
-    """Run the env's image process, or CMD, in sandbox ID as a container (OCI runtime:
-    pivot_root; new pid, mount, ipc, uts and network namespaces; Docker's default
-    capabilities; no_new_privs); exit with its status. The image config applies as in
-    Docker: CMD replaces its Cmd after its Entrypoint; no CMD runs Entrypoint + Cmd; User,
-    Env and WorkingDir are the image's; SIGTERM sends its StopSignal.
-    Use: layerfs run [OPTIONS] ID [-- CMD...]"""
-    rows = call(root, protocol.Ps(), protocol.PsAnswer).sandboxes
-    match = [r for r in rows if r.id == sid]
-    if not match or match[0].state != "up":
-        raise UsageError(f"sandbox {sid} is not up")
-    config, stop = container_config(match[0], network, command=cmd, entrypoint=entrypoint,
-                                    user=user, terminal=sys.stdin.isatty())
-    container = runner.prepare(root, runtime_name, sid, stop_signal=stop)
-    sys.exit(runner.run(container, config))
-
-
 @click.group()
 def trace() -> None:
     """Access traces: the order in which sandboxes first touched a layer's chunks."""
@@ -248,5 +192,5 @@ def trace() -> None:
 @json_option
 def trace_push(ref: str, root: str, as_json: bool) -> None:
     """Store this node's trace of layer REF beside it, for other nodes' --prefetch trace."""
-    res = call(root, protocol.TracePush(ref=ref), protocol.TracePushAnswer)
+    res = Client(root).trace_push(ref)
     Output(as_json).emit(res.to_json(), f"{ref}: trace of {res.chunks} chunks stored")

@@ -1,28 +1,24 @@
-"""The control API: one JSON request line, one JSON response line, over
-``ROOT/control.sock`` (mode 0600, root only). The server runs in the daemon's
-trio loop and hands its handler parsed requests (:mod:`.protocol`); the
-client is plain blocking code for the CLI that reads answers back into their
-dataclasses."""
+"""The control API's wire format and its client: one JSON request line, one
+JSON response line, over ``ROOT/control.sock``. The client is plain blocking
+sockets and json (no trio: a node command starts in a few tens of ms) and reads
+answers back into their dataclasses (:mod:`.protocol`); the daemon's end is
+:mod:`.controlserver`."""
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import trio
-
 from ..errors import LayerfsError
-from .protocol import Message, Ping, Request, parse_request
+from .protocol import Message, Ping, Request
 
-log = logging.getLogger(__name__)
-MAX_REQUEST = 1 << 20
+DEFAULT_ROOT = "/var/lib/layerfs"
 
-Handler = Callable[[Request], Awaitable[Message]]
 A = TypeVar("A", bound=Message)
 
 
@@ -40,70 +36,8 @@ class RemoteError(LayerfsError):
         self.exit_code = code
 
 
-def exit_code_of(exc: LayerfsError) -> int:
-    """The exit code of an error's first cause that is a layerfs error: a read
-    that failed because a chunk is damaged exits as an integrity error (6), one
-    whose store is down as unreachable (8)."""
-    while isinstance(exc.__cause__, LayerfsError):
-        exc = exc.__cause__
-    return exc.exit_code
-
-
 def socket_path(root: str | os.PathLike[str]) -> Path:
     return Path(root) / "control.sock"
-
-
-class ControlServer:
-    def __init__(self, root: Path, handler: Handler) -> None:
-        self.path = socket_path(root)
-        self.handler = handler
-
-    async def serve(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        self.path.unlink(missing_ok=True)
-        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            await sock.bind(str(self.path))
-        finally:
-            os.umask(old)
-        os.chmod(self.path, 0o600)
-        sock.listen(128)
-        listener = trio.SocketListener(sock)
-        task_status.started()
-        await trio.serve_listeners(self._connection, [listener])
-
-    async def _connection(self, stream: trio.SocketStream) -> None:
-        async with stream:
-            buf = b""
-            while b"\n" not in buf and len(buf) < MAX_REQUEST:
-                chunk = await stream.receive_some(65536)
-                if not chunk:
-                    return
-                buf += chunk
-            response = await self._answer(buf)
-            try:
-                await stream.send_all(json.dumps(response).encode() + b"\n")
-            except trio.BrokenResourceError:
-                pass
-
-    async def _answer(self, raw: bytes) -> dict[str, Any]:
-        try:
-            request = json.loads(raw)
-            if not isinstance(request, dict):
-                raise ValueError("not an object")
-        except ValueError:
-            return {"ok": False, "error": "bad request: not a JSON object", "code": 2}
-        try:
-            answer = await self.handler(parse_request(request))
-            return {"ok": True, **answer.to_json()}
-        except LayerfsError as exc:
-            return {"ok": False, "error": str(exc), "code": exit_code_of(exc)}
-        except OSError as exc:
-            log.error("%s: %s", request.get("op"), exc)
-            return {"ok": False, "error": str(exc), "code": 1}
-        except Exception as exc:  # the daemon keeps serving; the cause is logged
-            log.exception("%s failed", request.get("op"))
-            return {"ok": False, "error": f"internal error: {exc!r}", "code": 1}
 
 
 def call(root: str | os.PathLike[str], request: Request, answer: type[A],
@@ -117,11 +51,10 @@ def call_raw(root: str | os.PathLike[str], request: dict[str, Any],
              timeout: float | None = None) -> dict[str, Any]:
     """Send one request, as JSON, to the daemon at ``root``; the answer as JSON,
     or its error raised as ours."""
-    path = socket_path(root)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
-        sock.connect(str(path))
+        sock.connect(str(socket_path(root)))
     except (FileNotFoundError, ConnectionRefusedError):
         sock.close()
         raise DaemonNotRunning(root, root) from None
@@ -145,8 +78,6 @@ def wait_ready(root: str | os.PathLike[str], alive: Callable[[], bool],
                timeout: float = 60.0) -> bool:
     """Wait until a daemon answers at ``root``; False if ``alive()`` turns false
     (the process died) or the time runs out."""
-    import time
-
     deadline = time.monotonic() + timeout
     while True:
         try:

@@ -32,7 +32,8 @@ from ..store.counting import CountingStore
 from ..tree import FileTree
 from . import protocol
 from .blobfiles import BlobDirectory
-from .control import ControlServer
+from .control import DEFAULT_ROOT
+from .controlserver import ControlServer
 from .diskmanager import DiskManager
 from .fetcher import ChunkFetcher
 from .fusefs import NodeFS
@@ -41,7 +42,6 @@ from .sandboxes import LayerMounts, Sandboxes
 from .traces import merge_traces, trace_bytes, trace_key
 
 log = logging.getLogger(__name__)
-DEFAULT_ROOT = "/var/lib/layerfs"
 ROOT_ONLY_DIRS = ("cache", "fuse", "layers", "sandboxes", "disks", "replica.lmdb")
 PROBE = ".mount-probe"
 
@@ -229,8 +229,8 @@ class Daemon:
     async def down(self, r: protocol.Down) -> protocol.SandboxAnswer:
         return protocol.SandboxAnswer(await self.sandboxes.down(r.id, r.keep_upper))
 
-    async def ps(self, _: protocol.Ps) -> protocol.PsAnswer:
-        return protocol.PsAnswer(await self.sandboxes.ps())
+    async def ps(self, r: protocol.Ps) -> protocol.PsAnswer:
+        return protocol.PsAnswer(await self.sandboxes.ps(r.id))
 
     async def commit(self, r: protocol.Commit) -> protocol.CommitAnswer:
         return await self.sandboxes.commit(r.id, r.name, r.version, r.role)

@@ -13,7 +13,6 @@ file has no entries; one that is not a regular file or is too large is an error.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import stat
@@ -27,7 +26,7 @@ SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_IN_ROOT = 0x10
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # libc, already loaded: no `ldconfig -p` run
 
 
 class ImageUserError(LayerfsError):

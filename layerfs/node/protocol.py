@@ -21,6 +21,7 @@ from typing import Any, ClassVar, TypeVar
 from ..errors import UsageError
 
 DEFAULT_VM_DISK = 10 << 30
+LAYER_ROLES = ("base", "toolchain", "workspace")  # what a committed upper may be
 
 M = TypeVar("M", bound="Message")
 
@@ -145,6 +146,7 @@ class Down(Request):
 @dataclass
 class Ps(Request):
     op = "ps"
+    id: str | None = None  # only this sandbox (its size counted alone)
 
 
 @dataclass

@@ -36,7 +36,7 @@ from ..registry import ENVS, LAYERS, Registry
 from ..sizes import du
 from .blobfiles import BlobDirectory, BlobFile
 from .fetcher import ChunkFetcher
-from .protocol import BadMessage, CommitAnswer, SandboxRecord, SandboxStatus
+from .protocol import LAYER_ROLES, BadMessage, CommitAnswer, SandboxRecord, SandboxStatus
 from .replica import Replica
 from .traces import merge_traces, parse_trace, trace_key
 
@@ -50,7 +50,6 @@ PREFETCH = ("none", "full", "trace", "auto")
 # and the upper directory stays one a layer can hold (`commit`): no renamed
 # lower directory kept as a redirect, no chown/chmod kept as metadata only.
 OVERLAY_OPTIONS = "redirect_dir=nofollow,metacopy=off"
-LAYER_ROLES = ("base", "toolchain", "workspace")  # what a committed upper may be
 
 
 class SandboxError(LayerfsError):
@@ -390,9 +389,12 @@ class Sandboxes:
             except OSError as exc:
                 log.error("unmount sandbox %s: %s", sid, exc)
 
-    async def ps(self) -> list[SandboxStatus]:
+    async def ps(self, only: str | None = None) -> list[SandboxStatus]:
+        """Every sandbox's status, or only sandbox ``only``'s (none if unknown)."""
         out = []
         for sid, record in sorted(self.records.items()):
+            if only is not None and sid != only:
+                continue
             blobs = [self.layers.mounted[d].blob for d in record.layers
                      if d in self.layers.mounted]
             upper = await trio.to_thread.run_sync(du, self._dir(sid) / "upper")

@@ -1,0 +1,157 @@
+"""The Python API of a node: :class:`Client` drives the daemon at a node's root
+over its control socket, the same calls the CLI's node commands make.
+
+Requests and answers are the typed records of :mod:`.protocol`; a daemon that
+refuses a request raises :class:`~.control.RemoteError` (its message and exit
+code), one that is not running :class:`~.control.DaemonNotRunning`, both
+:class:`~layerfs.errors.LayerfsError`. The module imports only the standard
+library, the records and the socket client, so that a command starts fast; what
+``run`` and ``up --bundle`` need (the OCI bundle writer, the runtime runner) is
+imported when they are called.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import UsageError
+from . import protocol
+from .control import DEFAULT_ROOT, call
+from .protocol import (
+    CommitAnswer,
+    PingAnswer,
+    SandboxRecord,
+    SandboxStatus,
+    StatsAnswer,
+    TracePushAnswer,
+)
+
+if TYPE_CHECKING:
+    from .runner import Container
+
+
+class SandboxNotUp(UsageError):
+    """sandbox {} is not up"""
+
+
+class Client:
+    """The node whose daemon serves ``root``; each call is one control request
+    (``timeout`` seconds at most, None: no bound)."""
+
+    def __init__(self, root: str | os.PathLike[str] = DEFAULT_ROOT,
+                 timeout: float | None = None) -> None:
+        self.root = os.fspath(root)
+        self.timeout = timeout
+
+    def ping(self) -> PingAnswer:
+        """The daemon's root, store URL and pid."""
+        return call(self.root, protocol.Ping(), PingAnswer, self.timeout)
+
+    def up(self, sandbox_id: str, env: str | None = None, layers: Sequence[str] = (),
+           prefetch: str = "none", bundle_dir: str | None = None) -> SandboxRecord:
+        """Bring up a sandbox of env ``env`` (a ref) or of ``layers`` (refs, top
+        first); with ``bundle_dir``, also write an OCI runtime bundle for it
+        there (``runc run -b DIR ID``), or take it down again if that fails."""
+        if bool(env) == bool(layers):
+            raise UsageError("give an env or layer refs (not both)")
+        request = protocol.Up(id=sandbox_id, env=env, layers=list(layers), prefetch=prefetch)
+        record = call(self.root, request, protocol.SandboxAnswer, self.timeout).sandbox
+        if bundle_dir is not None:
+            try:
+                self.write_bundle(record, bundle_dir)
+            except BaseException:  # no sandbox without the bundle asked for
+                self.down(sandbox_id)
+                raise
+        return record
+
+    def write_bundle(self, record: SandboxRecord, directory: str,
+                     network: str = "none") -> str:
+        """Write ``directory/config.json``, which runs the sandbox's image process
+        (Entrypoint + Cmd as its User, with its Env and WorkingDir); its path."""
+        from . import bundle
+
+        config, _ = container_config(record, network)
+        return bundle.write_bundle(os.path.abspath(directory), config, private=False)
+
+    def down(self, sandbox_id: str, keep_upper: bool = False) -> SandboxRecord:
+        """Take a sandbox down and unmount what only it used; its last record."""
+        request = protocol.Down(id=sandbox_id, keep_upper=keep_upper)
+        return call(self.root, request, protocol.SandboxAnswer, self.timeout).sandbox
+
+    def ps(self) -> list[SandboxStatus]:
+        """Every sandbox: its record, upper size and bytes read from its layers."""
+        return call(self.root, protocol.Ps(), protocol.PsAnswer, self.timeout).sandboxes
+
+    def sandbox(self, sandbox_id: str) -> SandboxStatus | None:
+        """One sandbox's status (only its upper is measured), None if unknown."""
+        rows = call(self.root, protocol.Ps(id=sandbox_id), protocol.PsAnswer,
+                    self.timeout).sandboxes
+        return next((r for r in rows if r.id == sandbox_id), None)
+
+    def stats(self) -> StatsAnswer:
+        """Cache statistics and, per mounted layer, bytes and chunks read."""
+        return call(self.root, protocol.Stats(), StatsAnswer, self.timeout)
+
+    def commit(self, sandbox_id: str, name: str, version: str,
+               role: str = "workspace") -> CommitAnswer:
+        """Publish a sandbox's changes as layer ``name@version``."""
+        request = protocol.Commit(id=sandbox_id, name=name, version=version, role=role)
+        return call(self.root, request, CommitAnswer, self.timeout)
+
+    def trace_push(self, ref: str) -> TracePushAnswer:
+        """Store this node's access trace of layer ``ref`` beside the layer."""
+        return call(self.root, protocol.TracePush(ref=ref), TracePushAnswer, self.timeout)
+
+    def run(self, sandbox_id: str, command: Sequence[str] = (), *,
+            runtime: str | None = None, network: str = "none", user: str | None = None,
+            entrypoint: str | None = None, terminal: bool = False) -> int:
+        """Run the image's process, or ``command`` after its Entrypoint, in a sandbox
+        that is up, as a container of OCI runtime ``runtime`` (runc or crun; None:
+        runc) in the foreground,
+        stdio passed through, signals forwarded; its exit status."""
+        container, config = self.prepare_run(sandbox_id, command, runtime=runtime,
+                                             network=network, user=user,
+                                             entrypoint=entrypoint, terminal=terminal)
+        from . import runner
+
+        return runner.run(container, config)
+
+    def prepare_run(self, sandbox_id: str, command: Sequence[str] = (), *,
+                    runtime: str | None = None, network: str = "none",
+                    user: str | None = None, entrypoint: str | None = None,
+                    terminal: bool = False) -> tuple[Container, dict[str, Any]]:
+        """What :meth:`run` runs: the container (runtime, ids, dirs) and its
+        config.json, from one request for the sandbox's record."""
+        from . import runner
+
+        record = self.sandbox(sandbox_id)
+        if record is None or record.state != "up":
+            raise SandboxNotUp(sandbox_id)
+        config, stop = container_config(record, network, command=tuple(command),
+                                        entrypoint=entrypoint, user=user, terminal=terminal)
+        container = runner.prepare(self.root, runtime or runner.DEFAULT_RUNTIME, sandbox_id,
+                                   stop_signal=stop)
+        return container, config
+
+
+def container_config(record: SandboxRecord, network: str, command: tuple[str, ...] = (),
+                     entrypoint: str | None = None, user: str | None = None,
+                     terminal: bool = False) -> tuple[dict[str, Any], int]:
+    """The config.json of a sandbox's container from its record (the env's image
+    config), and the signal that stops it."""
+    import resource
+
+    from . import bundle
+
+    image = bundle.image_config_from(record.config)
+    hostname = record.id[:63]
+    process = bundle.image_process(record.rootfs, image, hostname, command=command,
+                                   entrypoint=entrypoint, user=user,
+                                   term=os.environ.get("TERM"), terminal=terminal)
+    config = bundle.runtime_config(record.rootfs, process, hostname=hostname,
+                                   network=network,
+                                   nofile=resource.getrlimit(resource.RLIMIT_NOFILE),
+                                   annotations=bundle.image_annotations(image))
+    return config, bundle.stop_signal(image)
