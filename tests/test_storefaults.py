@@ -34,7 +34,7 @@ from layerfs.errors import (
     StoreUnreachable,
     VersionExists,
 )
-from layerfs.node.control import exit_code_of
+from layerfs.node.controlserver import exit_code_of
 from layerfs.node.fetcher import ChunkFetcher, FetchError
 from layerfs.registry import ENVS, LAYERS, Registry
 from layerfs.store.base import blob_key
