@@ -31,8 +31,12 @@ deps: apt-deps $(STAMP)
 
 # The lint runs first; it lives in tests/test_lint.py (ruff, and mypy on the
 # package as installed, so imports between the four folders are checked).
+# The suite runs on TEST_WORKERS pytest-xdist workers, a test file per worker
+# at a time (its module fixtures are built once); each worker has its own
+# SeaweedFS, registry and temporary directories (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: lint
-	$(VENV)/bin/pytest -q --ignore=tests/test_lint.py
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/test_lint.py
 
 demo: deps
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash demo/demo.sh

@@ -448,7 +448,7 @@ def push(store: Store, layers: list[dict], srcdir: Path,
         if digest is None:
             print(f"pushing {lay['name']}@{lay['version']}...", flush=True)
             start = time.perf_counter()
-            res = build_layer(Registry(store), str(srcdir / lay["name"].rsplit("/", 1)[1]),
+            res = build_layer(reg, str(srcdir / lay["name"].rsplit("/", 1)[1]),
                               BuildOptions(lay["name"], lay["version"], role=lay["role"],
                                            chunk_size=chunk_size))
             digest = res.digest
@@ -478,13 +478,14 @@ def build_corpus(p: Params, work: Path, store: Store, store_info: dict) -> dict:
     bases = [lay for lay in layers if lay["role"] == "base"]
     tcs = [lay for lay in layers if lay["role"] == "toolchain"]
     envs = []
+    reg = Registry(store)
     for i, ws in enumerate(lay for lay in layers if lay["role"] == "workspace"):
         base = bases[i % len(bases)] if i < len(bases) else rng.choice(bases)
         tc = tcs[i % len(tcs)] if i < len(tcs) else rng.choice(tcs)
         refs = [f"{x['name']}@{x['version']}" for x in (ws, tc, base)]
         name = f"bench/corpus/env-{i:02d}"
         version = f"g{GEN}-{hashlib.sha256(json.dumps(refs).encode()).hexdigest()[:12]}"
-        create_env(store, name, version, refs)
+        create_env(reg, name, version, refs)
         envs.append({"ref": f"{name}@{version}", "layers": [ws["name"], tc["name"], base["name"]],
                      "bytes": ws["bytes"] + tc["bytes"] + base["bytes"]})
     tasks = make_tasks(p, layers, envs)

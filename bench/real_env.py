@@ -233,7 +233,7 @@ def push(store: Any, work: Path, parts: dict[str, dict]) -> tuple[str, dict]:
         if digest is None:
             print(f"pushing {name}@{version}...", flush=True)
             start = time.perf_counter()
-            digest = build_layer(Registry(store), str(work / role),
+            digest = build_layer(reg, str(work / role),
                                  BuildOptions(name, version, role=role)).digest
             built = time.perf_counter() - start
         manifest = reg.layer(digest)
@@ -245,7 +245,7 @@ def push(store: Any, work: Path, parts: dict[str, dict]) -> tuple[str, dict]:
                         "meta_bytes": manifest.meta.size, "build_s": round(built, 1)}
         refs.append(f"{name}@{version}")
     version = f"g{GEN}-{hashlib.sha256(json.dumps(refs).encode()).hexdigest()[:12]}"
-    create_env(store, "bench/real/env", version, refs)
+    create_env(reg, "bench/real/env", version, refs)
     return f"bench/real/env@{version}", layers
 
 

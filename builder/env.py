@@ -8,7 +8,6 @@ from layerfs.errors import UsageError, VersionExists
 from layerfs.manifest import EnvLayer, EnvManifest, ImageConfig
 from layerfs.names import check_name, check_version
 from layerfs.registry import ENVS, LAYERS, Registry
-from layerfs.store.base import Store
 
 from .layer import now_utc
 
@@ -21,16 +20,16 @@ class EnvResult:
     published: bool
 
 
-def create_env(store: Store, name: str, version: str, layer_refs: list[str],
+def create_env(reg: Registry, name: str, version: str, layer_refs: list[str],
                config: ImageConfig | None = None, on: str | None = None) -> EnvResult:
-    """Publish env ``name@version`` of ``layer_refs`` (top first), with an image config.
-    With ``on`` (an env ref), the layers go on top of that env's layers and the
-    new env keeps its image config unless ``config`` is given."""
+    """Publish env ``name@version`` of ``layer_refs`` (top first), with an image
+    config, in ``reg``'s store (the caller's registry, one per command). With
+    ``on`` (an env ref), the layers go on top of that env's layers and the new
+    env keeps its image config unless ``config`` is given."""
     check_name(name)
     check_version(version)
     if not layer_refs:
         raise UsageError("an env needs at least one --layer")
-    reg = Registry(store)
     layers = [EnvLayer(ref, reg.resolve(LAYERS, ref)) for ref in layer_refs]
     for layer in layers:
         reg.layer(layer.digest)  # must be a readable layer manifest
@@ -47,7 +46,7 @@ def create_env(store: Store, name: str, version: str, layer_refs: list[str],
         if old.content_key() != manifest.content_key():
             raise VersionExists(ref)
         return EnvResult(ref, existing, old, published=False)
-    digest, _ = store.put_blob(manifest.to_bytes())
+    digest, _ = reg.store.put_blob(manifest.to_bytes())
     key = manifest.content_key()
     if not reg.publish(ENVS, name, version, digest,
                        same=lambda other: reg.env(other).content_key() == key):

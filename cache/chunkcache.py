@@ -31,7 +31,7 @@ from pathlib import Path
 
 from .chunkfile import (
     BlockLayout,
-    Buffer,
+    Chunk,
     OldFormat,
     Unusable,
     file_header,
@@ -104,11 +104,11 @@ class ChunkCache:
         with self._lock:
             return sha in self._lru
 
-    def read(self, sha: str) -> Buffer | None:
+    def read(self, sha: str) -> Chunk | None:
         """The chunk's bytes if cached and intact, else None (a miss)."""
         return self._counted(sha, lambda fd: whole_file(fd, bytes.fromhex(sha)))
 
-    def read_range(self, sha: str, lo: int, hi: int) -> Buffer | None:
+    def read_range(self, sha: str, lo: int, hi: int) -> Chunk | None:
         """Bytes ``[lo, hi)`` of the chunk, reading and checking only the
         blocks that hold them; None on a miss (or a damaged file, dropped)."""
         return self._counted(sha, lambda fd: part_data(fd, lo, hi, self._layout(sha, fd)))
@@ -133,7 +133,7 @@ class ChunkCache:
             while len(self._layouts) > LAYOUTS:
                 self._layouts.popitem(last=False)
 
-    def _counted(self, sha: str, read: Callable[[int], Buffer]) -> Buffer | None:
+    def _counted(self, sha: str, read: Callable[[int], Chunk]) -> Chunk | None:
         """``read`` of the chunk's open cache file, counted as a hit or a miss."""
         with self._lock:
             known = sha in self._lru
@@ -147,7 +147,7 @@ class ChunkCache:
                 self.stats.hits += 1
         return data
 
-    def _read_checked(self, sha: str, read: Callable[[int], Buffer]) -> Buffer | None:
+    def _read_checked(self, sha: str, read: Callable[[int], Chunk]) -> Chunk | None:
         """``read`` of the cache file; a file gone is forgotten, an unusable one dropped."""
         path = self._path(sha)
         try:
@@ -186,7 +186,7 @@ class ChunkCache:
         elif first_old:
             log.info("cache files of an earlier format (%s) are dropped and fetched again", exc)
 
-    def write(self, sha: str, data: bytes) -> None:
+    def write(self, sha: str, data: Chunk) -> None:
         """Store verified chunk bytes. Room is made first (least recently used
         chunks evicted, the new file's size reserved), so the files on disk,
         temporary ones included, stay within the limit."""

@@ -34,7 +34,9 @@ HEADER = struct.Struct("<8sQIIQ32s")
 DIGEST = struct.Struct("<Q")
 BLOCK = 16 << 10
 FIRST_READ = 4096  # the header and (for chunks up to 7.8 MiB) every block digest
-Buffer: TypeAlias = bytes | memoryview
+# A chunk's bytes as the cache and the node pass them on: a ``bytes``, or a view
+# into the buffer a cache file was read into (no copy).
+Chunk: TypeAlias = bytes | memoryview
 
 
 class Unusable(Exception):
@@ -53,11 +55,11 @@ def blocks_of(length: int, block: int = BLOCK) -> int:
     return -(-length // block)
 
 
-def xxh(data: Buffer) -> int:
+def xxh(data: Chunk) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def file_header(sha: bytes, data: Buffer) -> bytes:
+def file_header(sha: bytes, data: Chunk) -> bytes:
     """The header and block digests that precede ``data`` (the chunk whose
     sha256 is ``sha``) in its cache file."""
     view = memoryview(data)
@@ -69,7 +71,7 @@ def file_size(length: int) -> int:
     return HEADER.size + blocks_of(length) * DIGEST.size + length
 
 
-def _header(head: Buffer, sha: bytes) -> tuple[int, int, int, int]:
+def _header(head: Chunk, sha: bytes) -> tuple[int, int, int, int]:
     """(length, block size, block count, xxh3 of all) from a header that names
     chunk ``sha``; raises :class:`Unusable` otherwise."""
     magic = bytes(head[:8])
@@ -90,7 +92,7 @@ def check_identity(named: bytes, sha: bytes) -> None:
         raise Damaged(f"holds chunk {named.hex()}")
 
 
-def whole_data(raw: bytes, sha: bytes) -> Buffer:
+def whole_data(raw: bytes, sha: bytes) -> Chunk:
     """Chunk ``sha``'s bytes from a whole cache file; raises :class:`Unusable`."""
     length, _, nblocks, digest = _header(raw, sha)
     data = memoryview(raw)[HEADER.size + nblocks * DIGEST.size :]
@@ -99,7 +101,7 @@ def whole_data(raw: bytes, sha: bytes) -> Buffer:
     return data
 
 
-def whole_file(fd: int, sha: bytes) -> Buffer:
+def whole_file(fd: int, sha: bytes) -> Chunk:
     """Chunk ``sha``'s bytes from its open cache file ``fd``; raises :class:`Unusable`."""
     return whole_data(os.pread(fd, os.fstat(fd).st_size, 0), sha)
 
@@ -119,7 +121,7 @@ class BlockLayout:
         return int(DIGEST.unpack_from(self.digests, i * DIGEST.size)[0])
 
 
-def layout_of(head: Buffer, sha: bytes) -> BlockLayout:
+def layout_of(head: Chunk, sha: bytes) -> BlockLayout:
     """The layout a header of chunk ``sha`` describes; raises :class:`Unusable`
     if ``head`` is not one or does not hold all of it."""
     head = bytes(head)
@@ -141,7 +143,7 @@ def read_layout(fd: int, sha: bytes) -> BlockLayout:
     return layout_of(head, sha)
 
 
-def part_data(fd: int, lo: int, hi: int, layout: BlockLayout) -> Buffer:
+def part_data(fd: int, lo: int, hi: int, layout: BlockLayout) -> Chunk:
     """Bytes ``[lo, hi)`` of the chunk in the open cache file ``fd``, whose
     layout is ``layout`` (from :func:`read_layout` or memory); raises
     :class:`Damaged` if the blocks that hold them are damaged or missing."""

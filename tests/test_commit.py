@@ -55,7 +55,7 @@ def base_env(tmp_path, store, store_location):
     need_root()
     build(store, str(make_base(tmp_path / "base")), name="base", chunk_size=CHUNK)
     config = ImageConfig(env=["PATH=/bin", "LANG=C"], cmd=["/bin/sh"], working_dir="/data")
-    create_env(store, "e", "1", ["base@1"], config=config)
+    create_env(Registry(store), "e", "1", ["base@1"], config=config)
     return store_location
 
 

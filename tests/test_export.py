@@ -83,8 +83,9 @@ def env(tmp_path, store):
     build(store, str(upper_tar(tmp_path / "up.tar")), name="up", chunk_size=CHUNK)
     build(store, str(top_tar(tmp_path / "top.tar")), name="top", chunk_size=CHUNK)
     layers = ["top@1", "up@1", "gen@1", "base@1"]
-    create_env(store, "e", "1", layers, config=CONFIG)
-    create_env(store, "e", "2", layers)
+    reg = Registry(store)
+    create_env(reg, "e", "1", layers, config=CONFIG)
+    create_env(reg, "e", "2", layers)
     return store
 
 

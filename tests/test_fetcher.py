@@ -1,5 +1,11 @@
 """The chunk fetcher and blob files without a mount: single flight, failures,
-cancellation and readahead from the cache."""
+cancellation and readahead from the cache.
+
+No test depends on elapsed time: each runs on a trio ``MockClock`` that stands
+still (a timeout or the store's cooldown ends only when the test jumps the
+clock, or, for a hung store, when the clock jumps itself because nothing else
+can happen), and waits for the fetcher's tasks with trio's and threading's
+events, ``wait_all_tasks_blocked`` and nurseries that end with their tasks."""
 
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from layerfs.errors import StoreUnreachable, TransientStoreError
 from layerfs.formats.chunktable import FILE_START, RAW, ChunkEntry, ChunkTable
 from layerfs.node.blobfiles import BlobFile
 from layerfs.node.failfast import OBJECT_BACKOFF, OBJECT_BACKOFF_MAX, FailFast
-from layerfs.node.fetcher import ChunkFetcher, FetchError
+from layerfs.node.fetcher import STORE_COOLDOWN, ChunkFetcher, FetchError
 from layerfs.store.base import blob_key
 
 DATA = b"chunk bytes " * 1000
@@ -27,16 +33,19 @@ ENTRY = ChunkEntry(0, len(DATA), hashlib.sha256(DATA).digest(), "sha256:" + "0" 
 
 
 class SlowStore:
-    """Serves DATA for any range; the first call waits until released."""
+    """Serves DATA for any range; the first call (``entered`` once it began)
+    waits until released."""
 
     def __init__(self, fail: bool = False) -> None:
         self.calls = 0
+        self.entered = threading.Event()
         self.release = threading.Event()
         self.fail = fail
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         self.calls += 1
         if self.calls == 1:
+            self.entered.set()
             self.release.wait(10)
         if self.fail:
             raise StoreUnreachable("test store is down")
@@ -45,6 +54,16 @@ class SlowStore:
 
 def fetcher(tmp_path, store, timeout: float = 5.0) -> ChunkFetcher:
     return ChunkFetcher(store, ChunkCache(tmp_path / "cache", 1 << 20), timeout=timeout)
+
+
+def run(main, clock: trio.testing.MockClock | None = None) -> None:
+    """``trio.run(main)`` on a mock clock, by default one that stands still."""
+    trio.run(main, clock=clock or trio.testing.MockClock())
+
+
+async def entered(store: SlowStore) -> None:
+    """Wait until the store's first call is in its worker thread."""
+    assert await trio.to_thread.run_sync(store.entered.wait, 10)
 
 
 def test_one_fetch_for_many_readers(tmp_path):
@@ -59,10 +78,11 @@ def test_one_fetch_for_many_readers(tmp_path):
         async with trio.open_nursery() as nursery:
             for _ in range(10):
                 nursery.start_soon(read)
-            await trio.sleep(0.2)
+            await entered(store)
+            await trio.testing.wait_all_tasks_blocked()  # the nine others wait for its flight
             store.release.set()
 
-    trio.run(main)
+    run(main)
     assert results == [DATA] * 10 and store.calls == 1
 
 
@@ -72,6 +92,7 @@ def test_a_cancelled_owner_does_not_cancel_the_waiters(tmp_path):
     store = SlowStore()
     f = fetcher(tmp_path, store)
     got: list[bytes] = []
+    clock = trio.testing.MockClock()
 
     async def main() -> None:
         async def owner() -> None:
@@ -83,11 +104,13 @@ def test_a_cancelled_owner_does_not_cancel_the_waiters(tmp_path):
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(owner)
-            await trio.sleep(0.05)
+            await entered(store)
             nursery.start_soon(waiter)
+            await trio.testing.wait_all_tasks_blocked()  # the waiter waits for the owner's flight
+            clock.jump(0.2)  # the owner gives up
         store.release.set()
 
-    trio.run(main)
+    run(main, clock)
     assert got == [DATA] and store.calls == 2
 
 
@@ -96,6 +119,7 @@ def test_a_failure_reaches_every_waiter_and_the_next_read_tries_again(tmp_path):
     store = SlowStore(fail=True)
     f = fetcher(tmp_path, store)
     errors: list[BaseException] = []
+    clock = trio.testing.MockClock()
 
     async def main() -> None:
         async def read() -> None:
@@ -107,13 +131,16 @@ def test_a_failure_reaches_every_waiter_and_the_next_read_tries_again(tmp_path):
         async with trio.open_nursery() as nursery:
             for _ in range(3):
                 nursery.start_soon(read)
-            await trio.sleep(0.1)
+            await entered(store)
+            await trio.testing.wait_all_tasks_blocked()
             store.release.set()
         store.fail = False
-        await trio.sleep(2.1)  # the fail-fast window after a store failure
+        with pytest.raises(FetchError, match="failed just now"):  # the fail-fast window
+            await f.get(ENTRY)
+        clock.jump(STORE_COOLDOWN)
         assert await f.get(ENTRY) == DATA
 
-    trio.run(main)
+    run(main, clock)
     assert len(errors) == 3 and store.calls == 2
 
 
@@ -126,9 +153,11 @@ def test_a_hung_store_is_eio_within_the_timeout(tmp_path):
         start = trio.current_time()
         with pytest.raises(FetchError, match="timed out"):
             await f.get(ENTRY)
-        assert trio.current_time() - start < 2
+        assert trio.current_time() - start == 0.5  # the mock clock's time: the timeout
 
-    trio.run(main)
+    # the store never answers: the clock jumps to the timeout as soon as
+    # every task waits
+    run(main, trio.testing.MockClock(autojump_threshold=0))
     store.release.set()
 
 
@@ -235,18 +264,17 @@ def test_sequential_reads_bring_the_next_cached_chunks_of_the_file_into_memory(t
     blob = BlobFile("sha256:" + "1" * 64, ChunkTable(entries, 12 * size, size), f, 16)
 
     async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            f.nursery = nursery
+        async with trio.open_nursery() as background:  # ends when its reads ahead have
+            f.nursery = background
             assert await blob.read(9 * size, 100) == chunks[9][:100]  # starts no stream
-            await trio.sleep(0.2)
-            assert entries[10].sha256 not in f.memory
+        assert entries[10].sha256 not in f.memory
+        async with trio.open_nursery() as background:
+            f.nursery = background
             for i in range(5):  # a stream: chunks 0-4, reading ahead 0, 1, 2, 3, 4 chunks
                 assert await blob.read(i * size, size) == chunks[i]
-            await trio.sleep(0.2)
-            f.nursery = None
-            nursery.cancel_scope.cancel()
+        f.nursery = None
 
-    trio.run(main)
+    run(main)
     in_memory = [i for i, e in enumerate(entries) if e.sha256 in f.memory]
     # 6 is not cached, and 5 chunks read fetch 1 ahead (5); 8 starts a file; the
     # random read took a part of 9
@@ -273,7 +301,7 @@ def test_a_small_random_read_of_a_cached_chunk_reads_only_its_blocks(tmp_path):
         assert entry.sha256 not in f.memory  # a part, not the chunk
         assert await blob.read(6 * BLOCK, 4096) == data[6 * BLOCK : 6 * BLOCK + 4096]
 
-    trio.run(main)
+    run(main)
     assert store.calls == 1  # block 6 was damaged: dropped, the chunk fetched again
     assert f.cache.snapshot()["corrupt"] == 1
 
@@ -341,7 +369,7 @@ def test_a_full_prefetch_reads_each_run_once_and_verifies_each_chunk(tmp_path):
         await f.fetch_all(entries, workers=1)
         assert store.calls == [(blob_key(a), 2 * 5000, 3 * 5000), (blob_key(b), 0, 3 * 3000)]
 
-    trio.run(main)
+    run(main)
     assert all(f.cache.read(e.sha256.hex()) is not None for e in entries)
 
 
@@ -365,12 +393,12 @@ def test_a_trace_prefetch_keeps_its_order_and_shares_its_runs_with_readers(tmp_p
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(f.prefetch, [entries[i] for i in (3, 4, 5, 0, 1)])
-            await trio.sleep(0.1)
+            await trio.testing.wait_all_tasks_blocked()  # its first run is in flight
             nursery.start_soon(lambda: _append(got, f.get(entries[4])))
-            await trio.sleep(0.1)
+            await trio.testing.wait_all_tasks_blocked()  # the reader waits for that run
             release.set()
 
-    trio.run(main)
+    run(main)
     assert got == [pack[4 * 4096:5 * 4096]]
     assert store.calls == [(blob_key(a), 3 * 4096, 6 * 4096), (blob_key(a), 0, 2 * 4096)]
     assert all(f.cache.contains(entries[i].sha256.hex()) for i in (0, 1, 3, 4, 5))
@@ -406,7 +434,7 @@ def test_a_miss_on_a_small_chunk_brings_the_chunks_after_it_in_its_pack(tmp_path
         assert await blob.read(4 * 4096, 10) == pack[4 * 4096:4 * 4096 + 10]
         assert store.calls[2:] == [(blob_key(a), 4 * 4096, 5 * 4096)] * 2  # 5 is cached
 
-    trio.run(main)
+    run(main)
     assert f.cache.snapshot()["entries"] == 6
 
 
@@ -423,16 +451,13 @@ def test_a_stream_fetches_ahead_a_quarter_of_what_it_has_read(tmp_path):
     blob = BlobFile("sha256:" + "4" * 64, ChunkTable(entries, len(pack), 4096), f, 16)
 
     async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            f.nursery = nursery
-            for i in range(12):
+        for i in range(12):
+            async with trio.open_nursery() as background:  # ends when its fetches ahead have
+                f.nursery = background
                 assert await blob.read(i * 4096, 4096) == pack[i * 4096:(i + 1) * 4096]
-                await trio.sleep(0.02)
-            await f.writes_done()
             f.nursery = None
-            nursery.cancel_scope.cancel()
 
-    trio.run(main)
+    run(main)
     present = [i for i, e in enumerate(entries) if not f.absent(e.sha256)]
     assert present == list(range(15))
     assert len(store.calls) <= 13  # 0-3 on demand, then ahead: 4, 5, 6, 7, 8-9, 10, 11, 12, 13-14
@@ -461,16 +486,16 @@ def test_a_background_run_waits_while_readers_fetch(tmp_path):
         async with trio.open_nursery() as nursery:
             for entry in read_set:
                 nursery.start_soon(f.get, entry)
-            await trio.sleep(0.1)
+            await trio.testing.wait_all_tasks_blocked()  # both readers' fetches go on
             nursery.start_soon(f.prefetch, traced)
-            await trio.sleep(0.2)
+            await trio.testing.wait_all_tasks_blocked()  # the replay waits for quiet
             assert [k for k, _, _ in store.calls] == []  # readers blocked, replay waiting
             release.set()
         keys = [k for k, _, _ in store.calls]
         # the replay starts once at most one reader's fetch goes on (QUIET): after one ended
         assert keys.index(blob_key(b)) > keys.index(blob_key(a))
 
-    trio.run(main)
+    run(main)
     assert all(f.cache.contains(e.sha256.hex()) for e in read_set + traced)
 
 
@@ -514,7 +539,7 @@ def test_fetch_ahead_claims_its_chunks_when_called_so_a_reader_joins_it(tmp_path
             await f.writes_done()
             f.nursery = None
 
-    trio.run(main)
+    run(main)
     assert got == [pack[:4096]]
     assert store.calls == [(blob_key(a), 0, 2 * 4096)]
     assert all(f.cache.contains(e.sha256.hex()) for e in entries)
@@ -553,7 +578,7 @@ def test_a_run_claims_all_its_chunks_before_its_first_read(tmp_path):
             await trio.testing.wait_all_tasks_blocked()
             release.set()
 
-    trio.run(main)
+    run(main)
     c2 = entries[2].pack_offset
     assert got == [pack[c2:c2 + 4096]]
     assert store.calls == [(blob_key(a), 0, 4096), (blob_key(a), c2, c2 + 2 * 4096)]

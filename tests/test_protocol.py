@@ -16,11 +16,15 @@ from layerfs.node.control import RemoteError
 from layerfs.node.protocol import (
     REQUESTS,
     BadMessage,
+    BrokenDisk,
+    DiskList,
+    DiskRecord,
     Down,
     PsAnswer,
     SandboxRecord,
     SandboxStatus,
     Up,
+    VmAnswer,
     VmUp,
     parse_request,
 )
@@ -97,6 +101,29 @@ def test_ps_rows_keep_their_keys():
     assert set(row.to_json()) == {"id", "env", "layer_refs", "layers", "config", "prefetch",
                                   "created", "state", "rootfs", "upper_bytes",
                                   "layer_bytes_read"}
+
+
+def test_disk_and_vm_answers_are_typed_records_on_both_ends():
+    """``disk ls`` rows are a disk or a broken one, told apart by their fields;
+    a vm's drives keep Firecracker's keys; a drive of the wrong type is refused."""
+    disk = DiskRecord(id="d1", size=1 << 20, path="/r/fuse/disks/d1", base=None,
+                      base_ref=None, chain_depth=0, written_bytes=4096, uncommitted_entries=1)
+    listing = DiskList([disk, BrokenDisk("d2", "no chain")], vms=["v1"])
+    back = DiskList.from_json(listing.to_json())
+    assert back == listing and isinstance(back.disks[1], BrokenDisk)
+    assert back.to_json()["disks"][1] == {"id": "d2", "error": "no chain", "state": "broken"}
+    wire = {"vm": {"id": "v1", "disk": "v1-rw", "blobs": ["sha256:" + "ab" * 32],
+                   "layers": [{"ref": "t@1", "digest": "sha256:" + "ab" * 32,
+                               "meta_drive": "layer0-meta", "device_drives": ["layer0-blob"]}],
+                   "drives": [{"drive_id": "rw", "path_on_host": "/r/fuse/disks/v1-rw",
+                               "is_read_only": False, "is_root_device": False}]}}
+    vm = VmAnswer.from_json(wire).vm
+    assert vm.drives[0].path_on_host == "/r/fuse/disks/v1-rw" and not vm.drives[0].is_read_only
+    assert vm.layers[0].device_drives == ["layer0-blob"]
+    assert VmAnswer(vm).to_json() == wire
+    wire["vm"]["drives"][0]["is_read_only"] = "no"
+    with pytest.raises(BadMessage, match="is_read_only must be bool"):
+        VmAnswer.from_json(wire)
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ def two_layers(tmp_path: Path, store: Store) -> tuple[str, str]:
     """Layers a@1 and b@1 (different trees) and env e@1 = [a@1]; their digests."""
     a = build(store, small_tree(tmp_path / "a", "a"), name="a", chunk_size=65536)
     b = build(store, small_tree(tmp_path / "b", "b"), name="b", chunk_size=65536)
-    create_env(store, "e", "1", ["a@1"])
+    create_env(Registry(store), "e", "1", ["a@1"])
     return a.digest, b.digest
 
 
@@ -80,7 +80,7 @@ def test_env_ref_rewritten_or_env_naming_other_layers_is_refused(store, store_ar
                                                                  two_layers):
     a, b = two_layers
     reg = Registry(store)
-    create_env(store, "f", "1", ["b@1"])
+    create_env(reg, "f", "1", ["b@1"])
     e_digest = reg.read_ref(ENVS, "e", "1").encode()
     point_ref(store, ENVS, "e@1", reg.read_ref(ENVS, "f", "1").encode())
     for args in (["verify", "e@1"], ["env", "ls"]):
@@ -282,7 +282,7 @@ def _mounts() -> str:
 def test_daemon_up_refuses_bad_refs_and_bad_meta_images(node, store, two_layers):
     a, b = two_layers
     republish_with_meta(store, a, chunk_past_blob(store, a), "bad@1")
-    create_env(store, "badenv", "1", ["bad@1"])
+    create_env(Registry(store), "badenv", "1", ["bad@1"])
     point_ref(store, LAYERS, "c@1", b.encode() + b"\n")  # c@1 points at b's manifest
     point_ref(store, LAYERS, "g@1", b"\xff\xfe garbage")
     cases = [(["--layer", "c@1"], "b@1"), (["--layer", "g@1"], "not ASCII"),

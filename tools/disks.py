@@ -65,7 +65,7 @@ def disk_create(sid: str, size: str | None, base: str | None, root: str, as_json
     res = call(root, protocol.DiskCreate(
         id=sid, size=None if size is None else disk_size_of(size, "--size"), base=base),
         protocol.DiskAnswer)
-    Output(as_json).emit(res.disk, res.disk["path"])
+    Output(as_json).emit(res.disk.to_json(), res.disk.path)
 
 
 @disk.command("ls")
@@ -78,15 +78,15 @@ def disk_ls(root: str, as_json: bool) -> None:
     def text() -> str:
         lines = []
         for r in rows:
-            if r.get("state") == "broken":
-                lines.append(f"{r['id']:20} BROKEN: {r['error']}")
+            if isinstance(r, protocol.BrokenDisk):
+                lines.append(f"{r.id:20} BROKEN: {r.error}")
             else:
-                lines.append(f"{r['id']:20} {human_bytes(r['size']):>10} written "
-                             f"{human_bytes(r['written_bytes']):>10}  base {r['base_ref'] or '-'}"
-                             f" (depth {r['chain_depth']})")
+                lines.append(f"{r.id:20} {human_bytes(r.size):>10} written "
+                             f"{human_bytes(r.written_bytes):>10}  base {r.base_ref or '-'}"
+                             f" (depth {r.chain_depth})")
         return "\n".join(lines) or "(no disks)"
 
-    Output(as_json).emit(rows, text)
+    Output(as_json).emit([r.to_json() for r in rows], text)
 
 
 @disk.command("rm")
@@ -138,7 +138,8 @@ def vm_up(env_ref: str | None, layers: tuple[str, ...], vid: str, disk_size: str
     vmd = call(root, protocol.VmUp(id=vid, env=env_ref, layers=list(layers),
                                    disk_size=disk_size_bytes, base_disk=base_disk),
                protocol.VmAnswer).vm
-    click.echo(json.dumps({"drives": vmd["drives"], "layers": vmd["layers"]}, indent=2))
+    doc = vmd.to_json()
+    click.echo(json.dumps({"drives": doc["drives"], "layers": doc["layers"]}, indent=2))
 
 
 @vm.command("down")

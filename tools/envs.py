@@ -30,7 +30,7 @@ def create(out: Output, reg: Registry, ref: str, layers: tuple[str, ...],
     if parsed.digest:
         raise click.BadParameter("an env is created as name@version", param_hint="REF")
     assert parsed.name and parsed.version
-    result = create_env(reg.store, parsed.name, parsed.version, list(layers), on=on)
+    result = create_env(reg, parsed.name, parsed.version, list(layers), on=on)
     doc = {"ref": result.ref, "digest": result.digest, "published": result.published,
            "layers": [layer.__dict__ for layer in result.manifest.layers]}
     state = "" if result.published else "  (unchanged: already published)"

@@ -23,7 +23,7 @@ def export(out: Output, reg: Registry, env_ref: str, dest: str, fold: bool,
     """Export the env ENV as an OCI image to DEST: oci:DIR[:TAG] (an image
     layout; an existing layout gets the tag added) or oci-archive:FILE[:TAG]
     (a tar of a layout). TAG defaults to latest."""
-    result = export_env(reg.store, env_ref, parse_destination(dest), fold=fold,
+    result = export_env(reg, env_ref, parse_destination(dest), fold=fold,
                         compression=compression)
     doc = {
         "env": result.env,

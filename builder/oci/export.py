@@ -375,12 +375,12 @@ def check_destination(dest: Destination) -> None:
             raise DestinationExists(dest.path, "exists and is not an OCI image layout")
 
 
-def export_env(store: Store, env_ref: str, dest: Destination, fold: bool = False,
+def export_env(reg: Registry, env_ref: str, dest: Destination, fold: bool = False,
                compression: str = "gzip") -> ExportResult:
-    """Export env ``env_ref`` to ``dest`` (see the module docstring)."""
+    """Export env ``env_ref`` of ``reg``'s store to ``dest`` (see the module docstring)."""
     if compression not in LAYER_TYPES:
         raise UsageError(f"compression {compression!r}: expected gzip or zstd")
-    reg = Registry(store)
+    store = reg.store
     env_digest = reg.resolve(ENVS, env_ref)
     env = reg.env(env_digest)
     check_destination(dest)

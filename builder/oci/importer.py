@@ -188,7 +188,7 @@ def import_image(reg: Registry, source: ImageSource, opts: ImportOptions,
     if progress.on_layer:
         progress.on_layer(len(groups), len(groups))
     done.reverse()
-    env = create_env(store, opts.name, opts.version, [x.ref for x in done], config=config)
+    env = create_env(reg, opts.name, opts.version, [x.ref for x in done], config=config)
     return ImportResult(env, image, done)
 
 

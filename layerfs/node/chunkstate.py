@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ..cache.chunkcache import ChunkCache
+from ..cache.chunkfile import Chunk
 from ..errors import LayerfsError
 from ..formats.chunktable import ChunkEntry
 
@@ -46,7 +47,7 @@ class Flight:
     ``done`` is set; neither means the owner was cancelled (try again)."""
 
     done: trio.Event = field(default_factory=trio.Event)
-    data: bytes | None = None
+    data: Chunk | None = None
     error: FetchError | None = None
 
 
@@ -67,9 +68,9 @@ class MemoryChunks:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.size = 0
-        self._items: OrderedDict[bytes, bytes] = OrderedDict()
+        self._items: OrderedDict[bytes, Chunk] = OrderedDict()
 
-    def get(self, sha: bytes) -> bytes | None:
+    def get(self, sha: bytes) -> Chunk | None:
         data = self._items.get(sha)
         if data is not None:
             self._items.move_to_end(sha)
@@ -78,7 +79,7 @@ class MemoryChunks:
     def __contains__(self, sha: bytes) -> bool:
         return sha in self._items
 
-    def put(self, sha: bytes, data: bytes) -> None:
+    def put(self, sha: bytes, data: Chunk) -> None:
         if sha in self._items or len(data) > self.limit:
             return
         self._items[sha] = data
@@ -96,10 +97,10 @@ class ChunkStates:
         self.io_limit = io_limit
         self.memory = MemoryChunks(memory)
         self._flights: dict[bytes, Flight] = {}
-        self._unwritten: dict[bytes, bytes] = {}  # fetched, cache file not written yet
+        self._unwritten: dict[bytes, Chunk] = {}  # fetched, cache file not written yet
         self._written = trio.lowlevel.ParkingLot()  # woken when _unwritten empties
 
-    def held(self, sha: bytes) -> bytes | None:
+    def held(self, sha: bytes) -> Chunk | None:
         """The chunk's bytes if they are in memory (no I/O)."""
         data = self.memory.get(sha)
         return self._unwritten.get(sha) if data is None else data
@@ -147,7 +148,7 @@ class ChunkStates:
                 del self._flights[entry.sha256]
             flight.done.set()
 
-    async def write_behind(self, sha: bytes, data: bytes, nursery: trio.Nursery | None) -> None:
+    async def write_behind(self, sha: bytes, data: Chunk, nursery: trio.Nursery | None) -> None:
         """Write the cache file after the readers have their bytes (they stay
         readable from memory meanwhile); with too many writes pending, or no
         nursery to run them in, wait for this write."""
@@ -157,7 +158,7 @@ class ChunkStates:
         self._unwritten[sha] = data
         nursery.start_soon(self._write, sha, data)
 
-    async def _write(self, sha: bytes, data: bytes) -> None:
+    async def _write(self, sha: bytes, data: Chunk) -> None:
         try:
             await trio.to_thread.run_sync(self.cache.write, sha.hex(), data,
                                           limiter=self.io_limit)

@@ -21,7 +21,6 @@ import shutil
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import trio
 
@@ -33,7 +32,7 @@ from ..registry import ENVS, LAYERS, Registry
 from .blobfiles import BlobDirectory, BlobFile
 from .disks import DATA_START, SECTOR, DiskState, SealedChain, SealedLayer, WritableDisk
 from .fetcher import ChunkFetcher
-from .protocol import DiskCommitAnswer
+from .protocol import BrokenDisk, DiskCommitAnswer, DiskRecord, VmDrive, VmLayer, VmRecord
 from .replica import Replica
 from .sandboxes import SANDBOX_ID
 
@@ -54,7 +53,7 @@ class DiskManager:
         self.chain_digests: dict[str, list[str]] = {}
         self.by_inode: dict[int, WritableDisk] = {}
         self._inodes: dict[str, int] = {}
-        self.vms: dict[str, dict[str, Any]] = {}
+        self.vms: dict[str, VmRecord] = {}
         self.broken: dict[str, str] = {}
         self._busy: set[str] = set()
 
@@ -98,10 +97,10 @@ class DiskManager:
         self.disks[sid] = disk
         self.by_inode[inode] = disk
         self.chain_digests[sid] = used
-        disk.inode = inode  # type: ignore[attr-defined]
+        disk.inode = inode
 
     # -- commands --
-    async def create(self, sid: str, size: int | None, base: str | None) -> dict[str, Any]:
+    async def create(self, sid: str, size: int | None, base: str | None) -> DiskRecord:
         if not SANDBOX_ID.fullmatch(sid or ""):
             raise UsageError(f"invalid disk id {sid!r} (expected [A-Za-z0-9][A-Za-z0-9._-]*)")
         if sid in self.disks or sid in self._busy or (self.dir / sid).exists():
@@ -159,7 +158,7 @@ class DiskManager:
         self._busy.add(sid)
         try:
             del self.disks[sid]
-            self.by_inode.pop(disk.inode, None)  # type: ignore[attr-defined]
+            self.by_inode.pop(disk.inode, None)
             await trio.to_thread.run_sync(disk.close_files)
             for d in self.chain_digests.pop(sid, []):
                 self.blobs.remove(d)
@@ -197,23 +196,22 @@ class DiskManager:
                                 uploaded_bytes=result.manifest.stats.uploaded_bytes,
                                 parent=parent)
 
-    def describe(self, sid: str) -> dict[str, Any]:
+    def describe(self, sid: str) -> DiskRecord:
         disk = self.disks[sid]
-        return {"id": sid, "size": disk.size, "path": str(self.root / "fuse" / "disks" / sid),
-                "base": disk.state.base, "base_ref": disk.state.base_ref,
-                "chain_depth": len(disk.chain.layers) if disk.chain else 0,
-                "written_bytes": (disk.data_end - DATA_START) * SECTOR,
-                "uncommitted_entries": len(disk.log) - disk.state.commit_mark}
+        return DiskRecord(id=sid, size=disk.size, path=str(self.root / "fuse" / "disks" / sid),
+                          base=disk.state.base, base_ref=disk.state.base_ref,
+                          chain_depth=len(disk.chain.layers) if disk.chain else 0,
+                          written_bytes=(disk.data_end - DATA_START) * SECTOR,
+                          uncommitted_entries=len(disk.log) - disk.state.commit_mark)
 
-    def ls(self) -> list[dict[str, Any]]:
-        rows = [self.describe(sid) for sid in sorted(self.disks)]
-        rows += [{"id": sid, "state": "broken", "error": err}
-                 for sid, err in sorted(self.broken.items())]
+    def ls(self) -> list[DiskRecord | BrokenDisk]:
+        rows: list[DiskRecord | BrokenDisk] = [self.describe(sid) for sid in sorted(self.disks)]
+        rows += [BrokenDisk(sid, err) for sid, err in sorted(self.broken.items())]
         return rows
 
     # -- microVMs --
     async def vm_up(self, vid: str, env: str | None, layer_refs: list[str], disk_size: int,
-                    base_disk: str | None) -> dict[str, Any]:
+                    base_disk: str | None) -> VmRecord:
         if vid in self.vms:
             raise VmError(vid, "already exists")
         if bool(env) == bool(layer_refs):
@@ -226,37 +224,34 @@ class DiskManager:
             return [self.reg.resolve(LAYERS, r) for r in layer_refs]
 
         digests = await trio.to_thread.run_sync(resolve)
-        drives, layers, used = [], [], []
+        drives: list[VmDrive] = []
+        layers: list[VmLayer] = []
+        used: list[str] = []
         async with self._rollback() as undo:
             for i, digest in enumerate(digests):
                 rl = await trio.to_thread.run_sync(self.replica.verified_layer, self.reg, digest)
                 self._hold_blob(undo, digest, rl.table)
                 used.append(digest)
                 meta_id, blob_id = f"layer{i}-meta", f"layer{i}-blob"
-                drives.append({"drive_id": meta_id, "path_on_host": str(rl.meta_path),
-                               "is_read_only": True, "is_root_device": False})
-                drives.append({"drive_id": blob_id, "is_read_only": True,
-                               "path_on_host": str(self.root / "fuse" / "blobs" / rl.hex),
-                               "is_root_device": False})
-                layers.append({"ref": f"{rl.manifest.name}@{rl.manifest.version}",
-                               "digest": digest, "meta_drive": meta_id,
-                               "device_drives": [blob_id]})
+                drives.append(VmDrive(meta_id, str(rl.meta_path), is_read_only=True))
+                drives.append(VmDrive(blob_id, str(self.root / "fuse" / "blobs" / rl.hex),
+                                      is_read_only=True))
+                layers.append(VmLayer(f"{rl.manifest.name}@{rl.manifest.version}", digest,
+                                      meta_drive=meta_id, device_drives=[blob_id]))
             disk = await self.create(f"{vid}-rw", None if base_disk else disk_size, base_disk)
-        drives.append({"drive_id": "rw", "path_on_host": disk["path"], "is_read_only": False,
-                       "is_root_device": False})
-        vm = {"id": vid, "drives": drives, "layers": layers, "disk": disk["id"],
-              "blobs": used}
+        drives.append(VmDrive("rw", disk.path, is_read_only=False))
+        vm = VmRecord(vid, drives, layers, disk=disk.id, blobs=used)
         self.vms[vid] = vm
         return vm
 
-    async def vm_down(self, vid: str, keep: bool) -> dict[str, Any]:
+    async def vm_down(self, vid: str, keep: bool) -> VmRecord:
         vm = self.vms.pop(vid, None)
         if vm is None:
             raise VmError(vid, "no such vm")
-        for d in vm["blobs"]:
+        for d in vm.blobs:
             self.blobs.remove(d)
         if not keep:
-            await self.remove(vm["disk"])
+            await self.remove(vm.disk)
         return vm
 
     async def close_all(self) -> None:

@@ -141,6 +141,7 @@ class WritableDisk:
         self.failed: OSError | None = None  # a lost write or fsync: refuse writes from now
         self.lock = trio.Lock()  # orders writes and commits; reads never take it
         self.io = trio.CapacityLimiter(4)
+        self.inode = 0  # its file's inode under ROOT/fuse/disks (DiskManager sets it)
 
     @property
     def size(self) -> int:

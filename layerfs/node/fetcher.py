@@ -26,6 +26,7 @@ from typing import TypeAlias, TypeVar
 import trio
 
 from ..cache.chunkcache import ChunkCache
+from ..cache.chunkfile import Chunk
 from ..chunks import fetch_chunk, fetch_run, pack_runs
 from ..errors import IntegrityError, LayerfsError, StoreError, StoreUnreachable
 from ..formats.chunktable import ChunkEntry
@@ -67,7 +68,7 @@ class ChunkFetcher:
 
     # -- reading one chunk -------------------------------------------------
 
-    async def get(self, entry: ChunkEntry, after: Sequence[ChunkEntry] = ()) -> bytes:
+    async def get(self, entry: ChunkEntry, after: Sequence[ChunkEntry] = ()) -> Chunk:
         """The verified bytes of one chunk; raises FetchError within the timeout.
         ``after``: the entries that follow it in its blob; if the chunk comes
         from the store, those that follow it in its pack come along
@@ -134,7 +135,7 @@ class ChunkFetcher:
                 await self.get(entry)
 
     async def lead(self, claim: Claim, *, keep: bool, for_reader: bool = True,
-                   split: bool = False) -> list[bytes | FetchError]:
+                   split: bool = False) -> list[Chunk | FetchError]:
         """Fetch the chunks the claim leads and end their flights: each chunk's
         bytes or FetchError (raises FetchError if a read itself failed). One
         chunk a reader wants is read from the cache or the store; several with
@@ -146,7 +147,7 @@ class ChunkFetcher:
             if not split:
                 return await self._lead_part(claim.lead, claim.flights, keep, for_reader)
             flights = dict(zip((e.sha256 for e in claim.lead), claim.flights, strict=True))
-            results: list[bytes | FetchError] = []
+            results: list[Chunk | FetchError] = []
             for part in pack_runs(claim.lead):
                 lone = len(part) == 1 and for_reader
                 done = await self._lead_part(part, [flights[e.sha256] for e in part],
@@ -160,13 +161,13 @@ class ChunkFetcher:
             self.states.release(claim)
 
     async def _lead_part(self, part: list[ChunkEntry], flights: list[Flight],
-                         keep: bool, for_reader: bool) -> list[bytes | FetchError]:
+                         keep: bool, for_reader: bool) -> list[Chunk | FetchError]:
         """Load ``part`` (claimed by the caller) and settle its flights: each
         gets its bytes or FetchError, all of them the error of a failed read."""
         try:
             if len(part) == 1 and for_reader:
                 data, fetched = await self._load(part[0])
-                results: list[bytes | FetchError] = [data]
+                results: list[Chunk | FetchError] = [data]
             else:
                 results, fetched = await self._load_run(part, for_reader), True
         except FetchError as exc:
@@ -179,7 +180,7 @@ class ChunkFetcher:
             else:
                 flight.data = result
         for entry, result in zip(part, results, strict=True):
-            if isinstance(result, bytes):
+            if not isinstance(result, FetchError):
                 if keep:
                     self.memory.put(entry.sha256, result)
                 if fetched:
@@ -189,7 +190,7 @@ class ChunkFetcher:
     # -- the store and the cache --------------------------------------------
 
     async def _load_run(self, run: list[ChunkEntry],
-                        for_reader: bool = True) -> list[bytes | FetchError]:
+                        for_reader: bool = True) -> list[Chunk | FetchError]:
         """Each chunk of a run from one range read of the store, or the FetchError
         of that chunk alone (a corrupt chunk); raises FetchError for a failed read."""
         where = f"{len(run)} chunks of pack {run[0].pack[7:23]} @ {run[0].pack_offset}"
@@ -257,7 +258,7 @@ class ChunkFetcher:
         self.cache.note_fetched(sum(len(r) for r in results if isinstance(r, bytes)))
         return results
 
-    async def _load(self, entry: ChunkEntry) -> tuple[bytes, bool]:
+    async def _load(self, entry: ChunkEntry) -> tuple[Chunk, bool]:
         """The chunk's bytes and whether they came from the store."""
         sha = entry.sha256.hex()
         with trio.move_on_after(self.timeout) as scope:
@@ -265,7 +266,7 @@ class ChunkFetcher:
                 data = await trio.to_thread.run_sync(self.cache.read, sha, limiter=self.io_limit,
                                                      abandon_on_cancel=True)
                 if data is not None and len(data) == entry.length:
-                    return data, False  # type: ignore[return-value]  # a memoryview: see issue 14
+                    return data, False
             else:
                 self.cache.note_miss()
             return await self._from_store(f"chunk {sha[:16]}", entry.pack, self._fetch,

@@ -144,7 +144,7 @@ class NodeFS(pyfuse3.Operations):
         if inode == BLOBS:
             return sorted((name.encode(), b.inode) for name, b in self.blobs.by_name.items())
         if inode == DISKS:
-            return sorted((sid.encode(), d.inode)  # type: ignore[attr-defined]
+            return sorted((sid.encode(), d.inode)
                           for sid, d in self.disks.disks.items())
         if inode in DIRS:
             return sorted(DIRS[inode].items())

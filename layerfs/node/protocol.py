@@ -321,13 +321,36 @@ class TracePushAnswer(Message):
 
 
 @dataclass
+class DiskRecord(Message):
+    """A writable disk as ``disk create`` and ``disk ls`` show it."""
+
+    id: str
+    size: int
+    path: str  # its file under ROOT/fuse/disks
+    base: str | None  # the sealed layer (digest) it sits on
+    base_ref: str | None
+    chain_depth: int
+    written_bytes: int
+    uncommitted_entries: int  # log entries since the last commit
+
+
+@dataclass
+class BrokenDisk(Message):
+    """A disk an earlier run left that cannot be opened (a row of ``disk ls``)."""
+
+    id: str
+    error: str
+    state: str = "broken"
+
+
+@dataclass
 class DiskAnswer(Message):
-    disk: dict[str, Any]
+    disk: DiskRecord
 
 
 @dataclass
 class DiskList(Message):
-    disks: list[dict[str, Any]]
+    disks: list[DiskRecord | BrokenDisk]
     vms: list[str]
 
 
@@ -348,5 +371,36 @@ class DiskCommitAnswer(Message):
 
 
 @dataclass
+class VmDrive(Message):
+    """One drive of a microVM, as Firecracker's drive API names its fields."""
+
+    drive_id: str
+    path_on_host: str
+    is_read_only: bool
+    is_root_device: bool = False
+
+
+@dataclass
+class VmLayer(Message):
+    """An env layer of a microVM: its meta image's drive and its blob's."""
+
+    ref: str
+    digest: str
+    meta_drive: str
+    device_drives: list[str]
+
+
+@dataclass
+class VmRecord(Message):
+    """A microVM's drive set: the layers' drives, then its writable disk's."""
+
+    id: str
+    drives: list[VmDrive]
+    layers: list[VmLayer]
+    disk: str  # the writable disk's id
+    blobs: list[str]  # layer digests whose blob files it holds open
+
+
+@dataclass
 class VmAnswer(Message):
-    vm: dict[str, Any]
+    vm: VmRecord
