@@ -237,9 +237,11 @@ class Daemon:
             log.info("took over the FUSE connection; its pending requests are queued again")
             return
         try:
-            fuseconn.start_keeper(self.root, conn)
+            keeper = fuseconn.start_keeper(self.root, conn)
         except OSError as exc:
             log.warning("live restart unavailable: cannot start the FUSE keeper: %s", exc)
+            return
+        log.info("live restart: the FUSE connection is kept by pid %d", keeper.pid)
 
     async def _main(self) -> None:
         assert self.conn is not None
@@ -252,6 +254,7 @@ class Daemon:
                 await self.sandboxes.restore()
                 await self.layers.drop_unadopted()
                 await self.disks.restore()
+                self.fs.restored.set()
                 await nursery.start(ControlServer(self.root, self.handle).serve)
                 self.accepting = True
                 log.info("layerfs daemon ready at %s (store %s)", self.root, self.store.url)
