@@ -93,6 +93,7 @@ class DaemonConfig:
     miss_span: int = 0  # a small chunk's miss fetches the chunks after it, up to this
     fuse_group: int | None = None  # a gid that may open ROOT/fuse files besides root (a VMM's)
     takeover: bool = False  # replace the daemon serving ROOT, keeping its FUSE connection
+    live_restart: bool = True  # keep the FUSE connection in a keeper (else libfuse mounts it)
 
 
 def secure_root(root: Path, fuse_group: int | None, fuse_mounted: bool = False) -> None:
@@ -192,7 +193,8 @@ class Daemon:
         self.cfg = cfg
         self.root = Path(cfg.root).resolve()
         retire_running(self.root, cfg.takeover)
-        self.conn = fuseconn.take_over(self.root)  # the keeper's, if a daemon died or retired
+        # the keeper's, if a daemon died or retired
+        self.conn = fuseconn.take_over(self.root) if cfg.live_restart else None
         if self.conn is None:
             clean_stale_mounts(self.root)  # a crashed daemon's mounts (dead FUSE included)
         secure_root(self.root, cfg.fuse_group, fuse_mounted=self.conn is not None)
@@ -216,6 +218,10 @@ class Daemon:
         self.handing_over = False
 
     def run(self) -> None:
+        if not self.cfg.live_restart:  # libfuse mounts and unmounts; no keeper
+            pyfuse3.init(self.fs, str(self.root / "fuse"), set(FUSE_OPTIONS))
+            trio.run(self._main)
+            return
         conn = self.conn or fuseconn.mount_fresh(self.root / "fuse")
         try:
             fuseconn.attach(self.fs, conn, set(FUSE_OPTIONS))
@@ -244,12 +250,12 @@ class Daemon:
         log.info("live restart: the FUSE connection is kept by pid %d", keeper.pid)
 
     async def _main(self) -> None:
-        assert self.conn is not None
         try:
             async with trio.open_nursery() as nursery:
                 self.fetcher.nursery = nursery
                 nursery.start_soon(self._serve_fuse)
-                self._keep_connection(self.conn)
+                if self.conn is not None:
+                    self._keep_connection(self.conn)
                 await self._set_readahead()
                 await self.sandboxes.restore()
                 await self.layers.drop_unadopted()
@@ -270,8 +276,8 @@ class Daemon:
                     await self.disks.close_all()
                 nursery.cancel_scope.cancel()
         finally:
-            pyfuse3.close(unmount=False)
-            if not self.handing_over:
+            pyfuse3.close(unmount=self.conn is None)
+            if self.conn is not None and not self.handing_over:
                 self._unmount_fuse()
             (self.root / "control.sock").unlink(missing_ok=True)
             self.replica.close()
