@@ -13,7 +13,7 @@ sandbox. Then:
    p50/p99/max latency of the reads issued between the start of the switch
    and the moment the new daemon answers a ping (the time until it serves),
    or in flight at some moment of it,
-   against the same for the reads of the second before the switch, and every
+   against the same for the reads done in the second before the switch, and every
    read that failed (there must be none).
 2. **Steady state.** Warm (chunk cache filled) and cold (fresh ROOT) sequential
    reads of every file through a sandbox, by a daemon with live restart (the
@@ -162,7 +162,7 @@ class Bench:
                 served = time.monotonic()
                 time.sleep(1.0)
             during = readers.between(t0, served)
-            before = readers.between(t0 - 1.0, t0)
+            before = [r for r in readers.reads if t0 - 1.0 <= r[0] and r[0] + r[1] < t0]
             failed = [r for r in readers.reads if r[2] is not None]
             node.extra_args = []
             node.request("down", id="s")
