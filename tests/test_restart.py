@@ -1,11 +1,11 @@
 """Live restart for real: the FUSE connection, and every EROFS, overlay and
 loop mount above it, outlives a `kill -9` of the daemon and a `--takeover`.
 
-The load, in every test: 8 readers streaming large files through two
-sandboxes (each pass drops the page cache first, so every pass asks the
+The load of the two switch tests: 8 readers streaming large files through
+two sandboxes (each pass drops the page cache first, so every pass asks the
 daemon again), a process holding files open in a sandbox, and ext4 on a loop
-device over a writable disk being written and fsynced. Each test takes about
-20 s on either store; the FIFO test takes 5 s.
+device over a writable disk being written and fsynced. Each of those takes
+about 20 s on either store; the others 5-15 s.
 """
 
 from __future__ import annotations
