@@ -45,7 +45,8 @@ class NodeDaemon(DaemonProcess):
         return proc
 
     def kill(self) -> None:
-        """SIGKILL; the next start detaches the mounts the kill left (a warning each)."""
+        """SIGKILL; the next start takes the FUSE connection over from the keeper,
+        or, with no keeper left, detaches the mounts the kill left (a warning each)."""
         super().kill()
         self.expect_log(r"WARNING layerfs\.node\.daemon: unmounted stale ")
 

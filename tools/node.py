@@ -49,11 +49,18 @@ def json_option(fn):
 @click.option("--fuse-group", metavar="GROUP",
               help="A group (name or gid) whose members may open the files under ROOT/fuse "
                    "and the meta images, e.g. a VMM's user (default: root only).")
+@click.option("--takeover", is_flag=True,
+              help="Replace the daemon running on ROOT (an upgrade): it exits without "
+                   "unmounting anything and this one serves its FUSE connection and sandboxes.")
+@click.option("--live-restart/--no-live-restart", default=True, show_default=True,
+              help="Keep the FUSE connection in a keeper process, so that a restart (crash or "
+                   "--takeover) keeps every sandbox mounted and every read answered.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size: str,
            read_timeout: float, readahead: str, layer_readahead: str, miss_span: str,
-           store_fetches: int, fuse_group: str | None, log_level: str) -> None:
+           store_fetches: int, fuse_group: str | None, takeover: bool, live_restart: bool,
+           log_level: str) -> None:
     """Run the node daemon in the foreground (logs to stderr)."""
     import logging
 
@@ -69,7 +76,8 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
                        readahead=parse_size(readahead),
                        layer_readahead=parse_size(layer_readahead),
                        miss_span=parse_size(miss_span), fetch_parallel=store_fetches,
-                       fuse_group=group_id(fuse_group) if fuse_group else None)
+                       fuse_group=group_id(fuse_group) if fuse_group else None,
+                       takeover=takeover, live_restart=live_restart)
     Daemon(cfg).run()
 
 

@@ -16,6 +16,7 @@ first touch of each chunk is recorded in order (the layer's access trace).
 from __future__ import annotations
 
 import bisect
+import hashlib
 from dataclasses import dataclass, field
 
 import trio
@@ -23,11 +24,21 @@ import trio
 from ..formats.chunktable import ChunkEntry, ChunkTable
 from .fetcher import Buffer, ChunkFetcher
 
-FIRST_BLOB_INODE = 16
+STABLE_INODE_BASE = 1 << 60  # above the fixed directories' inodes
 PART_READ_FRACTION = 4  # a random read of at most 1/4 of a cached chunk reads just that
 MISS_NEIGHBOURS = 64  # at most this many following chunks come along with a miss
 RECENT_READS = 32  # streams (read ends) remembered per blob to tell sequential reads
 ZEROS = bytes(1 << 20)  # shared by every hole a read returns
+BLOB_KIND, DISK_KIND = 0, 1
+
+
+def stable_inode(name: str, kind: int) -> int:
+    """The FUSE inode of blob or disk ``name``: the same in every daemon, since
+    the kernel keeps the inodes (and the open files, whose fh is the inode) an
+    earlier daemon gave out across a live restart (56 bits of a hash, so two
+    names share one with odds of about 2^-56 per pair)."""
+    digest = hashlib.sha256(name.encode()).digest()
+    return STABLE_INODE_BASE | int.from_bytes(digest[:7], "big") << 1 | kind
 
 
 def zeros(n: int) -> Buffer:
@@ -168,15 +179,12 @@ class BlobDirectory:
         self.by_name: dict[str, BlobFile] = {}
         self.by_inode: dict[int, BlobFile] = {}
         self.users: dict[str, int] = {}
-        # a name keeps its inode for the daemon's life: the kernel caches entries
-        self._inodes: dict[str, int] = {}
 
     def add(self, digest: str, table: ChunkTable, fetcher: ChunkFetcher) -> BlobFile:
         name = digest.removeprefix("sha256:")
         blob = self.by_name.get(name)
         if blob is None:
-            inode = self._inodes.setdefault(name, FIRST_BLOB_INODE + len(self._inodes))
-            blob = BlobFile(digest, table, fetcher, inode)
+            blob = BlobFile(digest, table, fetcher, stable_inode(name, BLOB_KIND))
             self.by_name[name] = blob
             self.by_inode[blob.inode] = blob
         self.users[name] = self.users.get(name, 0) + 1

@@ -1,18 +1,27 @@
 """The node daemon: owns ROOT, serves the FUSE mount and the control API.
 
-Start-up: unmount whatever an earlier (crashed) daemon left mounted under
-ROOT, close ROOT to other users (:func:`secure_root`, on an existing ROOT
-too), check that ROOT can host file-backed EROFS mounts at all
-(:func:`probe_erofs_mounts`), keep the cache and the replica, mount FUSE,
-bring back the sandboxes that were up (or mark them lost), then accept
-requests. SIGTERM/SIGINT: stop accepting work, unmount overlays, then EROFS
-mounts, then FUSE, and exit 0.
+Start-up: with ``--takeover``, stop the daemon serving ROOT without
+unmounting anything (SIGUSR2) and wait until it has exited; without, refuse
+to start next to one. Then take the FUSE connection from its keeper
+(:mod:`.fuseconn`, :mod:`.keeper`) if one still holds it: every mount under
+ROOT is kept and adopted. Otherwise unmount whatever an earlier (crashed)
+daemon left mounted under ROOT, and mount FUSE afresh with a new keeper.
+Close ROOT to other users (:func:`secure_root`, on an existing ROOT too),
+check that ROOT can host file-backed EROFS mounts at all
+(:func:`probe_erofs_mounts`), keep the cache and the replica, bring back the
+sandboxes that were up (adopting their mounts, or mounting them again, or
+marking them lost), then accept requests. SIGTERM/SIGINT: stop accepting
+work, unmount overlays, then EROFS mounts, then FUSE, and exit 0. SIGUSR2
+(a successor's ``--takeover``): stop reading FUSE requests and exit 0 with
+every mount left in place; requests read and not answered are queued again
+by the successor.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -30,9 +39,9 @@ from ..registry import LAYERS, Registry
 from ..store import open_store
 from ..store.counting import CountingStore
 from ..tree import FileTree
-from . import protocol
+from . import fuseconn, protocol
 from .blobfiles import BlobDirectory
-from .control import DEFAULT_ROOT
+from .control import DEFAULT_ROOT, DaemonNotRunning, call
 from .controlserver import ControlServer
 from .diskmanager import DiskManager
 from .fetcher import ChunkFetcher
@@ -44,6 +53,12 @@ from .traces import merge_traces, trace_bytes, trace_key
 log = logging.getLogger(__name__)
 ROOT_ONLY_DIRS = ("cache", "fuse", "layers", "sandboxes", "disks", "replica.lmdb")
 PROBE = ".mount-probe"
+# allow_other: root's own mounts and loop devices are not the daemon's
+# process; default_permissions: the kernel enforces NodeFS's modes
+FUSE_OPTIONS = frozenset({*pyfuse3.default_options, "fsname=layerfs", "allow_other",
+                          "default_permissions", "nosuid", "nodev"})
+HANDOVER = signal.SIGUSR2  # a successor takes the FUSE connection: exit, unmount nothing
+RETIRE_TIMEOUT = 60.0  # seconds a --takeover waits for the running daemon to exit
 
 
 class RootUnsuitable(LayerfsError):
@@ -51,6 +66,19 @@ class RootUnsuitable(LayerfsError):
 such as ext4 or xfs"""
 
     exit_code = 2
+
+
+class DaemonRunning(LayerfsError):
+    """a layerfs daemon (pid {}) already serves {}: stop it first, or replace it with \
+`layerfs daemon --takeover`"""
+
+    exit_code = 2
+
+
+class RetireFailed(LayerfsError):
+    """the running daemon (pid {}) did not exit within {:.0f} s of the takeover signal"""
+
+    exit_code = 1
 
 
 @dataclass
@@ -65,22 +93,28 @@ class DaemonConfig:
     layer_readahead: int = 1 << 20  # kernel readahead window of the EROFS layer mounts
     miss_span: int = 0  # a small chunk's miss fetches the chunks after it, up to this
     fuse_group: int | None = None  # a gid that may open ROOT/fuse files besides root (a VMM's)
+    takeover: bool = False  # replace the daemon serving ROOT, keeping its FUSE connection
+    live_restart: bool = True  # keep the FUSE connection in a keeper (else libfuse mounts it)
 
 
-def secure_root(root: Path, fuse_group: int | None) -> None:
+def secure_root(root: Path, fuse_group: int | None, fuse_mounted: bool = False) -> None:
     """ROOT and its directories belong to root and are closed to other users,
     whatever modes an existing ROOT had. Nobody else needs to traverse ROOT:
     runtimes start as root and enter a sandbox's rootfs themselves, and the
     kernel's overlay and EROFS mounts reach their directories with the
     mounter's credentials. With a FUSE group, its members may traverse ROOT
     and ``meta/`` (0710) to open the meta images and FUSE files that
-    ``vm up`` names, and nothing else."""
+    ``vm up`` names, and nothing else. A FUSE mount taken over is left alone:
+    nothing serves it yet (a chown would wait forever), and its root's modes
+    are NodeFS's anyway."""
     group, traverse = (0, 0o700) if fuse_group is None else (fuse_group, 0o710)
     root.mkdir(parents=True, exist_ok=True)
     restrict(root, group, traverse)
     (root / "meta").mkdir(exist_ok=True)
     restrict(root / "meta", group, traverse)
     for name in ROOT_ONLY_DIRS:
+        if fuse_mounted and name == "fuse":
+            continue
         (root / name).mkdir(exist_ok=True)
         restrict(root / name, 0, 0o700)
 
@@ -125,12 +159,46 @@ def clean_stale_mounts(root: Path) -> int:
     return count
 
 
+def retire_running(root: Path, takeover: bool) -> None:
+    """With ``takeover``, make the daemon serving ``root`` exit without
+    unmounting anything and wait until it has; without, refuse to start next
+    to one. Nothing to do when none answers."""
+    try:
+        pid = call(root, protocol.Ping(), protocol.PingAnswer, timeout=10).pid
+    except (DaemonNotRunning, OSError):
+        return
+    if not takeover:
+        raise DaemonRunning(pid, root)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        log.info("taking over from the running daemon (pid %d)", pid)
+        signal.pidfd_send_signal(pidfd, HANDOVER)
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        if not poller.poll(RETIRE_TIMEOUT * 1000):
+            raise RetireFailed(pid, RETIRE_TIMEOUT)
+    finally:
+        os.close(pidfd)
+
+
+def kept_mounts(root: Path) -> set[str]:
+    """What a taken-over connection keeps mounted below ROOT (besides FUSE)."""
+    return set(mounts_under(root)) - {str(root), str(root / "fuse")}
+
+
 class Daemon:
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
         self.root = Path(cfg.root).resolve()
-        clean_stale_mounts(self.root)  # a crashed daemon's mounts (dead FUSE included)
-        secure_root(self.root, cfg.fuse_group)
+        retire_running(self.root, cfg.takeover)
+        # the keeper's, if a daemon died or retired
+        self.conn = fuseconn.take_over(self.root) if cfg.live_restart else None
+        if self.conn is None:
+            clean_stale_mounts(self.root)  # a crashed daemon's mounts (dead FUSE included)
+        secure_root(self.root, cfg.fuse_group, fuse_mounted=self.conn is not None)
         probe_erofs_mounts(self.root)
         self.store = CountingStore(open_store(cfg.store_url, s3_endpoint=cfg.s3_endpoint))
         self.reg = Registry(self.store)
@@ -144,42 +212,86 @@ class Daemon:
         self.layers = LayerMounts(self.root, self.reg, self.replica, self.blobs, self.fetcher,
                                   readahead=cfg.layer_readahead)
         self.sandboxes = Sandboxes(self.root, self.reg, self.replica, self.layers)
+        if self.conn is not None:
+            self.layers.kept = kept_mounts(self.root)
         self.handlers = self._handlers()
         self.accepting = False
+        self.handing_over = False
 
     def run(self) -> None:
+        if not self.cfg.live_restart:  # libfuse mounts and unmounts; no keeper
+            pyfuse3.init(self.fs, str(self.root / "fuse"), set(FUSE_OPTIONS))
+            trio.run(self._main)
+            return
+        conn = self.conn or fuseconn.mount_fresh(self.root / "fuse")
+        try:
+            fuseconn.attach(self.fs, conn, set(FUSE_OPTIONS))
+        except BaseException:
+            umount(str(self.root / "fuse"), lazy=True)
+            raise
+        self.conn = conn
         trio.run(self._main)
 
+    def _keep_connection(self, conn: fuseconn.FuseConnection) -> None:
+        """Requests a dead predecessor had read are queued again; a fresh
+        connection gets a keeper, if this kernel can resend requests (else
+        the daemon says so and a restart detaches the sandboxes as before)."""
+        if not fuseconn.resend_pending(conn):
+            log.warning("live restart unavailable: this kernel has no FUSE_NOTIFY_RESEND "
+                        "(Linux 6.9); a daemon restart detaches and remounts the sandboxes")
+            return
+        if conn.taken_over:
+            log.info("took over the FUSE connection; its pending requests are queued again")
+            return
+        try:
+            keeper = fuseconn.start_keeper(self.root, conn)
+        except OSError as exc:
+            log.warning("live restart unavailable: cannot start the FUSE keeper: %s", exc)
+            return
+        log.info("live restart: the FUSE connection is kept by pid %d", keeper.pid)
+
     async def _main(self) -> None:
-        options = set(pyfuse3.default_options)
-        # allow_other: root's own mounts and loop devices are not the daemon's
-        # process; default_permissions: the kernel enforces NodeFS's modes
-        options.update({"fsname=layerfs", "allow_other", "default_permissions", "nosuid",
-                        "nodev"})
-        pyfuse3.init(self.fs, str(self.root / "fuse"), options)
         try:
             async with trio.open_nursery() as nursery:
                 self.fetcher.nursery = nursery
                 nursery.start_soon(self._serve_fuse)
+                if self.conn is not None:
+                    self._keep_connection(self.conn)
                 await self._set_readahead()
                 await self.sandboxes.restore()
+                await self.layers.drop_unadopted()
                 await self.disks.restore()
+                self.fs.restored.set()
                 await nursery.start(ControlServer(self.root, self.handle).serve)
                 self.accepting = True
                 log.info("layerfs daemon ready at %s (store %s)", self.root, self.store.url)
-                await wait_for_signal()
+                signum = await wait_for_signal()
                 self.accepting = False
-                log.info("stopping: unmounting sandboxes and layers")
-                await self.sandboxes.down_all()
-                await self.layers.unmount_all()
-                await self.disks.close_all()
+                if signum == HANDOVER:
+                    self.handing_over = True
+                    log.info("handing the FUSE connection over: exiting, nothing unmounted")
+                else:
+                    log.info("stopping: unmounting sandboxes and layers")
+                    await self.sandboxes.down_all()
+                    await self.layers.unmount_all()
+                    await self.disks.close_all()
                 nursery.cancel_scope.cancel()
         finally:
-            pyfuse3.close(unmount=True)
+            pyfuse3.close(unmount=self.conn is None)
+            if self.conn is not None and not self.handing_over:
+                self._unmount_fuse()
             (self.root / "control.sock").unlink(missing_ok=True)
             self.replica.close()
             self.store.close()
             log.info("layerfs daemon stopped")
+
+    def _unmount_fuse(self) -> None:
+        """The mount is ours (see :mod:`.fuseconn`), so libfuse does not
+        unmount it; detaching it ends the connection, and its keeper exits."""
+        try:
+            umount(str(self.root / "fuse"), lazy=True)
+        except OSError as exc:
+            log.error("cannot unmount %s: %s", self.root / "fuse", exc)
 
     async def _set_readahead(self) -> None:
         """Before any EROFS mount or loop device opens a blob or disk file: the
@@ -280,7 +392,8 @@ class Daemon:
         return protocol.TracePushAnswer(ref, digest, len(order))
 
 
-async def wait_for_signal() -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for _ in signals:
-            return
+async def wait_for_signal() -> int:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, HANDOVER) as signals:
+        async for signum in signals:
+            return signum
+    raise AssertionError("signal receiver ended")

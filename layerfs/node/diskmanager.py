@@ -29,7 +29,7 @@ from ..errors import DiskError, LayerfsError, UsageError, VmError
 from ..formats import lsmt
 from ..formats.chunktable import ChunkTable
 from ..registry import ENVS, LAYERS, Registry
-from .blobfiles import BlobDirectory, BlobFile
+from .blobfiles import DISK_KIND, BlobDirectory, BlobFile, stable_inode
 from .disks import DATA_START, SECTOR, DiskState, SealedChain, SealedLayer, WritableDisk
 from .fetcher import ChunkFetcher
 from .protocol import BrokenDisk, DiskCommitAnswer, DiskRecord, VmDrive, VmLayer, VmRecord
@@ -37,7 +37,6 @@ from .replica import Replica
 from .sandboxes import SANDBOX_ID
 
 log = logging.getLogger(__name__)
-FIRST_DISK_INODE = 1 << 32
 
 
 class DiskManager:
@@ -52,7 +51,6 @@ class DiskManager:
         self.disks: dict[str, WritableDisk] = {}
         self.chain_digests: dict[str, list[str]] = {}
         self.by_inode: dict[int, WritableDisk] = {}
-        self._inodes: dict[str, int] = {}
         self.vms: dict[str, VmRecord] = {}
         self.broken: dict[str, str] = {}
         self._busy: set[str] = set()
@@ -93,7 +91,7 @@ class DiskManager:
 
     def _register(self, disk: WritableDisk, used: list[str]) -> None:
         sid = disk.state.id
-        inode = self._inodes.setdefault(sid, FIRST_DISK_INODE + len(self._inodes))
+        inode = stable_inode(sid, DISK_KIND)
         self.disks[sid] = disk
         self.by_inode[inode] = disk
         self.chain_digests[sid] = used

@@ -18,6 +18,11 @@ and open (cached entries included); ``open`` and ``opendir`` check the caller
 again here (:meth:`NodeFS.check_caller`). The kernel's EROFS mounts and loop
 devices open their blob or disk as root (the daemon's mount call, ``losetup``)
 and read through that open file, so no read or write is checked again.
+
+After a live restart the kernel still holds the inodes and open files (fh =
+inode) the earlier daemon gave out, and queues its unanswered requests
+again: a request for an inode not known yet waits until the daemon has
+restored its blobs and disks (:attr:`NodeFS.restored`) instead of failing.
 """
 
 from __future__ import annotations
@@ -97,6 +102,15 @@ class NodeFS(pyfuse3.Operations):
         self.disks = disks
         self.fuse_group = fuse_group  # the gid that may open files besides root
         self.gid = 0 if fuse_group is None else fuse_group
+        self.restored = trio.Event()  # set once the daemon has restored blobs and disks
+
+    async def settle(self, inode: int) -> None:
+        """Until the restore is done, an unknown inode may be one an earlier
+        daemon gave out (see the module docstring): wait for it."""
+        if self.restored.is_set() or inode in DIRS:
+            return
+        if inode not in self.disks.by_inode and inode not in self.blobs.by_inode:
+            await self.restored.wait()
 
     async def check_caller(self, ctx: Any) -> None:
         """EACCES unless the caller is root or in the FUSE group (its primary
@@ -152,6 +166,8 @@ class NodeFS(pyfuse3.Operations):
 
     @fuse_errors
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None):
+        if not self.restored.is_set() and name not in dict(self._children(parent_inode)):
+            await self.restored.wait()
         for child_name, inode in self._children(parent_inode):
             if child_name == name:
                 return self._attrs(inode)
@@ -159,6 +175,7 @@ class NodeFS(pyfuse3.Operations):
 
     @fuse_errors
     async def getattr(self, inode: int, ctx: Any = None):
+        await self.settle(inode)
         return self._attrs(inode)
 
     @fuse_errors
@@ -180,6 +197,7 @@ class NodeFS(pyfuse3.Operations):
     @fuse_errors
     async def open(self, inode: int, flags: int, ctx: Any):
         await self.check_caller(ctx)
+        await self.settle(inode)
         if inode in self.disks.by_inode:
             return pyfuse3.FileInfo(fh=inode, keep_cache=False)
         if inode not in self.blobs.by_inode:
@@ -190,6 +208,7 @@ class NodeFS(pyfuse3.Operations):
 
     @fuse_errors
     async def read(self, fh: int, off: int, size: int) -> Buffer:  # type: ignore[override]
+        await self.settle(fh)
         disk = self.disks.by_inode.get(fh)
         if disk is not None:
             return await disk.read(off, size)
@@ -200,6 +219,7 @@ class NodeFS(pyfuse3.Operations):
 
     @fuse_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
+        await self.settle(fh)
         disk = self.disks.by_inode.get(fh)
         if disk is None:
             raise pyfuse3.FUSEError(errno.EBADF)
@@ -207,18 +227,21 @@ class NodeFS(pyfuse3.Operations):
 
     @fuse_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
+        await self.settle(fh)
         disk = self.disks.by_inode.get(fh)
         if disk is not None:
             await disk.flush()
 
     @fuse_errors
     async def flush(self, fh: int) -> None:
+        await self.settle(fh)
         disk = self.disks.by_inode.get(fh)
         if disk is not None:
             await disk.flush()
 
     @fuse_errors
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any):
+        await self.settle(inode)
         disk = self.disks.by_inode.get(inode)
         if fields.update_size and (disk is None or attr.st_size != disk.size):
             raise pyfuse3.FUSEError(errno.EPERM)  # disks and blobs have a fixed size

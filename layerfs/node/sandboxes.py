@@ -80,6 +80,25 @@ class LayerMounts:
         self.mounted: dict[str, MountedLayer] = {}
         self._locks: dict[str, trio.Lock] = {}
         self.mount_limit = trio.CapacityLimiter(8)
+        # mounts an earlier daemon left on a taken-over FUSE connection: adopted, not redone
+        self.kept: set[str] = set()
+
+    def adopt(self, target: Path) -> bool:
+        """Whether ``target`` is still mounted from before a live restart (and is now ours)."""
+        if str(target) not in self.kept:
+            return False
+        self.kept.discard(str(target))
+        return True
+
+    async def drop_unadopted(self) -> None:
+        """Detach the kept mounts no restored sandbox uses (deepest first)."""
+        for point in sorted(self.kept, key=lambda p: -p.count("/")):
+            try:
+                await trio.to_thread.run_sync(functools.partial(umount, point, lazy=True))
+                log.info("detached %s: no sandbox uses it", point)
+            except OSError as exc:
+                log.error("cannot detach %s: %s", point, exc)
+        self.kept.clear()
 
     def _lock(self, digest: str) -> trio.Lock:
         return self._locks.setdefault(digest, trio.Lock())
@@ -104,6 +123,8 @@ class LayerMounts:
             await trio.to_thread.run_sync(lambda: target.mkdir(parents=True, exist_ok=True))
             device = self.root / "fuse" / "blobs" / rl.hex
             try:
+                if self.adopt(target):
+                    return MountedLayer(digest, blob, target)
                 await trio.to_thread.run_sync(
                     functools.partial(mount_erofs, meta.source, str(device), str(target),
                                       directio=True, readahead=self.readahead),
@@ -213,8 +234,9 @@ class Sandboxes:
             lower = ":".join(str(m.path) for m in mounted)
             opts = (f"lowerdir={lower},upperdir={sdir / 'upper'},workdir={sdir / 'work'},"
                     + OVERLAY_OPTIONS)
-            await trio.to_thread.run_sync(mount, "overlay", str(sdir / "rootfs"), "overlay",
-                                          SAFE_FLAGS, opts, limiter=self.layers.mount_limit)
+            if not self.layers.adopt(sdir / "rootfs"):
+                await trio.to_thread.run_sync(mount, "overlay", str(sdir / "rootfs"), "overlay",
+                                              SAFE_FLAGS, opts, limiter=self.layers.mount_limit)
         except BaseException:
             for digest in acquired:
                 await self.layers.release(digest)

@@ -1,0 +1,361 @@
+"""Live restart for real: the FUSE connection, and every EROFS, overlay and
+loop mount above it, outlives a `kill -9` of the daemon and a `--takeover`.
+
+The load of the two switch tests: 8 readers streaming large files through
+two sandboxes (each pass drops the page cache first, so every pass asks the
+daemon again), a process holding files open in a sandbox, and ext4 on a loop
+device over a writable disk being written and fsynced. Each of those takes
+about 20 s on either store; the others 5-15 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from nodes import NodeDaemon
+from support import build, need_root
+
+from layerfs.builder.env import create_env
+from layerfs.node.control import wait_ready
+from layerfs.node.process import LAYERFS
+
+MiB = 1 << 20
+FILES = 4  # per sandbox
+FILE_SIZE = 12 * MiB
+KEEPER = re.compile(r"the FUSE connection is kept by pid (\d+)")
+
+# a reader: passes over one file (page cache dropped first) until STOP exists,
+# then one more; each pass's sha256 must be the file's; any error exits 1
+READER = textwrap.dedent("""
+    import hashlib, os, sys, time
+    path, want, stop, progress = sys.argv[1:]
+    passes = 0
+    def one_pass():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            h = hashlib.sha256()
+            while chunk := os.read(fd, 256 * 1024):
+                h.update(chunk)
+        finally:
+            os.close(fd)
+        if h.hexdigest() != want:
+            sys.exit(f"pass {passes}: sha256 {h.hexdigest()}, want {want}")
+    while not os.path.exists(stop):
+        one_pass()
+        passes += 1
+        with open(progress, "w") as f:
+            f.write(str(passes))
+    one_pass()
+    print(passes + 1)
+""")
+
+# a process with files open in a sandbox: reads half of a file, then, on a
+# line on stdin, the rest through the same descriptor, and appends to an upper file
+HOLDER = textwrap.dedent("""
+    import hashlib, os, sys
+    data, note = sys.argv[1:]
+    f = open(data, "rb")
+    out = open(note, "a")
+    h = hashlib.sha256(f.read(os.path.getsize(data) // 2))
+    print("ready", flush=True)
+    sys.stdin.readline()
+    h.update(f.read())
+    out.write("after the switch\\n")
+    out.flush()
+    os.fsync(out.fileno())
+    print(h.hexdigest(), flush=True)
+""")
+
+# a writer on the ext4 mount: writes and fsyncs numbered files until STOP
+WRITER = textwrap.dedent("""
+    import os, sys
+    mnt, stop = sys.argv[1:]
+    n = 0
+    while not os.path.exists(stop) or n < 40:
+        data = bytes([n % 251]) * (256 * 1024 + n)
+        with open(os.path.join(mnt, f"w{n}"), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        n += 1
+    print(n)
+""")
+
+
+@dataclass
+class Load:
+    """The processes running on the node while its daemon is switched."""
+
+    readers: list[subprocess.Popen]
+    holder: subprocess.Popen
+    writer: subprocess.Popen
+    stop: Path
+    progress: list[Path]
+    data_sha: str
+    mnt: Path
+
+
+@pytest.fixture
+def live(tmp_path, store, store_location):
+    """Layer big@1 (8 files of 12 MiB), env e@1, and a daemon with sandboxes
+    s1 and s2 up and a writable disk w."""
+    need_root()
+    src = tmp_path / "big"
+    (src / "data").mkdir(parents=True)
+    for i in range(2 * FILES):
+        (src / "data" / f"f{i}").write_bytes(os.urandom(FILE_SIZE))
+    build(store, str(src), name="big", chunk_size=MiB)
+    create_env(store, "e", "1", ["big@1"])
+    node = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="1G").start()
+    node.src = src
+    try:
+        for sid in ("s1", "s2"):
+            node.cli("up", "e@1", "--id", sid)
+        node.cli("disk", "create", "w", "--size", "64M")
+        yield node
+    finally:
+        left = node.cleanup()
+        assert not left, f"left mounted: {left}"
+
+
+def sandbox(node: NodeDaemon, sid: str) -> Path:
+    return node.root / "sandboxes" / sid / "rootfs"
+
+
+def mount_ids(root: Path) -> dict[str, str]:
+    """Mount point → mount id of every mount under ``root``."""
+    with open("/proc/self/mountinfo") as f:
+        lines = [line.split() for line in f]
+    base = str(root.resolve())
+    return {fields[4]: fields[0] for fields in lines
+            if fields[4] == base or fields[4].startswith(base + "/")}
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@contextmanager
+def ext4_on_disk(node: NodeDaemon, tmp_path: Path):
+    """ext4 on a loop device over disk w, mounted; unmounted, checked, detached after."""
+    disk = node.root / "fuse" / "disks" / "w"
+    dev = subprocess.run(["losetup", "-f", "--show", str(disk)], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    mnt = tmp_path / "ext4"
+    mnt.mkdir()
+    try:
+        subprocess.run(["mkfs.ext4", "-q", dev], check=True)
+        subprocess.run(["mount", dev, str(mnt)], check=True)
+        try:
+            yield dev, mnt
+        finally:
+            subprocess.run(["umount", str(mnt)], check=True)
+        fsck = subprocess.run(["e2fsck", "-fn", dev], capture_output=True, text=True)
+        assert fsck.returncode == 0, f"e2fsck: {fsck.stdout}{fsck.stderr}"
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=False)
+
+
+def start_load(node: NodeDaemon, tmp_path: Path, mnt: Path) -> Load:
+    stop, readers, progress = tmp_path / "stop", [], []
+    for i in range(2 * FILES):
+        path = sandbox(node, "s1" if i < FILES else "s2") / "data" / f"f{i}"
+        progress.append(tmp_path / f"progress{i}")
+        readers.append(subprocess.Popen(
+            [sys.executable, "-c", READER, str(path), sha(node.src / "data" / f"f{i}"),
+             str(stop), str(progress[-1])], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(sandbox(node, "s1") / "data" / "f0"),
+         str(sandbox(node, "s1") / "note")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True)
+    assert holder.stdout is not None and holder.stdout.readline() == "ready\n"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(mnt), str(stop)],
+                              stdout=subprocess.PIPE, text=True)
+    wait_for(lambda: all(p.exists() for p in progress), "every reader's first pass")
+    return Load(readers, holder, writer, stop, progress,
+                sha(node.src / "data" / "f0"), mnt)
+
+
+def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def passes(load: Load) -> list[int]:
+    return [int(p.read_text() or 0) for p in load.progress]
+
+
+def finish_load(load: Load) -> None:
+    """Let every reader make a pass after the switch, stop them all, and check
+    each one's result: no error, the right sha256, no one stuck."""
+    before = passes(load)
+    wait_for(lambda: all(a > b for a, b in zip(passes(load), before, strict=True)),
+             "a pass after the switch")
+    assert state(load.holder.pid) == "S"  # idle on its stdin, not stuck on a sandbox file
+    load.stop.touch()  # every reader and the writer must end by themselves: none stays in D
+    for reader in load.readers:
+        out, err = reader.communicate(timeout=120)
+        assert reader.returncode == 0, f"reader failed: {err}"
+        assert int(out) >= 2
+    out, _ = load.writer.communicate(timeout=120)
+    assert load.writer.returncode == 0
+    for n in range(int(out)):
+        data = (load.mnt / f"w{n}").read_bytes()
+        assert data == bytes([n % 251]) * (256 * 1024 + n), f"ext4 file w{n} differs"
+    out, _ = load.holder.communicate("go\n", timeout=60)
+    assert load.holder.returncode == 0 and out.strip() == load.data_sha
+
+
+def state(pid: int) -> str:
+    """The process state letter of ``pid`` (R, S, D, ...; '' once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return ""
+
+
+def keeper_pid(node: NodeDaemon) -> int:
+    found = KEEPER.findall(node.log())
+    assert found, "no keeper started"
+    return int(found[-1])
+
+
+def kill_load(load: Load) -> None:
+    for proc in (*load.readers, load.writer, load.holder):
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def switch_under_load(node: NodeDaemon, tmp_path: Path, switch) -> None:
+    """Start the load, record the mounts, ``switch(node)``, then check that the
+    mounts are the same ones and the load finished without an error."""
+    with ext4_on_disk(node, tmp_path) as (_, mnt), ExitStack() as stack:
+        load = start_load(node, tmp_path, mnt)
+        stack.callback(kill_load, load)
+        ids, rootfs_ino = mount_ids(node.root), os.stat(sandbox(node, "s1")).st_ino
+        switch(node)
+        assert mount_ids(node.root) == ids  # no mount detached, none made again
+        assert os.stat(sandbox(node, "s1")).st_ino == rootfs_ino
+        finish_load(load)
+    ps = {r["id"]: r for r in node.request("ps")["sandboxes"]}
+    assert ps["s1"]["state"] == ps["s2"]["state"] == "up"
+    assert (sandbox(node, "s1") / "note").read_text() == "after the switch\n"
+
+
+def kill_and_restart(node: NodeDaemon) -> None:
+    node.kill()
+    node.start()
+
+
+def take_over(node: NodeDaemon) -> None:
+    old = node.proc
+    assert old is not None
+    node.extra_args = ["--takeover"]
+    node.start()  # returns once a daemon answers: maybe still the old one
+    assert old.wait(60) == 0  # the old daemon exits by itself, cleanly
+    proc = node.proc
+    assert wait_ready(node.root, lambda: proc.poll() is None, 60), node.log()[-4000:]
+    node.extra_args = []
+
+
+def node_argv(node: NodeDaemon) -> list[str]:
+    return [*LAYERFS, "daemon", "--root", str(node.root), *node.store_args,
+            "--cache-size", node.cache_size, "--read-timeout", str(node.read_timeout),
+            "--log-level", "info", *node.extra_args]
+
+
+def test_kill_9_keeps_every_sandbox_and_read(live, tmp_path):
+    switch_under_load(live, tmp_path, kill_and_restart)
+
+
+def test_takeover_under_load_fails_no_read(live, tmp_path):
+    switch_under_load(live, tmp_path, take_over)
+    assert "handing the FUSE connection over" in live.log()
+
+
+def test_second_daemon_without_takeover_is_refused(live):
+    proc = subprocess.run(node_argv(live), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"layerfs: error: a layerfs daemon (pid {live.proc.pid}) already serves "
+        f"{live.root}: stop it first, or replace it with `layerfs daemon --takeover`")
+    assert live.request("ping")["pid"] == live.proc.pid
+
+
+def test_keeper_killed_too_falls_back_to_remounting(live):
+    data = sandbox(live, "s1") / "data" / "f1"
+    points = mount_ids(live.root).keys()
+    held = os.open(data, os.O_RDONLY)  # opened before, read after: on the dead connection
+    try:
+        os.kill(keeper_pid(live), signal.SIGKILL)
+        live.kill()
+        live.start()
+        with pytest.raises(OSError):
+            os.pread(held, 4096, 0)
+    finally:
+        os.close(held)
+    assert "unmounted stale" in live.log()
+    assert mount_ids(live.root).keys() == points  # every mount made again
+    ps = {r["id"]: r for r in live.request("ps")["sandboxes"]}
+    assert ps["s1"]["state"] == ps["s2"]["state"] == "up"
+    assert sha(data) == sha(live.src / "data" / "f1")
+
+
+def daemon_threads_waiting_on_a_fifo(pid: int) -> bool:
+    """Whether a thread of ``pid`` blocks opening a FIFO (``wait_for_partner``)."""
+    for wchan in Path(f"/proc/{pid}/task").glob("*/wchan"):
+        try:
+            if wchan.read_text() == "wait_for_partner":
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@pytest.mark.parametrize("store_location", ["file"], indirect=True)
+def test_kill_9_answers_the_read_the_dead_daemon_had_taken(live, tmp_path):
+    """A read the daemon had taken from the kernel and not answered when it
+    died is answered by the next daemon (FUSE_NOTIFY_RESEND): the store's
+    packs are FIFOs while the read is taken, so its fetch blocks for sure."""
+    packs = [p for p in (tmp_path / "store").rglob("*") if p.is_file()
+             and p.stat().st_size > MiB // 2]
+    assert packs
+    for pack in packs:
+        pack.rename(pack.with_name(pack.name + ".real"))
+        os.mkfifo(pack)
+    path = sandbox(live, "s1") / "data" / "f3"
+    want = hashlib.sha256((live.src / "data" / "f3").read_bytes()[:MiB]).hexdigest()
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import hashlib, sys; "
+         "print(hashlib.sha256(open(sys.argv[1], 'rb').read(1 << 20)).hexdigest())", str(path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert live.proc is not None
+        pid = live.proc.pid
+        wait_for(lambda: daemon_threads_waiting_on_a_fifo(pid), "the fetch to block", 30)
+        live.kill()  # the read is taken and unanswered now
+        for pack in packs:
+            pack.with_name(pack.name + ".real").replace(pack)
+        live.start()
+        out, err = reader.communicate(timeout=60)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+    assert reader.returncode == 0, err
+    assert out.strip() == want
