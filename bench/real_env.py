@@ -362,7 +362,7 @@ def push_minbase(store: Any, work: Path, info: dict, chunk_size: int) -> dict:
                                           chunk_size=chunk_size)).digest
     manifest = reg.layer(digest)
     table = reg.chunk_table(manifest)
-    create_env(store, "bench/debian/env", version, [f"{name}@{version}"])
+    create_env(Registry(store), "bench/debian/env", version, [f"{name}@{version}"])
     return {"env": f"bench/debian/env@{version}", "chunk_size": chunk_size,
             "blob_bytes": table.blob_size, "stored_bytes": table.stored_bytes(),
             "chunks": len(table), "meta_bytes": manifest.meta.size,

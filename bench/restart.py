@@ -130,7 +130,7 @@ class Bench:
                         f.write(os.urandom(MiB))
             store = FileStore(str(self.work / "store"))
             build_layer(Registry(store), str(src), BuildOptions("big", "1", chunk_size=MiB))
-            create_env(store, "e", "1", ["big@1"])
+            create_env(Registry(store), "e", "1", ["big@1"])
             marker.write_text(key)
         return [f"data/f{i}" for i in range(self.args.files)]
 

@@ -342,14 +342,16 @@ def test_bad_lsmt_input_is_a_clear_error(node, store, tmp_path):
     lo, hi = struct.unpack_from("<QQ", past, ioff)
     struct.pack_into("<QQ", past, ioff, lo, hi + (1 << 40))  # moffset far past the data
     publish_raw_sealed(store, bytes(past), "bad/index", size)
-    child = build_disk(Registry(store), str(img), "orphan", "1", parent_ref="good@1")
+    # a parent the daemon has not read yet (it keeps manifests it verified: they are immutable)
+    lost = build_disk(Registry(store), str(img), "lost", "1")
+    child = build_disk(Registry(store), str(img), "orphan", "1", parent_ref="lost@1")
     cases = [("bad/trailer@1", "bad magic"), ("bad/truncated@1", "bad"),
              ("bad/index@1", "past the data")]
     for ref, words in cases:
         proc = node.cli("disk", "create", "x", "--base", ref, check=False)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode != 0 and len(lines) == 1 and words in lines[0], proc.stderr
-    store.delete(blob_key(good.digest))  # the parent's manifest disappears
+    store.delete(blob_key(lost.digest))  # the parent's manifest disappears
     proc = node.cli("disk", "create", "x", "--base", child.ref, check=False)
     assert proc.returncode != 0 and "no such parent layer" in proc.stderr
     proc = node.cli("disk", "create", "y", "--size", "1000", check=False)

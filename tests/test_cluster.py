@@ -199,7 +199,11 @@ def test_a_volume_server_killed_under_000_fails_only_what_it_held(healthy: Clust
     assert proc.returncode == ObjectUnavailable.exit_code, proc.stderr
     assert proc.stderr.startswith("layerfs: error: ") and len(proc.stderr.splitlines()) == 1
     assert "unavailable" in proc.stderr and "corrupt" not in proc.stderr
-    assert lost.pack.split(":")[-1] in proc.stdout and "\"found\": \"unavailable\"" in proc.stdout
+    if proc.stdout:  # the per-object report names the lost pack
+        assert lost.pack.split(":")[-1] in proc.stdout
+        assert "\"found\": \"unavailable\"" in proc.stdout
+    else:  # the lost server held the layer's ref or manifest too: the line names that object
+        assert "get " in proc.stderr and "InternalError" in proc.stderr, proc.stderr
 
 
 @pytest.mark.cluster
@@ -215,7 +219,7 @@ def test_two_daemons_read_a_build_while_a_gateway_and_a_volume_server_die(
     digest = build(tmp_path, url, endpoints, "two", seed=3)
     store = open_store(url, endpoints)
     try:
-        create_env(store, "e", "1", ["c/two@1"])
+        create_env(Registry(store), "e", "1", ["c/two@1"])
         first_pack = entries(store, digest)[0].pack
         prefix = store.prefix  # type: ignore[attr-defined]
     finally:

@@ -36,7 +36,7 @@ def node(tmp_path, store, store_location):
     need_root()
     build(store, str(make_base(tmp_path / "base")), name="base", chunk_size=CHUNK)
     build(store, str(upper_tar(tmp_path / "up.tar")), name="up", chunk_size=CHUNK)
-    create_env(store, "e", "1", ["up@1", "base@1"])
+    create_env(Registry(store), "e", "1", ["up@1", "base@1"])
     daemon = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="64M").start()
     daemon.location = store_location
     try:

@@ -89,7 +89,8 @@ def test_identical_env_creates_at_once_both_succeed(tmp_path, store):
     build(store, str(tmp_path / "a"), name="base", chunk_size=16384)
     faulty = racing_refs(store)
     with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda _: create_env(faulty, "e", "1", ["base@1"]), range(2)))
+        results = list(pool.map(lambda _: create_env(Registry(faulty), "e", "1", ["base@1"]),
+                                range(2)))
     assert sorted(r.published for r in results) == [False, True]
     assert {r.digest for r in results} == {Registry(store).resolve(ENVS, "e@1")}
 
