@@ -4,9 +4,12 @@ builder's heavy modules: the property that keeps its start fast)."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +20,7 @@ from support import build, need_root
 from layerfs.errors import LayerfsError, UsageError
 from layerfs.node import Client
 from layerfs.node.client import SandboxNotUp
-from layerfs.node.control import DaemonNotRunning, RemoteError
+from layerfs.node.control import DaemonNotRunning, RemoteError, socket_path
 from layerfs.node.process import LAYERFS
 from layerfs.node.protocol import SandboxRecord, SandboxStatus, StatsAnswer
 from layerfs.store import open_store
@@ -155,3 +158,49 @@ def test_loading_the_run_command_starts_no_process():
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=60, check=True)
     assert proc.stdout.strip() == "[]"
+
+
+def serve_one_answer(root: Path, answer: dict) -> threading.Thread:
+    """A control socket at ``root`` that answers one request with ``answer``
+    (as a daemon newer than this client would), in a thread."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(socket_path(root)))
+    listener.listen(1)
+
+    def serve() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn, conn.makefile("rwb") as f:
+                f.readline()
+                f.write(json.dumps({"ok": True, **answer}).encode() + b"\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_client_reads_the_answers_of_a_newer_daemon(tmp_path):
+    """Answers may gain fields across versions (a live upgrade of the daemon
+    must not break the clients of the old one): unknown ones are ignored, at
+    the top and in nested records; requests stay strict (test_protocol)."""
+    layer = {"users": 1, "bytes_read": 4096, "chunks_touched": 1, "chunks": 8,
+             "blob_bytes": 1 << 20, "read_spans": [[0, 4096]]}
+    answer = {"cache": {"size": 0}, "layers": {"sha256:ab": layer}, "sandboxes": 1,
+              "store": {"get": 3}, "uptime": 12.5}
+    thread = serve_one_answer(tmp_path, answer)
+    stats = Client(tmp_path, timeout=30).stats()
+    thread.join(30)
+    assert stats.sandboxes == 1 and stats.store == {"get": 3}
+    assert stats.layers["sha256:ab"].bytes_read == 4096
+    assert not hasattr(stats, "uptime")
+
+
+def test_the_cli_shows_the_answer_of_a_newer_daemon(tmp_path):
+    row = {"id": "s1", "layers": ["sha256:ab"], "rootfs": "/r", "state": "up",
+           "layer_refs": ["t@1"], "upper_bytes": 0, "layer_bytes_read": 0, "cpu_seconds": 1.0}
+    thread = serve_one_answer(tmp_path, {"sandboxes": [row], "node": "n1"})
+    proc = subprocess.run([*LAYERFS, "ps", "--root", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    thread.join(30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[1].split()[:2] == ["s1", "up"]

@@ -12,6 +12,7 @@ from nodes import NodeDaemon
 from support import build, need_root
 
 from layerfs.errors import UsageError
+from layerfs.node import records
 from layerfs.node.control import RemoteError
 from layerfs.node.protocol import (
     REQUESTS,
@@ -184,3 +185,36 @@ def test_sandboxes_an_earlier_version_recorded_come_back_after_an_upgrade(layer_
     assert rows["old"]["layer_refs"] == ["t@1"] and rows["older"]["config"] is None
     for sid in rows:
         layer_node.request("down", id=sid)
+
+
+def test_records_behave_as_dataclasses():
+    """What the code relies on of a record (:mod:`layerfs.node.records`):
+    defaults made per record, positional and keyword construction, equality
+    by value, a repr, ``vars`` as the fields, a wrong field a TypeError."""
+    a, b = Up(id="s1"), Up(id="s1")
+    assert a == b and a.layers == [] and a.layers is not b.layers
+    a.layers.append("t@1")
+    assert a != b and b.layers == []
+    assert Down("s1", True) == Down(id="s1", keep_upper=True)
+    assert repr(Down("s1")) == "Down(id='s1', keep_upper=False)"
+    record = SandboxRecord("s1", ["sha256:ab"], "/r", "up")
+    assert vars(record) == {"id": "s1", "layers": ["sha256:ab"], "rootfs": "/r", "state": "up",
+                            "env": None, "layer_refs": [], "config": None, "prefetch": "none",
+                            "created": 0.0, "error": None}
+    names = [f.name for f in records.fields(SandboxStatus)]
+    assert names[-2:] == ["upper_bytes", "layer_bytes_read"]
+    for bad in (lambda: Down(ident="s1"), lambda: SandboxRecord("s1"),
+                lambda: Down("s1", False, "extra"), lambda: Down("s1", id="s2")):
+        with pytest.raises(TypeError):
+            bad()
+
+
+def test_an_answer_may_carry_fields_a_request_may_not():
+    wire = {"sandboxes": [{"id": "s1", "layers": [], "rootfs": "/r", "state": "up",
+                           "upper_bytes": 1, "added_later": True}], "added_too": 1}
+    with pytest.raises(BadMessage, match="unknown field 'added_too'"):
+        PsAnswer.from_json(wire, "ps")
+    answer = PsAnswer.from_json(wire, "ps", extra_fields=True)
+    assert answer.sandboxes[0].upper_bytes == 1 and "added_later" not in vars(answer.sandboxes[0])
+    with pytest.raises(BadMessage, match="unknown field 'verbose'"):
+        parse_request({"op": "ps", "verbose": True})

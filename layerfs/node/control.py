@@ -43,8 +43,10 @@ def socket_path(root: str | os.PathLike[str]) -> Path:
 def call(root: str | os.PathLike[str], request: Request, answer: type[A],
          timeout: float | None = None) -> A:
     """Send one request to the daemon at ``root``; its answer, or its error
-    raised as ours."""
-    return answer.from_json(call_raw(root, request.to_json(), timeout), request.op)
+    raised as ours. Fields of the answer that ``answer`` does not know (a newer
+    daemon's) are ignored."""
+    return answer.from_json(call_raw(root, request.to_json(), timeout), request.op,
+                            extra_fields=True)
 
 
 def call_raw(root: str | os.PathLike[str], request: dict[str, Any],

@@ -1,10 +1,14 @@
-"""The control protocol's messages, for both ends: one dataclass per request
-op and one per answer, with the one typed parse that turns JSON into them.
+"""The control protocol's messages, for both ends: one typed record
+(:mod:`.records`: declared like a dataclass, defined without its per-class
+code generation, so that a client starts fast) per request op and one per
+answer, with the one typed parse that turns JSON into them.
 
 A request on the wire is ``{"op": OP, field: value, ...}``; a field left out
 takes its default, and a field that is unknown or of the wrong type is
-refused with one :class:`BadMessage`. Answers are the dataclasses' JSON
-(:meth:`Message.to_json`); the same parse reads them back in the clients.
+refused with one :class:`BadMessage`. Answers are the records' JSON
+(:meth:`Message.to_json`); the same parse reads them back in the clients,
+which ignore fields they do not know (a newer daemon's answers may carry
+more: a client keeps working across a daemon upgrade).
 Sandbox records (:class:`SandboxRecord`) are also what ``replica.lmdb``
 stores: a record written by an earlier version parses (fields added since
 have defaults).
@@ -12,13 +16,12 @@ have defaults).
 
 from __future__ import annotations
 
-import dataclasses
 import types
 import typing
-from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from ..errors import UsageError
+from .records import Record, field
 
 DEFAULT_VM_DISK = 10 << 30
 LAYER_ROLES = ("base", "toolchain", "workspace")  # what a committed upper may be
@@ -30,16 +33,18 @@ class BadMessage(UsageError):
     """bad request {}: {}"""
 
 
-@dataclass
-class Message:
+class Message(Record):
     """A record that goes over the control socket (or into the replica) as JSON."""
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: to_json(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {f.name: to_json(getattr(self, f.name)) for f in self.__record_fields__}
 
     @classmethod
-    def from_json(cls: type[M], data: object, what: str = "") -> M:
-        return parse_record(cls, data, what or cls.__name__)
+    def from_json(cls: type[M], data: object, what: str = "", *,
+                  extra_fields: bool = False) -> M:
+        """``data`` as a ``cls``; a field it does not know is refused, or with
+        ``extra_fields`` (an answer from a newer daemon) ignored."""
+        return parse_record(cls, data, what or cls.__name__, extra_fields)
 
 
 def to_json(value: Any) -> Any:
@@ -53,25 +58,39 @@ def to_json(value: Any) -> Any:
     return value
 
 
-def parse_record(cls: type[M], data: object, what: str) -> M:
-    """``data`` (a JSON object) as a ``cls``, every field of its declared type."""
+def parse_record(cls: type[M], data: object, what: str, extra_fields: bool = False) -> M:
+    """``data`` (a JSON object) as a ``cls``, every field of its declared type;
+    a field ``cls`` lacks is refused unless ``extra_fields``."""
     if not isinstance(data, dict):
         raise BadMessage(what, "not a JSON object")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names - {"op"})
-    if unknown:
-        raise BadMessage(what, f"unknown field {unknown[0]!r}")
+    hints = field_types(cls)
+    if not extra_fields:
+        unknown = sorted(set(data) - set(hints) - {"op"})
+        if unknown:
+            raise BadMessage(what, f"unknown field {unknown[0]!r}")
     values = {}
-    for f in dataclasses.fields(cls):
+    for f in cls.__record_fields__:
         if f.name in data:
-            values[f.name] = conform(data[f.name], hints[f.name], f"{what}: {f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            values[f.name] = conform(data[f.name], hints[f.name], f"{what}: {f.name}",
+                                     extra_fields)
+        elif f.required:
             raise BadMessage(what, f"{f.name} is missing")
     return cls(**values)
 
 
-def conform(value: object, hint: Any, where: str) -> Any:
+_FIELD_TYPES: dict[type, dict[str, Any]] = {}
+
+
+def field_types(cls: type[Message]) -> dict[str, Any]:
+    """A message class's field name -> type, its annotations evaluated once."""
+    hints = _FIELD_TYPES.get(cls)
+    if hints is None:
+        every = typing.get_type_hints(cls)
+        hints = _FIELD_TYPES[cls] = {f.name: every[f.name] for f in cls.__record_fields__}
+    return hints
+
+
+def conform(value: object, hint: Any, where: str, extra_fields: bool = False) -> Any:
     """``value`` if it is of type ``hint`` (JSON's types: str, int, float, bool,
     None, lists, string-keyed objects, messages), else a :class:`BadMessage`."""
     origin = typing.get_origin(hint)
@@ -80,7 +99,7 @@ def conform(value: object, hint: Any, where: str) -> Any:
     if origin in (types.UnionType, typing.Union):
         for option in typing.get_args(hint):
             try:
-                return conform(value, option, where)
+                return conform(value, option, where, extra_fields)
             except BadMessage:
                 pass
         raise mismatch(where, hint, value)
@@ -88,14 +107,14 @@ def conform(value: object, hint: Any, where: str) -> Any:
         (item,) = typing.get_args(hint)
         if not isinstance(value, list):
             raise mismatch(where, hint, value)
-        return [conform(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [conform(v, item, f"{where}[{i}]", extra_fields) for i, v in enumerate(value)]
     if origin is dict:
         _, item = typing.get_args(hint)
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise mismatch(where, hint, value)
-        return {k: conform(v, item, f"{where}.{k}") for k, v in value.items()}
+        return {k: conform(v, item, f"{where}.{k}", extra_fields) for k, v in value.items()}
     if isinstance(hint, type) and issubclass(hint, Message):
-        return parse_record(hint, value, where)
+        return parse_record(hint, value, where, extra_fields)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is type(None) and value is None:
@@ -114,7 +133,6 @@ def mismatch(where: str, hint: Any, value: object) -> BadMessage:
 
 # -- requests --
 
-@dataclass
 class Request(Message):
     op: ClassVar[str]
 
@@ -122,12 +140,10 @@ class Request(Message):
         return {"op": self.op, **super().to_json()}
 
 
-@dataclass
 class Ping(Request):
     op = "ping"
 
 
-@dataclass
 class Up(Request):
     op = "up"
     id: str = ""
@@ -136,20 +152,17 @@ class Up(Request):
     prefetch: str = "auto"
 
 
-@dataclass
 class Down(Request):
     op = "down"
     id: str = ""
     keep_upper: bool = False
 
 
-@dataclass
 class Ps(Request):
     op = "ps"
     id: str | None = None  # only this sandbox (its size counted alone)
 
 
-@dataclass
 class Commit(Request):
     op = "commit"
     id: str = ""
@@ -158,18 +171,15 @@ class Commit(Request):
     role: str = "workspace"
 
 
-@dataclass
 class Stats(Request):
     op = "stats"
 
 
-@dataclass
 class TracePush(Request):
     op = "trace-push"
     ref: str = ""
 
 
-@dataclass
 class DiskCreate(Request):
     op = "disk-create"
     id: str = ""
@@ -177,18 +187,15 @@ class DiskCreate(Request):
     base: str | None = None
 
 
-@dataclass
 class DiskLs(Request):
     op = "disk-ls"
 
 
-@dataclass
 class DiskRm(Request):
     op = "disk-rm"
     id: str = ""
 
 
-@dataclass
 class DiskCommit(Request):
     op = "disk-commit"
     id: str = ""
@@ -196,7 +203,6 @@ class DiskCommit(Request):
     version: str = ""
 
 
-@dataclass
 class VmUp(Request):
     op = "vm-up"
     id: str = ""
@@ -206,7 +212,6 @@ class VmUp(Request):
     base_disk: str | None = None
 
 
-@dataclass
 class VmDown(Request):
     op = "vm-down"
     id: str = ""
@@ -231,14 +236,12 @@ def parse_request(data: object) -> Request:
 
 # -- answers --
 
-@dataclass
 class PingAnswer(Message):
     root: str
     store: str
     pid: int
 
 
-@dataclass
 class SandboxRecord(Message):
     """A sandbox as the daemon keeps it (in memory and in the replica)."""
 
@@ -260,7 +263,6 @@ class SandboxRecord(Message):
         return doc
 
 
-@dataclass
 class SandboxStatus(SandboxRecord):
     """A row of ``ps``: the record and what the sandbox used so far."""
 
@@ -268,17 +270,14 @@ class SandboxStatus(SandboxRecord):
     layer_bytes_read: int = 0
 
 
-@dataclass
 class SandboxAnswer(Message):
     sandbox: SandboxRecord
 
 
-@dataclass
 class PsAnswer(Message):
     sandboxes: list[SandboxStatus]
 
 
-@dataclass
 class CommitAnswer(Message):
     ref: str
     digest: str
@@ -296,7 +295,6 @@ class CommitAnswer(Message):
     changed: list[str]
 
 
-@dataclass
 class LayerStats(Message):
     users: int
     bytes_read: int
@@ -305,7 +303,6 @@ class LayerStats(Message):
     blob_bytes: int
 
 
-@dataclass
 class StatsAnswer(Message):
     cache: dict[str, int]
     layers: dict[str, LayerStats]
@@ -313,14 +310,12 @@ class StatsAnswer(Message):
     store: dict[str, int] = field(default_factory=dict)  # requests sent, by kind
 
 
-@dataclass
 class TracePushAnswer(Message):
     ref: str
     digest: str
     chunks: int
 
 
-@dataclass
 class DiskRecord(Message):
     """A writable disk as ``disk create`` and ``disk ls`` show it."""
 
@@ -334,7 +329,6 @@ class DiskRecord(Message):
     uncommitted_entries: int  # log entries since the last commit
 
 
-@dataclass
 class BrokenDisk(Message):
     """A disk an earlier run left that cannot be opened (a row of ``disk ls``)."""
 
@@ -343,23 +337,19 @@ class BrokenDisk(Message):
     state: str = "broken"
 
 
-@dataclass
 class DiskAnswer(Message):
     disk: DiskRecord
 
 
-@dataclass
 class DiskList(Message):
     disks: list[DiskRecord | BrokenDisk]
     vms: list[str]
 
 
-@dataclass
 class DiskRemoved(Message):
     id: str
 
 
-@dataclass
 class DiskCommitAnswer(Message):
     ref: str
     digest: str
@@ -370,7 +360,6 @@ class DiskCommitAnswer(Message):
     parent: str | None
 
 
-@dataclass
 class VmDrive(Message):
     """One drive of a microVM, as Firecracker's drive API names its fields."""
 
@@ -380,7 +369,6 @@ class VmDrive(Message):
     is_root_device: bool = False
 
 
-@dataclass
 class VmLayer(Message):
     """An env layer of a microVM: its meta image's drive and its blob's."""
 
@@ -390,7 +378,6 @@ class VmLayer(Message):
     device_drives: list[str]
 
 
-@dataclass
 class VmRecord(Message):
     """A microVM's drive set: the layers' drives, then its writable disk's."""
 
@@ -401,6 +388,5 @@ class VmRecord(Message):
     blobs: list[str]  # layer digests whose blob files it holds open
 
 
-@dataclass
 class VmAnswer(Message):
     vm: VmRecord
