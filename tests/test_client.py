@@ -93,6 +93,7 @@ def test_the_node_commands_import_nothing_heavy(node):
         assert proc.returncode == 0, (args, proc.stderr[-2000:])
         assert "layerfs.node.client" in names
         assert heavy_among(names) == set(), args
+        assert "click" not in names, args  # parsed by layerfs.tools.fastpath
 
 
 def test_the_api_brings_up_lists_and_takes_down_a_sandbox(node):
@@ -204,3 +205,61 @@ def test_the_cli_shows_the_answer_of_a_newer_daemon(tmp_path):
     thread.join(30)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[1].split()[:2] == ["s1", "up"]
+
+
+FAST_ARGVS = [
+    ["ps"], ["ps", "--root", "/r", "--json"], ["ps", "--root=/r"], ["stats", "--json"],
+    ["up", "e@1", "--id", "s1"], ["up", "--layer", "a@1", "--layer=b@1", "--id", "s1",
+                                  "--prefetch", "none", "--bundle", "/b", "--root", "/r"],
+    ["up", "--id", "s1", "--json", "e@1"], ["down", "s1"], ["down", "--keep-upper", "s1", "--json"],
+    ["run", "s1"], ["run", "--root", "/r", "s1", "--", "true"],
+    ["run", "--runtime", "crun", "--network", "host", "--user", "0:0", "--entrypoint", "",
+     "s1", "--", "sh", "-c", "exit 3"],
+]
+CLICK_ONLY_ARGVS = [  # help, errors and the edges of click's parse
+    ["ps", "--help"], ["ps", "-h"], ["ps", "--json=1"], ["ps", "--bogus"], ["ps", "--root"],
+    ["up", "--id"], ["up", "e@1"], ["up", "--id", "s1", "--prefetch", "bogus"],
+    ["up", "--id", "s1", "--id", "s2", "e@1"], ["down"], ["down", "a", "b"],
+    ["run", "s1", "ls", "-l"], ["run", "--", "s1"], ["run", "--runtime", "docker", "s1"],
+    ["up", "--id", "-s1", "e@1"], ["--log-level", "debug", "ps"], ["commit", "s1"],
+]
+
+
+def click_params(argv: list[str]) -> dict:
+    import click
+
+    from layerfs.tools.group import cli
+
+    with click.Context(cli) as ctx:
+        command = cli.get_command(ctx, argv[0])
+        assert command is not None
+        return command.make_context(argv[0], argv[1:], parent=ctx).params
+
+
+@pytest.mark.parametrize("argv", FAST_ARGVS, ids=" ".join)
+def test_the_fast_path_parses_a_node_command_as_click_does(argv, monkeypatch):
+    from layerfs.tools import fastpath
+
+    for name in ("LAYERFS_ROOT", "LAYERFS_RUNTIME"):
+        monkeypatch.delenv(name, raising=False)
+    fast = fastpath.parse(fastpath.COMMANDS[argv[0]](), argv[1:])
+    assert fast is not None and fast == click_params(argv)
+    monkeypatch.setenv("LAYERFS_ROOT", "/from-env")
+    fast = fastpath.parse(fastpath.COMMANDS[argv[0]](), argv[1:])
+    assert fast is not None and fast == click_params(argv)
+
+
+@pytest.mark.parametrize("argv", CLICK_ONLY_ARGVS, ids=" ".join)
+def test_the_fast_path_leaves_the_rest_to_click(argv):
+    from layerfs.tools import fastpath
+
+    spec = fastpath.COMMANDS.get(argv[0])
+    assert spec is None or fastpath.parse(spec(), argv[1:]) is None
+
+
+def test_a_node_command_does_not_import_click(tmp_path):
+    proc, names = imported_modules("ps", "--root", str(tmp_path))
+    assert proc.returncode == DaemonNotRunning.exit_code
+    assert "layerfs.node.client" in names and "click" not in names
+    proc, names = imported_modules("ps", "--help")
+    assert proc.returncode == 0 and "click" in names  # help is click's

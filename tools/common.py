@@ -1,5 +1,6 @@
 """Options and output helpers shared by every command group (import-light: the
-node commands use them; the store and registry are imported when opened)."""
+node commands use them without click, see :mod:`.fastpath`; click is imported
+where an option is declared, the store and registry when opened)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import click
-
 from layerfs import sizes
 
 
 def write_store_options(fn: Callable) -> Callable:
     """:func:`store_options` and ``--timeout SECONDS``, on a command that writes."""
+    import click
 
     @click.option("--timeout", "store_timeout", type=click.FloatRange(min=0.1), metavar="SECONDS",
                   envvar="LAYERFS_TIMEOUT", default=None,
@@ -32,6 +32,7 @@ def write_store_options(fn: Callable) -> Callable:
 
 def store_options(fn: Callable) -> Callable:
     """``--store URL``, ``--s3-endpoint URL`` and ``--json`` on a command."""
+    import click
 
     @click.option("--store", "store_url", envvar="LAYERFS_STORE", metavar="URL",
                   help="file:///path or s3://bucket/prefix [env: LAYERFS_STORE; default: "
@@ -62,9 +63,9 @@ class Output:
 
     def emit(self, doc: Any, text: str | Callable[[], str]) -> None:
         if self.as_json:
-            click.echo(json.dumps(doc, indent=2, sort_keys=True))
+            print(json.dumps(doc, indent=2, sort_keys=True), flush=True)
         else:
-            click.echo(text() if callable(text) else text)
+            print(text() if callable(text) else text, flush=True)
 
 
 def human_bytes(n: float | None) -> str:
@@ -82,6 +83,8 @@ def parse_size(text: str) -> int:
     try:
         return sizes.parse_size(text)
     except ValueError:
+        import click
+
         raise click.BadParameter(f"not a size: {text!r}") from None
 
 

@@ -1,70 +1,47 @@
-"""The ``layerfs`` entry point: the command group and error reporting.
+"""The ``layerfs`` entry point: the command line and error reporting.
 
-Each command's module is imported only when that command runs (``--help``
-imports them all), so a node command does not pay for the builder's, the
-store's or the daemon's imports: see tests/test_client.py."""
+A node client command (``up``, ``down``, ``ps``, ``stats``, ``run``) in its
+plain form is parsed by :mod:`.fastpath` without importing click (a node
+command starts in a few tens of ms); everything else, ``--help`` and any
+argument the fast path does not take for certain, goes to the click group of
+:mod:`.group`, which parses it as always."""
 
 from __future__ import annotations
 
-import importlib
 import sys
 
-import click
-
-from layerfs import __version__
 from layerfs.errors import LayerfsError
 
-# command name -> "module:attribute" under layerfs.tools
-COMMANDS = {
-    "build": "layers:build", "ls": "layers:ls", "inspect": "layers:inspect",
-    "verify": "layers:verify", "env": "envs:env", "import": "images:import_cmd",
-    "gc": "gc:gc", "export": "exports:export", "store": "store:store",
-    "daemon": "node:daemon", "up": "node:up", "down": "node:down", "ps": "node:ps",
-    "run": "run:run", "stats": "node:stats", "trace": "node:trace", "commit": "node:commit",
-    "build-disk": "disks:build_disk_cmd", "disk": "disks:disk", "vm": "disks:vm",
-}
-# Commands that only talk to the daemon and log nothing themselves (its answers
-# carry its messages): they skip importing and configuring logging. A record
-# one of them logged anyway still reaches stderr (logging's last resort).
-CLIENT_COMMANDS = frozenset({"up", "down", "ps", "run", "stats", "trace", "commit"})
-
-
-class LazyGroup(click.Group):
-    """A group whose commands are imported from :data:`COMMANDS` when used."""
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*COMMANDS, *self.commands})
-
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name not in self.commands and cmd_name in COMMANDS:
-            module, _, attr = COMMANDS[cmd_name].partition(":")
-            command = getattr(importlib.import_module(f"layerfs.tools.{module}"), attr)
-            self.add_command(command, cmd_name)
-        return self.commands.get(cmd_name)
-
-
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="layerfs")
-@click.option("--log-level", default="warning", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
-@click.pass_context
-def cli(ctx: click.Context, log_level: str) -> None:
-    """layerfs: EROFS layers in an object store, composed into versioned envs."""
-    if ctx.invoked_subcommand in CLIENT_COMMANDS:
-        return
-    import logging
-
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+from . import fastpath
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; every error a user can cause is one line and a nonzero exit."""
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        cli.main(args=argv, prog_name="layerfs", standalone_mode=False)
+        if not fastpath.run(args):
+            run_click(args)
     except LayerfsError as exc:
-        click.echo(f"layerfs: error: {exc}", err=True)
+        print(f"layerfs: error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        print("layerfs: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except OSError as exc:
+        print(f"layerfs: error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(0)
+
+
+def run_click(args: list[str]) -> None:
+    """Parse and run ``args`` with the click group (its usage errors and aborts
+    reported as click does)."""
+    import click
+
+    from .group import cli
+
+    try:
+        cli.main(args=args, prog_name="layerfs", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
@@ -73,13 +50,6 @@ def main(argv: list[str] | None = None) -> None:
     except click.Abort:
         click.echo("layerfs: aborted", err=True)
         sys.exit(130)
-    except KeyboardInterrupt:
-        click.echo("layerfs: interrupted", err=True)
-        sys.exit(130)
-    except OSError as exc:
-        click.echo(f"layerfs: error: {exc}", err=True)
-        sys.exit(1)
-    sys.exit(0)
 
 
 if __name__ == "__main__":

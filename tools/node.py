@@ -15,7 +15,8 @@ from layerfs.node.client import Client
 from layerfs.node.control import DEFAULT_ROOT
 from layerfs.node.protocol import LAYER_ROLES
 
-from .common import Output, human_bytes, parse_size
+from . import client_commands
+from .common import Output, parse_size
 
 
 def root_option(fn):
@@ -108,14 +109,7 @@ def group_id(group: str) -> int:
 def up(env_ref: str | None, layers: tuple[str, ...], sid: str, prefetch: str,
        bundle_dir: str | None, root: str, as_json: bool) -> None:
     """Bring up sandbox ID from ENV_REF (or --layer refs); print its rootfs path."""
-    if bool(env_ref) == bool(layers):
-        raise UsageError("give ENV_REF or --layer refs (not both)")
-    record = Client(root).up(sid, env=env_ref, layers=layers, prefetch=prefetch,
-                             bundle_dir=bundle_dir)
-    doc = record.to_json()
-    if bundle_dir:
-        doc["bundle"] = os.path.join(os.path.abspath(bundle_dir), "config.json")
-    Output(as_json).emit(doc, record.rootfs)
+    client_commands.up(env_ref, layers, sid, prefetch, bundle_dir, root, as_json)
 
 
 @click.command()
@@ -125,8 +119,7 @@ def up(env_ref: str | None, layers: tuple[str, ...], sid: str, prefetch: str,
 @json_option
 def down(sid: str, keep_upper: bool, root: str, as_json: bool) -> None:
     """Take sandbox ID down and unmount what only it used."""
-    record = Client(root).down(sid, keep_upper=keep_upper)
-    Output(as_json).emit(record.to_json(), f"{sid} down")
+    client_commands.down(sid, keep_upper, root, as_json)
 
 
 @click.command()
@@ -151,17 +144,7 @@ def commit(sid: str, name: str, version: str, role: str, root: str, as_json: boo
 @json_option
 def ps(root: str, as_json: bool) -> None:
     """List sandboxes: state, layers, upper size, bytes read from their layers."""
-    rows = Client(root).ps()
-
-    def text() -> str:
-        lines = [f"{'ID':20} {'STATE':8} {'UPPER':>10} {'READ':>10}  LAYERS"]
-        for r in rows:
-            refs = r.env or " ".join(r.layer_refs)
-            lines.append(f"{r.id:20} {r.state:8} {human_bytes(r.upper_bytes):>10} "
-                         f"{human_bytes(r.layer_bytes_read):>10}  {refs}")
-        return "\n".join(lines)
-
-    Output(as_json).emit([r.to_json() for r in rows], text)
+    client_commands.ps(root, as_json)
 
 
 @click.command()
@@ -169,24 +152,7 @@ def ps(root: str, as_json: bool) -> None:
 @json_option
 def stats(root: str, as_json: bool) -> None:
     """Cache statistics and per-layer bytes read."""
-    res = Client(root).stats()
-    c = res.cache
-
-    def text() -> str:
-        lines = [f"cache: {human_bytes(c['size'])} of {human_bytes(c['limit'])} in "
-                 f"{c['entries']} chunks; hits {c['hits']}, misses {c['misses']}, fetched "
-                 f"{human_bytes(c['bytes_fetched'])}, written {human_bytes(c['bytes_written'])}"
-                 f", evictions {c['evictions']}, corrupt {c['corrupt']}"]
-        if res.store:
-            lines.append("store requests: " + ", ".join(f"{kind} {n}" for kind, n
-                                                         in sorted(res.store.items())))
-        for digest, layer in res.layers.items():
-            lines.append(f"layer {digest[:19]}: read {human_bytes(layer.bytes_read)} of "
-                         f"{human_bytes(layer.blob_bytes)}, chunks {layer.chunks_touched}"
-                         f"/{layer.chunks}, used by {layer.users}")
-        return "\n".join(lines)
-
-    Output(as_json).emit(res.to_json(), text)
+    client_commands.stats(root, as_json)
 
 
 @click.group()

@@ -4,13 +4,11 @@ runtimes and the bundle's network modes, which a ``ps`` need not import)."""
 
 from __future__ import annotations
 
-import sys
-
 import click
 
 from layerfs.node import bundle, runner
-from layerfs.node.client import Client
 
+from . import client_commands
 from .node import root_option
 
 
@@ -37,5 +35,4 @@ def run(sid: str, cmd: tuple[str, ...], runtime_name: str, network: str, user: s
     Docker: CMD replaces its Cmd after its Entrypoint; no CMD runs Entrypoint + Cmd; User,
     Env and WorkingDir are the image's; SIGTERM sends its StopSignal.
     Use: layerfs run [OPTIONS] ID [-- CMD...]"""
-    sys.exit(Client(root).run(sid, cmd, runtime=runtime_name, network=network, user=user,
-                              entrypoint=entrypoint, terminal=sys.stdin.isatty()))
+    client_commands.run(sid, cmd, runtime_name, network, user, entrypoint, root)
