@@ -8,9 +8,10 @@ import functools
 import json
 import sys
 from collections.abc import Callable
-from typing import Any
 
-from layerfs import sizes
+TYPE_CHECKING = False  # (typing is not imported at run time)
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def write_store_options(fn: Callable) -> Callable:
@@ -80,6 +81,8 @@ def human_bytes(n: float | None) -> str:
 
 def parse_size(text: str) -> int:
     """``1M``, ``4KiB``, ``1048576`` → bytes; a bad size is a usage error."""
+    from layerfs import sizes
+
     try:
         return sizes.parse_size(text)
     except ValueError:

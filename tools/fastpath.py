@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from layerfs.node.control import DEFAULT_ROOT
+
+TYPE_CHECKING = False  # (typing is not imported at run time)
+if TYPE_CHECKING:
+    from typing import Any
 
 PREFETCH_MODES = ("auto", "none", "full", "trace")  # tools/node.py's up --prefetch
 

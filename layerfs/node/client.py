@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
 from . import protocol
@@ -28,7 +27,10 @@ from .protocol import (
     TracePushAnswer,
 )
 
+TYPE_CHECKING = False  # (typing is not imported at run time)
 if TYPE_CHECKING:
+    from typing import Any
+
     from .runner import Container
 
 

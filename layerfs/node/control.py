@@ -1,7 +1,7 @@
 """The control API's wire format and its client: one JSON request line, one
 JSON response line, over ``ROOT/control.sock``. The client is plain blocking
 sockets and json (no trio: a node command starts in a few tens of ms) and reads
-answers back into their dataclasses (:mod:`.protocol`); the daemon's end is
+answers back into their records (:mod:`.protocol`); the daemon's end is
 :mod:`.controlserver`."""
 
 from __future__ import annotations
@@ -11,15 +11,20 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, TypeVar
 
 from ..errors import LayerfsError
-from .protocol import Message, Ping, Request
+from .protocol import Ping, Request
+
+TYPE_CHECKING = False  # (typing is not imported at run time)
+if TYPE_CHECKING:
+    from pathlib import Path
+    from typing import Any, TypeVar
+
+    from .protocol import Message
+
+    A = TypeVar("A", bound=Message)
 
 DEFAULT_ROOT = "/var/lib/layerfs"
-
-A = TypeVar("A", bound=Message)
 
 
 class DaemonNotRunning(LayerfsError):
@@ -37,7 +42,13 @@ class RemoteError(LayerfsError):
 
 
 def socket_path(root: str | os.PathLike[str]) -> Path:
+    from pathlib import Path  # not on a client's path (call_raw)
+
     return Path(root) / "control.sock"
+
+
+def socket_name(root: str | os.PathLike[str]) -> str:
+    return os.path.join(root, "control.sock")
 
 
 def call(root: str | os.PathLike[str], request: Request, answer: type[A],
@@ -56,7 +67,7 @@ def call_raw(root: str | os.PathLike[str], request: dict[str, Any],
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
-        sock.connect(str(socket_path(root)))
+        sock.connect(socket_name(root))
     except (FileNotFoundError, ConnectionRefusedError):
         sock.close()
         raise DaemonNotRunning(root, root) from None

@@ -16,17 +16,20 @@ have defaults).
 
 from __future__ import annotations
 
+import sys
 import types
-import typing
-from typing import Any, ClassVar, TypeVar
 
 from ..errors import UsageError
 from .records import Record, field
 
+TYPE_CHECKING = False  # typing is not imported at run time: a client starts faster
+if TYPE_CHECKING:
+    from typing import Any, ClassVar, TypeVar
+
+    M = TypeVar("M", bound="Message")
+
 DEFAULT_VM_DISK = 10 << 30
 LAYER_ROLES = ("base", "toolchain", "workspace")  # what a committed upper may be
-
-M = TypeVar("M", bound="Message")
 
 
 class BadMessage(UsageError):
@@ -78,38 +81,51 @@ def parse_record(cls: type[M], data: object, what: str, extra_fields: bool = Fal
     return cls(**values)
 
 
+class AnyType:
+    """What ``Any`` in a field's annotation evaluates to: any JSON value."""
+
+    def __repr__(self) -> str:
+        return "Any"
+
+
+ANY = AnyType()
 _FIELD_TYPES: dict[type, dict[str, Any]] = {}
 
 
 def field_types(cls: type[Message]) -> dict[str, Any]:
-    """A message class's field name -> type, its annotations evaluated once."""
+    """A message class's field name -> type (``list[str]``, ``int | None``,
+    a message class, :data:`ANY`), its annotations evaluated once."""
     hints = _FIELD_TYPES.get(cls)
     if hints is None:
-        every = typing.get_type_hints(cls)
-        hints = _FIELD_TYPES[cls] = {f.name: every[f.name] for f in cls.__record_fields__}
+        annotations: dict[str, str] = {}
+        for klass in reversed(cls.__mro__):
+            annotations.update(klass.__dict__.get("__annotations__", {}))
+        names = {**vars(sys.modules[cls.__module__]), "Any": ANY}
+        hints = _FIELD_TYPES[cls] = {f.name: eval(annotations[f.name], names)
+                                     for f in cls.__record_fields__}
     return hints
 
 
 def conform(value: object, hint: Any, where: str, extra_fields: bool = False) -> Any:
     """``value`` if it is of type ``hint`` (JSON's types: str, int, float, bool,
     None, lists, string-keyed objects, messages), else a :class:`BadMessage`."""
-    origin = typing.get_origin(hint)
-    if hint is Any:
+    if hint is ANY:
         return value
-    if origin in (types.UnionType, typing.Union):
-        for option in typing.get_args(hint):
+    if isinstance(hint, types.UnionType):
+        for option in hint.__args__:
             try:
                 return conform(value, option, where, extra_fields)
             except BadMessage:
                 pass
         raise mismatch(where, hint, value)
+    origin = hint.__origin__ if isinstance(hint, types.GenericAlias) else None
     if origin is list:
-        (item,) = typing.get_args(hint)
+        (item,) = hint.__args__
         if not isinstance(value, list):
             raise mismatch(where, hint, value)
         return [conform(v, item, f"{where}[{i}]", extra_fields) for i, v in enumerate(value)]
     if origin is dict:
-        _, item = typing.get_args(hint)
+        _, item = hint.__args__
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise mismatch(where, hint, value)
         return {k: conform(v, item, f"{where}.{k}", extra_fields) for k, v in value.items()}
