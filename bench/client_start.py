@@ -10,10 +10,19 @@ reps, the baselines and the command sequence ``up`` (a fresh sandbox id),
 ``ps``, ``stats``, ``run ID -- true`` (runc included), ``down``; with
 ``--compare LAYERFS`` (another checkout's ``layerfs`` script, e.g. the commit
 before) that sequence also runs with it in the same rep, against the same
-daemon. Also counts the modules each ``layerfs ps`` imports
-(``python -X importtime``). Needs root.
+daemon, and with ``--client NAME=LAYERFS`` (repeatable) with more clients, e.g.
+a wheel install (``pip install .`` into a venv) of either; each client's
+interpreter's ``python -c pass`` is timed too. Also counts the modules each
+``layerfs ps`` imports (``python -X importtime``). Needs root.
+
+Bytecode: an installed package has its ``.pyc`` files (pip compiles them), so by
+default the commands run with bytecode cached under the work directory
+(``PYTHONPYCACHEPREFIX``, written by one warm-up run, whatever
+``PYTHONDONTWRITEBYTECODE`` says); ``--bytecode none`` compiles every module
+from source on every start instead.
 
     python bench/client_start.py [--reps 20] [--compare /path/to/layerfs]
+        [--client NAME=/path/to/layerfs] [--bytecode cached|none]
 
 Prints a table (medians) and writes bench/results/client_start.json.
 """
@@ -60,9 +69,24 @@ def make_store(work: Path) -> str:
     return url
 
 
+def child_env(bytecode: str, work: Path) -> dict[str, str]:
+    """The commands' environment: bytecode cached under ``work`` or never written."""
+    env = dict(os.environ)
+    if bytecode == "cached":
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
+    else:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        env.pop("PYTHONPYCACHEPREFIX", None)
+    return env
+
+
+ENV: dict[str, str] = dict(os.environ)
+
+
 def wall_ms(argv: list[str]) -> float:
     start = time.perf_counter()
-    proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
     elapsed = (time.perf_counter() - start) * 1000
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(argv)}: exit {proc.returncode}: {proc.stderr.decode()}")
@@ -77,12 +101,15 @@ def command_argv(layerfs: str, command: str, root: str, sid: str) -> list[str]:
             "down": [layerfs, "down", sid, "--root", root]}[command]
 
 
+def interpreter_of(layerfs: str) -> str:
+    with open(layerfs, encoding="utf-8") as f:
+        return f.readline().removeprefix("#!").strip()
+
+
 def modules_imported(layerfs: str, root: str) -> int:
     """How many modules ``layerfs ps`` imports (its script's interpreter, -X importtime)."""
-    with open(layerfs, encoding="utf-8") as f:
-        interpreter = f.readline().removeprefix("#!").strip()
-    proc = subprocess.run([interpreter, "-X", "importtime", layerfs, "ps", "--root", root],
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run([interpreter_of(layerfs), "-X", "importtime", layerfs, "ps",
+                           "--root", root], capture_output=True, text=True, check=True, env=ENV)
     return sum(line.startswith("import time:") for line in proc.stderr.splitlines()) - 1
 
 
@@ -91,6 +118,8 @@ def one_rep(rep: int, clients: dict[str, str], root: str, samples: dict) -> None
     alternates with ``rep``."""
     sides = list(clients.items())
     floors = [("python -c pass", [sys.executable, "-c", "pass"]), ("/bin/true", ["/bin/true"])]
+    floors += [(f"python -c pass ({side})", [interpreter_of(layerfs), "-c", "pass"])
+               for side, layerfs in sides if interpreter_of(layerfs) != sys.executable]
     if rep % 2:
         sides.reverse()
         floors.reverse()
@@ -108,9 +137,9 @@ def report(samples: dict, clients: dict[str, str], imports: dict[str, int]) -> d
     rows = {name: {"median_ms": round(statistics.median(v), 1), "min_ms": round(min(v), 1),
                    "vs_python_pass": round(statistics.median(v) / floor, 2)}
             for name, v in samples.items()}
-    print(f"{'':22} {'median ms':>10} {'min ms':>8} {'x python -c pass':>17}")
+    print(f"{'':30} {'median ms':>10} {'min ms':>8} {'x python -c pass':>17}")
     for name, row in rows.items():
-        print(f"{name:22} {row['median_ms']:10.1f} {row['min_ms']:8.1f} "
+        print(f"{name:30} {row['median_ms']:10.1f} {row['min_ms']:8.1f} "
               f"{row['vs_python_pass']:17.2f}")
     if "before" in clients:
         print(f"{'':22} {'after/before':>12}")
@@ -128,6 +157,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--compare", metavar="LAYERFS",
                     help="Another layerfs script to time in the same run (as 'before').")
+    ap.add_argument("--client", action="append", default=[], metavar="NAME=LAYERFS",
+                    help="One more layerfs script to time in the same run, as NAME.")
+    ap.add_argument("--bytecode", choices=("cached", "none"), default="cached",
+                    help="Run the commands with .pyc files cached (as installed) or none.")
     ap.add_argument("--work", default="/tmp/layerfs-bench-client")
     ap.add_argument("--out", default=str(HERE / "results" / "client_start.json"))
     args = ap.parse_args()
@@ -135,14 +168,18 @@ def main() -> None:
         raise SystemExit("needs root (the daemon mounts)")
     ours = str(Path(sys.executable).parent / "layerfs")
     clients = {"after": ours, **({"before": args.compare} if args.compare else {})}
+    clients.update(dict(c.split("=", 1) for c in args.client))
     work = clear_dir(Path(args.work), [])
     work.mkdir(parents=True)
+    ENV.clear()
+    ENV.update(child_env(args.bytecode, work))
     url = make_store(work)
     daemon = DaemonProcess(work / "node", ["--store", url], cache_size="256M",
                            log_path=work / "daemon.log").start()
     try:
         root = str(daemon.root)
         imports = {side: modules_imported(path, root) for side, path in clients.items()}
+        one_rep(-1, clients, root, {})  # warm-up: writes the bytecode cache, if any
         samples: dict[str, list[float]] = {}
         load_before = os.getloadavg()[0]
         for rep in range(args.reps):
@@ -153,7 +190,7 @@ def main() -> None:
     rows = report(samples, clients, imports)
     print(f"load average (1 min) {load_before:.1f} before, {load_after:.1f} after; "
           f"mounts left: {left or 'none'}")
-    doc = {"commit": git_head(), "reps": args.reps, "rows": rows,
+    doc = {"commit": git_head(), "reps": args.reps, "rows": rows, "bytecode": args.bytecode,
            "modules_imported_by_ps": imports, "clients": clients,
            "load_average_1min": [load_before, load_after], "cpus": os.cpu_count()}
     Path(args.out).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
