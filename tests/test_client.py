@@ -263,3 +263,15 @@ def test_a_node_command_does_not_import_click(tmp_path):
     assert "layerfs.node.client" in names and "click" not in names
     proc, names = imported_modules("ps", "--help")
     assert proc.returncode == 0 and "click" in names  # help is click's
+
+
+def test_a_node_command_whose_reader_leaves_ends_quietly(tmp_path):
+    """``layerfs ps | head -1``: the rest of the output is dropped, no traceback,
+    status 0 (as click's commands do)."""
+    rows = [{"id": f"s{i}", "layers": [], "rootfs": "/r", "state": "up"} for i in range(20000)]
+    thread = serve_one_answer(tmp_path, {"sandboxes": rows})
+    script = f'{" ".join(LAYERFS)} ps --root {tmp_path} | head -1; exit "${{PIPESTATUS[0]}}"'
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    thread.join(30)
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout.split()[:2] == ["ID", "STATE"]

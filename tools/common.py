@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -63,10 +64,12 @@ class Output:
         self.as_json = as_json
 
     def emit(self, doc: Any, text: str | Callable[[], str]) -> None:
-        if self.as_json:
-            print(json.dumps(doc, indent=2, sort_keys=True), flush=True)
-        else:
-            print(text() if callable(text) else text, flush=True)
+        out = json.dumps(doc, indent=2, sort_keys=True) if self.as_json else (
+            text() if callable(text) else text)
+        try:
+            print(out, flush=True)
+        except BrokenPipeError:  # the reader left (`layerfs ps | head -1`): quietly, as
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # click does
 
 
 def human_bytes(n: float | None) -> str:
