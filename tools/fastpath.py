@@ -23,7 +23,7 @@ TYPE_CHECKING = False  # (typing is not imported at run time)
 if TYPE_CHECKING:
     from typing import Any
 
-PREFETCH_MODES = ("auto", "none", "full", "trace")  # tools/node.py's up --prefetch
+PREFETCH_MODES = ("auto", "none", "full", "trace")  # up --prefetch (tools/node.py too)
 
 
 class Option:

@@ -1,7 +1,9 @@
 """Node commands: daemon, up, down, ps, stats, trace push, commit (``run`` is in
-:mod:`.run`). Each client command is a thin call of :class:`layerfs.node.Client`;
-this module imports neither the daemon (imported by ``daemon`` when it runs)
-nor trio, pyfuse3, lmdb or boto3 (tests/test_client.py checks it)."""
+:mod:`.run`): their click options and help. Each client command is a thin call
+of :class:`layerfs.node.Client`, its body in :mod:`.client_commands` (which
+:mod:`.fastpath` runs without click for the plain forms); this module imports
+neither the daemon (imported by ``daemon`` when it runs) nor trio, pyfuse3,
+lmdb or boto3 (tests/test_client.py checks it)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from layerfs.node.protocol import LAYER_ROLES
 
 from . import client_commands
 from .common import Output, parse_size
+from .fastpath import PREFETCH_MODES
 
 
 def root_option(fn):
@@ -95,7 +98,7 @@ def group_id(group: str) -> int:
 @click.option("--layer", "layers", multiple=True, metavar="REF",
               help="Layers instead of an env, top first (repeatable).")
 @click.option("--id", "sid", required=True, help="Sandbox id.")
-@click.option("--prefetch", type=click.Choice(["auto", "none", "full", "trace"]),
+@click.option("--prefetch", type=click.Choice(PREFETCH_MODES),
               default="auto", show_default=True,
               help="auto: replay a layer's pushed access trace in the background, if it has "
                    "one; none: lazy only; full: fetch everything first; trace: replay this "
