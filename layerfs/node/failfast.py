@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 STORE_COOLDOWN = 2.0  # seconds every uncached read fails fast after the store did not answer
 OBJECT_BACKOFF = 1.0  # seconds one pack's reads fail fast after its first failure
-OBJECT_BACKOFF_MAX = 30.0
+OBJECT_BACKOFF_MAX = 8.0  # a pack that keeps failing is tried again at least this often
 
 
 @dataclass
