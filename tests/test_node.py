@@ -64,13 +64,18 @@ def upper_tar(path: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def node(tmp_path, store, store_location):
-    """Layers base@1 and up@1, env e@1 (up over base), and a daemon on them."""
+def publish_base_env(tmp_path: Path, store) -> None:
+    """Layers base@1 and up@1 and env e@1 (up over base) in ``store``."""
     need_root()
     build(store, str(make_base(tmp_path / "base")), name="base", chunk_size=CHUNK)
     build(store, str(upper_tar(tmp_path / "up.tar")), name="up", chunk_size=CHUNK)
     create_env(Registry(store), "e", "1", ["up@1", "base@1"])
+
+
+@pytest.fixture
+def node(tmp_path, store, store_location):
+    """Layers base@1 and up@1, env e@1 (up over base), and a daemon on them."""
+    publish_base_env(tmp_path, store)
     daemon = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="64M",
                         read_timeout=4.0).start()
     daemon.location = store_location
