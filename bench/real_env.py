@@ -121,6 +121,15 @@ def tree_bytes(path: Path) -> tuple[int, int]:
 
 # -- the three layers' sources ------------------------------------------------------------
 
+def finish_debootstrap(tmp: Path, base: Path) -> None:
+    """Drop the downloaded packages and lists from a debootstrap tree, then move it into place."""
+    for sub in ("var/cache/apt/archives", "var/lib/apt/lists"):
+        for p in (tmp / sub).glob("*"):
+            if p.is_file() and p.name != "lock":
+                p.unlink()
+    tmp.rename(base)
+
+
 def ensure_base(work: Path) -> dict:
     base, marker = work / "base", work / "base.json"
     info = load_marker(marker)
@@ -140,11 +149,7 @@ def ensure_base(work: Path) -> dict:
     with open(work / "debootstrap.log", "wb") as log:
         sh(["debootstrap", "--variant=minbase", "--include=python3,python3-venv", SUITE,
             str(tmp), mirror], stdout=log, stderr=subprocess.STDOUT)
-    for sub in ("var/cache/apt/archives", "var/lib/apt/lists"):
-        for p in (tmp / sub).glob("*"):
-            if p.is_file() and p.name != "lock":
-                p.unlink()
-    tmp.rename(base)
+    finish_debootstrap(tmp, base)
     files, size = tree_bytes(base)
     return save_marker(marker, {"mirror": mirror, "suite": SUITE, "files": files, "bytes": size,
                                 "seconds": round(time.perf_counter() - start, 1)})
@@ -341,11 +346,7 @@ def ensure_minbase(work: Path) -> dict:
     with open(work / "debootstrap-minbase.log", "wb") as log:
         sh(["debootstrap", "--variant=minbase", SUITE, str(tmp), mirror], stdout=log,
            stderr=subprocess.STDOUT)
-    for sub in ("var/cache/apt/archives", "var/lib/apt/lists"):
-        for p in (tmp / sub).glob("*"):
-            if p.is_file() and p.name != "lock":
-                p.unlink()
-    tmp.rename(base)
+    finish_debootstrap(tmp, base)
     files, size = tree_bytes(base)
     return save_marker(marker, {"mirror": mirror, "suite": SUITE, "files": files, "bytes": size})
 
