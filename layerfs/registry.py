@@ -19,6 +19,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import zstandard
 
@@ -41,6 +42,7 @@ LAYERS, ENVS = "layers", "envs"
 MAX_REF_BYTES = 1024  # a ref is one digest line; anything longer is not a ref
 HEADS_KEPT = 4096  # manifest heads (kind, name, version) remembered by digest
 MANIFESTS_KEPT = 256  # whole manifests remembered by digest (a ref check, then a fetch)
+V = TypeVar("V")
 KINDS_OF = {LAYERS: ("erofs", "lsmt"), ENVS: ("env",)}
 
 
@@ -72,14 +74,37 @@ class RefEntry:
         return f"{self.name}@{self.version}"
 
 
+class DigestCache(Generic[V]):
+    """The last ``size`` values computed from digest-checked (immutable) objects,
+    by digest; thread safe."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: OrderedDict[str, V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, digest: str) -> V | None:
+        with self._lock:
+            value = self._items.get(digest)
+            if value is not None:
+                self._items.move_to_end(digest)
+            return value
+
+    def put(self, digest: str, value: V) -> V:
+        with self._lock:
+            self._items[digest] = value
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return value
+
+
 class Registry:
     """Typed access to the refs and manifests of one store."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._heads: OrderedDict[str, ManifestHead] = OrderedDict()
-        self._manifests: OrderedDict[str, bytes] = OrderedDict()
-        self._lock = threading.Lock()
+        self._heads: DigestCache[ManifestHead] = DigestCache(HEADS_KEPT)
+        self._manifests: DigestCache[bytes] = DigestCache(MANIFESTS_KEPT)
 
     # -- refs --
     def read_ref(self, kind: str, name: str, version: str) -> str | None:
@@ -155,31 +180,17 @@ class Registry:
     def manifest_bytes(self, digest: str) -> bytes:
         """A manifest blob, checked against its digest. The last ones are kept:
         checking a ref and then reading its manifest is one store round trip."""
-        with self._lock:
-            data = self._manifests.get(digest)
-            if data is not None:
-                self._manifests.move_to_end(digest)
-                return data
-        data = self.store.get_blob(digest)
-        with self._lock:
-            self._manifests[digest] = data
-            while len(self._manifests) > MANIFESTS_KEPT:
-                self._manifests.popitem(last=False)
+        data = self._manifests.get(digest)
+        if data is None:
+            data = self._manifests.put(digest, self.store.get_blob(digest))
         return data
 
     def _head(self, digest: str) -> ManifestHead:
         """The kind and name@version of the manifest at ``digest``. Kept in memory:
         a digest-checked manifest never changes, so neither does what it says."""
-        with self._lock:
-            head = self._heads.get(digest)
-            if head is not None:
-                self._heads.move_to_end(digest)
-                return head
-        head = manifest_head(self.manifest_bytes(digest), digest)
-        with self._lock:
-            self._heads[digest] = head
-            while len(self._heads) > HEADS_KEPT:
-                self._heads.popitem(last=False)
+        head = self._heads.get(digest)
+        if head is None:
+            head = self._heads.put(digest, manifest_head(self.manifest_bytes(digest), digest))
         return head
 
     def layer(self, digest: str) -> LayerManifest:
