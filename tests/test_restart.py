@@ -360,3 +360,84 @@ def test_kill_9_answers_the_read_the_dead_daemon_had_taken(live, tmp_path):
             reader.kill()
     assert reader.returncode == 0, err
     assert out.strip() == want
+
+
+# a process that opens a file now and reads it on a line on stdin: prints
+# "read" or "error ERRNO"
+READ_LATER = textwrap.dedent("""
+    import os, sys
+    fd = os.open(sys.argv[1], os.O_RDONLY)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    try:
+        os.pread(fd, 4096, 0)
+        print("read")
+    except OSError as exc:
+        print("error", exc.errno)
+""")
+
+
+def open_for_later(path: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", READ_LATER, str(path)], cwd=path.parent,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def read_later(proc: subprocess.Popen) -> str:
+    """What the reader got; it must answer within 30 s (no read waits for ever)."""
+    try:
+        out, _ = proc.communicate("go\n", timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    return out.strip()
+
+
+def connection_waiting(root: Path) -> Path:
+    """The fusectl ``waiting`` file of ROOT/fuse's connection."""
+    return Path(f"/sys/fs/fuse/connections/{os.minor(os.stat(root / 'fuse').st_dev)}/waiting")
+
+
+def gone(pid: int) -> bool:
+    return state(pid) in ("", "Z")
+
+
+@pytest.mark.daemon_log(r"ERROR layerfs\.node\.sandboxes: unmount sandbox s1: .*busy")
+def test_stop_with_a_busy_sandbox_lets_the_connection_go(live):
+    """A stop for good (SIGTERM) ends the keeper too: a sandbox kept mounted
+    by a process in it is left on an aborted connection, whose reads fail."""
+    keeper, waiting = keeper_pid(live), connection_waiting(live.root)
+    f7 = sandbox(live, "s1") / "data" / "f7"  # never read: a read must ask the daemon
+    reader = open_for_later(f7)
+    assert live.stop() == 0
+    wait_for(lambda: gone(keeper), "the keeper to exit", 10)
+    assert read_later(reader).split()[0] == "error"
+    assert not waiting.exists() or waiting.read_text().strip() == "0"
+    live.expect_log(r"WARNING layerfs\.node\.daemon: unmounted stale ")
+    live.start()
+    assert sha(f7) == sha(live.src / "data" / "f7")
+
+
+def test_a_daemon_gone_for_good_is_given_up_after_the_grace(live):
+    """With no daemon to take the connection, the keeper lets it go after
+    --restart-grace: reads waiting on the node fail instead of waiting for ever."""
+    live.kill()
+    live.extra_args = ["--restart-grace", "1"]
+    live.start()  # took the connection over, with a grace of 1 s from now on
+    assert "took over the FUSE connection" in live.log()
+    keeper = keeper_pid(live)
+    f7 = sandbox(live, "s1") / "data" / "f7"
+    reader = open_for_later(f7)
+    live.kill()
+    live.expect_log(r"WARNING layerfs\.node\.keeper: no daemon took the FUSE connection "
+                    r"within 1 s: letting it go")
+    wait_for(lambda: gone(keeper), "the keeper to let go", 15)
+    assert read_later(reader).split()[0] == "error"
+    live.extra_args = []
+    live.start()  # today's recovery: every mount detached and made again
+    assert "unmounted stale" in live.log()
+    ps = {r["id"]: r for r in live.request("ps")["sandboxes"]}
+    assert ps["s1"]["state"] == ps["s2"]["state"] == "up"
+    assert sha(f7) == sha(live.src / "data" / "f7")

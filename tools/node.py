@@ -59,12 +59,16 @@ def json_option(fn):
 @click.option("--live-restart/--no-live-restart", default=True, show_default=True,
               help="Keep the FUSE connection in a keeper process, so that a restart (crash or "
                    "--takeover) keeps every sandbox mounted and every read answered.")
+@click.option("--restart-grace", default=60.0, show_default=True, metavar="SECONDS",
+              help="With live restart: how long the keeper holds the FUSE connection for a "
+                   "next daemon once this one is gone; then it lets go, and reads waiting on "
+                   "the node's sandboxes fail instead of waiting.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size: str,
            read_timeout: float, readahead: str, layer_readahead: str, miss_span: str,
            store_fetches: int, fuse_group: str | None, takeover: bool, live_restart: bool,
-           log_level: str) -> None:
+           restart_grace: float, log_level: str) -> None:
     """Run the node daemon in the foreground (logs to stderr)."""
     import logging
 
@@ -73,6 +77,8 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
     logging.getLogger().setLevel(log_level.upper())
     if store_fetches < 1:
         raise UsageError(f"--store-fetches {store_fetches}: at least 1")
+    if not 0 <= restart_grace <= 86400:
+        raise UsageError(f"--restart-grace {restart_grace:g}: between 0 and 86400 seconds")
     if os.geteuid() != 0:
         raise UsageError("the daemon needs root (FUSE, EROFS and overlayfs mounts)")
     cfg = DaemonConfig(root=root, store_url=store_url, s3_endpoint=s3_endpoint,
@@ -81,7 +87,8 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
                        layer_readahead=parse_size(layer_readahead),
                        miss_span=parse_size(miss_span), fetch_parallel=store_fetches,
                        fuse_group=group_id(fuse_group) if fuse_group else None,
-                       takeover=takeover, live_restart=live_restart)
+                       takeover=takeover, live_restart=live_restart,
+                       restart_grace=restart_grace)
     Daemon(cfg).run()
 
 

@@ -95,6 +95,7 @@ class DaemonConfig:
     fuse_group: int | None = None  # a gid that may open ROOT/fuse files besides root (a VMM's)
     takeover: bool = False  # replace the daemon serving ROOT, keeping its FUSE connection
     live_restart: bool = True  # keep the FUSE connection in a keeper (else libfuse mounts it)
+    restart_grace: float = 60.0  # seconds the keeper waits for a next daemon after this one
 
 
 def secure_root(root: Path, fuse_group: int | None, fuse_mounted: bool = False) -> None:
@@ -195,7 +196,7 @@ class Daemon:
         self.root = Path(cfg.root).resolve()
         retire_running(self.root, cfg.takeover)
         # the keeper's, if a daemon died or retired
-        self.conn = fuseconn.take_over(self.root) if cfg.live_restart else None
+        self.conn = fuseconn.take_over(self.root, cfg.restart_grace) if cfg.live_restart else None
         if self.conn is None:
             clean_stale_mounts(self.root)  # a crashed daemon's mounts (dead FUSE included)
         secure_root(self.root, cfg.fuse_group, fuse_mounted=self.conn is not None)
@@ -244,7 +245,7 @@ class Daemon:
             log.info("took over the FUSE connection; its pending requests are queued again")
             return
         try:
-            keeper = fuseconn.start_keeper(self.root, conn)
+            keeper = fuseconn.start_keeper(self.root, conn, self.cfg.restart_grace)
         except OSError as exc:
             log.warning("live restart unavailable: cannot start the FUSE keeper: %s", exc)
             return
@@ -280,6 +281,7 @@ class Daemon:
             pyfuse3.close(unmount=self.conn is None)
             if self.conn is not None and not self.handing_over:
                 self._unmount_fuse()
+                fuseconn.let_go(self.conn)
             (self.root / "control.sock").unlink(missing_ok=True)
             self.replica.close()
             self.store.close()

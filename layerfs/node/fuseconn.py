@@ -55,6 +55,7 @@ class FuseConnection:
     fd: int  # the connection's /dev/fuse file (the keeper holds the same open file)
     init: bytes  # the kernel's FUSE_INIT request, as it came at the mount
     taken_over: bool  # from the keeper: the mounts above it are up and in use
+    lease: socket.socket | None = None  # open while this daemon lives (see the keeper)
 
 
 def mount_fresh(mountpoint: Path, fsname: str = "layerfs") -> FuseConnection:
@@ -76,24 +77,40 @@ def mount_fresh(mountpoint: Path, fsname: str = "layerfs") -> FuseConnection:
     return FuseConnection(fd, init, taken_over=False)
 
 
-def take_over(root: Path) -> FuseConnection | None:
+def take_over(root: Path, grace: float) -> FuseConnection | None:
     """The connection the keeper of ``root`` holds, or None when no keeper
-    answers (none was started, or it is gone with the connection)."""
+    answers (none was started, or it is gone with the connection). The
+    socket stays open as this daemon's lease; ``grace``: how long the keeper
+    waits for a next daemon once this one is gone."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.settimeout(5)
     try:
         sock.connect(str(root / KEEPER_SOCKET))
+        sock.sendall(b"take %r" % grace)
         init, fds, _, _ = socket.recv_fds(sock, 4096, 1)
     except OSError:
-        return None
-    finally:
         sock.close()
+        return None
     if len(fds) != 1 or len(init) < IN_HEADER.size:
         for fd in fds:
             os.close(fd)
+        sock.close()
         return None
     os.set_inheritable(fds[0], False)
-    return FuseConnection(fds[0], init, taken_over=True)
+    return FuseConnection(fds[0], init, taken_over=True, lease=sock)
+
+
+def let_go(conn: FuseConnection) -> None:
+    """This daemon stops for good: the keeper exits now, so that the
+    connection ends with this process even where a busy mount outlives it."""
+    if conn.lease is None:
+        return
+    try:
+        conn.lease.send(b"end")
+    except OSError:
+        pass  # the keeper is gone already
+    conn.lease.close()
+    conn.lease = None
 
 
 def attach(ops: pyfuse3.Operations, conn: FuseConnection, options: set[str]) -> None:
@@ -137,14 +154,25 @@ def resend_pending(conn: FuseConnection) -> bool:
     return True
 
 
-def start_keeper(root: Path, conn: FuseConnection) -> subprocess.Popen[bytes]:
+def start_keeper(root: Path, conn: FuseConnection, grace: float) -> subprocess.Popen[bytes]:
     """Start the keeper of ``conn`` in a session of its own (a kill of the
-    daemon's process group leaves it), and wait until it listens."""
+    daemon's process group leaves it), with this daemon's lease, and wait
+    until it listens."""
     path = root / KEEPER_SOCKET
     path.unlink(missing_ok=True)
-    keeper = subprocess.Popen(
-        [sys.executable, "-m", "layerfs.node.keeper", str(path), str(conn.fd), conn.init.hex()],
-        pass_fds=[conn.fd], start_new_session=True, stdin=subprocess.DEVNULL)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        keeper = subprocess.Popen(
+            [sys.executable, "-m", "layerfs.node.keeper", str(path), str(conn.fd),
+             conn.init.hex(), str(theirs.fileno()), repr(grace)],
+            pass_fds=[conn.fd, theirs.fileno()], start_new_session=True,
+            stdin=subprocess.DEVNULL)
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    conn.lease = ours
     for _ in range(500):
         if keeper.poll() is not None:
             raise OSError(errno.ECHILD, f"the FUSE keeper exited with status {keeper.returncode}")

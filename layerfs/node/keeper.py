@@ -1,14 +1,23 @@
 """The FUSE connection keeper: holds the daemon's ``/dev/fuse`` file open while
 daemons come and go, and hands it to the next one.
 
-``python -m layerfs.node.keeper SOCKET FD INIT_HEX`` is started by the first
-daemon on a fresh mount, with the connection's file as ``FD`` (a dup of the
-daemon's: the same open file, so requests a dying daemon had read stay queued
-in the kernel instead of failing) and the kernel's FUSE_INIT request as
-``INIT_HEX``. It listens on ``SOCKET`` (mode 0600, root only, checked again
-with SO_PEERCRED) and sends every caller the INIT bytes with the file attached
-(SCM_RIGHTS). It exits when the connection ends (the FUSE mount was unmounted
-or aborted: ``poll`` reports an error on the file) or on SIGTERM.
+``python -m layerfs.node.keeper SOCKET FD INIT_HEX LEASE_FD GRACE`` is started
+by the first daemon on a fresh mount, with the connection's file as ``FD`` (a
+dup of the daemon's: the same open file, so requests a dying daemon had read
+stay queued in the kernel instead of failing), the kernel's FUSE_INIT request
+as ``INIT_HEX``, and its end of a socket pair as ``LEASE_FD``: the daemon's
+lease. It listens on ``SOCKET`` (mode 0600, root only, checked again with
+SO_PEERCRED). A caller that sends ``take GRACE`` gets the INIT bytes with the
+file attached (SCM_RIGHTS), and its connection is its lease from then on.
+
+A lease ends when its daemon's socket closes (the daemon exited or died). With
+no lease left, the keeper waits GRACE seconds (the latest daemon's) for a next
+daemon; if none takes the file by then, it exits and lets the connection go:
+with no file left open, the kernel aborts it, and whatever waits on the node's
+mounts gets an error instead of waiting for ever. A daemon that stops for good
+sends ``end`` on its lease: the keeper exits at once. It also exits when the
+connection ends (the FUSE mount was unmounted or aborted: ``poll`` reports an
+error on the file) or on SIGTERM.
 
 Tiny on purpose: the standard library only, no layerfs imports beyond this
 package's empty ``__init__``, no threads, nothing to upgrade but itself.
@@ -16,15 +25,19 @@ package's empty ``__init__``, no threads, nothing to upgrade but itself.
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import signal
 import socket
 import struct
 import sys
+import time
 
 ROOT_UID = 0
 CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+ERRORS = select.POLLERR | select.POLLHUP | select.POLLNVAL
+TAKE, END = b"take", b"end"
 
 
 def peer_uid(conn: socket.socket) -> int:
@@ -48,43 +61,114 @@ def listen(path: str) -> socket.socket:
     return server
 
 
-def hand_out(server: socket.socket, fuse_fd: int, init: bytes) -> None:
-    conn, _ = server.accept()
-    with conn:
-        conn.settimeout(5)
-        if peer_uid(conn) != ROOT_UID:
-            return
-        try:
-            socket.send_fds(conn, [init], [fuse_fd])
-        except OSError:
-            pass  # the caller went away; the next one asks again
-
-
-def serve(path: str, fuse_fd: int, init: bytes) -> None:
-    server = listen(path)
-    poller = select.poll()
-    poller.register(server.fileno(), select.POLLIN)
-    poller.register(fuse_fd, 0)  # errors only: never read the connection's requests
+def unlink_own(path: str, inode: int) -> None:
+    """Remove ``path`` if it is still this keeper's socket (not a successor's)."""
     try:
-        while True:
-            for fd, events in poller.poll():
-                if fd == fuse_fd and events & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
-                    return  # the connection is gone: nothing left to keep
-                if fd == server.fileno():
-                    hand_out(server, fuse_fd, init)
-    finally:
-        server.close()
-        try:
+        if os.stat(path).st_ino == inode:
             os.unlink(path)
+    except OSError:
+        pass
+
+
+def parse_take(message: bytes) -> float | None:
+    """The grace of a ``take GRACE`` request; None for anything else."""
+    word, _, grace = message.partition(b" ")
+    if word != TAKE:
+        return None
+    try:
+        value = float(grace)
+    except ValueError:
+        return None
+    return value if 0 <= value < float("inf") else None
+
+
+class Keeper:
+    """The file, its INIT request, and the daemons' leases."""
+
+    def __init__(self, server: socket.socket, fuse_fd: int, init: bytes,
+                 lease: socket.socket, grace: float) -> None:
+        self.server, self.fuse_fd, self.init, self.grace = server, fuse_fd, init, grace
+        self.leases: dict[int, socket.socket] = {}
+        self.poller = select.poll()
+        self.poller.register(server.fileno(), select.POLLIN)
+        self.poller.register(fuse_fd, 0)  # errors only: never read the connection's requests
+        self.alone_since = 0.0
+        self.add_lease(lease)
+
+    def add_lease(self, lease: socket.socket) -> None:
+        self.leases[lease.fileno()] = lease
+        self.poller.register(lease.fileno(), select.POLLIN)
+
+    def drop_lease(self, fd: int) -> None:
+        self.poller.unregister(fd)
+        self.leases.pop(fd).close()
+        if not self.leases:
+            self.alone_since = time.monotonic()
+
+    def hand_out(self) -> None:
+        conn, _ = self.server.accept()
+        conn.settimeout(5)
+        try:
+            grace = parse_take(conn.recv(64)) if peer_uid(conn) == ROOT_UID else None
+            if grace is not None:
+                socket.send_fds(conn, [self.init], [self.fuse_fd])
         except OSError:
-            pass
+            grace = None  # the caller went away; the next one asks again
+        if grace is None:
+            conn.close()
+            return
+        self.grace = grace
+        self.add_lease(conn)
+
+    def lease_says(self, fd: int) -> bool:
+        """Read a lease; False if its daemon asked the keeper to end."""
+        try:
+            message = self.leases[fd].recv(64)
+        except OSError:
+            message = b""
+        if message == END:
+            return False
+        if not message:
+            self.drop_lease(fd)  # its daemon is gone
+        return True
+
+    def timeout_ms(self) -> int | None:
+        if self.leases:
+            return None
+        return max(0, int((self.alone_since + self.grace - time.monotonic()) * 1000))
+
+    def serve(self) -> str:
+        """Run until there is nothing left to keep; the reason."""
+        while True:
+            events = self.poller.poll(self.timeout_ms())
+            if not events and not self.leases:
+                return f"no daemon took the FUSE connection within {self.grace:g} s"
+            for fd, flags in events:
+                if fd == self.fuse_fd:
+                    if flags & ERRORS:
+                        return ""  # the connection is gone: nothing left to keep
+                elif fd == self.server.fileno():
+                    self.hand_out()
+                elif fd in self.leases and not self.lease_says(fd):
+                    return ""
 
 
 def main(argv: list[str]) -> int:
-    path, fd, init_hex = argv
+    path, fd, init_hex, lease_fd, grace = argv
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is meant for the daemon
-    serve(path, int(fd), bytes.fromhex(init_hex))
+    lease = socket.socket(fileno=int(lease_fd))
+    server = listen(path)
+    inode = os.stat(path).st_ino
+    try:
+        reason = Keeper(server, int(fd), bytes.fromhex(init_hex), lease, float(grace)).serve()
+    finally:
+        unlink_own(path, inode)
+        server.close()
+    if reason:  # a record in the daemon's log format, on the stderr it shares with the daemon
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("layerfs.node.keeper").warning(
+            "%s: letting it go; reads waiting on its mounts fail", reason)
     return 0
 
 
