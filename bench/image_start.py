@@ -12,8 +12,12 @@ dir), packed as one gzip OCI layer and pushed with ``skopeo`` into a local
   ``ctr run --rm`` of the workload (runc through containerd-shim-runc-v2).
 * **layerfs**: the image imported once with ``layerfs import docker://...``
   into the store (SeaweedFS S3 on 127.0.0.1, or ``--store file``); a
-  ``layerfs daemon`` started on an empty ROOT; timed: ``layerfs up`` +
-  ``layerfs run`` (runc) of the workload.
+  ``layerfs daemon`` started on an empty ROOT; timed: ``layerfs up
+  --prefetch none`` (lazy only) + ``layerfs run`` (runc) of the workload.
+* **layerfs with a trace**: the same with ``up``'s default ``--prefetch
+  auto``, after one lazy run on a node of its own pushed its trace of the
+  image's layers to the store (``trace-push``): ``up`` replays it in the
+  background while the workload runs (the profiled image of a lazy loader).
 * **local dir** (reference): the workload in the unpacked tree
   (``unshare -m chroot``).
 
@@ -62,8 +66,12 @@ WORKLOAD = ("apt-get --version; dpkg -l; perl -e 1; ls -lR /usr/share/doc; bash 
 SUITE = "bookworm"
 REPO, TAG = "bench/minbase", SUITE
 ENV_REF = f"{REPO}@1"
-SIDES = ("containerd", "layerfs")
-TARGETS = {"cold start layerfs / containerd": 1 / 8, "disk writes layerfs / containerd": 0.1}
+SIDES = ("containerd", "layerfs", "layerfs_trace")
+PREFETCH = {"layerfs": "none", "layerfs_trace": "auto"}  # auto: the pushed trace, if any
+TARGETS = {"cold start layerfs / containerd": 1 / 8, "disk writes layerfs / containerd": 0.1,
+           "cold start layerfs with a trace / containerd": 1 / 8,
+           "disk writes layerfs with a trace / containerd": 0.1,
+           "cold start layerfs / local dir": 3, "cold start layerfs with a trace / local dir": 3}
 
 
 def sh(argv: list[str], **kw: Any) -> subprocess.CompletedProcess:
@@ -247,6 +255,28 @@ class Bench:
                 "root_du_bytes": used}
 
     def layerfs(self, rep: int) -> dict:
+        return self.layerfs_start(rep, "layerfs")
+
+    def layerfs_trace(self, rep: int) -> dict:
+        return self.layerfs_start(rep, "layerfs_trace")
+
+    def record_trace(self) -> None:
+        """One lazy run of the workload on a fresh node, then its trace of every
+        layer pushed to the store (what `layerfs_trace`'s `up` replays)."""
+        root = clear_dir(self.work / "roots" / "node", self.oddities)
+        node: DaemonProcess = self.daemons.start(root, "node", self.store_args())
+        try:
+            rec = node.request("up", id="record", env=ENV_REF, prefetch="none")["sandbox"]
+            timed_run([*LAYERFS, "run", "record", "--root", str(root), "--",
+                       "sh", "-c", WORKLOAD])
+            for ref in rec["layer_refs"]:
+                node.request("trace-push", ref=ref)
+            node.request("down", id="record")
+        finally:
+            self.daemons.finish(node, remove_root=True)
+        print(f"  pushed the trace of {len(rec['layer_refs'])} layer(s)", flush=True)
+
+    def layerfs_start(self, rep: int, side: str) -> dict:
         root = clear_dir(self.work / "roots" / "node", self.oddities)
         node: DaemonProcess = self.daemons.start(root, "node", self.store_args())
         sid = f"bench{rep}"
@@ -256,7 +286,8 @@ class Bench:
             du0 = du_bytes(root)
             drop_caches()
             w0 = write_bytes(pid)
-            up = timed_run([*LAYERFS, "up", ENV_REF, "--id", sid, "--root", str(root)])
+            up = timed_run([*LAYERFS, "up", ENV_REF, "--id", sid, "--root", str(root),
+                            "--prefetch", PREFETCH[side]])
             run = timed_run([*LAYERFS, "run", sid, "--root", str(root), "--",
                              "sh", "-c", WORKLOAD])
             os.sync()
@@ -279,6 +310,7 @@ class Bench:
     def run(self) -> dict:
         sides: dict[str, list[dict]] = {s: [] for s in SIDES}
         local: list[float] = []
+        self.record_trace()
         for rep in range(self.args.reps):
             order = SIDES if rep % 2 == 0 else SIDES[::-1]
             for side in order:
@@ -294,31 +326,42 @@ def median_of(samples: list[dict], key: str) -> float:
     return statistics.median(s[key] for s in samples)
 
 
+def per_rep(result: dict, side: str, key: str) -> list[float]:
+    """``side``'s ``key`` over containerd's, rep by rep."""
+    ctrd = result["samples"]["containerd"]
+    return [round(b[key] / max(1e-9, a[key]), 4)
+            for a, b in zip(ctrd, result["samples"][side], strict=True)]
+
+
 def summarize(result: dict) -> dict:
-    ctrd, lfs = result["samples"]["containerd"], result["samples"]["layerfs"]
     out = {side: {k: median_of(result["samples"][side], k) for k in result["samples"][side][0]}
            for side in SIDES}
-    out["local_dir_s"] = statistics.median(result["local_dir_s"])
-    start = [b["cold_start_s"] / a["cold_start_s"] for a, b in zip(ctrd, lfs, strict=True)]
-    disk = [b["disk_written_bytes"] / max(1, a["disk_written_bytes"])
-            for a, b in zip(ctrd, lfs, strict=True)]
-    out["ratios"] = {"cold start layerfs / containerd": round(statistics.median(start), 4),
-                     "disk writes layerfs / containerd": round(statistics.median(disk), 4),
-                     "per_rep_cold_start": [round(r, 4) for r in start],
-                     "per_rep_disk_writes": [round(r, 4) for r in disk]}
+    out["local_dir_s"] = local = statistics.median(result["local_dir_s"])
+    ratios: dict[str, Any] = {}
+    for side, label in (("layerfs", "layerfs"), ("layerfs_trace", "layerfs with a trace")):
+        start = per_rep(result, side, "cold_start_s")
+        disk = per_rep(result, side, "disk_written_bytes")
+        ratios[f"cold start {label} / containerd"] = statistics.median(start)
+        ratios[f"disk writes {label} / containerd"] = statistics.median(disk)
+        ratios[f"cold start {label} / local dir"] = round(out[side]["cold_start_s"] / local, 3)
+        ratios[f"per_rep_cold_start {label}"] = start
+        ratios[f"per_rep_disk_writes {label}"] = disk
+    out["ratios"] = ratios
     return out
 
 
 def print_table(summary: dict, image: dict) -> None:
-    c, lf = summary["containerd"], summary["layerfs"]
+    c, lf, tr = summary["containerd"], summary["layerfs"], summary["layerfs_trace"]
     print(f"\nimage: {image['tar_bytes'] / 1e6:.0f} MB, {image['gzip_bytes'] / 1e6:.0f} MB as "
           f"one gzip layer")
     print(f"{'system':40} {'cold start s':>12} {'fetched MB':>10} {'disk written MB':>15}")
     print(f"{'containerd, full pull + ctr run':40} {c['cold_start_s']:12.3f} "
           f"{image['gzip_bytes'] / 1e6:10.1f} {c['disk_written_bytes'] / 1e6:15.1f}")
-    print(f"{'layerfs up + layerfs run (runc)':40} {lf['cold_start_s']:12.3f} "
+    print(f"{'layerfs up (lazy) + layerfs run (runc)':40} {lf['cold_start_s']:12.3f} "
           f"{lf['bytes_fetched'] / 1e6:10.1f} {lf['disk_written_bytes'] / 1e6:15.1f}")
     print(f"{'  of which two client starts':40} {2 * lf['client_start_s']:12.3f}")
+    print(f"{'the same, with a pushed trace (auto)':40} {tr['cold_start_s']:12.3f} "
+          f"{tr['bytes_fetched'] / 1e6:10.1f} {tr['disk_written_bytes'] / 1e6:15.1f}")
     print(f"{'local dir (unshare + chroot)':40} {summary['local_dir_s']:12.3f}")
     for name, bound in TARGETS.items():
         ratio = summary["ratios"][name]

@@ -202,6 +202,8 @@ def main() -> None:
     ap.add_argument("--file-size", default="64M")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--work", default="bench/work/restart")
+    ap.add_argument("--steady-only", action="store_true",
+                    help="only the steady-state reads (no kill or takeover)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/restart.py needs root")
@@ -214,7 +216,8 @@ def main() -> None:
     steady: dict[str, list[tuple[float, float]]] = {"live": [], "nolive": []}
     try:
         for rep in range(args.reps):
-            for how in (("kill", "takeover") if rep % 2 == 0 else ("takeover", "kill")):
+            for how in (() if args.steady_only else
+                        ("kill", "takeover") if rep % 2 == 0 else ("takeover", "kill")):
                 switches[how].append(bench.switch(files, how))
                 print(f"  {how}: {json.dumps(switches[how][-1])}", flush=True)
             for live in ((True, False) if rep % 2 == 0 else (False, True)):
@@ -226,7 +229,8 @@ def main() -> None:
     result = report(args, switches, steady)
     result["logs"] = bench.daemons.scan_logs()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    out = RESULTS.with_name("restart-steady.json") if args.steady_only else RESULTS
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print_footer(result["logs"], bench.oddities, f"{time.monotonic() - started:.0f} s")
 
 
@@ -247,6 +251,8 @@ def report(args: argparse.Namespace, switches: dict, steady: dict) -> dict:
     out: dict = {"commit": git_head(), "files": args.files, "file_size": args.file_size,
                  "reps": args.reps, "switches": switches, "steady": {}}
     for how, rows in switches.items():
+        if not rows:
+            continue
         print(f"| {how} | {median_of(rows, 'serves_after_s'):.2f} s "
               f"| {median_of(rows, 'during', 'reads'):.0f} "
               f"| {median_of(rows, 'during', 'p50_ms'):.0f} ms "
@@ -255,15 +261,19 @@ def report(args: argparse.Namespace, switches: dict, steady: dict) -> dict:
               f"| {median_of(rows, 'before', 'p50_ms'):.1f} / "
               f"{median_of(rows, 'before', 'p99_ms'):.1f} ms "
               f"| {sum(r['failed_reads'] for r in rows)} |")
-    print("\n| steady state | live restart | --no-live-restart | ratio |")
-    print("|---|---|---|---|")
+    print("\n| steady state | live restart | --no-live-restart | ratio of medians "
+          "| median of per-rep ratios |")
+    print("|---|---|---|---|---|")
     for i, what in enumerate(("cold read", "warm read")):
         live = statistics.median(r[i] for r in steady["live"])
         base = statistics.median(r[i] for r in steady["nolive"])
+        pairs = statistics.median(a[i] / b[i] for a, b in zip(steady["live"], steady["nolive"],
+                                                              strict=True))
         out["steady"][what] = {"live_mb_s": [round(r[i], 1) for r in steady["live"]],
                                "no_live_mb_s": [round(r[i], 1) for r in steady["nolive"]],
-                               "ratio": round(live / base, 4)}
-        print(f"| {what} | {live:.0f} MB/s | {base:.0f} MB/s | {live / base:.3f} |")
+                               "ratio": round(live / base, 4), "per_rep_ratio": round(pairs, 4)}
+        print(f"| {what} | {live:.0f} MB/s | {base:.0f} MB/s | {live / base:.3f} "
+              f"| {pairs:.3f} |")
     return out
 
 

@@ -20,8 +20,10 @@ import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from . import records
 from .errors import IntegrityError, InvalidName, InvalidReference
 from .formats.chunktable import ChunkTable
+from .imageconfig import ImageConfig
 from .names import DIGEST_RE, Ref, check_name, check_version
 
 SCHEMA = 1
@@ -192,25 +194,6 @@ class EnvLayer:
 
 
 @dataclass
-class ImageConfig:
-    """What an OCI image's config says about running it (the ``config`` object
-    of the OCI image config, names in snake case). ``entrypoint`` and ``cmd``
-    are None where the image sets none, so a runtime can tell an empty list
-    from a missing one."""
-
-    env: list[str] = field(default_factory=list)  # KEY=value
-    entrypoint: list[str] | None = None
-    cmd: list[str] | None = None
-    working_dir: str = ""
-    user: str = ""
-    labels: dict[str, str] = field(default_factory=dict)
-    exposed_ports: list[str] = field(default_factory=list)  # "80/tcp"
-    stop_signal: str = ""
-    os: str = "linux"
-    architecture: str = ""
-
-
-@dataclass
 class EnvManifest:
     name: str
     version: str
@@ -221,11 +204,13 @@ class EnvManifest:
     schema: int = SCHEMA
 
     def to_bytes(self) -> bytes:
-        return canonical_json(asdict(self))
+        doc = asdict(dataclasses.replace(self, config=None))
+        doc["config"] = self.config.to_json() if self.config else None
+        return canonical_json(doc)
 
     def content_key(self) -> list[object]:
         """What decides that two envs are the same: their layers and image config."""
-        config = canonical_json(asdict(self.config)) if self.config else b""
+        config = canonical_json(self.config.to_json()) if self.config else b""
         return [*(layer.digest for layer in self.layers), config]
 
     @classmethod
@@ -288,20 +273,28 @@ def _typed(cls: type, doc: object, what: str, path: str) -> Any:
     """``doc`` (parsed JSON) as an instance of dataclass ``cls``, every field typed."""
     if not isinstance(doc, dict):
         raise IntegrityError(what, f"field {path or 'manifest'}: expected an object")
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(str(k) for k in doc if k not in known)
+    # (ClassVar: in the annotations of records.Record, which imports no typing at run time)
+    hints = typing.get_type_hints(cls, localns={"ClassVar": typing.ClassVar})
+    required = _required_fields(cls)
+    unknown = sorted(str(k) for k in doc if k not in required)
     if unknown:
         raise IntegrityError(what, f"unknown field {path}{unknown[0][:64]!r}")
     values = {}
-    for name, fld in known.items():
+    for name, needed in required.items():
         if name not in doc:
-            if (fld.default is dataclasses.MISSING
-                    and fld.default_factory is dataclasses.MISSING):
+            if needed:
                 raise IntegrityError(what, f"missing field {path}{name}")
             continue
         values[name] = _value(hints[name], doc[name], what, f"{path}{name}")
     return cls(**values)
+
+
+def _required_fields(cls: type) -> dict[str, bool]:
+    """Each field of dataclass or record ``cls``: whether it has no default."""
+    if issubclass(cls, records.Record):
+        return {f.name: f.required for f in records.fields(cls)}
+    return {f.name: f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            for f in dataclasses.fields(typing.cast(Any, cls))}
 
 
 def _value(hint: Any, value: object, what: str, path: str) -> Any:
@@ -323,7 +316,8 @@ def _value(hint: Any, value: object, what: str, path: str) -> Any:
         _, inner = typing.get_args(hint)
         return {_value(str, k, what, f"{path} key"): _value(inner, v, what, f"{path}[{k[:64]!r}]")
                 for k, v in value.items()}
-    if dataclasses.is_dataclass(hint):
+    if dataclasses.is_dataclass(hint) or (isinstance(hint, type)
+                                          and issubclass(hint, records.Record)):
         return _typed(typing.cast(type, hint), value, what, f"{path}.")
     if hint is int:
         if type(value) is not int or not 0 <= value <= MAX_INT:

@@ -87,6 +87,7 @@ def test_the_node_commands_import_nothing_heavy(node):
     steps = [("up", "--layer", "base@1", "--id", "light", "--root", root),
              ("ps", "--root", root), ("stats", "--json", "--root", root),
              ("run", "--runtime", "runc", "--root", root, "light", "--", "true"),
+             ("run", "light", "--root", root, "--", "true"),
              ("down", "light", "--root", root)]
     for args in steps:
         proc, names = imported_modules(*args)
@@ -215,12 +216,16 @@ FAST_ARGVS = [
     ["run", "s1"], ["run", "--root", "/r", "s1", "--", "true"],
     ["run", "--runtime", "crun", "--network", "host", "--user", "0:0", "--entrypoint", "",
      "s1", "--", "sh", "-c", "exit 3"],
+    ["run", "s1", "--root", "/r", "--", "sh", "-c", "true"],  # options after the ID
+    ["run", "s1", "--runtime=crun", "--user", "0", "--"], ["run", "s1", "--root", "/r"],
 ]
 CLICK_ONLY_ARGVS = [  # help, errors and the edges of click's parse
     ["ps", "--help"], ["ps", "-h"], ["ps", "--json=1"], ["ps", "--bogus"], ["ps", "--root"],
     ["up", "--id"], ["up", "e@1"], ["up", "--id", "s1", "--prefetch", "bogus"],
     ["up", "--id", "s1", "--id", "s2", "e@1"], ["down"], ["down", "a", "b"],
     ["run", "s1", "ls", "-l"], ["run", "--", "s1"], ["run", "--runtime", "docker", "s1"],
+    ["run", "s1", "ls", "--root", "/r"], ["run", "s1", "--bogus", "--", "true"],
+    ["run", "s1", "--root"],
     ["up", "--id", "-s1", "e@1"], ["--log-level", "debug", "ps"], ["commit", "s1"],
 ]
 

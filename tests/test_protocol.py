@@ -11,8 +11,8 @@ import pytest
 from nodes import NodeDaemon
 from support import build, need_root
 
+from layerfs import records
 from layerfs.errors import UsageError
-from layerfs.node import records
 from layerfs.node.control import RemoteError
 from layerfs.node.protocol import (
     REQUESTS,

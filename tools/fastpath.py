@@ -90,7 +90,7 @@ def parse(spec: Command, args: Sequence[str]) -> dict[str, Any] | None:
                 return None
             rest = list(args[i + 1:])
             break
-        if spec.command_after and positionals:
+        if spec.command_after and positionals and not arg.startswith("-"):
             return None  # run ID CMD without "--": click's interspersed parse
         if arg.startswith("-"):
             name, eq, value = arg.partition("=")

@@ -16,15 +16,17 @@ import contextlib
 import json
 import os
 import posixpath
-import secrets
 import signal
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from typing import Any
 
 from ..errors import LayerfsError
-from ..manifest import ImageConfig
+from ..imageconfig import ImageConfig
+from ..records import Record, field, fields
 from .imageuser import ImageUser, resolve_user
+
+TYPE_CHECKING = False  # typing is not imported at run time: a client starts faster
+if TYPE_CHECKING:
+    from typing import Any
 
 OCI_VERSION = "1.0.2"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -69,8 +71,7 @@ SECCOMP_ARCHES = {"x86_64": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32
                   "aarch64": ["SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"]}
 
 
-@dataclass(frozen=True)
-class ProcessSpec:
+class ProcessSpec(Record):
     """What runs in the container: argv, environment, working directory and user.
     An image's config (Env, Entrypoint + Cmd, WorkingDir, User) maps onto it."""
 
@@ -281,7 +282,7 @@ def write_bundle(directory: str, config: Mapping[str, Any], private: bool = True
     if private:
         os.chmod(directory, 0o700)
     path = os.path.join(directory, "config.json")
-    temporary = os.path.join(directory, f".config.json.{os.getpid()}.{secrets.token_hex(4)}")
+    temporary = os.path.join(directory, f".config.json.{os.getpid()}.{os.urandom(4).hex()}")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "w") as f:

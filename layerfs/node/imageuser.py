@@ -16,9 +16,9 @@ import ctypes
 import errno
 import os
 import stat
-from dataclasses import dataclass
 
 from ..errors import LayerfsError
+from ..records import Record
 
 MAX_DB_BYTES = 4 << 20  # /etc/passwd and /etc/group: real ones are far smaller
 MAX_ID = (1 << 32) - 2  # (uid_t) -1 means "no change" to the kernel
@@ -48,23 +48,20 @@ class OpenHow(ctypes.Structure):
                 ("resolve", ctypes.c_uint64)]
 
 
-@dataclass(frozen=True)
-class PasswdEntry:
+class PasswdEntry(Record):
     name: str
     uid: int
     gid: int
     home: str
 
 
-@dataclass(frozen=True)
-class GroupEntry:
+class GroupEntry(Record):
     name: str
     gid: int
     members: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class ImageUser:
+class ImageUser(Record):
     """The resolved user: ids for the runtime, and the HOME its passwd entry gives."""
 
     uid: int

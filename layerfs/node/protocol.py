@@ -1,5 +1,5 @@
 """The control protocol's messages, for both ends: one typed record
-(:mod:`.records`: declared like a dataclass, defined without its per-class
+(:mod:`layerfs.records`: declared like a dataclass, defined without its per-class
 code generation, so that a client starts fast) per request op and one per
 answer, with the one typed parse that turns JSON into them.
 
@@ -20,7 +20,7 @@ import sys
 import types
 
 from ..errors import UsageError
-from .records import Record, field
+from ..records import Record, field
 
 TYPE_CHECKING = False  # typing is not imported at run time: a client starts faster
 if TYPE_CHECKING:

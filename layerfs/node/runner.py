@@ -18,21 +18,22 @@ container in v1 cgroups, device cgroup included.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from types import FrameType
-from typing import Any
 
 from ..errors import UsageError
-from ..mounts import mount_table
+from ..records import Record
 from .bundle import write_bundle
+
+TYPE_CHECKING = False  # typing is not imported at run time: a client starts faster
+if TYPE_CHECKING:
+    from typing import Any
 
 RUNTIMES = ("runc", "crun")
 DEFAULT_RUNTIME = "runc"
@@ -41,8 +42,7 @@ UNIFIED_CGROUP = "/sys/fs/cgroup/unified"  # the cgroup2 hierarchy of a hybrid h
 WITHOUT_UNIFIED = f'umount {UNIFIED_CGROUP} && exec "$0" "$@"'
 
 
-@dataclass(frozen=True)
-class Container:
+class Container(Record):
     """One run: the runtime binary, its state root, the container id and bundle
     dir, and the signal that asks the container's process to stop."""
 
@@ -70,6 +70,8 @@ def runtime_command(runtime: str, state_root: str, *args: str) -> list[str]:
 def hybrid_cgroup2_controllers() -> bool:
     """Whether cgroup2 is mounted at /sys/fs/cgroup/unified beside v1 hierarchies
     and has controllers: crun refuses to create containers there."""
+    from ..mounts import mount_table
+
     mounted = any(m.point == UNIFIED_CGROUP and m.fstype == "cgroup2" for m in mount_table())
     if not mounted:
         return False
@@ -84,15 +86,25 @@ def find_runtime(name: str) -> str:
     """The path of runtime ``name`` (runc or crun) on PATH, or one clear error."""
     if name not in RUNTIMES:
         raise UsageError(f"unknown runtime {name!r} (expected one of {', '.join(RUNTIMES)})")
-    path = shutil.which(name)
+    path = on_path(name)
     if path is None:
         raise UsageError(f"the OCI runtime {name} is not on PATH (Debian package {name})")
     return path
 
 
+def on_path(name: str) -> str | None:
+    """The first executable file ``name`` in a directory of PATH (``shutil.which``,
+    whose module imports every compression library, is not imported here)."""
+    for directory in os.get_exec_path():
+        path = os.path.join(directory, name)
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
 def container_id(sandbox_id: str) -> str:
     """A container id unique to this run: the sandbox id and 12 random hex digits."""
-    return f"{sandbox_id}-{secrets.token_hex(6)}"
+    return f"{sandbox_id}-{os.urandom(6).hex()}"
 
 
 def prepare(root: str, runtime_name: str, sandbox_id: str,
@@ -161,4 +173,17 @@ def delete(container: Container) -> None:
     if os.path.lexists(state):
         subprocess.run(container.command("delete", "--force", container.container_id),
                        stdout=subprocess.DEVNULL, stderr=sys.stderr)
-    shutil.rmtree(container.bundle_dir, ignore_errors=True)
+    remove_bundle(container.bundle_dir)
+
+
+def remove_bundle(directory: str) -> None:
+    """Remove a bundle directory: the files :func:`write_bundle` put in it."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)

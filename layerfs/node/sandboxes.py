@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +189,7 @@ class Sandboxes:
         and the env's image config (what ``up --bundle`` and ``run`` start)."""
         if env:
             manifest = self.reg.env(self.reg.resolve(ENVS, env))
-            config = asdict(manifest.config) if manifest.config else None
+            config = manifest.config.to_json() if manifest.config else None
             return [layer.digest for layer in manifest.layers], config
         return [self.reg.resolve(LAYERS, ref) for ref in layer_refs], None
 

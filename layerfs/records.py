@@ -1,5 +1,6 @@
 """Typed records that cost nothing to define: the base of the control
-protocol's messages (:mod:`.protocol`).
+protocol's messages (:mod:`layerfs.node.protocol`) and an image's config
+(:mod:`layerfs.imageconfig`).
 
 A subclass of :class:`Record` declares its fields as annotations, with
 defaults and :func:`field` ``(default_factory=...)`` as a dataclass does, and
