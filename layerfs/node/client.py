@@ -52,10 +52,12 @@ class Client:
         return call(self.root, protocol.Ping(), PingAnswer, self.timeout)
 
     def up(self, sandbox_id: str, env: str | None = None, layers: Sequence[str] = (),
-           prefetch: str = "none", bundle_dir: str | None = None) -> SandboxRecord:
+           prefetch: str = "auto", bundle_dir: str | None = None) -> SandboxRecord:
         """Bring up a sandbox of env ``env`` (a ref) or of ``layers`` (refs, top
-        first); with ``bundle_dir``, also write an OCI runtime bundle for it
-        there (``runc run -b DIR ID``), or take it down again if that fails."""
+        first); ``prefetch`` as ``layerfs up --prefetch`` (auto: replay a
+        layer's pushed trace, if it has one); with ``bundle_dir``, also write an
+        OCI runtime bundle for it there (``runc run -b DIR ID``), or take it
+        down again if that fails."""
         if bool(env) == bool(layers):
             raise UsageError("give an env or layer refs (not both)")
         request = protocol.Up(id=sandbox_id, env=env, layers=list(layers), prefetch=prefetch)

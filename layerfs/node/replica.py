@@ -204,16 +204,17 @@ class Replica:
 
 
 def write_atomically(path: Path, data: bytes) -> int:
-    """``data`` into ``path`` through a temporary file, fsynced and renamed;
-    a read-only fd of the file written. The temporary file is removed if any
-    step fails (a full disk)."""
+    """``data`` into ``path`` through a temporary file, renamed; a read-only fd
+    of the file written. The temporary file is removed if any step fails (a
+    full disk). Not fsynced: a meta image is a copy, hashed against its
+    manifest before every later mount (:func:`open_matching`), so one torn by
+    a power cut is fetched again, not mounted."""
     tmp = path.with_name(f"{path.stem}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
     fd = -1
     try:
         with open(tmp, "xb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
             fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         os.rename(tmp, path)
         return fd
