@@ -178,3 +178,29 @@ def test_the_connection_ending_exits(keeper, tmp_path):
     os.close(run.conn_w)  # a pipe's read end reports POLLHUP: the stand-in for an abort
     run.conn_w = os.open(os.devnull, os.O_RDONLY)
     assert run.exited_within(5)
+
+
+def test_a_silent_caller_does_not_hold_up_a_take(keeper):
+    """Two root callers that connect and send nothing (a probe, a stopped
+    process): a daemon's take behind them still gets the file at once, well
+    within its own 5 s (else it would take the keeper for gone and detach
+    every mount)."""
+    run = keeper()
+    silent = []
+    for _ in range(2):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.connect(str(run.path))
+        silent.append(sock)
+    time.sleep(0.1)  # the keeper has accepted them
+    try:
+        started = time.monotonic()
+        sock, _, fds = run.take()
+        took = time.monotonic() - started
+    finally:
+        for s in silent:
+            s.close()
+    assert len(fds) == 1, "no file"
+    assert took < 4, f"the take waited {took:.1f} s behind silent callers"
+    os.close(fds[0])
+    sock.close()
+

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -441,3 +442,30 @@ def test_a_daemon_gone_for_good_is_given_up_after_the_grace(live):
     ps = {r["id"]: r for r in live.request("ps")["sandboxes"]}
     assert ps["s1"]["state"] == ps["s2"]["state"] == "up"
     assert sha(f7) == sha(live.src / "data" / "f7")
+
+
+@pytest.mark.parametrize("store_location", ["file"], indirect=True)
+def test_a_successor_that_fails_to_start_leaves_the_keeper(live):
+    """A daemon that takes over and then fails (its control socket cannot be
+    bound) leaves the connection to the keeper, as a crash would: the next
+    daemon takes it over with every sandbox as it was."""
+    keeper = keeper_pid(live)
+    live.kill()
+    blocker = live.root / "control.sock"
+    blocker.unlink(missing_ok=True)
+    (blocker / "x").mkdir(parents=True)  # a directory where the socket goes: bind fails
+    try:
+        proc = subprocess.run(node_argv(live), capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(blocker)
+    assert proc.returncode != 0
+    assert "took over the FUSE connection" in proc.stderr, proc.stderr[-3000:]
+    time.sleep(1)
+    assert not gone(keeper), "the failing successor ended the keeper"
+    ids = mount_ids(live.root)
+    live.start()
+    assert "took over the FUSE connection" in live.log().rsplit("layerfs daemon ready", 2)[-2]
+    assert mount_ids(live.root) == ids  # nothing detached or made again
+    f7 = sandbox(live, "s1") / "data" / "f7"
+    assert sha(f7) == sha(live.src / "data" / "f7")
+

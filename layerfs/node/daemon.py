@@ -11,10 +11,11 @@ check that ROOT can host file-backed EROFS mounts at all
 (:func:`probe_erofs_mounts`), keep the cache and the replica, bring back the
 sandboxes that were up (adopting their mounts, or mounting them again, or
 marking them lost), then accept requests. SIGTERM/SIGINT: stop accepting
-work, unmount overlays, then EROFS mounts, then FUSE, and exit 0. SIGUSR2
-(a successor's ``--takeover``): stop reading FUSE requests and exit 0 with
-every mount left in place; requests read and not answered are queued again
-by the successor.
+work, unmount overlays, then EROFS mounts, then FUSE, end the keeper, and
+exit 0. SIGUSR2 (a successor's ``--takeover``): stop reading FUSE requests
+and exit 0 with every mount left in place; requests read and not answered
+are queued again by the successor. A daemon that fails (an exception out of
+its loop) leaves its mounts and the keeper as a crash does, for the next one.
 """
 
 from __future__ import annotations
@@ -217,7 +218,9 @@ class Daemon:
             self.layers.kept = kept_mounts(self.root)
         self.handlers = self._handlers()
         self.accepting = False
-        self.handing_over = False
+        # a SIGTERM/SIGINT stop: FUSE unmounted and the keeper let go at the end; a
+        # handover, or a daemon that fails, leaves both to the next daemon (as a crash does)
+        self.stopping = False
 
     def run(self) -> None:
         if not self.cfg.live_restart:  # libfuse mounts and unmounts; no keeper
@@ -269,9 +272,9 @@ class Daemon:
                 signum = await wait_for_signal()
                 self.accepting = False
                 if signum == HANDOVER:
-                    self.handing_over = True
                     log.info("handing the FUSE connection over: exiting, nothing unmounted")
                 else:
+                    self.stopping = True
                     log.info("stopping: unmounting sandboxes and layers")
                     await self.sandboxes.down_all()
                     await self.layers.unmount_all()
@@ -279,7 +282,7 @@ class Daemon:
                 nursery.cancel_scope.cancel()
         finally:
             pyfuse3.close(unmount=self.conn is None)
-            if self.conn is not None and not self.handing_over:
+            if self.conn is not None and self.stopping:
                 self._unmount_fuse()
                 fuseconn.let_go(self.conn)
             (self.root / "control.sock").unlink(missing_ok=True)

@@ -9,6 +9,8 @@ as ``INIT_HEX``, and its end of a socket pair as ``LEASE_FD``: the daemon's
 lease. It listens on ``SOCKET`` (mode 0600, root only, checked again with
 SO_PEERCRED). A caller that sends ``take GRACE`` gets the INIT bytes with the
 file attached (SCM_RIGHTS), and its connection is its lease from then on.
+Callers are served as their requests come, none waits on another; one that
+sends nothing for 5 s is closed on.
 
 A lease ends when its daemon's socket closes (the daemon exited or died). With
 no lease left, the keeper waits GRACE seconds (the latest daemon's) for a next
@@ -38,6 +40,7 @@ ROOT_UID = 0
 CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 ERRORS = select.POLLERR | select.POLLHUP | select.POLLNVAL
 TAKE, END = b"take", b"end"
+CALLER_TIMEOUT = 5.0  # seconds a caller has to send its request before it is closed on
 
 
 def peer_uid(conn: socket.socket) -> int:
@@ -46,18 +49,22 @@ def peer_uid(conn: socket.socket) -> int:
 
 
 def listen(path: str) -> socket.socket:
-    """A unix socket at ``path`` only root can connect to (an old one replaced)."""
+    """A unix socket at ``path`` only root can connect to (an old one
+    replaced), listening before the name appears: bound to a temporary name,
+    then renamed."""
+    tmp = path + "~"  # one character more than the name itself: sun_path is short
     try:
-        os.unlink(path)
+        os.unlink(tmp)
     except FileNotFoundError:
         pass
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     old = os.umask(0o177)
     try:
-        server.bind(path)
+        server.bind(tmp)
     finally:
         os.umask(old)
     server.listen(8)
+    os.rename(tmp, path)
     return server
 
 
@@ -89,6 +96,8 @@ class Keeper:
                  lease: socket.socket, grace: float) -> None:
         self.server, self.fuse_fd, self.init, self.grace = server, fuse_fd, init, grace
         self.leases: dict[int, socket.socket] = {}
+        # callers accepted and not yet heard: (socket, when accepted); none blocks the others
+        self.callers: dict[int, tuple[socket.socket, float]] = {}
         self.poller = select.poll()
         self.poller.register(server.fileno(), select.POLLIN)
         self.poller.register(fuse_fd, 0)  # errors only: never read the connection's requests
@@ -105,11 +114,26 @@ class Keeper:
         if not self.leases:
             self.alone_since = time.monotonic()
 
-    def hand_out(self) -> None:
-        conn, _ = self.server.accept()
-        conn.settimeout(5)
+    def accept(self) -> None:
+        """A new caller: kept until its request comes (or CALLER_TIMEOUT passes)."""
         try:
-            grace = parse_take(conn.recv(64)) if peer_uid(conn) == ROOT_UID else None
+            conn, _ = self.server.accept()
+        except OSError:
+            return
+        if peer_uid(conn) != ROOT_UID:
+            conn.close()
+            return
+        conn.setblocking(False)
+        self.callers[conn.fileno()] = (conn, time.monotonic())
+        self.poller.register(conn.fileno(), select.POLLIN)
+
+    def hand_out(self, fd: int) -> None:
+        """A caller's request: ``take GRACE`` gets the file and makes its
+        connection a lease; anything else is closed on."""
+        conn, _ = self.callers.pop(fd)
+        self.poller.unregister(fd)
+        try:
+            grace = parse_take(conn.recv(64))
             if grace is not None:
                 socket.send_fds(conn, [self.init], [self.fuse_fd])
         except OSError:
@@ -119,6 +143,14 @@ class Keeper:
             return
         self.grace = grace
         self.add_lease(conn)
+
+    def drop_silent_callers(self) -> None:
+        now = time.monotonic()
+        for fd, (conn, since) in list(self.callers.items()):
+            if now - since >= CALLER_TIMEOUT:
+                del self.callers[fd]
+                self.poller.unregister(fd)
+                conn.close()
 
     def lease_says(self, fd: int) -> bool:
         """Read a lease; False if its daemon asked the keeper to end."""
@@ -133,24 +165,32 @@ class Keeper:
         return True
 
     def timeout_ms(self) -> int | None:
-        if self.leases:
+        """Until the next deadline: the grace's end, or a silent caller's."""
+        now = time.monotonic()
+        deadlines = [since + CALLER_TIMEOUT for _, since in self.callers.values()]
+        if not self.leases:
+            deadlines.append(self.alone_since + self.grace)
+        if not deadlines:
             return None
-        return max(0, int((self.alone_since + self.grace - time.monotonic()) * 1000))
+        return max(0, int((min(deadlines) - now) * 1000) + 1)
 
     def serve(self) -> str:
         """Run until there is nothing left to keep; the reason."""
         while True:
             events = self.poller.poll(self.timeout_ms())
-            if not events and not self.leases:
-                return f"no daemon took the FUSE connection within {self.grace:g} s"
             for fd, flags in events:
                 if fd == self.fuse_fd:
                     if flags & ERRORS:
                         return ""  # the connection is gone: nothing left to keep
                 elif fd == self.server.fileno():
-                    self.hand_out()
+                    self.accept()
+                elif fd in self.callers:
+                    self.hand_out(fd)
                 elif fd in self.leases and not self.lease_says(fd):
                     return ""
+            self.drop_silent_callers()
+            if not self.leases and time.monotonic() >= self.alone_since + self.grace:
+                return f"no daemon took the FUSE connection within {self.grace:g} s"
 
 
 def main(argv: list[str]) -> int:
