@@ -36,7 +36,7 @@ from __future__ import annotations
 import stat
 import struct
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import BadMetaImage
 from .crc32c import crc32c
@@ -65,6 +65,7 @@ COMPACT = struct.Struct("<HHHHIIIIHHI")
 EXTENDED = struct.Struct("<HHHHQIIIIQII16s")
 DIRENT = struct.Struct("<QHBB")
 CHUNK_INDEX = struct.Struct("<HHI")
+U16 = struct.Struct("<H")
 XATTR_HEAD = struct.Struct("<IB7s")
 XATTR_ENTRY = struct.Struct("<BBH")
 
@@ -78,6 +79,7 @@ MAX_SYMLINK = BLOCK - 1
 CHUNK_BLKBITS_MASK = 0x1F
 RESERVED_AREA = SB_OFFSET + 128 + 128  # superblock and the one device slot, block 0
 MODE_TYPES = {fmt: ftype for fmt, ftype in FILE_TYPES.items()}
+FTYPES = frozenset(MODE_TYPES.values())
 
 
 class _Bad(Exception):
@@ -104,24 +106,19 @@ class _Super:
     dev_blocks: int
 
 
-@dataclass
 class _Inode:
-    nid: int
-    pos: int  # byte offset of the inode
-    mode: int
-    layout: int
-    size: int
-    i_u: int
-    ino: int
-    nlink: int
-    isize: int
-    xattr_size: int
-    fmt: int = field(init=False)  # the file type bits of mode
-    body: int = field(init=False)  # byte offset just past the inode and its xattrs
+    """One inode as read (a plain class with slots: a check makes thousands)."""
 
-    def __post_init__(self) -> None:
-        self.fmt = self.mode & 0o170000
-        self.body = self.pos + self.isize + self.xattr_size
+    __slots__ = ("nid", "pos", "mode", "layout", "size", "i_u", "ino", "nlink", "isize",
+                 "xattr_size", "fmt", "body")
+
+    def __init__(self, nid: int, pos: int, mode: int, layout: int, size: int, i_u: int,
+                 ino: int, nlink: int, isize: int, xattr_size: int) -> None:
+        self.nid, self.pos, self.mode, self.layout, self.size = nid, pos, mode, layout, size
+        self.i_u, self.ino, self.nlink, self.isize = i_u, ino, nlink, isize
+        self.xattr_size = xattr_size
+        self.fmt = mode & 0o170000  # the file type bits of mode
+        self.body = pos + isize + xattr_size  # byte offset just past the inode and its xattrs
 
 
 def check_meta_image(image: bytes, blob_size: int, chunk_size: int, what: str) -> ImageShape:
@@ -137,7 +134,8 @@ class _Checker:
         self.img = img
         self.blob_blocks = -(-blob_size // BLOCK)
         self.chunk_size = chunk_size
-        self.regions: list[tuple[int, int, str]] = [(0, RESERVED_AREA, "superblock")]
+        # (start, end, what, its number): ``what.format(number)`` names it in an error
+        self.regions: list[tuple[int, int, str, int]] = [(0, RESERVED_AREA, "superblock", 0)]
         self.shared_seen: set[int] = set()
         self.inos: set[int] = set()
         self.chunk_indexes = 0
@@ -238,7 +236,7 @@ class _Checker:
         pos = nid * 32
         if pos < RESERVED_AREA or pos + COMPACT_SIZE > len(img):
             raise _Bad(f"nid {nid} outside the inode area")
-        i_format = struct.unpack_from("<H", img, pos)[0]
+        i_format = U16.unpack_from(img, pos)[0]
         if i_format & ~0xF:
             raise _Bad(f"nid {nid}: unknown i_format bits {i_format:#x}")
         layout = i_format >> 1
@@ -265,7 +263,7 @@ class _Checker:
         self.inos.add(ino)
         if nlink == 0:
             raise _Bad(f"nid {nid}: nlink 0")
-        if stat.S_IFMT(mode) not in MODE_TYPES:
+        if mode & 0o170000 not in MODE_TYPES:
             raise _Bad(f"nid {nid}: unknown file type in mode {mode:#o}")
         if xattr_size:
             self._xattrs(node)
@@ -296,7 +294,7 @@ class _Checker:
                 raise _Bad(f"special file nid {node.nid} with a size or a data layout")
             if fmt in (stat.S_IFIFO, stat.S_IFSOCK) and node.i_u:
                 raise _Bad(f"fifo or socket nid {node.nid} with i_u set")
-            self._region(node.pos, node.body, f"nid {node.nid}")
+            self._region(node.pos, node.body, "nid {}", node.nid)
 
     def _flat(self, node: _Inode) -> None:
         nblocks = -(-node.size // BLOCK)
@@ -306,14 +304,14 @@ class _Checker:
             tail = node.size - (nblocks - 1) * BLOCK
             if node.body % BLOCK + tail > BLOCK or node.body + tail > len(self.img):
                 raise _Bad(f"nid {node.nid}: inline tail crosses its block")
-            self._region(node.pos, node.body + tail, f"nid {node.nid}")
+            self._region(node.pos, node.body + tail, "nid {}", node.nid)
             nblocks -= 1
         else:
-            self._region(node.pos, node.body, f"nid {node.nid}")
+            self._region(node.pos, node.body, "nid {}", node.nid)
         if nblocks:
             if node.i_u == 0 or node.i_u + nblocks > self.sb.blocks:
                 raise _Bad(f"nid {node.nid}: data blocks outside the image")
-            self._region(node.i_u * BLOCK, (node.i_u + nblocks) * BLOCK, f"data of {node.nid}")
+            self._region(node.i_u * BLOCK, (node.i_u + nblocks) * BLOCK, "data of {}", node.nid)
         elif node.layout == LAYOUT_FLAT_PLAIN and node.i_u:
             raise _Bad(f"nid {node.nid}: empty file with a block address")
 
@@ -330,7 +328,7 @@ class _Checker:
         end = start + CHUNK_INDEX.size * count
         if end > len(self.img):
             raise _Bad(f"nid {node.nid}: chunk indexes past the image end")
-        self._region(node.pos, max(end, node.body), f"nid {node.nid}")
+        self._region(node.pos, max(end, node.body), "nid {}", node.nid)
         chunk_blocks = self.chunk_size // BLOCK
         for i, (advise, device, blkaddr) in enumerate(
                 CHUNK_INDEX.iter_unpack(self.img[start:end])):
@@ -373,6 +371,29 @@ class _Checker:
         return blocks
 
     def _dir_block(self, nid: int, block: memoryview) -> list[tuple[bytes, int, int]]:
+        """A directory block's (name, nid, file type) entries: checked in bulk,
+        and entry by entry (:meth:`_dir_block_entries`) only to name a problem."""
+        size = len(block)
+        if size >= DIRENT_SIZE:
+            first = DIRENT.unpack_from(block, 0)[1]
+            if first % DIRENT_SIZE == 0 and DIRENT_SIZE <= first < size:
+                heads = list(DIRENT.iter_unpack(block[:first]))
+                offs = [nameoff for _, nameoff, _, _ in heads]
+                raw = bytes(block)
+                last = raw[offs[-1]:].split(b"\0", 1)[0]
+                spans = [b - a for a, b in zip(offs, offs[1:], strict=False)]
+                inner = raw[offs[0]:offs[-1]]
+                if (offs[0] >= first and offs[-1] < size and all(0 < n <= MAX_NAME for n in spans)
+                        and 0 < len(last) <= MAX_NAME and b"/" not in inner
+                        and b"\0" not in inner and b"/" not in last
+                        and not any(reserved for _, _, _, reserved in heads)
+                        and all(ftype in FTYPES for _, _, ftype, _ in heads)):
+                    names = [raw[a:b] for a, b in zip(offs, offs[1:], strict=False)] + [last]
+                    return [(name, child, ftype) for name, (child, _, ftype, _)
+                            in zip(names, heads, strict=True)]
+        return self._dir_block_entries(nid, block)
+
+    def _dir_block_entries(self, nid: int, block: memoryview) -> list[tuple[bytes, int, int]]:
         if len(block) < DIRENT_SIZE:
             raise _Bad(f"directory nid {nid}: a block too short for a dirent")
         first = DIRENT.unpack_from(block, 0)[1]
@@ -419,7 +440,7 @@ class _Checker:
         if xid not in self.shared_seen:
             self.shared_seen.add(xid)
             end = self._xattr_entry(nid, pos, len(self.img))
-            self._region(pos, end, f"shared xattr {xid}")
+            self._region(pos, end, "shared xattr {}", xid)
 
     def _xattr_entry(self, nid: int, pos: int, limit: int) -> int:
         """Check the xattr entry at ``pos`` (ending by ``limit``); returns where it ends."""
@@ -437,12 +458,12 @@ class _Checker:
         return end
 
     # -- overlaps --
-    def _region(self, start: int, end: int, what: str) -> None:
-        self.regions.append((start, end, what))
+    def _region(self, start: int, end: int, what: str, number: int) -> None:
+        self.regions.append((start, end, what, number))
 
     def _no_overlaps(self) -> None:
         self.regions.sort()
-        for (_, end, what), (start, _, other) in zip(self.regions, self.regions[1:],
-                                                     strict=False):
+        for (_, end, what, n), (start, _, other, m) in zip(self.regions, self.regions[1:],
+                                                           strict=False):
             if start < end:
-                raise _Bad(f"{what} overlaps {other}")
+                raise _Bad(f"{what.format(n)} overlaps {other.format(m)}")
