@@ -30,7 +30,7 @@ node's daemon (containerd, or ``layerfs daemon``) over the timed part, and
 ``du`` of its root afterwards. The start of a bare layerfs client (``layerfs
 ps``) is timed too: ``up`` and ``run`` each pay it. Needs root.
 
-    python bench/image_start.py [--reps 3] [--store s3|file] [--quick]
+    python bench/image_start.py [--reps 3] [--store s3|file] [--quick] [--client LAYERFS]
 
 Prints a table and writes bench/results/image_start.json.
 """
@@ -235,6 +235,8 @@ class Bench:
         self.daemons = DaemonRuns(work, self.oddities, "20G", request_timeout=600,
                                   daemon_args=DaemonRuns.options(args))
         self.ctrd = Containerd(work / "ctrd")
+        # the timed `layerfs up`: this checkout's, or an installed one (--client)
+        self.client = [args.client] if args.client else list(LAYERFS)
 
     def store_args(self) -> list[str]:
         args = ["--store", self.store_env["LAYERFS_STORE"]]
@@ -304,14 +306,14 @@ class Bench:
             w0 = write_bytes(pid)
             bundle = self.work / "bundle"
             shutil.rmtree(bundle, ignore_errors=True)
-            up = timed_run([*LAYERFS, "up", ENV_REF, "--id", sid, "--root", str(root),
+            up = timed_run([*self.client, "up", ENV_REF, "--id", sid, "--root", str(root),
                             "--prefetch", PREFETCH[side], "--bundle", str(bundle)])
             run = timed_call(lambda: self.runc_workload(bundle, sid))
             os.sync()
             written = write_bytes(pid) - w0
             used = du_bytes(root) - du0
             cache = node.request("stats")["cache"]
-            client = timed_run([*LAYERFS, "ps", "--root", str(root)])  # a client's start alone
+            client = timed_run([*self.client, "ps", "--root", str(root)])  # a client alone
             node.request("down", id=sid)
         finally:
             self.daemons.finish(node, remove_root=True)
@@ -426,6 +428,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="cold reps of each side")
     ap.add_argument("--store", choices=("s3", "file"), default="s3")
     ap.add_argument("--quick", action="store_true", help="one rep of each side")
+    ap.add_argument("--client", metavar="LAYERFS",
+                    help="the `layerfs` whose `up` is timed, e.g. a wheel installed into a venv "
+                         "(`pip install .`; default: this checkout's, as `make deps` installs it)")
     DaemonRuns.add_arguments(ap)
     ap.add_argument("--work", default="/tmp/layerfs-bench/image-start")
     ap.add_argument("--out", default=str(HERE / "results" / "image_start.json"))
@@ -468,6 +473,7 @@ def main() -> None:
     summary = summarize(result)
     out = {"commit": git_head(),
            "params": {"reps": args.reps, "store": args.store, "quick": args.quick,
+                      "client": args.client or "this checkout (editable)",
                       "miss_span": args.miss_span, "workload": WORKLOAD},
            "machine": {"cpus": os.cpu_count(), "kernel": platform.release()},
            "image": {**base_info, **image_info, "ref": ref},
