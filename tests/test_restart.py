@@ -305,8 +305,9 @@ def test_keeper_killed_too_falls_back_to_remounting(live):
     points = mount_ids(live.root).keys()
     held = os.open(data, os.O_RDONLY)  # opened before, read after: on the dead connection
     try:
-        os.kill(keeper_pid(live), signal.SIGKILL)
-        live.kill()
+        keeper = keeper_pid(live)
+        live.kill()  # the daemon first: it would start another keeper
+        os.kill(keeper, signal.SIGKILL)
         live.start()
         with pytest.raises(OSError):
             os.pread(held, 4096, 0)
@@ -468,4 +469,40 @@ def test_a_successor_that_fails_to_start_leaves_the_keeper(live):
     assert mount_ids(live.root) == ids  # nothing detached or made again
     f7 = sandbox(live, "s1") / "data" / "f7"
     assert sha(f7) == sha(live.src / "data" / "f7")
+
+
+def test_a_keeper_that_dies_is_replaced(live):
+    """The daemon starts another keeper when its keeper dies, with the same
+    open file: a crash after that is survived as before."""
+    old = keeper_pid(live)
+    live.expect_log(r"WARNING layerfs\.node\.daemon: the FUSE keeper exited; starting another")
+    os.kill(old, signal.SIGKILL)
+    wait_for(lambda: keeper_pid(live) != old, "another keeper", 15)
+    ids = mount_ids(live.root)
+    kill_and_restart(live)
+    assert "took over the FUSE connection" in live.log().rsplit("layerfs daemon ready", 2)[-2]
+    assert mount_ids(live.root) == ids
+    f7 = sandbox(live, "s1") / "data" / "f7"
+    assert sha(f7) == sha(live.src / "data" / "f7")
+
+
+@pytest.mark.parametrize("store_location", ["file"], indirect=True)
+def test_a_keeper_that_dies_again_at_once_is_left_dead(live):
+    """A replacement keeper that dies within 10 s is not replaced again (the
+    connection itself may be gone): one error line, and a crash after that
+    falls back to remounting."""
+    first = keeper_pid(live)
+    live.expect_log(r"WARNING layerfs\.node\.daemon: the FUSE keeper exited; starting another",
+                    r"ERROR layerfs\.node\.daemon: the FUSE keeper exited again: live restart "
+                    r"is unavailable until this daemon restarts")
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: keeper_pid(live) != first, "another keeper", 15)
+    second = keeper_pid(live)
+    os.kill(second, signal.SIGKILL)
+    wait_for(lambda: "the FUSE keeper exited again" in live.log(), "the error line", 15)
+    assert keeper_pid(live) == second  # no third one
+    kill_and_restart(live)
+    assert "unmounted stale" in live.log()
+    ps = {r["id"]: r for r in live.request("ps")["sandboxes"]}
+    assert ps["s1"]["state"] == ps["s2"]["state"] == "up"
 

@@ -60,6 +60,7 @@ FUSE_OPTIONS = frozenset({*pyfuse3.default_options, "fsname=layerfs", "allow_oth
                           "default_permissions", "nosuid", "nodev"})
 HANDOVER = signal.SIGUSR2  # a successor takes the FUSE connection: exit, unmount nothing
 RETIRE_TIMEOUT = 60.0  # seconds a --takeover waits for the running daemon to exit
+KEEPER_RESTART_INTERVAL = 10.0  # a keeper dying again this soon after a restart is left dead
 
 
 class RootUnsuitable(LayerfsError):
@@ -254,6 +255,32 @@ class Daemon:
             return
         log.info("live restart: the FUSE connection is kept by pid %d", keeper.pid)
 
+    async def _replace_dead_keepers(self, conn: fuseconn.FuseConnection) -> None:
+        """A keeper that dies (its lease reads end of file: killed, say, by
+        the OOM killer) is replaced by a new one holding the same open file,
+        so that the next crash is survived too; one that dies again within
+        KEEPER_RESTART_INTERVAL is not (the connection itself may be gone)."""
+        replaced = -KEEPER_RESTART_INTERVAL
+        while conn.lease is not None:
+            await trio.lowlevel.wait_readable(conn.lease)
+            if self.stopping or conn.lease is None or conn.lease.recv(64) != b"":
+                return
+            conn.lease.close()
+            conn.lease = None
+            if trio.current_time() - replaced < KEEPER_RESTART_INTERVAL:
+                log.error("the FUSE keeper exited again: live restart is unavailable until "
+                          "this daemon restarts")
+                return
+            replaced = trio.current_time()
+            log.warning("the FUSE keeper exited; starting another")
+            try:
+                keeper = await trio.to_thread.run_sync(fuseconn.start_keeper, self.root, conn,
+                                                       self.cfg.restart_grace)
+            except OSError as exc:
+                log.error("live restart unavailable: cannot start the FUSE keeper: %s", exc)
+                return
+            log.info("live restart: the FUSE connection is kept by pid %d", keeper.pid)
+
     async def _main(self) -> None:
         try:
             async with trio.open_nursery() as nursery:
@@ -261,6 +288,7 @@ class Daemon:
                 nursery.start_soon(self._serve_fuse)
                 if self.conn is not None:
                     self._keep_connection(self.conn)
+                    nursery.start_soon(self._replace_dead_keepers, self.conn)
                 await self._set_readahead()
                 await self.sandboxes.restore()
                 await self.layers.drop_unadopted()
