@@ -166,7 +166,7 @@ def serve_one_answer(root: Path, answer: dict) -> threading.Thread:
     """A control socket at ``root`` that answers one request with ``answer``
     (as a daemon newer than this client would), in a thread."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(socket_path(root)))
+    listener.bind(socket_path(root))
     listener.listen(1)
 
     def serve() -> None:

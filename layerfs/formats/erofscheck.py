@@ -410,7 +410,7 @@ class _Checker:
                 name = name.split(b"\0", 1)[0]
             if not 0 < len(name) <= MAX_NAME or b"/" in name or b"\0" in name:
                 raise _Bad(f"directory nid {nid}: bad name {name[:64]!r}")
-            if ftype not in MODE_TYPES.values():
+            if ftype not in FTYPES:
                 raise _Bad(f"directory nid {nid}: dirent {name!r} of file type {ftype}")
             out.append((name, child, ftype))
         return out

@@ -17,7 +17,6 @@ from .protocol import Ping, Request
 
 TYPE_CHECKING = False  # (typing is not imported at run time)
 if TYPE_CHECKING:
-    from pathlib import Path
     from typing import Any, TypeVar
 
     from .protocol import Message
@@ -41,13 +40,8 @@ class RemoteError(LayerfsError):
         self.exit_code = code
 
 
-def socket_path(root: str | os.PathLike[str]) -> Path:
-    from pathlib import Path  # not on a client's path (call_raw)
-
-    return Path(root) / "control.sock"
-
-
-def socket_name(root: str | os.PathLike[str]) -> str:
+def socket_path(root: str | os.PathLike[str]) -> str:
+    """Where the daemon at ``root`` listens (a str: a client needs no pathlib)."""
     return os.path.join(root, "control.sock")
 
 
@@ -67,7 +61,7 @@ def call_raw(root: str | os.PathLike[str], request: dict[str, Any],
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
-        sock.connect(socket_name(root))
+        sock.connect(socket_path(root))
     except (FileNotFoundError, ConnectionRefusedError):
         sock.close()
         raise DaemonNotRunning(root, root) from None

@@ -36,7 +36,7 @@ def exit_code_of(exc: LayerfsError) -> int:
 
 class ControlServer:
     def __init__(self, root: Path, handler: Handler) -> None:
-        self.path = socket_path(root)
+        self.path = Path(socket_path(root))
         self.handler = handler
 
     async def serve(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

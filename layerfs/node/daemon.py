@@ -42,7 +42,7 @@ from ..store.counting import CountingStore
 from ..tree import FileTree
 from . import fuseconn, protocol
 from .blobfiles import BlobDirectory
-from .control import DEFAULT_ROOT, DaemonNotRunning, call
+from .control import DEFAULT_ROOT, DaemonNotRunning, call, socket_path
 from .controlserver import ControlServer
 from .diskmanager import DiskManager
 from .fetcher import ChunkFetcher
@@ -237,29 +237,38 @@ class Daemon:
         self.conn = conn
         trio.run(self._main)
 
-    def _keep_connection(self, conn: fuseconn.FuseConnection) -> None:
-        """Requests a dead predecessor had read are queued again; a fresh
-        connection gets a keeper, if this kernel can resend requests (else
-        the daemon says so and a restart detaches the sandboxes as before)."""
+    async def _keep_connection(self, conn: fuseconn.FuseConnection) -> bool:
+        """Requests a dead predecessor had read are queued again (before the
+        first await: before the FUSE loop reads anything), and a fresh
+        connection gets a keeper; False if live restart is unavailable (this
+        kernel cannot resend: a restart detaches the sandboxes as before)."""
         if not fuseconn.resend_pending(conn):
             log.warning("live restart unavailable: this kernel has no FUSE_NOTIFY_RESEND "
                         "(Linux 6.9); a daemon restart detaches and remounts the sandboxes")
-            return
+            return False
         if conn.taken_over:
             log.info("took over the FUSE connection; its pending requests are queued again")
-            return
+            return True
+        return await self._start_keeper(conn)
+
+    async def _start_keeper(self, conn: fuseconn.FuseConnection) -> bool:
+        """A keeper of ``conn`` holding this daemon's lease (started in a
+        thread: it waits until the keeper listens)."""
         try:
-            keeper = fuseconn.start_keeper(self.root, conn, self.cfg.restart_grace)
+            keeper = await trio.to_thread.run_sync(fuseconn.start_keeper, self.root, conn,
+                                                   self.cfg.restart_grace)
         except OSError as exc:
             log.warning("live restart unavailable: cannot start the FUSE keeper: %s", exc)
-            return
+            return False
         log.info("live restart: the FUSE connection is kept by pid %d", keeper.pid)
+        return True
 
     async def _replace_dead_keepers(self, conn: fuseconn.FuseConnection) -> None:
-        """A keeper that dies (its lease reads end of file: killed, say, by
-        the OOM killer) is replaced by a new one holding the same open file,
-        so that the next crash is survived too; one that dies again within
-        KEEPER_RESTART_INTERVAL is not (the connection itself may be gone)."""
+        """For the daemon's life: a keeper that dies (its lease reads end of
+        file: killed, say, by the OOM killer) is replaced by a new one holding
+        the same open file, so that the next crash is survived too; one that
+        dies again within KEEPER_RESTART_INTERVAL is not (the connection
+        itself may be gone)."""
         replaced = -KEEPER_RESTART_INTERVAL
         while conn.lease is not None:
             await trio.lowlevel.wait_readable(conn.lease)
@@ -273,21 +282,14 @@ class Daemon:
                 return
             replaced = trio.current_time()
             log.warning("the FUSE keeper exited; starting another")
-            try:
-                keeper = await trio.to_thread.run_sync(fuseconn.start_keeper, self.root, conn,
-                                                       self.cfg.restart_grace)
-            except OSError as exc:
-                log.error("live restart unavailable: cannot start the FUSE keeper: %s", exc)
-                return
-            log.info("live restart: the FUSE connection is kept by pid %d", keeper.pid)
+            await self._start_keeper(conn)
 
     async def _main(self) -> None:
         try:
             async with trio.open_nursery() as nursery:
                 self.fetcher.nursery = nursery
                 nursery.start_soon(self._serve_fuse)
-                if self.conn is not None:
-                    self._keep_connection(self.conn)
+                if self.conn is not None and await self._keep_connection(self.conn):
                     nursery.start_soon(self._replace_dead_keepers, self.conn)
                 await self._set_readahead()
                 await self.sandboxes.restore()
@@ -313,7 +315,7 @@ class Daemon:
             if self.conn is not None and self.stopping:
                 self._unmount_fuse()
                 fuseconn.let_go(self.conn)
-            (self.root / "control.sock").unlink(missing_ok=True)
+            Path(socket_path(self.root)).unlink(missing_ok=True)
             self.replica.close()
             self.store.close()
             log.info("layerfs daemon stopped")

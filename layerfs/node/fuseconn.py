@@ -172,13 +172,15 @@ def start_keeper(root: Path, conn: FuseConnection, grace: float) -> subprocess.P
         raise
     finally:
         theirs.close()
-    conn.lease = ours
     for _ in range(500):
         if keeper.poll() is not None:
+            ours.close()
             raise OSError(errno.ECHILD, f"the FUSE keeper exited with status {keeper.returncode}")
         if path.exists():
+            conn.lease = ours  # only a keeper that listens holds this daemon's lease
             return keeper
         time.sleep(0.01)
     keeper.kill()
+    ours.close()
     raise OSError(errno.ETIMEDOUT, "the FUSE keeper did not start listening")
 
