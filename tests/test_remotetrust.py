@@ -30,6 +30,7 @@ from layerfs.manifest import (
     MetaRef,
     manifest_head,
 )
+from layerfs.node.traces import trace_bytes, trace_key
 from layerfs.registry import ENVS, LAYERS, Registry, ref_key
 from layerfs.store.base import Store, sha256_digest
 
@@ -281,7 +282,11 @@ def _mounts() -> str:
 
 def test_daemon_up_refuses_bad_refs_and_bad_meta_images(node, store, two_layers):
     a, b = two_layers
-    republish_with_meta(store, a, chunk_past_blob(store, a), "bad@1")
+    bad = republish_with_meta(store, a, chunk_past_blob(store, a), "bad@1")
+    # a pushed trace: the replay starts once the (sound) chunk table is in, and the
+    # up that then fails on the meta image stops it
+    chunks = len(Registry(store).chunk_table(Registry(store).layer(bad)).entries)
+    store.put(trace_key(bad), trace_bytes(list(range(chunks))))
     create_env(Registry(store), "badenv", "1", ["bad@1"])
     point_ref(store, LAYERS, "c@1", b.encode() + b"\n")  # c@1 points at b's manifest
     point_ref(store, LAYERS, "g@1", b"\xff\xfe garbage")

@@ -49,6 +49,7 @@ from .fetcher import ChunkFetcher
 from .fusefs import NodeFS
 from .replica import Replica
 from .sandboxes import LayerMounts, Sandboxes
+from .tracereplay import pushed_trace
 from .traces import merge_traces, trace_bytes, trace_key
 
 log = logging.getLogger(__name__)
@@ -421,7 +422,7 @@ class Daemon:
         order = merge_traces(order, list(mounted.blob.trace) if mounted else [])
         if not order:
             raise UsageError(f"no access trace recorded for {ref} on this node")
-        pushed = await trio.to_thread.run_sync(self.sandboxes.pushed_trace, digest)
+        pushed = await trio.to_thread.run_sync(pushed_trace, self.store, digest)
         order = merge_traces(pushed or [], order)  # other nodes' runs stay in it
         await trio.to_thread.run_sync(self.store.put, trace_key(digest), trace_bytes(order))
         return protocol.TracePushAnswer(ref, digest, len(order))

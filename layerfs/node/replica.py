@@ -28,6 +28,7 @@ import logging
 import os
 import stat
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 DBS = (b"layers", b"chunktables", b"sandboxes", b"traces")
 TMP_MARK = ".tmp"  # meta/<hex>.tmp<pid>-<thread>: a meta image being written
 HASH_READ = 256 << 10
+TableCallback = Callable[[ChunkTable], None]  # called with a layer's verified chunk table
 
 
 @dataclass
@@ -111,20 +113,28 @@ class Replica:
             os.close(fd)
         return layer
 
-    def _fetch(self, reg: Registry, digest: str) -> tuple[ReplicaLayer, int | None]:
+    def _fetch(self, reg: Registry, digest: str,
+               on_table: TableCallback | None = None) -> tuple[ReplicaLayer, int | None]:
         """The layer, from the replica or else from the store; when its meta
         image was written just now, also an fd of the file written, which
-        holds the bytes verified in memory (no need to hash them again)."""
+        holds the bytes verified in memory (no need to hash them again).
+        ``on_table`` gets the verified chunk table as soon as it is in, before
+        the meta image is checked."""
         have = self.layer(digest)
         if have is not None:
+            if on_table is not None:
+                on_table(have.table)
             return have, None
         manifest = reg.layer(digest)
         with ThreadPoolExecutor(1) as pool:  # the two objects in one round trip
-            table_get = pool.submit(reg.store.get_blob, manifest.chunk_table.digest)
-            image = reg.meta_image(manifest)  # digest and structure (erofscheck) checked
-            table_bytes = table_get.result()
-        table = ChunkTable.from_bytes(table_bytes)
-        reg.check_table(manifest, table)
+            # digest and structure (erofscheck) checked
+            image_get = pool.submit(reg.meta_image, manifest)
+            table_bytes = reg.store.get_blob(manifest.chunk_table.digest)
+            table = ChunkTable.from_bytes(table_bytes)
+            reg.check_table(manifest, table)
+            if on_table is not None:
+                on_table(table)
+            image = image_get.result()
         meta = self.meta_dir / (digest.removeprefix("sha256:") + ".erofs")
         fd = write_atomically(meta, image)
         try:
@@ -136,13 +146,14 @@ class Replica:
             raise
         return ReplicaLayer(digest, manifest, table, meta), fd
 
-    def checked_meta(self, reg: Registry, digest: str) -> CheckedMeta:
+    def checked_meta(self, reg: Registry, digest: str,
+                     on_table: TableCallback | None = None) -> CheckedMeta:
         """The layer (fetched once) with its meta image open and checked: the
         file just written from the verified image, or the local file hashed
         now against the manifest's digest. A local image that does not match
         is fetched again (one warning line); IntegrityError if even that
-        copy does not match."""
-        layer, fd = self._fetch(reg, digest)
+        copy does not match. ``on_table``: as for :meth:`_fetch`."""
+        layer, fd = self._fetch(reg, digest, on_table)
         if fd is None:
             fd = open_matching(layer)
         if fd is None:

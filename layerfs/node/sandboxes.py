@@ -38,10 +38,10 @@ from .blobfiles import BlobDirectory, BlobFile
 from .fetcher import ChunkFetcher
 from .protocol import LAYER_ROLES, BadMessage, CommitAnswer, SandboxRecord, SandboxStatus
 from .replica import Replica
-from .traces import merge_traces, parse_trace, trace_key
+from .tracereplay import TraceReplay
+from .traces import merge_traces
 
 log = logging.getLogger(__name__)
-TRACE_WORKERS = 4  # fetches of one layer's trace replay at a time (one store round trip each)
 SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # auto: a layer's pushed trace if it has one; trace: its trace, local or pushed
 PREFETCH = ("none", "full", "trace", "auto")
@@ -103,19 +103,25 @@ class LayerMounts:
     def _lock(self, digest: str) -> trio.Lock:
         return self._locks.setdefault(digest, trio.Lock())
 
-    async def acquire(self, digest: str) -> MountedLayer:
+    async def acquire(self, digest: str, replay: TraceReplay | None = None) -> MountedLayer:
+        """The layer, mounted (once per node); ``replay`` learns its chunk table
+        as soon as it is known."""
         async with self._lock(digest):
             layer = self.mounted.get(digest)
             if layer is None:
-                layer = await self._mount(digest)
+                layer = await self._mount(digest, replay)
                 self.mounted[digest] = layer
+            elif replay is not None:
+                replay.table_known(digest, layer.blob.table)
             layer.users += 1
             return layer
 
-    async def _mount(self, digest: str) -> MountedLayer:
+    async def _mount(self, digest: str, replay: TraceReplay | None) -> MountedLayer:
         """Mount the layer from its meta image as checked just now: the open,
         hashed file itself (``/proc/self/fd/N``), never the name again."""
-        meta = await trio.to_thread.run_sync(self.replica.checked_meta, self.reg, digest)
+        reporter = replay.reporter(digest) if replay is not None else None
+        meta = await trio.to_thread.run_sync(self.replica.checked_meta, self.reg, digest,
+                                             reporter)
         try:
             rl = meta.layer
             blob = self.blobs.add(digest, rl.table, self.fetcher)
@@ -204,14 +210,24 @@ class Sandboxes:
         if sid in self.records or sid in self._busy:
             raise SandboxError(sid, "already exists")
         self._busy.add(sid)
+        replay: TraceReplay | None = None
         try:
             digests, config = await trio.to_thread.run_sync(self._resolve, env, layers or [])
             record = SandboxRecord(id=sid, env=env, layer_refs=layers or [], layers=digests,
                                    config=config, prefetch=prefetch, created=time.time(),
                                    state="starting", rootfs=str(self._dir(sid) / "rootfs"))
-            await self._start(record, fresh=True)
+            replay = self._replay(record)
+            try:
+                await self._start(record, fresh=True, replay=replay)
+            finally:
+                if replay is not None:
+                    replay.settle()
             self.records[sid] = record
             await self._save(record)
+        except BaseException:
+            if replay is not None:
+                replay.cancel()
+            raise
         finally:
             self._busy.discard(sid)
         try:
@@ -222,14 +238,26 @@ class Sandboxes:
             raise
         return record
 
+    def _replay(self, record: SandboxRecord) -> TraceReplay | None:
+        """The sandbox's trace replay, started now, alongside its layers'
+        fetches (``trace`` and ``auto`` only)."""
+        nursery = self.layers.fetcher.nursery
+        if record.prefetch not in ("trace", "auto") or nursery is None:
+            return None
+        replay = TraceReplay(self.reg.store, self.replica, self.layers.fetcher, record.layers,
+                             pushed_only=record.prefetch == "auto")
+        nursery.start_soon(replay.run)
+        return replay
+
     async def _save(self, record: SandboxRecord) -> None:
         await trio.to_thread.run_sync(self.replica.put_sandbox, record.id, record.to_json())
 
-    async def _start(self, record: SandboxRecord, fresh: bool) -> None:
+    async def _start(self, record: SandboxRecord, fresh: bool,
+                     replay: TraceReplay | None = None) -> None:
         sdir = self._dir(record.id)
         acquired: list[str] = []
         try:
-            mounted = await self._acquire_all(record.layers, acquired)
+            mounted = await self._acquire_all(record.layers, acquired, replay)
             await trio.to_thread.run_sync(make_dirs, sdir, fresh)
             lower = ":".join(str(m.path) for m in mounted)
             opts = (f"lowerdir={lower},upperdir={sdir / 'upper'},workdir={sdir / 'work'},"
@@ -245,7 +273,8 @@ class Sandboxes:
             raise
         record.state = "up"
 
-    async def _acquire_all(self, digests: list[str], acquired: list[str]) -> list[MountedLayer]:
+    async def _acquire_all(self, digests: list[str], acquired: list[str],
+                           replay: TraceReplay | None) -> list[MountedLayer]:
         """The layers, in order, each fetched and mounted in a task of its own
         (a never-seen layer's objects cost one round trip for the lot, not one
         per layer); each acquired one is added to ``acquired``. The first
@@ -255,7 +284,7 @@ class Sandboxes:
 
         async def one(k: int) -> None:
             try:
-                mounted[k] = await self.layers.acquire(digests[k])
+                mounted[k] = await self.layers.acquire(digests[k], replay)
             except Exception as exc:  # noqa: BLE001 - raised below, the first one
                 failed.append(exc)
                 return
@@ -269,56 +298,13 @@ class Sandboxes:
         return [m for m in mounted if m is not None]
 
     async def _prefetch(self, record: SandboxRecord) -> None:
-        fetcher = self.layers.fetcher
-        blobs = [self.layers.mounted[d].blob for d in record.layers]
+        """An eager up's fetch of every chunk (``trace`` and ``auto`` replay
+        from the start of the up: :meth:`_replay`)."""
         if record.prefetch == "full":
-            entries = [e for b in blobs for e in b.table.entries]
+            fetcher = self.layers.fetcher
+            entries = [e for d in record.layers for e in self.layers.mounted[d].blob.table.entries]
             # half the fetch slots, so that sandboxes already up still get theirs
             await fetcher.fetch_all(entries, workers=max(1, fetcher.parallel // 2))
-        elif record.prefetch in ("trace", "auto"):
-            auto = record.prefetch == "auto"
-            if fetcher.nursery is None:
-                await self._replay_traces(blobs, auto)
-            else:  # in the background: the sandbox is up without waiting for the GETs
-                fetcher.nursery.start_soon(self._replay_traces, blobs, auto)
-
-    async def _replay_traces(self, blobs: list[BlobFile], pushed_only: bool) -> None:
-        """Get the layers' traces (all at once: one store round trip) and replay
-        each in the background."""
-        orders: list[list[int]] = [[] for _ in blobs]
-
-        async def trace_of(k: int) -> None:
-            try:
-                orders[k] = await trio.to_thread.run_sync(self._trace_for, blobs[k].digest,
-                                                          pushed_only)
-            except Exception as exc:  # noqa: BLE001 - a replay is only a hint
-                log.error("access trace of %s not replayed: %s", blobs[k].digest, exc)
-
-        async with trio.open_nursery() as nursery:
-            for k in range(len(blobs)):
-                nursery.start_soon(trace_of, k)
-        for blob, order in zip(blobs, orders, strict=True):
-            self.layers.fetcher.spawn_prefetch(blob.entries_in_order(order),
-                                               workers=TRACE_WORKERS)
-
-    def _trace_for(self, digest: str, pushed_only: bool) -> list[int]:
-        """Worker thread: the layer's trace pushed to the store merged into this
-        node's own; with ``pushed_only``, nothing if none was pushed."""
-        pushed = self.pushed_trace(digest)
-        if pushed is None and pushed_only:
-            return []
-        return merge_traces(self.replica.trace(digest), pushed or [])
-
-    def pushed_trace(self, digest: str) -> list[int] | None:
-        """Worker thread: the trace in the store, if there is a valid one."""
-        try:
-            data = self.reg.store.get(trace_key(digest))
-        except LayerfsError:
-            return None
-        order = parse_trace(data)
-        if order is None:
-            log.warning("ignoring the malformed access trace %s in the store", trace_key(digest))
-        return order
 
     async def down(self, sid: str, keep_upper: bool = False) -> SandboxRecord:
         record = self.records.get(sid)
