@@ -2,7 +2,10 @@
 """How fast a node command's client starts: wall time of ``layerfs up``, ``ps``,
 ``stats``, ``run`` and ``down`` against a real daemon, each as a ratio against
 the floor of the same subprocess path (``python -c pass`` with the same
-interpreter, and ``/bin/true``).
+interpreter, and ``/bin/true``), and what the client's start costs: the
+command's wall time less that of the same call through the Python API
+(``layerfs.node.Client``) from this already running process (side ``api``,
+alternating with the commands), which is the daemon's work and runc's alone.
 
 Builds a busybox layer into a ``file://`` store under the work directory and
 starts one daemon on it. Each rep runs, in an order that alternates between
@@ -45,6 +48,7 @@ sys.path.insert(0, str(HERE))
 from daemons import clear_dir, git_head  # noqa: E402
 
 from layerfs.builder.layer import BuildOptions, build_layer  # noqa: E402
+from layerfs.node.client import Client  # noqa: E402
 from layerfs.node.process import DaemonProcess  # noqa: E402
 from layerfs.registry import Registry  # noqa: E402
 from layerfs.store.file import FileStore  # noqa: E402
@@ -113,13 +117,23 @@ def modules_imported(layerfs: str, root: str) -> int:
     return sum(line.startswith("import time:") for line in proc.stderr.splitlines()) - 1
 
 
+def api_ms(client: Client, command: str, sid: str) -> float:
+    """Wall time of ``command`` as one Python API call (no process started)."""
+    call = {"up": lambda: client.up(sid, layers=["base@1"]), "ps": client.ps,
+            "stats": client.stats, "run": lambda: client.run(sid, ["true"]),
+            "down": lambda: client.down(sid)}[command]
+    start = time.perf_counter()
+    call()
+    return (time.perf_counter() - start) * 1000
+
+
 def one_rep(rep: int, clients: dict[str, str], root: str, samples: dict) -> None:
-    """The baselines and each client's command sequence, in an order that
-    alternates with ``rep``."""
-    sides = list(clients.items())
+    """The baselines, each client's command sequence and the API's, in an
+    order that alternates with ``rep``."""
+    sides: list[tuple[str, str | None]] = [*clients.items(), ("api", None)]
     floors = [("python -c pass", [sys.executable, "-c", "pass"]), ("/bin/true", ["/bin/true"])]
     floors += [(f"python -c pass ({side})", [interpreter_of(layerfs), "-c", "pass"])
-               for side, layerfs in sides if interpreter_of(layerfs) != sys.executable]
+               for side, layerfs in clients.items() if interpreter_of(layerfs) != sys.executable]
     if rep % 2:
         sides.reverse()
         floors.reverse()
@@ -128,7 +142,10 @@ def one_rep(rep: int, clients: dict[str, str], root: str, samples: dict) -> None
     for side, layerfs in sides:
         sid = f"bench-{side}-{rep}"
         for command in COMMANDS:
-            ms = wall_ms(command_argv(layerfs, command, root, sid))
+            if layerfs is None:
+                ms = api_ms(Client(root, timeout=60), command, sid)
+            else:
+                ms = wall_ms(command_argv(layerfs, command, root, sid))
             samples.setdefault(f"{side} {command}", []).append(ms)
 
 
@@ -150,6 +167,17 @@ def report(samples: dict, clients: dict[str, str], imports: dict[str, int]) -> d
     for side, count in imports.items():
         print(f"modules imported by `layerfs ps` ({side}): {count}")
     return rows
+
+
+def client_starts(rows: dict, clients: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Per client and command: its median less the API call's (ms), the client's start."""
+    out = {side: {c: round(rows[f"{side} {c}"]["median_ms"] - rows[f"api {c}"]["median_ms"], 1)
+                  for c in COMMANDS} for side in clients}
+    print("\nclient start, ms (the command's median less the API call's; target <= 60)")
+    print(f"{'':10}" + "".join(f"{c:>8}" for c in COMMANDS))
+    for side, row in out.items():
+        print(f"{side:10}" + "".join(f"{row[c]:8.1f}" for c in COMMANDS))
+    return out
 
 
 def main() -> None:
@@ -188,9 +216,11 @@ def main() -> None:
     finally:
         left = daemon.cleanup()
     rows = report(samples, clients, imports)
+    starts = client_starts(rows, clients)
     print(f"load average (1 min) {load_before:.1f} before, {load_after:.1f} after; "
           f"mounts left: {left or 'none'}")
-    doc = {"commit": git_head(), "reps": args.reps, "rows": rows, "bytecode": args.bytecode,
+    doc = {"commit": git_head(), "reps": args.reps, "rows": rows, "client_start_ms": starts,
+           "bytecode": args.bytecode,
            "modules_imported_by_ps": imports, "clients": clients,
            "load_average_1min": [load_before, load_after], "cpus": os.cpu_count()}
     Path(args.out).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")

@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -216,6 +217,17 @@ def test_proc_is_masked_and_read_only(node):
 def test_no_new_user_namespace(node):
     proc = run(node, "unshare -U -r id && echo unshared")
     assert "unshared" not in proc.stdout, proc.stdout
+
+
+def test_the_runtime_starts_with_the_signals_python_ignores_at_their_defaults():
+    """Python ignores SIGPIPE and SIGXFSZ; what ``layerfs run`` spawns (the
+    runtime, and a command it hands them on to) must not inherit that."""
+    code = ("from layerfs.node import runner; "
+            "runner.wait(runner.spawn(['grep', 'SigIgn', '/proc/self/status']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    mask = int(out.split()[1], 16)
+    assert not mask & (1 << (signal.SIGPIPE - 1) | 1 << (signal.SIGXFSZ - 1)), out
 
 
 def test_signals_reach_the_command(node):

@@ -2,13 +2,15 @@
 JSON response line, over ``ROOT/control.sock``. The client is plain blocking
 sockets and json (no trio: a node command starts in a few tens of ms) and reads
 answers back into their records (:mod:`.protocol`); the daemon's end is
-:mod:`.controlserver`."""
+:mod:`.controlserver`. The socket is the interpreter's own ``_socket`` object:
+the ``socket`` module around it (its enums, ``selectors``) would add ~5 ms to
+every command's start and nothing this client uses."""
 
 from __future__ import annotations
 
+import _socket
 import json
 import os
-import socket
 import time
 from collections.abc import Callable
 
@@ -58,14 +60,13 @@ def call_raw(root: str | os.PathLike[str], request: dict[str, Any],
              timeout: float | None = None) -> dict[str, Any]:
     """Send one request, as JSON, to the daemon at ``root``; the answer as JSON,
     or its error raised as ours."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
-        sock.connect(socket_path(root))
-    except (FileNotFoundError, ConnectionRefusedError):
-        sock.close()
-        raise DaemonNotRunning(root, root) from None
-    with sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(socket_path(root))
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise DaemonNotRunning(root, root) from None
         sock.sendall(json.dumps(request).encode() + b"\n")
         buf = b""
         while not buf.endswith(b"\n"):
@@ -73,6 +74,8 @@ def call_raw(root: str | os.PathLike[str], request: dict[str, Any],
             if not chunk:
                 break
             buf += chunk
+    finally:
+        sock.close()
     if not buf:
         raise DaemonNotRunning(root, root)
     response = json.loads(buf)
