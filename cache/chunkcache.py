@@ -1,7 +1,11 @@
 """The node's chunk cache: content addressed, bounded, LRU, crash safe.
 
 One file per chunk, ``ROOT/cache/<sha[:2]>/<sha>``, laid out and checked as
-:mod:`~layerfs.cache.chunkfile` says: every read checks that the file holds
+:mod:`~layerfs.cache.chunkfile` says. With ``compressed`` (the daemon's
+``--cache-form stored``), a chunk the store holds zstd-compressed is kept as
+that frame (fewer bytes written and kept; each read of the file
+decompresses it), others decompressed; files of both forms are read whatever
+the setting. Every read checks that the file holds
 the chunk asked for (the sha256 in its header), a whole read checks the whole
 chunk's xxh3-64, a read of part of a chunk (``read_range``, a random small
 read) reads and checks only the 16 KiB blocks that hold it (the block digests
@@ -30,16 +34,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .chunkfile import (
-    BlockLayout,
     Chunk,
+    Layout,
     OldFormat,
     Unusable,
+    ZstdLayout,
     file_header,
     file_size,
     layout_of,
     part_data,
     read_layout,
     whole_file,
+    zstd_file_size,
+    zstd_header,
 )
 
 log = logging.getLogger(__name__)
@@ -67,14 +74,16 @@ class CacheStats:
 class ChunkCache:
     """Chunk bytes by sha256, bounded by ``limit`` bytes of files."""
 
-    def __init__(self, root: str | os.PathLike[str], limit: int) -> None:
+    def __init__(self, root: str | os.PathLike[str], limit: int,
+                 compressed: bool = False) -> None:
         self.root = Path(root)
         self.tmp = self.root / "tmp"
         self.limit = limit
+        self.compressed = compressed
         self.stats = CacheStats(limit=limit)
         self._lru: OrderedDict[str, int] = OrderedDict()  # sha hex → file size
         # sha hex → block layout of its file, for the most recently used files
-        self._layouts: OrderedDict[str, BlockLayout] = OrderedDict()
+        self._layouts: OrderedDict[str, Layout] = OrderedDict()
         self._lock = threading.Lock()
         self._reserved = 0  # bytes of files being written
         self.tmp.mkdir(parents=True, exist_ok=True)
@@ -110,10 +119,18 @@ class ChunkCache:
 
     def read_range(self, sha: str, lo: int, hi: int) -> Chunk | None:
         """Bytes ``[lo, hi)`` of the chunk, reading and checking only the
-        blocks that hold them; None on a miss (or a damaged file, dropped)."""
-        return self._counted(sha, lambda fd: part_data(fd, lo, hi, self._layout(sha, fd)))
+        blocks that hold them; None on a miss (or a damaged file, dropped).
+        A zstd-form file is read whole: then all of the chunk's bytes."""
+        return self._counted(sha, lambda fd: part_data(fd, lo, hi, self._layout(sha, fd),
+                                                       bytes.fromhex(sha)))
 
-    def _layout(self, sha: str, fd: int) -> BlockLayout:
+    def reads_whole(self, sha: str) -> bool:
+        """Whether a read of part of the chunk must read and decompress all of
+        its file (a zstd-form file whose layout is in memory); no I/O."""
+        with self._lock:
+            return isinstance(self._layouts.get(sha), ZstdLayout)
+
+    def _layout(self, sha: str, fd: int) -> Layout:
         """The block layout of the chunk's file: from memory (learnt from this
         chunk's bytes), else its header, which must name the chunk."""
         with self._lock:
@@ -125,7 +142,7 @@ class ChunkCache:
         self._remember(sha, layout)
         return layout
 
-    def _remember(self, sha: str, layout: BlockLayout) -> None:
+    def _remember(self, sha: str, layout: Layout) -> None:
         with self._lock:
             if sha not in self._lru:
                 return
@@ -186,11 +203,14 @@ class ChunkCache:
         elif first_old:
             log.info("cache files of an earlier format (%s) are dropped and fetched again", exc)
 
-    def write(self, sha: str, data: Chunk) -> None:
-        """Store verified chunk bytes. Room is made first (least recently used
-        chunks evicted, the new file's size reserved), so the files on disk,
-        temporary ones included, stay within the limit."""
-        size = file_size(len(data))
+    def write(self, sha: str, data: Chunk, stored: Chunk | None = None) -> None:
+        """Store verified chunk bytes (``stored``: the zstd frame they were
+        fetched as, if they were, kept instead if the cache is ``compressed``).
+        Room is made first (least recently used chunks evicted, the new file's
+        size reserved), so the files on disk, temporary ones included, stay
+        within the limit."""
+        frame = stored if self.compressed else None
+        size = file_size(len(data)) if frame is None else zstd_file_size(len(frame))
         with self._lock:
             if sha in self._lru:
                 return
@@ -200,10 +220,13 @@ class ChunkCache:
             path = self._path(sha)
             path.parent.mkdir(exist_ok=True)
             tmp = self.tmp / f"{sha}.{threading.get_ident()}"
-            header = file_header(bytes.fromhex(sha), data)
+            if frame is None:
+                header = file_header(bytes.fromhex(sha), data)
+            else:
+                header = zstd_header(bytes.fromhex(sha), len(data), frame)
             with open(tmp, "wb") as f:
                 f.write(header)
-                f.write(data)
+                f.write(data if frame is None else frame)
             os.rename(tmp, path)
         finally:
             with self._lock:
@@ -214,7 +237,8 @@ class ChunkCache:
                 self.stats.size += size
                 self.stats.entries += 1
             self.stats.bytes_written += size
-        self._remember(sha, layout_of(header, bytes.fromhex(sha)))
+        self._remember(sha, layout_of(header, bytes.fromhex(sha)) if frame is None
+                       else ZstdLayout(len(data)))
 
     def note_miss(self) -> None:
         """A lookup that found no entry in the index (and so read no file)."""

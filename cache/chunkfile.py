@@ -1,9 +1,18 @@
 """The layout of one cache file, and checking what is read from it.
 
-A cache file is a 64-byte header — magic ``LFSCACH3``, data length, block
-size, block count, xxh3-64 of the whole data, and the sha256 of the chunk it
-holds — then the xxh3-64 of each block of the data (16 KiB blocks), then the
-chunk's uncompressed bytes. Every read checks the chunk's identity: the
+A cache file holds one chunk in one of two forms:
+
+* plain: a 64-byte header — magic ``LFSCACH3``, data length, block size,
+  block count, xxh3-64 of the whole data, and the sha256 of the chunk it
+  holds — then the xxh3-64 of each block of the data (16 KiB blocks), then
+  the chunk's uncompressed bytes;
+* zstd: a 64-byte header — magic ``LFSCACZ1``, data length, stored length,
+  xxh3-64 of the stored bytes, the chunk's sha256 — then the zstd frame the
+  store holds the chunk as (verified against the chunk's sha256 when it was
+  fetched). Every read of it reads and checks the whole frame and
+  decompresses it (:class:`ZstdLayout`: no blocks to read alone).
+
+Every read checks the chunk's identity: the
 header's sha256 must be the one the caller asks for (a 32-byte compare, no
 re-hash), so a file of another chunk put in this one's place is never served;
 the xxh3 digests then check the data. A whole read checks the whole digest
@@ -26,11 +35,15 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 import xxhash
+import zstandard
 
 MAGIC = b"LFSCACH3"
+ZSTD_MAGIC = b"LFSCACZ1"
 OLD_MAGICS = (b"LFSCACH1", b"LFSCACH2")
 # magic, length, block size, block count, xxh3 of all, sha256 of the chunk
 HEADER = struct.Struct("<8sQIIQ32s")
+# magic, length, stored length, xxh3 of the stored bytes, sha256 of the chunk
+ZSTD_HEADER = struct.Struct("<8sQQQ32s")
 DIGEST = struct.Struct("<Q")
 BLOCK = 16 << 10
 FIRST_READ = 4096  # the header and (for chunks up to 7.8 MiB) every block digest
@@ -71,6 +84,34 @@ def file_size(length: int) -> int:
     return HEADER.size + blocks_of(length) * DIGEST.size + length
 
 
+def zstd_header(sha: bytes, length: int, stored: Chunk) -> bytes:
+    """The header that precedes ``stored``, the zstd frame of the ``length``-byte
+    chunk whose sha256 is ``sha``, in its cache file."""
+    return ZSTD_HEADER.pack(ZSTD_MAGIC, length, len(stored), xxh(stored), sha)
+
+
+def zstd_file_size(stored_length: int) -> int:
+    return ZSTD_HEADER.size + stored_length
+
+
+def _zstd_data(raw: bytes, sha: bytes) -> bytes:
+    """Chunk ``sha``'s bytes from a whole zstd-form cache file."""
+    if len(raw) < ZSTD_HEADER.size:
+        raise Damaged("bad header")
+    _, length, stored_length, digest, named = ZSTD_HEADER.unpack_from(raw)
+    check_identity(named, sha)
+    stored = memoryview(raw)[ZSTD_HEADER.size:]
+    if len(stored) != stored_length or xxh(stored) != digest:
+        raise Damaged("data does not match its digest")
+    try:
+        data = zstandard.ZstdDecompressor().decompress(stored, max_output_size=length)
+    except zstandard.ZstdError as exc:
+        raise Damaged(f"cannot decompress ({exc})") from None
+    if len(data) != length:
+        raise Damaged("decompressed to the wrong length")
+    return data
+
+
 def _header(head: Chunk, sha: bytes) -> tuple[int, int, int, int]:
     """(length, block size, block count, xxh3 of all) from a header that names
     chunk ``sha``; raises :class:`Unusable` otherwise."""
@@ -94,6 +135,8 @@ def check_identity(named: bytes, sha: bytes) -> None:
 
 def whole_data(raw: bytes, sha: bytes) -> Chunk:
     """Chunk ``sha``'s bytes from a whole cache file; raises :class:`Unusable`."""
+    if raw[:8] == ZSTD_MAGIC:
+        return _zstd_data(raw, sha)
     length, _, nblocks, digest = _header(raw, sha)
     data = memoryview(raw)[HEADER.size + nblocks * DIGEST.size :]
     if len(data) != length or xxh(data) != digest:
@@ -121,6 +164,16 @@ class BlockLayout:
         return int(DIGEST.unpack_from(self.digests, i * DIGEST.size)[0])
 
 
+@dataclass(frozen=True)
+class ZstdLayout:
+    """A zstd-form cache file: a part of its chunk is read by reading the whole."""
+
+    length: int
+
+
+Layout: TypeAlias = BlockLayout | ZstdLayout
+
+
 def layout_of(head: Chunk, sha: bytes) -> BlockLayout:
     """The layout a header of chunk ``sha`` describes; raises :class:`Unusable`
     if ``head`` is not one or does not hold all of it."""
@@ -132,9 +185,13 @@ def layout_of(head: Chunk, sha: bytes) -> BlockLayout:
     return BlockLayout(length, block, start, head[HEADER.size : start])
 
 
-def read_layout(fd: int, sha: bytes) -> BlockLayout:
+def read_layout(fd: int, sha: bytes) -> Layout:
     """The layout of chunk ``sha``'s open cache file ``fd``; raises :class:`Unusable`."""
     head = os.pread(fd, FIRST_READ, 0)
+    if head[:8] == ZSTD_MAGIC and len(head) >= ZSTD_HEADER.size:
+        _, length, _, _, named = ZSTD_HEADER.unpack_from(head)
+        check_identity(named, sha)
+        return ZstdLayout(length)
     if head[:8] == MAGIC and len(head) >= HEADER.size:
         nblocks = HEADER.unpack_from(head)[3]
         start = HEADER.size + nblocks * DIGEST.size
@@ -143,12 +200,16 @@ def read_layout(fd: int, sha: bytes) -> BlockLayout:
     return layout_of(head, sha)
 
 
-def part_data(fd: int, lo: int, hi: int, layout: BlockLayout) -> Chunk:
-    """Bytes ``[lo, hi)`` of the chunk in the open cache file ``fd``, whose
-    layout is ``layout`` (from :func:`read_layout` or memory); raises
-    :class:`Damaged` if the blocks that hold them are damaged or missing."""
+def part_data(fd: int, lo: int, hi: int, layout: Layout, sha: bytes) -> Chunk:
+    """Bytes ``[lo, hi)`` of chunk ``sha`` in the open cache file ``fd``, whose
+    layout is ``layout`` (from :func:`read_layout` or memory) — or, from a
+    zstd-form file, which is read whole, all of the chunk's bytes (the caller
+    tells by the length). Raises :class:`Damaged` if the blocks that hold them
+    are damaged or missing."""
     if not 0 <= lo <= hi <= layout.length:
         raise Damaged(f"range {lo}-{hi} outside the chunk")
+    if isinstance(layout, ZstdLayout):
+        return whole_file(fd, sha)
     block = layout.block
     first, last = lo // block, blocks_of(hi, block)
     want = min(last * block, layout.length) - first * block

@@ -12,6 +12,7 @@ import hashlib
 import os
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from itertools import chain
 
 import zstandard
@@ -22,6 +23,15 @@ from .store.base import Store, blob_key
 
 RUN_SPAN = 4 << 20  # at most this many stored bytes in one range read of a run
 RUN_GAP = 64 << 10  # a run reads over at most this many bytes between two chunks
+
+
+@dataclass(frozen=True)
+class FetchedChunk:
+    """A chunk as read from the store: its verified bytes, and the zstd frame
+    they were stored as (None for a chunk stored raw)."""
+
+    data: bytes
+    frame: bytes | None
 
 
 def decode_chunk(entry: ChunkEntry, stored: bytes | memoryview) -> bytes:
@@ -47,9 +57,19 @@ def _where(entry: ChunkEntry) -> str:
 
 
 def fetch_chunk(store: Store, entry: ChunkEntry) -> bytes:
+    return fetch_chunk_frame(store, entry).data
+
+
+def fetch_chunk_frame(store: Store, entry: ChunkEntry) -> FetchedChunk:
+    """One chunk, verified, with the frame it was stored as."""
     stored = store.get(blob_key(entry.pack), entry.pack_offset,
                        entry.pack_offset + entry.stored_length)
-    return decode_chunk(entry, stored)
+    return _fetched(entry, stored)
+
+
+def _fetched(entry: ChunkEntry, stored: bytes | memoryview) -> FetchedChunk:
+    data = decode_chunk(entry, stored)
+    return FetchedChunk(data, bytes(stored) if entry.compression == ZSTD else None)
 
 
 def pack_runs(entries: Iterable[ChunkEntry], span: int = RUN_SPAN,
@@ -76,14 +96,19 @@ def pack_runs(entries: Iterable[ChunkEntry], span: int = RUN_SPAN,
 def fetch_run(store: Store, run: list[ChunkEntry]) -> list[bytes | IntegrityError]:
     """One range read for a run (see :func:`pack_runs`); each chunk's bytes, or
     the IntegrityError that chunk alone failed with."""
+    return [r if isinstance(r, IntegrityError) else r.data for r in fetch_run_frames(store, run)]
+
+
+def fetch_run_frames(store: Store, run: list[ChunkEntry]) -> list[FetchedChunk | IntegrityError]:
+    """:func:`fetch_run`, each chunk with the frame it was stored as."""
     base = run[0].pack_offset
     stored = memoryview(store.get(blob_key(run[0].pack), base,
                                   run[-1].pack_offset + run[-1].stored_length))
-    out: list[bytes | IntegrityError] = []
+    out: list[FetchedChunk | IntegrityError] = []
     for entry in run:
         at = entry.pack_offset - base
         try:
-            out.append(decode_chunk(entry, stored[at:at + entry.stored_length]))
+            out.append(_fetched(entry, stored[at:at + entry.stored_length]))
         except IntegrityError as exc:
             out.append(exc)
     return out

@@ -9,9 +9,10 @@ import struct
 
 import pytest
 import xxhash
+import zstandard
 
 from layerfs.cache.chunkcache import ChunkCache
-from layerfs.cache.chunkfile import BLOCK, HEADER, Damaged, blocks_of
+from layerfs.cache.chunkfile import BLOCK, HEADER, ZSTD_HEADER, ZSTD_MAGIC, Damaged, blocks_of
 
 DATA = os.urandom(BLOCK * 6 + 1000)
 SHA = hashlib.sha256(DATA).hexdigest()
@@ -147,3 +148,58 @@ def test_files_of_earlier_formats_are_dropped(tmp_path):
         assert cache.snapshot()["outdated"] == 1 and cache.snapshot()["corrupt"] == 0
         cache.write(SHA, DATA)  # fetched again, in the current format
         assert cache.read(SHA) == DATA
+
+
+# -- the zstd form (--cache-form stored) --
+
+TEXT = b"".join(b"line %d of a compressible chunk\n" % i for i in range(20000))
+TEXT_SHA = hashlib.sha256(TEXT).hexdigest()
+FRAME = zstandard.ZstdCompressor().compress(TEXT)
+
+
+def zstd_cached(tmp_path) -> ChunkCache:
+    cache = ChunkCache(tmp_path / "cache", 64 << 20, compressed=True)
+    cache.write(TEXT_SHA, TEXT, FRAME)
+    return cache
+
+
+def test_a_compressed_cache_keeps_the_frame_and_reads_it_back_whole_or_in_part(tmp_path):
+    cache = zstd_cached(tmp_path)
+    path = cache._path(TEXT_SHA)
+    assert path.read_bytes()[:8] == ZSTD_MAGIC
+    assert path.stat().st_size == ZSTD_HEADER.size + len(FRAME) < len(TEXT) // 4
+    assert cache.snapshot()["bytes_written"] == path.stat().st_size
+    assert cache.read(TEXT_SHA) == TEXT
+    assert cache.reads_whole(TEXT_SHA)  # a part needs the whole file: all of it comes back
+    assert cache.read_range(TEXT_SHA, 10, 20) == TEXT
+    fresh = ChunkCache(tmp_path / "cache", 64 << 20)  # a restart, as a plain cache
+    assert not fresh.reads_whole(TEXT_SHA)  # not known until its header is read
+    assert fresh.read_range(TEXT_SHA, 10, 20) == TEXT and fresh.reads_whole(TEXT_SHA)
+    fresh.write(SHA, DATA, b"ignored: this cache keeps chunks plain")
+    assert fresh._path(SHA).read_bytes()[:8] == b"LFSCACH3" and fresh.read(SHA) == DATA
+
+
+def test_a_chunk_without_a_frame_is_kept_plain_in_a_compressed_cache(tmp_path):
+    cache = ChunkCache(tmp_path / "cache", 64 << 20, compressed=True)
+    cache.write(SHA, DATA)  # stored raw in the store: no frame
+    assert cache._path(SHA).read_bytes()[:8] == b"LFSCACH3"
+    assert cache.read_range(SHA, 5, 9) == DATA[5:9] and not cache.reads_whole(SHA)
+
+
+@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
+@pytest.mark.parametrize("damage", ["frame bit", "torn", "header length", "other chunk"])
+def test_a_damaged_compressed_file_is_never_served(tmp_path, damage):
+    cache = zstd_cached(tmp_path)
+    path = cache._path(TEXT_SHA)
+    raw = bytearray(path.read_bytes())
+    if damage == "frame bit":
+        raw[ZSTD_HEADER.size + len(FRAME) // 2] ^= 1
+    elif damage == "torn":
+        del raw[-7:]
+    elif damage == "header length":  # decompresses, but not to the length the header says
+        raw[8:16] = (len(TEXT) - 1).to_bytes(8, "little")
+    else:  # a file of another chunk put in this one's place
+        raw[32:64] = hashlib.sha256(b"another chunk").digest()
+    path.write_bytes(raw)
+    assert cache.read(TEXT_SHA) is None
+    assert not path.exists() and cache.snapshot()["corrupt"] == 1

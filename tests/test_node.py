@@ -235,6 +235,38 @@ def test_corrupt_cache_file_is_refetched(node):
     node.cli("down", "s2")
 
 
+@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
+def test_compressed_chunks_are_cached_as_their_frames_and_still_checked(node, tmp_path):
+    """By default a chunk the store holds compressed (busybox's) is cached as
+    its zstd frame, a raw one (the random data) plain; a damaged frame is
+    dropped and fetched again. ``--cache-form plain`` caches all plain."""
+    rootfs = up(node, "s1")
+    want = (rootfs / "bin" / "busybox").read_bytes()
+    (rootfs / "data" / "file0").read_bytes()
+    node.cli("down", "s1")
+    assert node.stop() == 0
+    files = {p: p.read_bytes() for p in (node.root / "cache").glob("??/*")}
+    frames = [p for p, raw in files.items() if raw[:8] == b"LFSCACZ1"]
+    assert frames and {raw[:8] for raw in files.values()} == {b"LFSCACZ1", b"LFSCACH3"}
+    raw = bytearray(files[frames[0]])
+    raw[len(raw) // 2] ^= 0xFF
+    frames[0].write_bytes(bytes(raw))
+    node.start()
+    rootfs = up(node, "s2")
+    assert (rootfs / "bin" / "busybox").read_bytes() == want
+    after = node.request("stats")["cache"]
+    assert after["corrupt"] == 1 and after["bytes_fetched"] > 0
+    node.cli("down", "s2")
+    plain = NodeDaemon(tmp_path / "plain", [*node.location.cli_args(), "--cache-form", "plain"],
+                       cache_size="64M").start()
+    try:
+        assert (up(plain, "p1") / "bin" / "busybox").read_bytes() == want
+        plain.cli("down", "p1")
+        assert {p.read_bytes()[:8] for p in (plain.root / "cache").glob("??/*")} == {b"LFSCACH3"}
+    finally:
+        assert plain.cleanup() == []
+
+
 def settle(node: NodeDaemon) -> dict:
     """Wait until background fetches stop changing the cache."""
     last = None

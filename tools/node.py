@@ -38,6 +38,11 @@ def json_option(fn):
 @click.option("--s3-endpoint", envvar="AWS_ENDPOINT_URL", metavar="URL")
 @click.option("--cache-size", default="20G", show_default=True,
               help="Bound of the chunk cache under ROOT/cache.")
+@click.option("--cache-form", type=click.Choice(["stored", "plain"]), default="stored",
+              show_default=True,
+              help="How the cache keeps a chunk the store holds compressed: as that zstd "
+                   "frame (fewer bytes written; each read from the cache decompresses it) "
+                   "or decompressed.")
 @click.option("--read-timeout", default=30.0, show_default=True,
               help="Seconds after which a read the store cannot serve fails with EIO.")
 @click.option("--readahead", default="4M", show_default=True,
@@ -66,9 +71,9 @@ def json_option(fn):
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size: str,
-           read_timeout: float, readahead: str, layer_readahead: str, miss_span: str,
-           store_fetches: int, fuse_group: str | None, takeover: bool, live_restart: bool,
-           restart_grace: float, log_level: str) -> None:
+           cache_form: str, read_timeout: float, readahead: str, layer_readahead: str,
+           miss_span: str, store_fetches: int, fuse_group: str | None, takeover: bool,
+           live_restart: bool, restart_grace: float, log_level: str) -> None:
     """Run the node daemon in the foreground (logs to stderr)."""
     import logging
 
@@ -82,7 +87,8 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
     if os.geteuid() != 0:
         raise UsageError("the daemon needs root (FUSE, EROFS and overlayfs mounts)")
     cfg = DaemonConfig(root=root, store_url=store_url, s3_endpoint=s3_endpoint,
-                       cache_size=parse_size(cache_size), read_timeout=read_timeout,
+                       cache_size=parse_size(cache_size), cache_form=cache_form,
+                       read_timeout=read_timeout,
                        readahead=parse_size(readahead),
                        layer_readahead=parse_size(layer_readahead),
                        miss_span=parse_size(miss_span), fetch_parallel=store_fetches,

@@ -148,19 +148,21 @@ class ChunkStates:
                 del self._flights[entry.sha256]
             flight.done.set()
 
-    async def write_behind(self, sha: bytes, data: Chunk, nursery: trio.Nursery | None) -> None:
-        """Write the cache file after the readers have their bytes (they stay
-        readable from memory meanwhile); with too many writes pending, or no
-        nursery to run them in, wait for this write."""
+    async def write_behind(self, sha: bytes, data: Chunk, frame: bytes | None,
+                           nursery: trio.Nursery | None) -> None:
+        """Write the cache file (of ``data``, or of ``frame``, the zstd frame it
+        was stored as: ``ChunkCache.write``) after the readers have their bytes
+        (they stay readable from memory meanwhile); with too many writes
+        pending, or no nursery to run them in, wait for this write."""
         if nursery is None or len(self._unwritten) >= MAX_UNWRITTEN:
-            await self._write(sha, data)
+            await self._write(sha, data, frame)
             return
         self._unwritten[sha] = data
-        nursery.start_soon(self._write, sha, data)
+        nursery.start_soon(self._write, sha, data, frame)
 
-    async def _write(self, sha: bytes, data: Chunk) -> None:
+    async def _write(self, sha: bytes, data: Chunk, frame: bytes | None) -> None:
         try:
-            await trio.to_thread.run_sync(self.cache.write, sha.hex(), data,
+            await trio.to_thread.run_sync(self.cache.write, sha.hex(), data, frame,
                                           limiter=self.io_limit)
         except OSError as exc:  # the bytes were served; only the cache copy is lost
             log.warning("cannot write cache file for chunk %s: %s", sha.hex()[:16], exc)

@@ -90,6 +90,7 @@ class DaemonConfig:
     store_url: str | None = None
     s3_endpoint: str | None = None
     cache_size: int = 20 << 30
+    cache_form: str = "stored"  # a compressed chunk cached as its zstd frame, or "plain"
     read_timeout: float = 30.0
     fetch_parallel: int = 16
     readahead: int = 4 << 20  # kernel readahead window of the blob and disk files
@@ -207,7 +208,8 @@ class Daemon:
         self.store = CountingStore(open_store(cfg.store_url, s3_endpoint=cfg.s3_endpoint))
         self.reg = Registry(self.store)
         self.replica = Replica(self.root)
-        self.cache = ChunkCache(self.root / "cache", cfg.cache_size)
+        self.cache = ChunkCache(self.root / "cache", cfg.cache_size,
+                                compressed=cfg.cache_form == "stored")
         self.fetcher = ChunkFetcher(self.store, self.cache, timeout=cfg.read_timeout,
                                     parallel=cfg.fetch_parallel, miss_span=cfg.miss_span)
         self.blobs = BlobDirectory()

@@ -27,7 +27,7 @@ import trio
 
 from ..cache.chunkcache import ChunkCache
 from ..cache.chunkfile import Chunk
-from ..chunks import fetch_chunk, fetch_run, pack_runs
+from ..chunks import FetchedChunk, fetch_chunk_frame, fetch_run_frames, pack_runs
 from ..errors import IntegrityError, LayerfsError, StoreError, StoreUnreachable
 from ..formats.chunktable import ChunkEntry
 from ..store.base import Store
@@ -98,16 +98,20 @@ class ChunkFetcher:
                         after: Sequence[ChunkEntry] = ()) -> Buffer:
         """Bytes ``[lo, hi)`` of one chunk. From memory or a flight if there;
         else, if the chunk is cached, only the cache file's blocks that hold
-        them (a small random read: the chunk is not kept in memory); else the
-        whole chunk, as :meth:`get`."""
+        them (a small random read: the chunk is not kept in memory); else, or
+        if its file must be read whole (zstd form), the whole chunk, as
+        :meth:`get` (which keeps it in memory for the reads that follow)."""
         sha = entry.sha256
-        if self.states.state(sha) is ChunkState.CACHED:
+        if self.states.state(sha) is ChunkState.CACHED and not self.cache.reads_whole(sha.hex()):
             with trio.move_on_after(self.timeout):
                 part = await trio.to_thread.run_sync(self.cache.read_range, sha.hex(), lo, hi,
                                                      limiter=self.io_limit,
                                                      abandon_on_cancel=True)
                 if part is not None and len(part) == hi - lo:
                     return part
+                if part is not None and len(part) == entry.length:  # a file read whole
+                    self.memory.put(sha, part)
+                    return memoryview(part)[lo:hi]
         return memoryview(await self.get(entry, after))[lo:hi]
 
     def absent(self, sha: bytes) -> bool:
@@ -166,10 +170,15 @@ class ChunkFetcher:
         gets its bytes or FetchError, all of them the error of a failed read."""
         try:
             if len(part) == 1 and for_reader:
-                data, fetched = await self._load(part[0])
+                data, got = await self._load(part[0])
                 results: list[Chunk | FetchError] = [data]
+                frames = [None if got is None else got.frame]
+                fetched = got is not None
             else:
-                results, fetched = await self._load_run(part, for_reader), True
+                loaded = await self._load_run(part, for_reader)
+                results = [r if isinstance(r, FetchError) else r.data for r in loaded]
+                frames = [None if isinstance(r, FetchError) else r.frame for r in loaded]
+                fetched = True
         except FetchError as exc:
             for flight in flights:
                 flight.error = exc
@@ -179,18 +188,18 @@ class ChunkFetcher:
                 flight.error = result
             else:
                 flight.data = result
-        for entry, result in zip(part, results, strict=True):
+        for entry, result, frame in zip(part, results, frames, strict=True):
             if not isinstance(result, FetchError):
                 if keep:
                     self.memory.put(entry.sha256, result)
                 if fetched:
-                    await self.states.write_behind(entry.sha256, result, self.nursery)
+                    await self.states.write_behind(entry.sha256, result, frame, self.nursery)
         return results
 
     # -- the store and the cache --------------------------------------------
 
     async def _load_run(self, run: list[ChunkEntry],
-                        for_reader: bool = True) -> list[Chunk | FetchError]:
+                        for_reader: bool = True) -> list[FetchedChunk | FetchError]:
         """Each chunk of a run from one range read of the store, or the FetchError
         of that chunk alone (a corrupt chunk); raises FetchError for a failed read."""
         where = f"{len(run)} chunks of pack {run[0].pack[7:23]} @ {run[0].pack_offset}"
@@ -252,25 +261,26 @@ class ChunkFetcher:
         error.__cause__ = exc  # the daemon's answer exits with the cause's code
         return error
 
-    def _fetch_run(self, run: list[ChunkEntry]) -> list[bytes | IntegrityError]:
+    def _fetch_run(self, run: list[ChunkEntry]) -> list[FetchedChunk | IntegrityError]:
         """Worker thread: one range read of the run, each chunk decoded and verified."""
-        results = fetch_run(self.store, run)
-        self.cache.note_fetched(sum(len(r) for r in results if isinstance(r, bytes)))
+        results = fetch_run_frames(self.store, run)
+        self.cache.note_fetched(sum(len(r.data) for r in results
+                                    if isinstance(r, FetchedChunk)))
         return results
 
-    async def _load(self, entry: ChunkEntry) -> tuple[Chunk, bool]:
-        """The chunk's bytes and whether they came from the store."""
+    async def _load(self, entry: ChunkEntry) -> tuple[Chunk, FetchedChunk | None]:
+        """The chunk's bytes, and what the store gave if they came from it."""
         sha = entry.sha256.hex()
         with trio.move_on_after(self.timeout) as scope:
             if self.cache.contains(sha):  # an index lookup: a miss costs no thread hop
                 data = await trio.to_thread.run_sync(self.cache.read, sha, limiter=self.io_limit,
                                                      abandon_on_cancel=True)
                 if data is not None and len(data) == entry.length:
-                    return data, False
+                    return data, None
             else:
                 self.cache.note_miss()
-            return await self._from_store(f"chunk {sha[:16]}", entry.pack, self._fetch,
-                                          entry), True
+            got = await self._from_store(f"chunk {sha[:16]}", entry.pack, self._fetch, entry)
+            return got.data, got
         assert scope.cancelled_caught
         self._store_failed(f"no answer within {self.timeout:.0f}s")
         log.error("chunk %s: no answer from the store within %.0fs", sha[:16], self.timeout)
@@ -282,11 +292,11 @@ class ChunkFetcher:
         and each retry would otherwise wait a whole timeout)."""
         self.fail_fast.store_failed(trio.current_time(), reason)
 
-    def _fetch(self, entry: ChunkEntry) -> bytes:
+    def _fetch(self, entry: ChunkEntry) -> FetchedChunk:
         """Worker thread: range-read the pack, decompress, verify."""
-        data = fetch_chunk(self.store, entry)
-        self.cache.note_fetched(len(data))
-        return data
+        got = fetch_chunk_frame(self.store, entry)
+        self.cache.note_fetched(len(got.data))
+        return got
 
     # -- the prefetch policies (layerfs/node/prefetch.py) --------------------
 
