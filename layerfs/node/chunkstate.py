@@ -79,6 +79,12 @@ class MemoryChunks:
     def __contains__(self, sha: bytes) -> bool:
         return sha in self._items
 
+    def offer(self, sha: bytes, data: Chunk) -> None:
+        """Keep a prefetched chunk only if that evicts nothing (a prefetch
+        must not push out what readers use)."""
+        if self.size + len(data) <= self.limit:
+            self.put(sha, data)
+
     def put(self, sha: bytes, data: Chunk) -> None:
         if sha in self._items or len(data) > self.limit:
             return

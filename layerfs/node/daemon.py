@@ -47,6 +47,7 @@ from .controlserver import ControlServer
 from .diskmanager import DiskManager
 from .fetcher import ChunkFetcher
 from .fusefs import NodeFS
+from .metacheck import MetaChecker
 from .replica import Replica
 from .sandboxes import LayerMounts, Sandboxes
 from .tracereplay import pushed_trace
@@ -208,6 +209,8 @@ class Daemon:
         self.store = CountingStore(open_store(cfg.store_url, s3_endpoint=cfg.s3_endpoint))
         self.reg = Registry(self.store)
         self.replica = Replica(self.root)
+        self.checker = MetaChecker()  # meta images are checked in processes of their own
+        self.replica.check_meta = self.checker.check
         self.cache = ChunkCache(self.root / "cache", cfg.cache_size,
                                 compressed=cfg.cache_form == "stored")
         self.fetcher = ChunkFetcher(self.store, self.cache, timeout=cfg.read_timeout,
@@ -295,6 +298,7 @@ class Daemon:
                 if self.conn is not None and await self._keep_connection(self.conn):
                     nursery.start_soon(self._replace_dead_keepers, self.conn)
                 await self._set_readahead()
+                await trio.to_thread.run_sync(self.checker.start)
                 await self.sandboxes.restore()
                 await self.layers.drop_unadopted()
                 await self.disks.restore()
@@ -319,6 +323,7 @@ class Daemon:
                 self._unmount_fuse()
                 fuseconn.let_go(self.conn)
             Path(socket_path(self.root)).unlink(missing_ok=True)
+            self.checker.close()
             self.replica.close()
             self.store.close()
             log.info("layerfs daemon stopped")

@@ -146,7 +146,8 @@ class ChunkFetcher:
         one range read (``split``: cut into runs of neighbours first, a lone
         one read as a reader's and kept in memory; the first failure ends it,
         its later runs abandoned). Fetched bytes go to the cache, and to
-        memory only if ``keep`` (a prefetch must not push out what readers use)."""
+        memory if ``keep``, else only while memory has room (a prefetch must
+        not push out what readers use)."""
         try:
             if not split:
                 return await self._lead_part(claim.lead, claim.flights, keep, for_reader)
@@ -192,6 +193,8 @@ class ChunkFetcher:
             if not isinstance(result, FetchError):
                 if keep:
                     self.memory.put(entry.sha256, result)
+                elif fetched:  # a prefetch's: kept while memory has room
+                    self.memory.offer(entry.sha256, result)
                 if fetched:
                     await self.states.write_behind(entry.sha256, result, frame, self.nursery)
         return results

@@ -37,8 +37,9 @@ import lmdb
 
 from ..errors import IntegrityError
 from ..formats.chunktable import ChunkTable
+from ..formats.erofscheck import check_meta_image
 from ..manifest import LayerManifest
-from ..registry import Registry
+from ..registry import MetaCheck, Registry
 
 log = logging.getLogger(__name__)
 DBS = (b"layers", b"chunktables", b"sandboxes", b"traces")
@@ -83,6 +84,7 @@ class Replica:
         self._remove_temporaries()
         self.env = lmdb.open(str(self.root / "replica.lmdb"), max_dbs=8, map_size=1 << 34,
                              subdir=True, lock=True)
+        self.check_meta: MetaCheck = check_meta_image  # the daemon's checker processes
         self.dbs = {name.decode(): self.env.open_db(name) for name in DBS}
 
     def close(self) -> None:
@@ -128,7 +130,7 @@ class Replica:
         manifest = reg.layer(digest)
         with ThreadPoolExecutor(1) as pool:  # the two objects in one round trip
             # digest and structure (erofscheck) checked
-            image_get = pool.submit(reg.meta_image, manifest)
+            image_get = pool.submit(reg.meta_image, manifest, self.check_meta)
             table_bytes = reg.store.get_blob(manifest.chunk_table.digest)
             table = ChunkTable.from_bytes(table_bytes)
             reg.check_table(manifest, table)

@@ -1,0 +1,103 @@
+"""The daemon's meta image checker processes: the same verdicts as the check
+in-process, run as nobody, and a worker that dies fails only the check it
+had (the next one gets a new worker)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+from test_erofscheck import layout_of, reseal, sample  # noqa: F401 - the fixture
+
+from layerfs.errors import BadMetaImage
+from layerfs.formats.erofscheck import check_meta_image
+from layerfs.node.metacheck import NOBODY, MetaChecker
+
+
+@pytest.fixture
+def checker():
+    c = MetaChecker(workers=1)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def chunk_past_blob(sample) -> bytes:  # noqa: F811
+    image = bytearray(sample.image)
+    at = layout_of(sample.image, sample.blob_size, sample.chunk_size).chunk_indexes[0]
+    image[at + 4 : at + 8] = (1 << 20).to_bytes(4, "little")
+    return reseal(image)
+
+
+def test_the_verdicts_are_the_in_process_checks(checker, sample):  # noqa: F811
+    checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+    bad = chunk_past_blob(sample)
+    with pytest.raises(BadMetaImage) as here:
+        check_meta_image(bad, sample.blob_size, sample.chunk_size, "s@1")
+    with pytest.raises(BadMetaImage) as there:
+        checker.check(bad, sample.blob_size, sample.chunk_size, "s@1")
+    assert str(there.value) == str(here.value) and "outside the blob" in str(here.value)
+    with pytest.raises(BadMetaImage, match="not a positive multiple"):
+        checker.check(b"\0" * 100, sample.blob_size, sample.chunk_size, "s@1")
+    checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")  # still serving
+
+
+def worker_pid(checker: MetaChecker) -> int:
+    assert len(checker._idle) == 1
+    return checker._idle[0].proc.pid
+
+
+def test_a_worker_runs_as_nobody_without_groups(checker, sample):  # noqa: F811
+    if os.geteuid() != 0:
+        pytest.skip("dropping to nobody needs root")
+    checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+    status = Path(f"/proc/{worker_pid(checker)}/status").read_text().splitlines()
+    fields = {line.split(":")[0]: line.split(":")[1].split() for line in status}
+    assert fields["Uid"] == [str(NOBODY)] * 4 and fields["Gid"] == [str(NOBODY)] * 4
+    assert fields["Groups"] == []
+
+
+def test_a_kept_worker_killed_in_a_check_is_replaced_and_the_check_asked_again(
+        checker, sample):  # noqa: F811
+    checker.start()
+    pid = worker_pid(checker)
+    os.kill(pid, signal.SIGSTOP)  # the check below waits on it
+    done: list[str] = []
+
+    def check() -> None:
+        checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+        done.append("ok")
+
+    thread = threading.Thread(target=check)
+    thread.start()
+    thread.join(0.5)
+    assert thread.is_alive()  # blocked on the stopped worker
+    os.kill(pid, signal.SIGKILL)
+    thread.join(30)
+    assert done == ["ok"] and worker_pid(checker) != pid
+
+
+def test_a_new_worker_that_ends_without_a_verdict_fails_the_check(checker, sample,  # noqa: F811
+                                                                  monkeypatch):
+    monkeypatch.setattr("layerfs.node.metacheck.sys.executable", "/bin/false")
+    with pytest.raises(BadMetaImage) as info:
+        checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+    assert str(info.value) == ("integrity check failed for the meta image of s@1: the checker "
+                               "process ended (exit 1)")
+    monkeypatch.undo()
+    checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")  # a real one
+
+
+def test_a_closed_checker_checks_nothing(sample):  # noqa: F811
+    checker = MetaChecker()
+    checker.start()
+    pid = worker_pid(checker)
+    checker.close()
+    assert not Path(f"/proc/{pid}").exists() or "zombie" not in Path(
+        f"/proc/{pid}/status").read_text()
+    with pytest.raises(BadMetaImage, match="stopping"):
+        checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
