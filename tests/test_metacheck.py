@@ -101,3 +101,21 @@ def test_a_closed_checker_checks_nothing(sample):  # noqa: F811
         f"/proc/{pid}/status").read_text()
     with pytest.raises(BadMetaImage, match="stopping"):
         checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+
+
+def test_a_worker_imports_nothing_from_the_daemons_working_directory(sample, tmp_path,  # noqa: F811
+                                                                     monkeypatch):
+    """A ``layerfs`` package planted where the daemon was started (a writable
+    /tmp, say) must not run in a worker while it is still root."""
+    planted = tmp_path / "layerfs"
+    planted.mkdir()
+    marker = tmp_path / "ran"
+    (planted / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    checker = MetaChecker()
+    try:
+        checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+    finally:
+        checker.close()
+    assert not marker.exists()

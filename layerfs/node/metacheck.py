@@ -5,8 +5,9 @@ interpreter while it runs (~75 ms for a Debian base image's 6,674 inodes on a
 small VM, seconds for 100,000 files). In the daemon it would stall every
 sandbox's reads behind the GIL while a never-seen layer comes up, and a flaw
 in it would be a flaw in a root process. So the daemon hands each image to a
-worker: a fresh interpreter (``python -m layerfs.node.metacheck``) that
-imports the checker, then gives up root (user and group nobody, no
+worker: a fresh interpreter (``python -I -m layerfs.node.metacheck``, in
+``/``, so that only the installed package is imported) that imports the
+checker, then gives up root (user and group nobody, no
 supplementary groups) before it reads anything, and checks one image at a
 time from its stdin:
 
@@ -45,10 +46,11 @@ class Worker:
 
     def __init__(self) -> None:
         self.kept = False  # taken from the idle ones (not started for this check)
+        # isolated (-I): no PYTHON* variables, no user site, and neither the working
+        # directory nor any other writable place ahead of the installed package
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "layerfs.node.metacheck"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, env={"PATH": os.defpath, "PYTHONDONTWRITEBYTECODE": "1",
-                                         "PYTHONPATH": os.pathsep.join(sys.path)})
+            [sys.executable, "-I", "-m", "layerfs.node.metacheck"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, cwd="/", env={"PATH": os.defpath})
 
     def check(self, image: bytes, blob_size: int, chunk_size: int) -> str:
         """The worker's answer line (``ok`` or ``bad ...``); OSError or EOFError
