@@ -119,3 +119,36 @@ def test_a_worker_imports_nothing_from_the_daemons_working_directory(sample, tmp
     finally:
         checker.close()
     assert not marker.exists()
+
+
+def test_a_worker_that_gives_no_verdict_fails_the_check_once_its_time_is_up(sample):  # noqa: F811
+    """A worker stuck on an image (one built to be slow, or a stopped
+    process) must not hold an ``up``, its thread and a check slot forever:
+    once the check's time is up the worker is killed and the check fails."""
+    checker = MetaChecker(workers=1)
+    checker.timeout = 1.0
+    checker.start()
+    pid = worker_pid(checker)
+    os.kill(pid, signal.SIGSTOP)
+    failed: list[str] = []
+
+    def check() -> None:
+        try:
+            checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+        except BadMetaImage as exc:
+            failed.append(str(exc))
+
+    thread = threading.Thread(target=check, daemon=True)
+    thread.start()
+    thread.join(30)  # not a speed bound: only so that a check that hangs fails here
+    try:
+        assert not thread.is_alive(), "the check still waits on the stopped worker"
+        assert failed == ["integrity check failed for the meta image of s@1: the checker "
+                          "gave no verdict within 1s"]
+        assert not Path(f"/proc/{pid}").exists() or "zombie" not in Path(
+            f"/proc/{pid}/status").read_text()
+    finally:
+        if thread.is_alive():  # the worker, stopped, is not reaped yet: still ours
+            os.kill(pid, signal.SIGKILL)
+        thread.join()
+        checker.close()
