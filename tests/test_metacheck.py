@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -152,3 +154,38 @@ def test_a_worker_that_gives_no_verdict_fails_the_check_once_its_time_is_up(samp
             os.kill(pid, signal.SIGKILL)
         thread.join()
         checker.close()
+
+
+DAEMON_LIKE = """
+import signal, sys
+from layerfs.node.metacheck import MetaChecker
+checker = MetaChecker(workers=1)
+checker.start()
+worker = checker._idle[0].proc
+try:
+    print(worker.pid, flush=True)
+    signal.pause()
+except KeyboardInterrupt:  # the ^C, as the daemon's own stop
+    pass
+checker.close()
+print(worker.returncode, flush=True)
+"""
+
+
+def test_a_terminals_interrupt_for_the_daemon_does_not_reach_its_checkers():
+    """A ^C at the terminal of a daemon in the foreground goes to its whole
+    process group: it is the daemon's request to stop, and must not kill its
+    checker workers (a traceback each in the daemon's log, a check under way
+    failed); they end when the daemon closes their stdin."""
+    proc = subprocess.Popen([sys.executable, "-c", DAEMON_LIKE], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()  # the worker is up
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert out.split() == ["0"] and "KeyboardInterrupt" not in err, (out, err)

@@ -52,10 +52,11 @@ class Worker:
         self.kept = False  # taken from the idle ones (not started for this check)
         self.timed_out = False  # killed for giving no verdict in time
         # isolated (-I): no PYTHON* variables, no user site, and neither the working
-        # directory nor any other writable place ahead of the installed package
+        # directory nor any other writable place ahead of the installed package; in a
+        # session of its own, as the keeper: a terminal's ^C is meant for the daemon
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-m", "layerfs.node.metacheck"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, cwd="/", env={"PATH": os.defpath})
+            stdout=subprocess.PIPE, cwd="/", env={"PATH": os.defpath}, start_new_session=True)
 
     def check(self, image: bytes, blob_size: int, chunk_size: int, timeout: float) -> str:
         """The worker's answer line (``ok`` or ``bad ...``); OSError or EOFError
