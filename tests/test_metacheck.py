@@ -189,3 +189,22 @@ def test_a_terminals_interrupt_for_the_daemon_does_not_reach_its_checkers():
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert out.split() == ["0"] and "KeyboardInterrupt" not in err, (out, err)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_worker_that_ended_leaves_no_pipe_open(checker, sample, monkeypatch):  # noqa: F811
+    """The pipes of a worker that ended are closed then, not whenever the
+    error that tells of it (which holds it) is let go of."""
+    checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")  # one kept
+    before = open_fds()
+    os.kill(worker_pid(checker), signal.SIGKILL)
+    monkeypatch.setattr("layerfs.node.metacheck.sys.executable", "/bin/false")
+    errors = []
+    for _ in range(3):  # the killed one replaced by one that fails, then two more
+        with pytest.raises(BadMetaImage, match="checker process ended") as info:
+            checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+        errors.append(info.value)
+    assert open_fds() == before - 2  # the killed worker's pipes gone, and no others

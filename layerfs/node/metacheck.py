@@ -28,6 +28,7 @@ called from any thread (the replica's fetches run in worker threads).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import subprocess
@@ -87,10 +88,13 @@ class Worker:
         return self.proc.stdin, self.proc.stdout
 
     def ended(self) -> str:
-        """How the process ended (it is killed if it has not)."""
+        """How the process ended (it is killed if it has not); its pipes closed."""
         if self.proc.poll() is None:
             self.proc.kill()
         code = self.proc.wait()
+        for pipe in self.pipes():
+            with contextlib.suppress(OSError):  # an image not yet written: closed all the same
+                pipe.close()
         return f"signal {-code}" if code < 0 else f"exit {code}"
 
     def close(self) -> None:
@@ -148,7 +152,10 @@ class MetaChecker:
                 if self._closed:
                     raise BadMetaImage("a layer", "the daemon is stopping")
                 worker = self._idle.pop() if self._idle and not fresh else None
-            if worker is None or worker.proc.poll() is not None:
+            if worker is not None and worker.proc.poll() is not None:
+                worker.ended()  # died while idle
+                worker = None
+            if worker is None:
                 worker = Worker()
             else:
                 worker.kept = True
