@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -119,3 +121,90 @@ def test_a_worker_imports_nothing_from_the_daemons_working_directory(sample, tmp
     finally:
         checker.close()
     assert not marker.exists()
+
+
+def test_a_worker_that_gives_no_verdict_fails_the_check_once_its_time_is_up(sample):  # noqa: F811
+    """A worker stuck on an image (one built to be slow, or a stopped
+    process) must not hold an ``up``, its thread and a check slot forever:
+    once the check's time is up the worker is killed and the check fails."""
+    checker = MetaChecker(workers=1)
+    checker.timeout = 1.0
+    checker.start()
+    pid = worker_pid(checker)
+    os.kill(pid, signal.SIGSTOP)
+    failed: list[str] = []
+
+    def check() -> None:
+        try:
+            checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+        except BadMetaImage as exc:
+            failed.append(str(exc))
+
+    thread = threading.Thread(target=check, daemon=True)
+    thread.start()
+    thread.join(30)  # not a speed bound: only so that a check that hangs fails here
+    try:
+        assert not thread.is_alive(), "the check still waits on the stopped worker"
+        assert failed == ["integrity check failed for the meta image of s@1: the checker "
+                          "gave no verdict within 1s"]
+        assert not Path(f"/proc/{pid}").exists() or "zombie" not in Path(
+            f"/proc/{pid}/status").read_text()
+    finally:
+        if thread.is_alive():  # the worker, stopped, is not reaped yet: still ours
+            os.kill(pid, signal.SIGKILL)
+        thread.join()
+        checker.close()
+
+
+DAEMON_LIKE = """
+import signal, sys
+from layerfs.node.metacheck import MetaChecker
+checker = MetaChecker(workers=1)
+checker.start()
+worker = checker._idle[0].proc
+try:
+    print(worker.pid, flush=True)
+    signal.pause()
+except KeyboardInterrupt:  # the ^C, as the daemon's own stop
+    pass
+checker.close()
+print(worker.returncode, flush=True)
+"""
+
+
+def test_a_terminals_interrupt_for_the_daemon_does_not_reach_its_checkers():
+    """A ^C at the terminal of a daemon in the foreground goes to its whole
+    process group: it is the daemon's request to stop, and must not kill its
+    checker workers (a traceback each in the daemon's log, a check under way
+    failed); they end when the daemon closes their stdin."""
+    proc = subprocess.Popen([sys.executable, "-c", DAEMON_LIKE], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()  # the worker is up
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert out.split() == ["0"] and "KeyboardInterrupt" not in err, (out, err)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_worker_that_ended_leaves_no_pipe_open(checker, sample, monkeypatch):  # noqa: F811
+    """The pipes of a worker that ended are closed then, not whenever the
+    error that tells of it (which holds it) is let go of."""
+    checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")  # one kept
+    before = open_fds()
+    os.kill(worker_pid(checker), signal.SIGKILL)
+    monkeypatch.setattr("layerfs.node.metacheck.sys.executable", "/bin/false")
+    errors = []
+    for _ in range(3):  # the killed one replaced by one that fails, then two more
+        with pytest.raises(BadMetaImage, match="checker process ended") as info:
+            checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+        errors.append(info.value)
+    assert open_fds() == before - 2  # the killed worker's pipes gone, and no others

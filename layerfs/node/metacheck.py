@@ -18,13 +18,17 @@ time from its stdin:
 A new worker that ends without a verdict fails the check it was given
 (:class:`~layerfs.errors.BadMetaImage`, "the checker process ended ..."); a
 kept one that does (killed while idle, say) is replaced and the check is
-asked of the new one. Up to ``workers`` checks run at
+asked of the new one. A check with no verdict within ``timeout`` seconds
+(a worker stuck on an image built to be slow, or stopped) kills its worker
+and fails ("the checker gave no verdict within ..."), so an ``up`` never
+waits on a checker without bound. Up to ``workers`` checks run at
 once; idle workers are kept. Thread safety: :meth:`MetaChecker.check` may be
 called from any thread (the replica's fetches run in worker threads).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import subprocess
@@ -39,6 +43,7 @@ from ..errors import BadMetaImage
 REQUEST = struct.Struct("<QQQ")
 NOBODY = 65534
 MAX_IMAGE = 1 << 32  # what a worker accepts (the manifest bounds the real size)
+CHECK_TIMEOUT = 120.0  # seconds a check may take (100,000 files: ~2 s)
 
 
 class Worker:
@@ -46,33 +51,50 @@ class Worker:
 
     def __init__(self) -> None:
         self.kept = False  # taken from the idle ones (not started for this check)
+        self.timed_out = False  # killed for giving no verdict in time
         # isolated (-I): no PYTHON* variables, no user site, and neither the working
-        # directory nor any other writable place ahead of the installed package
+        # directory nor any other writable place ahead of the installed package; in a
+        # session of its own, as the keeper: a terminal's ^C is meant for the daemon
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-m", "layerfs.node.metacheck"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, cwd="/", env={"PATH": os.defpath})
+            stdout=subprocess.PIPE, cwd="/", env={"PATH": os.defpath}, start_new_session=True)
 
-    def check(self, image: bytes, blob_size: int, chunk_size: int) -> str:
+    def check(self, image: bytes, blob_size: int, chunk_size: int, timeout: float) -> str:
         """The worker's answer line (``ok`` or ``bad ...``); OSError or EOFError
-        if it is gone."""
+        if it is gone, or killed (``timed_out``) for giving none in ``timeout`` seconds."""
         stdin, stdout = self.pipes()
-        stdin.write(REQUEST.pack(len(image), blob_size, chunk_size))
-        stdin.write(image)
-        stdin.flush()
-        line = stdout.readline()
+        timer = threading.Timer(timeout, self._time_out)
+        timer.daemon = True
+        timer.start()
+        try:
+            stdin.write(REQUEST.pack(len(image), blob_size, chunk_size))
+            stdin.write(image)
+            stdin.flush()
+            line = stdout.readline()
+        finally:
+            timer.cancel()
+            timer.join()  # so that ``timed_out`` is final
         if not line.endswith(b"\n"):
             raise EOFError("no answer")
         return line[:-1].decode("utf-8", "replace")
+
+    def _time_out(self) -> None:
+        """Timer thread: the check's time is up; the blocked write or read then fails."""
+        self.timed_out = True
+        self.proc.kill()
 
     def pipes(self) -> tuple[IO[bytes], IO[bytes]]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         return self.proc.stdin, self.proc.stdout
 
     def ended(self) -> str:
-        """How the process ended (it is killed if it has not)."""
+        """How the process ended (it is killed if it has not); its pipes closed."""
         if self.proc.poll() is None:
             self.proc.kill()
         code = self.proc.wait()
+        for pipe in self.pipes():
+            with contextlib.suppress(OSError):  # an image not yet written: closed all the same
+                pipe.close()
         return f"signal {-code}" if code < 0 else f"exit {code}"
 
     def close(self) -> None:
@@ -88,7 +110,8 @@ class Worker:
 class MetaChecker:
     """Meta image checks in up to ``workers`` checker processes."""
 
-    def __init__(self, workers: int = 2) -> None:
+    def __init__(self, workers: int = 2, timeout: float = CHECK_TIMEOUT) -> None:
+        self.timeout = timeout
         self.slots = threading.BoundedSemaphore(workers)
         self._idle: list[Worker] = []
         self._lock = threading.Lock()
@@ -102,14 +125,18 @@ class MetaChecker:
 
     def check(self, image: bytes, blob_size: int, chunk_size: int, what: str) -> None:
         """Check ``image`` (of layer ``what``) in a worker; BadMetaImage if it
-        fails, or if a new worker ends without a verdict (a kept one that does,
-        killed meanwhile perhaps, is replaced and the check asked again)."""
+        fails, if a new worker ends without a verdict (a kept one that does,
+        killed meanwhile perhaps, is replaced and the check asked again), or
+        if there is none within ``timeout`` seconds."""
         for fresh in (False, True):
             with self._worker(fresh) as worker:
                 try:
-                    answer = worker.check(image, blob_size, chunk_size)
+                    answer = worker.check(image, blob_size, chunk_size, self.timeout)
                 except (OSError, EOFError):
                     ended = worker.ended()
+                    if worker.timed_out:
+                        raise BadMetaImage(what, f"the checker gave no verdict within "
+                                                 f"{self.timeout:g}s") from None
                     if not worker.kept:
                         raise BadMetaImage(what, f"the checker process ended ({ended})") from None
                     continue
@@ -125,7 +152,10 @@ class MetaChecker:
                 if self._closed:
                     raise BadMetaImage("a layer", "the daemon is stopping")
                 worker = self._idle.pop() if self._idle and not fresh else None
-            if worker is None or worker.proc.poll() is not None:
+            if worker is not None and worker.proc.poll() is not None:
+                worker.ended()  # died while idle
+                worker = None
+            if worker is None:
                 worker = Worker()
             else:
                 worker.kept = True
@@ -135,7 +165,8 @@ class MetaChecker:
                 ok = True
             finally:
                 with self._lock:
-                    keep = ok and not self._closed and worker.proc.poll() is None
+                    keep = (ok and not self._closed and not worker.timed_out
+                            and worker.proc.poll() is None)
                     if keep:
                         self._idle.append(worker)
                 if not keep:
