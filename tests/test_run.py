@@ -230,6 +230,18 @@ def test_the_runtime_starts_with_the_signals_python_ignores_at_their_defaults():
     assert not mask & (1 << (signal.SIGPIPE - 1) | 1 << (signal.SIGXFSZ - 1)), out
 
 
+def test_the_runtime_gets_no_descriptor_but_stdio():
+    """An inheritable descriptor of the caller (a Python API user's) stays out
+    of what ``layerfs run`` spawns, as with subprocess's ``close_fds``."""
+    code = ("import os; from layerfs.node import runner; r, w = os.pipe(); "
+            "os.set_inheritable(w, True); print(w, flush=True); "
+            "runner.wait(runner.spawn(['ls', '/proc/self/fd']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    leaked, listed = out[0], out[1:]
+    assert leaked not in listed and {"0", "1", "2"} <= set(listed), out
+
+
 def test_signals_reach_the_command(node):
     script = 'trap "echo got-term; exit 5" TERM; echo ready; while :; do sleep 1; done'
     with started(node, script) as proc:

@@ -126,15 +126,29 @@ def prepare(root: str, runtime_name: str, sandbox_id: str,
 def spawn(argv: list[str], *, quiet: bool = False, stdout_null: bool = False,
           own_group: bool = False) -> int:
     """Start ``argv`` (its program looked up on PATH) with our environment and
-    stdio (``stdout_null``: stdout to /dev/null; ``quiet``: stderr too), in a
-    process group of its own if ``own_group``; its pid."""
-    actions = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_WRONLY, 0)
-               for fd in ((1, 2) if quiet else (1,) if stdout_null else ())]
+    stdio and no other descriptor (``stdout_null``: stdout to /dev/null;
+    ``quiet``: stderr too), in a process group of its own if ``own_group``;
+    its pid."""
+    actions: list[tuple] = [(os.POSIX_SPAWN_CLOSE, fd) for fd in inheritable_fds()]
+    actions += [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_WRONLY, 0)
+                for fd in ((1, 2) if quiet else (1,) if stdout_null else ())]
     if own_group:
         return os.posix_spawnp(argv[0], argv, os.environ, file_actions=actions, setpgroup=0,
                                setsigdef=CHILD_DEFAULT_SIGNALS)
     return os.posix_spawnp(argv[0], argv, os.environ, file_actions=actions,
                            setsigdef=CHILD_DEFAULT_SIGNALS)
+
+
+def inheritable_fds() -> list[int]:
+    """Our descriptors above stderr a child would inherit (closed in it, as
+    subprocess's ``close_fds`` does: only stdio reaches the runtime)."""
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            if fd > 2 and os.get_inheritable(fd):
+                fds.append(fd)
+    return fds
 
 
 def wait(pid: int) -> int:
