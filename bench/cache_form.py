@@ -35,15 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from daemons import DaemonRuns, clear_dir, drop_caches, git_head, print_footer  # noqa: E402
 from image_start import (  # noqa: E402
     ENV_REF,
-    REPO,
-    TAG,
     WORKLOAD,
     du_bytes,
-    ensure_layout,
-    ensure_minbase,
-    import_image,
+    published_image,
     sh,
-    store_for,
     timed_call,
     timed_run,
     write_bytes,
@@ -156,34 +151,25 @@ def main() -> None:
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/cache_form.py needs root (FUSE, EROFS, overlay mounts)")
-    from registryserver import push, start_registry
-
     work = Path(args.work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    detach_mounts(work / "roots")
     started = time.perf_counter()
-    base_info = ensure_minbase(work)
-    image_info = ensure_layout(work, work / "minbase")
     bench = None
-    registry = start_registry(shutil.which("docker-registry") or "", work / "registry")
     try:
-        ref = push(work / "oci", TAG, registry, REPO).removeprefix("docker://")
-        with store_for(args.store, work) as store_env:
-            import_image(ref, store_env)
+        with published_image(work, args.store) as (ref, store_env, image_info, _):
             bench = FormBench(args, work, store_env)
-            samples = bench.run(args.reps)
+            try:
+                samples = bench.run(args.reps)
+            finally:
+                bench.daemons.stop_all()
     finally:
-        if bench is not None:
-            bench.daemons.stop_all()
-        registry.stop()
         detach_mounts(work / "roots")
     summary = summarize(samples)
     out = {"commit": git_head(),
            "params": {"reps": args.reps, "store": args.store,
                       "client": args.client or "this checkout (editable)", "workload": WORKLOAD},
            "machine": {"cpus": os.cpu_count(), "kernel": platform.release()},
-           "image": {**base_info, **image_info, "ref": ref}, "samples": samples,
+           "image": {**image_info, "ref": ref}, "samples": samples,
            "summary": summary, "daemon_logs": bench.daemons.scan_logs(),
            "oddities": bench.oddities, "runtime_s": round(time.perf_counter() - started, 1),
            "method": __doc__.split("\n\n")[1].replace("\n", " ")}

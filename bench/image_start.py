@@ -411,6 +411,26 @@ def store_for(kind: str, work: Path) -> Iterator[dict[str, str]]:
                "AWS_ENDPOINT_URL": server.endpoint}
 
 
+@contextlib.contextmanager
+def published_image(work: Path, store: str) -> Iterator[tuple[str, dict[str, str], dict,
+                                                               float | None]]:
+    """The minbase image (made once) in a local registry and imported into the
+    layerfs store: (its registry ref, the store's environment, what the image
+    is, the import's seconds or None if an earlier run imported it)."""
+    from registryserver import push, start_registry
+
+    work.mkdir(parents=True, exist_ok=True)
+    detach_mounts(work / "roots")
+    info = {**ensure_minbase(work), **ensure_layout(work, work / "minbase")}
+    registry = start_registry(shutil.which("docker-registry") or "", work / "registry")
+    try:
+        ref = push(work / "oci", TAG, registry, REPO).removeprefix("docker://")
+        with store_for(store, work) as store_env:
+            yield ref, store_env, info, import_image(ref, store_env)
+    finally:
+        registry.stop()
+
+
 def import_image(image: str, store_env: dict[str, str]) -> float | None:
     """``layerfs import`` of the image into the store (seconds); None if an earlier
     run imported it."""
@@ -442,31 +462,22 @@ def main() -> None:
     for tool in ("containerd", "ctr", "runc", "docker-registry", "skopeo", "debootstrap"):
         if not shutil.which(tool):
             sys.exit(f"{tool} not found: `make apt-deps` installs it")
-    from registryserver import push, start_registry
-
     work = Path(args.work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    detach_mounts(work / "roots")
     started = time.perf_counter()
-    base_info = ensure_minbase(work)
-    image_info = ensure_layout(work, work / "minbase")
     bench = None
-    registry = start_registry(shutil.which("docker-registry") or "", work / "registry")
     try:
-        ref = push(work / "oci", TAG, registry, REPO).removeprefix("docker://")
-        with store_for(args.store, work) as store_env:
-            import_s = import_image(ref, store_env)
+        with published_image(work, args.store) as (ref, store_env, image_info, import_s):
             took = "done by an earlier run" if import_s is None else f"{import_s:.1f} s"
             print(f"image {ref}: {image_info['gzip_bytes'] / 1e6:.0f} MB gzip; layerfs import "
                   f"{took} ({store_env['LAYERFS_STORE']})", flush=True)
             bench = Bench(args, work, ref, store_env, work / "minbase")
-            result = bench.run()
+            try:
+                result = bench.run()
+            finally:
+                bench.daemons.stop_all()
+                bench.ctrd.stop()
     finally:
-        if bench is not None:
-            bench.daemons.stop_all()
-            bench.ctrd.stop()
-        registry.stop()
         left = detach_mounts(work / "roots")
         if left:
             print(f"detached leftover mounts: {left}", file=sys.stderr)
@@ -476,7 +487,7 @@ def main() -> None:
                       "client": args.client or "this checkout (editable)",
                       "miss_span": args.miss_span, "workload": WORKLOAD},
            "machine": {"cpus": os.cpu_count(), "kernel": platform.release()},
-           "image": {**base_info, **image_info, "ref": ref},
+           "image": {**image_info, "ref": ref},
            "import_s": None if import_s is None else round(import_s, 2),
            **result, "summary": summary, "targets": TARGETS,
            "daemon_logs": bench.daemons.scan_logs(), "oddities": bench.oddities,
