@@ -25,7 +25,6 @@ import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ from image_start import (  # noqa: E402
     WORKLOAD,
     du_bytes,
     published_image,
-    sh,
+    runc_workload,
     timed_call,
     timed_run,
     write_bytes,
@@ -76,7 +75,7 @@ class FormBench:
             shutil.rmtree(bundle, ignore_errors=True)
             up = timed_run([*self.client, "up", ENV_REF, "--id", sid, "--root", str(root),
                             "--prefetch", "none", "--bundle", str(bundle)])
-            run = timed_call(lambda: self.runc_workload(bundle, sid))
+            run = timed_call(lambda: runc_workload(bundle, sid, self.work / "runc"))
             os.sync()
             written = write_bytes(pid) - w0
             fetched = node.request("stats")["cache"].get("bytes_fetched", 0)
@@ -86,15 +85,6 @@ class FormBench:
         return {"up_s": round(up, 3), "run_s": round(run, 3), "start_s": round(up + run, 3),
                 "disk_written_bytes": written, "bytes_fetched": fetched,
                 "cache_bytes": du_bytes(root / "cache")}
-
-    def runc_workload(self, bundle: Path, sid: str) -> None:
-        config_path = bundle / "config.json"
-        config = json.loads(config_path.read_text())
-        config["process"]["args"] = ["sh", "-c", WORKLOAD]
-        config["process"]["terminal"] = False
-        config_path.write_text(json.dumps(config))
-        sh(["runc", "--root", str(self.work / "runc"), "run", "-b", str(bundle), sid],
-           stdout=subprocess.DEVNULL)
 
     def run(self, reps: int) -> dict[str, dict[str, list[dict]]]:
         samples: dict[str, dict[str, list[dict]]] = {f: {"cold": [], "warm": []} for f in FORMS}

@@ -92,6 +92,17 @@ def timed_run(argv: list[str], env: dict[str, str] | None = None) -> float:
     return took
 
 
+def runc_workload(bundle: Path, sid: str, state: Path) -> None:
+    """The workload as the bundle's process (what a runtime's caller sets),
+    run by ``runc run -b`` (its state under ``state``)."""
+    config_path = bundle / "config.json"
+    config = json.loads(config_path.read_text())
+    config["process"]["args"] = ["sh", "-c", WORKLOAD]
+    config["process"]["terminal"] = False
+    config_path.write_text(json.dumps(config))
+    sh(["runc", "--root", str(state), "run", "-b", str(bundle), sid], stdout=subprocess.DEVNULL)
+
+
 def timed_call(fn: Any) -> float:
     t0 = time.perf_counter()
     fn()
@@ -323,15 +334,7 @@ class Bench:
                 "client_start_s": round(client, 3)}
 
     def runc_workload(self, bundle: Path, sid: str) -> None:
-        """The workload as the bundle's process (what a runtime's caller sets),
-        run by ``runc run -b`` (state under the work dir)."""
-        config_path = bundle / "config.json"
-        config = json.loads(config_path.read_text())
-        config["process"]["args"] = ["sh", "-c", WORKLOAD]
-        config["process"]["terminal"] = False
-        config_path.write_text(json.dumps(config))
-        sh(["runc", "--root", str(self.work / "runc"), "run", "-b", str(bundle), sid],
-           stdout=subprocess.DEVNULL)
+        runc_workload(bundle, sid, self.work / "runc")
 
     def local(self) -> float:
         drop_caches()
