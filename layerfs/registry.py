@@ -18,12 +18,14 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import zstandard
 
 from .errors import (
+    BadMetaImage,
     IntegrityError,
     InvalidName,
     ObjectNotFound,
@@ -43,8 +45,9 @@ MAX_REF_BYTES = 1024  # a ref is one digest line; anything longer is not a ref
 HEADS_KEPT = 4096  # manifest heads (kind, name, version) remembered by digest
 MANIFESTS_KEPT = 256  # whole manifests remembered by digest (a ref check, then a fetch)
 V = TypeVar("V")
-# a meta image's structural check: (image, blob size, chunk size, layer) → BadMetaImage or not
-MetaCheck = Callable[[bytes, int, int, str], object]
+# a meta image's structural check of its stored (zstd) bytes: (stored, raw size, blob size,
+# chunk size, layer) → BadMetaImage or not (the daemon's checker processes)
+MetaCheck = Callable[[bytes, int, int, int, str], object]
 KINDS_OF = {LAYERS: ("erofs", "lsmt"), ENVS: ("env",)}
 
 
@@ -98,6 +101,19 @@ class DigestCache(Generic[V]):
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
         return value
+
+
+def _decoded_meta(manifest: LayerManifest, stored: bytes) -> bytes:
+    """The meta image from its stored bytes, its length and sha256 the manifest's."""
+    what = f"meta image of {manifest.name}@{manifest.version}"
+    try:
+        image = zstandard.ZstdDecompressor().decompress(stored,
+                                                        max_output_size=manifest.meta.raw_size)
+    except zstandard.ZstdError as exc:
+        raise IntegrityError(what, f"cannot decompress ({exc})") from None
+    if len(image) != manifest.meta.raw_size or sha256_digest(image) != manifest.meta.raw_digest:
+        raise IntegrityError(what, "content does not match its digest")
+    return image
 
 
 class Registry:
@@ -265,23 +281,31 @@ class Registry:
                                  f"{table.chunk_size}, the manifest says {manifest.blob_size} "
                                  f"and {manifest.chunk_size}")
 
-    def meta_image(self, manifest: LayerManifest, check: MetaCheck = check_meta_image) -> bytes:
-        """The layer's EROFS meta image, fetched, decompressed and verified (its
-        structure by ``check``: :func:`check_meta_image`, or the daemon's
-        checker processes)."""
+    def meta_image(self, manifest: LayerManifest, check: MetaCheck | None = None) -> bytes:
+        """The layer's EROFS meta image, fetched, decompressed and verified: its
+        digest, then its structure (:func:`check_meta_image`; or ``check``,
+        given the stored bytes, which runs while this thread decompresses and
+        hashes its own copy)."""
         stored = self.store.get_blob(manifest.meta.digest)
-        what = f"meta image of {manifest.name}@{manifest.version}"
+        what = f"{manifest.name}@{manifest.version}"
         if manifest.meta.compression != "zstd":
-            raise IntegrityError(what, f"unknown compression {manifest.meta.compression!r}")
-        try:
-            image = zstandard.ZstdDecompressor().decompress(
-                stored, max_output_size=manifest.meta.raw_size)
-        except zstandard.ZstdError as exc:
-            raise IntegrityError(what, f"cannot decompress ({exc})") from None
-        if len(image) != manifest.meta.raw_size or sha256_digest(image) != manifest.meta.raw_digest:
-            raise IntegrityError(what, "content does not match its digest")
-        check(image, manifest.blob_size, manifest.chunk_size,
-              f"{manifest.name}@{manifest.version}")
+            raise IntegrityError(f"meta image of {what}",
+                                 f"unknown compression {manifest.meta.compression!r}")
+        if check is None:
+            image = _decoded_meta(manifest, stored)
+            check_meta_image(image, manifest.blob_size, manifest.chunk_size, what)
+            return image
+        with ThreadPoolExecutor(1) as pool:
+            decoded = pool.submit(_decoded_meta, manifest, stored)
+            refused: BadMetaImage | None = None
+            try:
+                check(stored, manifest.meta.raw_size, manifest.blob_size, manifest.chunk_size,
+                      what)
+            except BadMetaImage as exc:
+                refused = exc
+            image = decoded.result()  # a digest that does not match is said first
+        if refused is not None:
+            raise refused
         return image
 
     def layer_by_ref(self, text: str) -> tuple[str, LayerManifest]:

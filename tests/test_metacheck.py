@@ -12,11 +12,17 @@ import threading
 from pathlib import Path
 
 import pytest
+import zstandard
 from test_erofscheck import layout_of, reseal, sample  # noqa: F401 - the fixture
 
 from layerfs.errors import BadMetaImage
 from layerfs.formats.erofscheck import check_meta_image
 from layerfs.node.metacheck import NOBODY, MetaChecker
+
+
+def stored(image: bytes) -> tuple[bytes, int]:
+    """An image as the store holds it (zstd) and its length."""
+    return zstandard.ZstdCompressor().compress(image), len(image)
 
 
 @pytest.fixture
@@ -36,16 +42,20 @@ def chunk_past_blob(sample) -> bytes:  # noqa: F811
 
 
 def test_the_verdicts_are_the_in_process_checks(checker, sample):  # noqa: F811
-    checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+    checker.check(*stored(sample.image), sample.blob_size, sample.chunk_size, "s@1")
     bad = chunk_past_blob(sample)
     with pytest.raises(BadMetaImage) as here:
         check_meta_image(bad, sample.blob_size, sample.chunk_size, "s@1")
     with pytest.raises(BadMetaImage) as there:
-        checker.check(bad, sample.blob_size, sample.chunk_size, "s@1")
+        checker.check(*stored(bad), sample.blob_size, sample.chunk_size, "s@1")
     assert str(there.value) == str(here.value) and "outside the blob" in str(here.value)
     with pytest.raises(BadMetaImage, match="not a positive multiple"):
-        checker.check(b"\0" * 100, sample.blob_size, sample.chunk_size, "s@1")
-    checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")  # still serving
+        checker.check(*stored(b"\0" * 100), sample.blob_size, sample.chunk_size, "s@1")
+    frame, size = stored(sample.image)
+    for bad_frame, bad_size in ((frame[:-9], size), (frame, size - 1), (b"not zstd", size)):
+        with pytest.raises(BadMetaImage, match="cannot decompress"):
+            checker.check(bad_frame, bad_size, sample.blob_size, sample.chunk_size, "s@1")
+    checker.check(*stored(sample.image), sample.blob_size, sample.chunk_size, "s@1")  # serving
 
 
 def worker_pid(checker: MetaChecker) -> int:
@@ -56,7 +66,7 @@ def worker_pid(checker: MetaChecker) -> int:
 def test_a_worker_runs_as_nobody_without_groups(checker, sample):  # noqa: F811
     if os.geteuid() != 0:
         pytest.skip("dropping to nobody needs root")
-    checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+    checker.check(*stored(sample.image), sample.blob_size, sample.chunk_size, "s@1")
     status = Path(f"/proc/{worker_pid(checker)}/status").read_text().splitlines()
     fields = {line.split(":")[0]: line.split(":")[1].split() for line in status}
     assert fields["Uid"] == [str(NOBODY)] * 4 and fields["Gid"] == [str(NOBODY)] * 4
@@ -71,7 +81,7 @@ def test_a_kept_worker_killed_in_a_check_is_replaced_and_the_check_asked_again(
     done: list[str] = []
 
     def check() -> None:
-        checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+        checker.check(*stored(sample.image), sample.blob_size, sample.chunk_size, "s@1")
         done.append("ok")
 
     thread = threading.Thread(target=check)
@@ -87,11 +97,11 @@ def test_a_new_worker_that_ends_without_a_verdict_fails_the_check(checker, sampl
                                                                   monkeypatch):
     monkeypatch.setattr("layerfs.node.metacheck.sys.executable", "/bin/false")
     with pytest.raises(BadMetaImage) as info:
-        checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+        checker.check(*stored(sample.image), sample.blob_size, sample.chunk_size, "s@1")
     assert str(info.value) == ("integrity check failed for the meta image of s@1: the checker "
                                "process ended (exit 1)")
     monkeypatch.undo()
-    checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")  # a real one
+    checker.check(*stored(sample.image), sample.blob_size, sample.chunk_size, "s@1")  # a real one
 
 
 def test_a_closed_checker_checks_nothing(sample):  # noqa: F811
@@ -102,7 +112,7 @@ def test_a_closed_checker_checks_nothing(sample):  # noqa: F811
     assert not Path(f"/proc/{pid}").exists() or "zombie" not in Path(
         f"/proc/{pid}/status").read_text()
     with pytest.raises(BadMetaImage, match="stopping"):
-        checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+        checker.check(*stored(sample.image), sample.blob_size, sample.chunk_size, "s@1")
 
 
 def test_a_worker_imports_nothing_from_the_daemons_working_directory(sample, tmp_path,  # noqa: F811
@@ -117,7 +127,7 @@ def test_a_worker_imports_nothing_from_the_daemons_working_directory(sample, tmp
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     checker = MetaChecker()
     try:
-        checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+        checker.check(*stored(sample.image), sample.blob_size, sample.chunk_size, "s@1")
     finally:
         checker.close()
     assert not marker.exists()
@@ -136,7 +146,7 @@ def test_a_worker_that_gives_no_verdict_fails_the_check_once_its_time_is_up(samp
 
     def check() -> None:
         try:
-            checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+            checker.check(*stored(sample.image), sample.blob_size, sample.chunk_size, "s@1")
         except BadMetaImage as exc:
             failed.append(str(exc))
 
@@ -198,13 +208,13 @@ def open_fds() -> int:
 def test_a_worker_that_ended_leaves_no_pipe_open(checker, sample, monkeypatch):  # noqa: F811
     """The pipes of a worker that ended are closed then, not whenever the
     error that tells of it (which holds it) is let go of."""
-    checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")  # one kept
+    checker.check(*stored(sample.image), sample.blob_size, sample.chunk_size, "s@1")  # one kept
     before = open_fds()
     os.kill(worker_pid(checker), signal.SIGKILL)
     monkeypatch.setattr("layerfs.node.metacheck.sys.executable", "/bin/false")
     errors = []
     for _ in range(3):  # the killed one replaced by one that fails, then two more
         with pytest.raises(BadMetaImage, match="checker process ended") as info:
-            checker.check(sample.image, sample.blob_size, sample.chunk_size, "s@1")
+            checker.check(*stored(sample.image), sample.blob_size, sample.chunk_size, "s@1")
         errors.append(info.value)
     assert open_fds() == before - 2  # the killed worker's pipes gone, and no others

@@ -21,7 +21,7 @@ from test_cli import layerfs, one_line_error
 from test_erofscheck import layout_of, reseal
 
 from layerfs.builder.env import create_env
-from layerfs.errors import IntegrityError, LayerfsError, RefMismatch
+from layerfs.errors import BadMetaImage, IntegrityError, LayerfsError, RefMismatch
 from layerfs.manifest import (
     DiskManifest,
     EnvLayer,
@@ -30,6 +30,7 @@ from layerfs.manifest import (
     MetaRef,
     manifest_head,
 )
+from layerfs.node.metacheck import MetaChecker
 from layerfs.node.traces import trace_bytes, trace_key
 from layerfs.registry import ENVS, LAYERS, Registry, ref_key
 from layerfs.store.base import Store, sha256_digest
@@ -303,3 +304,24 @@ def test_daemon_up_refuses_bad_refs_and_bad_meta_images(node, store, two_layers)
     rootfs = Path(node.cli("up", "e@1", "--id", "ok").stdout.strip())
     assert (rootfs / "etc" / "who").read_text() == "a"
     node.cli("down", "ok")
+
+
+def test_the_daemons_checker_gives_the_same_image_and_verdicts(store, two_layers):
+    """Registry.meta_image through the checker processes (the stored bytes sent,
+    decompressed and checked there while this side hashes its own copy): the
+    same image as in-process, the same refusal, and a digest that does not
+    match is said before the structure."""
+    a, _ = two_layers
+    reg = Registry(store)
+    checker = MetaChecker()
+    try:
+        assert reg.meta_image(reg.layer(a), checker.check) == reg.meta_image(reg.layer(a))
+        bad = reg.layer(republish_with_meta(store, a, chunk_past_blob(store, a), "bad@1"))
+        with pytest.raises(BadMetaImage, match="outside the blob"):
+            reg.meta_image(bad, checker.check)
+        lying = replace(bad, meta=replace(bad.meta, raw_digest=sha256_digest(b"other")))
+        with pytest.raises(IntegrityError, match="does not match its digest") as info:
+            reg.meta_image(lying, checker.check)
+        assert not isinstance(info.value, BadMetaImage)
+    finally:
+        checker.close()

@@ -9,10 +9,12 @@ worker: a fresh interpreter (``python -I -m layerfs.node.metacheck``, in
 ``/``, so that only the installed package is imported) that imports the
 checker, then gives up root (user and group nobody, no
 supplementary groups) before it reads anything, and checks one image at a
-time from its stdin:
+time from its stdin, as the store holds it (zstd), so that the daemon
+decompresses and hashes its own copy meanwhile (the verdict is on the same
+bytes: decompression is a function of them) and sends a third of the bytes:
 
-* request: image length, blob size, chunk size (3 × u64 little-endian), then
-  the image;
+* request: the stored image's length, the image's length, blob size, chunk
+  size (4 × u64 little-endian), then the stored image;
 * answer: one line, ``ok`` or ``bad <the first problem found>``.
 
 A new worker that ends without a verdict fails the check it was given
@@ -40,7 +42,7 @@ from typing import IO
 
 from ..errors import BadMetaImage
 
-REQUEST = struct.Struct("<QQQ")
+REQUEST = struct.Struct("<QQQQ")
 NOBODY = 65534
 MAX_IMAGE = 1 << 32  # what a worker accepts (the manifest bounds the real size)
 CHECK_TIMEOUT = 120.0  # seconds a check may take (100,000 files: ~2 s)
@@ -59,7 +61,8 @@ class Worker:
             [sys.executable, "-I", "-m", "layerfs.node.metacheck"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, cwd="/", env={"PATH": os.defpath}, start_new_session=True)
 
-    def check(self, image: bytes, blob_size: int, chunk_size: int, timeout: float) -> str:
+    def check(self, stored: bytes, raw_size: int, blob_size: int, chunk_size: int,
+              timeout: float) -> str:
         """The worker's answer line (``ok`` or ``bad ...``); OSError or EOFError
         if it is gone, or killed (``timed_out``) for giving none in ``timeout`` seconds."""
         stdin, stdout = self.pipes()
@@ -67,8 +70,8 @@ class Worker:
         timer.daemon = True
         timer.start()
         try:
-            stdin.write(REQUEST.pack(len(image), blob_size, chunk_size))
-            stdin.write(image)
+            stdin.write(REQUEST.pack(len(stored), raw_size, blob_size, chunk_size))
+            stdin.write(stored)
             stdin.flush()
             line = stdout.readline()
         finally:
@@ -123,15 +126,18 @@ class MetaChecker:
             if not self._idle and not self._closed:
                 self._idle.append(Worker())
 
-    def check(self, image: bytes, blob_size: int, chunk_size: int, what: str) -> None:
-        """Check ``image`` (of layer ``what``) in a worker; BadMetaImage if it
+    def check(self, stored: bytes, raw_size: int, blob_size: int, chunk_size: int,
+              what: str) -> None:
+        """Check the meta image ``stored`` (zstd, ``raw_size`` bytes decompressed;
+        of layer ``what``) in a worker; BadMetaImage if it
         fails, if a new worker ends without a verdict (a kept one that does,
         killed meanwhile perhaps, is replaced and the check asked again), or
         if there is none within ``timeout`` seconds."""
         for fresh in (False, True):
             with self._worker(fresh) as worker:
                 try:
-                    answer = worker.check(image, blob_size, chunk_size, self.timeout)
+                    answer = worker.check(stored, raw_size, blob_size, chunk_size,
+                                          self.timeout)
                 except (OSError, EOFError):
                     ended = worker.ended()
                     if worker.timed_out:
@@ -197,21 +203,28 @@ def read_exactly(stream: IO[bytes], n: int) -> bytes | None:
 
 def serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
     """Answer requests until stdin ends."""
+    import zstandard
+
     from ..formats.erofscheck import check_meta_image
 
     drop_root()
     while (head := read_exactly(stdin, REQUEST.size)) is not None:
-        length, blob_size, chunk_size = REQUEST.unpack(head)
-        if length > MAX_IMAGE:
+        length, raw_size, blob_size, chunk_size = REQUEST.unpack(head)
+        if length > MAX_IMAGE or raw_size > MAX_IMAGE:
             return
-        image = read_exactly(stdin, length)
-        if image is None:
+        stored = read_exactly(stdin, length)
+        if stored is None:
             return
         try:
+            image = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_size)
+            if len(image) != raw_size:
+                raise ValueError(f"{len(image)} bytes, the manifest says {raw_size}")
             check_meta_image(image, blob_size, chunk_size, "")
             answer = "ok"
         except BadMetaImage as exc:
             answer = "bad " + str(exc.args[1])
+        except (zstandard.ZstdError, ValueError) as exc:
+            answer = f"bad cannot decompress ({exc})"
         except Exception as exc:  # noqa: BLE001 - a flaw of the checker refuses the image
             answer = f"bad the check failed ({type(exc).__name__}: {exc})"
         stdout.write(answer.replace("\n", " ").encode("utf-8", "replace") + b"\n")

@@ -37,7 +37,6 @@ import lmdb
 
 from ..errors import IntegrityError
 from ..formats.chunktable import ChunkTable
-from ..formats.erofscheck import check_meta_image
 from ..manifest import LayerManifest
 from ..registry import MetaCheck, Registry
 
@@ -84,7 +83,7 @@ class Replica:
         self._remove_temporaries()
         self.env = lmdb.open(str(self.root / "replica.lmdb"), max_dbs=8, map_size=1 << 34,
                              subdir=True, lock=True)
-        self.check_meta: MetaCheck = check_meta_image  # the daemon's checker processes
+        self.check_meta: MetaCheck | None = None  # the daemon's checker processes (else in-process)
         self.dbs = {name.decode(): self.env.open_db(name) for name in DBS}
 
     def close(self) -> None:
