@@ -61,6 +61,7 @@ def test_a_table_that_comes_first_waits_for_the_trace_then_replays_in_its_order(
         async with trio.open_nursery() as nursery:
             replay.table_known(LAYER, table)  # before the replay's task even ran
             nursery.start_soon(replay.run)
+            replay.settle()  # the up is over
 
     run(main)
     assert store.calls[0] == (trace_key(LAYER), None, None)
@@ -73,7 +74,7 @@ def test_a_table_that_comes_first_waits_for_the_trace_then_replays_in_its_order(
 
 def test_a_trace_that_comes_first_waits_for_its_table(tmp_path):
     """Two layers: the replay starts each one's fetches only once its own table
-    is in, and ends once both tables are in and their fetches are done."""
+    is in, and ends once the up is over and the fetches are done."""
     table, pack = layer()
     store = TraceStore({PACK: pack}, {LAYER: trace_bytes([2]), OTHER: trace_bytes([5])})
     replay, f = replay_of(tmp_path, store, [LAYER, OTHER])
@@ -90,6 +91,7 @@ def test_a_trace_that_comes_first_waits_for_its_table(tmp_path):
             assert store.calls[-1] == (blob_key(PACK), 5 * 4096, 6 * 4096)
             assert not done  # LAYER's table may still come
             replay.table_known(LAYER, table)
+            replay.settle()  # the up is over
 
     run(main)
     assert done == [True]
@@ -117,6 +119,7 @@ def test_auto_replays_nothing_without_a_pushed_trace_and_trace_uses_the_nodes_ow
         async with trio.open_nursery() as nursery:
             nursery.start_soon(replay.run)
             replay.table_known(LAYER, table)
+            replay.settle()  # the up is over
 
     run(auto)
     assert store.calls == [(trace_key(LAYER), None, None)]  # asked, none pushed: nothing fetched
@@ -126,6 +129,7 @@ def test_auto_replays_nothing_without_a_pushed_trace_and_trace_uses_the_nodes_ow
         async with trio.open_nursery() as nursery:
             nursery.start_soon(own.run)
             own.table_known(LAYER, table)
+            own.settle()
 
     run(trace)
     assert store.calls[-1] == (blob_key(PACK), 4096, 2 * 4096)  # the node's own trace
@@ -142,6 +146,7 @@ def test_a_malformed_pushed_trace_is_one_warning_and_no_fetch(tmp_path):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(replay.run)
             replay.table_known(LAYER, table)
+            replay.settle()  # the up is over
 
     run(main)
     assert store.calls == [(trace_key(LAYER), None, None)]

@@ -217,11 +217,9 @@ class Sandboxes:
                                    config=config, prefetch=prefetch, created=time.time(),
                                    state="starting", rootfs=str(self._dir(sid) / "rootfs"))
             replay = self._replay(record)
-            try:
-                await self._start(record, fresh=True, replay=replay)
-            finally:
-                if replay is not None:
-                    replay.settle()
+            await self._start(record, fresh=True, replay=replay)
+            if replay is not None:
+                replay.settle()  # every layer's table is in
             self.records[sid] = record
             await self._save(record)
         except BaseException:

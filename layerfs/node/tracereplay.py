@@ -63,7 +63,7 @@ class TraceReplay:
         self.tables: dict[str, ChunkTable] = {}
         self.started: set[str] = set()
         self.scope = trio.CancelScope()
-        self._settled = trio.Event()  # every table is in, or the up is over
+        self._settled = trio.Event()  # the up is over: no more tables will come
         self._nursery: trio.Nursery | None = None
 
     async def run(self) -> None:
@@ -81,15 +81,13 @@ class TraceReplay:
         if digest in self.digests:
             self.tables.setdefault(digest, table)
             self._start(digest)
-        if len(self.tables) == len(self.digests):
-            self._settled.set()
 
     def settle(self) -> None:
         """The up is over: no more tables will come."""
         self._settled.set()
 
     def cancel(self) -> None:
-        self._settled.set()
+        self.settle()
         self.scope.cancel()
 
     def reporter(self, digest: str) -> Callable[[ChunkTable], None]:
