@@ -9,6 +9,7 @@ events, ``wait_all_tasks_blocked`` and nurseries that end with their tasks."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import threading
@@ -22,7 +23,7 @@ from layerfs.cache.chunkfile import BLOCK
 from layerfs.chunks import pack_runs
 from layerfs.errors import StoreUnreachable, TransientStoreError
 from layerfs.formats.chunktable import FILE_START, RAW, ChunkEntry, ChunkTable
-from layerfs.node.blobfiles import BlobFile
+from layerfs.node.blobfiles import FILE_AHEAD, BlobFile
 from layerfs.node.failfast import OBJECT_BACKOFF, OBJECT_BACKOFF_MAX, FailFast
 from layerfs.node.fetcher import STORE_COOLDOWN, ChunkFetcher, FetchError
 from layerfs.store.base import blob_key
@@ -462,6 +463,62 @@ def test_a_stream_fetches_ahead_a_quarter_of_what_it_has_read(tmp_path):
     assert present == list(range(15))
     assert len(store.calls) <= 13  # 0-3 on demand, then ahead: 4, 5, 6, 7, 8-9, 10, 11, 12, 13-14
     assert any(end - start == 2 * 4096 for _, start, end in store.calls)
+
+
+def files_of(entries: list[ChunkEntry], starts: set[int]) -> list[ChunkEntry]:
+    """The entries with FILE_START set on those at ``starts``."""
+    return [dataclasses.replace(e, flags=FILE_START if i in starts else 0)
+            for i, e in enumerate(entries)]
+
+
+def test_a_miss_at_the_start_of_a_small_file_fetches_the_rest_of_it(tmp_path):
+    """Files of 3, 2, 6 and 2 chunks (FILE_AHEAD is 4). A read of 100 bytes at
+    the first file's start fetches its first chunk, and its other two with one
+    range read in the background; so does one at the last file's start. A read
+    inside the 2-chunk file fetches only its chunk (a reader that starts inside
+    a file may want only that part), and so does one at the start of the
+    6-chunk file."""
+    assert FILE_AHEAD == 4
+    a = "sha256:" + "a" * 64
+    plain, pack = run_entries([4096] * 13, a)
+    entries = files_of(plain, {0, 3, 5, 11})
+    store = RangeStore({a: pack})
+    f = fetcher(tmp_path, store)
+    blob = BlobFile("sha256:" + "5" * 64, ChunkTable(entries, len(pack), 4096), f, 16)
+    assert [list(blob.file_of(i)) for i in (1, 3, 9)] == [[0, 1, 2], [3, 4], list(range(5, 11))]
+
+    async def main() -> None:
+        async with trio.open_nursery() as background:
+            f.nursery = background
+            for at in (0, 4 * 4096, 5 * 4096, 11 * 4096):
+                assert await blob.read(at, 100) == pack[at:at + 100]
+        f.nursery = None
+        calls = sorted((start, end) for _, start, end in store.calls)
+        assert calls == [(0, 4096), (4096, 3 * 4096), (4 * 4096, 5 * 4096),
+                         (5 * 4096, 6 * 4096), (11 * 4096, 12 * 4096), (12 * 4096, 13 * 4096)]
+        assert await blob.read(4096, 2 * 4096) == pack[4096:3 * 4096]  # from memory
+        assert len(store.calls) == 6
+
+    run(main)
+    assert [i for i, e in enumerate(entries) if not f.absent(e.sha256)] == [0, 1, 2, 4, 5, 11, 12]
+
+
+def test_a_table_without_file_starts_fetches_only_what_is_read(tmp_path):
+    """No FILE_START flags (a disk's table): no file fetch-ahead."""
+    a = "sha256:" + "a" * 64
+    entries, pack = run_entries([4096] * 3, a)
+    store = RangeStore({a: pack})
+    f = fetcher(tmp_path, store)
+    blob = BlobFile("sha256:" + "6" * 64, ChunkTable(entries, len(pack), 4096), f, 16)
+
+    async def main() -> None:
+        async with trio.open_nursery() as background:
+            f.nursery = background
+            assert await blob.read(0, 100) == pack[:100]
+        f.nursery = None
+
+    run(main)
+    assert store.calls == [(blob_key(a), 0, 4096)]
 
 
 def test_a_background_run_waits_while_readers_fetch(tmp_path):

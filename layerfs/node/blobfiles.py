@@ -9,8 +9,10 @@ Readahead is mostly the kernel's (EROFS and FUSE readahead windows, see the
 daemon); a read tells whether it continues a stream and asks the prefetch
 policy (layerfs/node/prefetch.py) once what to read ahead; a small random
 read of a cached chunk reads only the blocks it needs. A miss on a small
-chunk may bring the chunks after it in its pack along (the miss span). The
-first touch of each chunk is recorded in order (the layer's access trace).
+chunk may bring the chunks after it in its pack along (the miss span); a miss
+at the start of a small file of several chunks fetches the file's other
+chunks alongside (the file fetch-ahead). The first touch of each chunk is
+recorded in order (the layer's access trace).
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ..formats.chunktable import ChunkEntry, ChunkTable
+from ..formats.chunktable import FILE_START, ChunkEntry, ChunkTable
 from .fetcher import Buffer, ChunkFetcher
 
 STABLE_INODE_BASE = 1 << 60  # above the fixed directories' inodes
 PART_READ_FRACTION = 4  # a random read of at most 1/4 of a cached chunk reads just that
 MISS_NEIGHBOURS = 64  # at most this many following chunks come along with a miss
+FILE_AHEAD = 4  # a miss at the start of a file of 2 to this many chunks fetches the rest
 RECENT_READS = 32  # streams (read ends) remembered per blob to tell sequential reads
 ZEROS = bytes(1 << 20)  # shared by every hole a read returns
 BLOB_KIND, DISK_KIND = 0, 1
@@ -79,6 +82,7 @@ class BlobFile:
     fetcher: ChunkFetcher
     inode: int
     offsets: list[int] = field(default_factory=list)
+    file_starts: list[int] = field(default_factory=list)  # entries that begin a file
     touched: set[int] = field(default_factory=set)
     trace: list[int] = field(default_factory=list)
     bytes_read: int = 0
@@ -87,6 +91,7 @@ class BlobFile:
 
     def __post_init__(self) -> None:
         self.offsets = [e.blob_offset for e in self.table.entries]
+        self.file_starts = [i for i, e in enumerate(self.table.entries) if e.flags & FILE_START]
 
     @property
     def name(self) -> str:
@@ -126,6 +131,7 @@ class BlobFile:
         if plan.streaming and pieces:
             last = pieces[-1][0]
             policy.read_ahead(entries[last + 1:last + 1 + plan.depth], plan)
+        self._fetch_rest_of_files(pieces)
         neighbours = MISS_NEIGHBOURS if policy.miss_span else 0
         datas: list[Buffer] = [b""] * len(pieces)
 
@@ -157,6 +163,34 @@ class BlobFile:
         if len(self.ends) > RECENT_READS:
             del self.ends[next(iter(self.ends))]
         return stream
+
+    def file_of(self, i: int) -> range:
+        """The entries of the file that entry ``i`` belongs to (just ``i`` when
+        the table marks no file starts)."""
+        k = bisect.bisect_right(self.file_starts, i) - 1
+        if k < 0:
+            return range(i, i + 1)
+        end = self.file_starts[k + 1] if k + 1 < len(self.file_starts) else len(self.offsets)
+        return range(self.file_starts[k], end)
+
+    def _fetch_rest_of_files(self, pieces: list[tuple[int, int, int]]) -> None:
+        """For each read piece that starts a file's first chunk, when no one has
+        or fetches that chunk and the file has 2 to ``FILE_AHEAD`` chunks: the
+        file's other absent chunks, fetched in the background. A program that
+        reads a file from its start (a loader opening a library, a small file
+        read whole) reads the rest of it next: one round trip, not one per
+        chunk. A read that starts inside a file may want only that part."""
+        fetcher, entries, ahead = self.fetcher, self.table.entries, []
+        for i, lo, _ in pieces:
+            entry = entries[i]
+            if (not entry.flags & FILE_START or lo != entry.blob_offset
+                    or not fetcher.absent(entry.sha256)):
+                continue
+            rest = self.file_of(i)
+            if 1 < len(rest) <= FILE_AHEAD:
+                ahead += [entries[j] for j in rest[1:] if fetcher.absent(entries[j].sha256)]
+        if ahead:
+            fetcher.fetch_ahead(ahead)
 
     def _record(self, indexes: list[int]) -> None:
         for i in indexes:

@@ -12,6 +12,9 @@ fetched, waited for or already there:
   when the reader asks for them; and warming its next cached chunks into memory;
 * the miss span (``--miss-span``): a miss on a small chunk brings the chunks
   after it in its pack along;
+* a file's fetch-ahead: a miss at the start of a small file of several chunks
+  fetches the file's other chunks (``BlobFile`` knows the files, ``fetch_ahead``
+  fetches);
 * the read plan of ``BlobFile.read_parts``: how deep a stream reads ahead.
 """
 
