@@ -358,6 +358,23 @@ def test_s3_ranged_get_presigns_again_after_a_403(s3_server: S3Server) -> None:
     assert store.ranges._urls[key][0] != tampered
 
 
+def test_s3_serves_as_many_gets_at_once_as_a_daemon_has_threads(s3_server: S3Server) -> None:
+    """128 threads at once (as many as the daemon's store threads and trio's
+    could be), whole and ranged GETs: every connection goes back to its pool,
+    with no pool-full warning (the log check fails a test on one)."""
+    store = S3Store("layerfs-test", f"t/{uuid.uuid4().hex}", endpoint=s3_server.endpoint)
+    store.put("blobs/p", DATA)
+    start = threading.Barrier(128)
+
+    def get(i: int) -> bytes:
+        start.wait(10)
+        return store.get("blobs/p", i, i + 10) if i % 2 else store.get("blobs/p")
+
+    with ThreadPoolExecutor(128) as pool:
+        got = list(pool.map(get, range(128)))
+    assert got == [DATA[i:i + 10] if i % 2 else DATA for i in range(128)]
+
+
 def test_s3_honours_if_none_match(s3_server: S3Server) -> None:
     store = S3Store("layerfs-test", f"t/{uuid.uuid4().hex}", endpoint=s3_server.endpoint)
     assert store.put_if_absent("refs/a", b"1") is True

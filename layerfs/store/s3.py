@@ -43,6 +43,10 @@ _sessions_lock = threading.Lock()
 
 
 CONNECT_TIMEOUT, READ_TIMEOUT = 3.0, 30.0  # per attempt, and at most the store's timeout
+# connections kept per pool: more than the threads that may use one at once at the
+# daemon's default --store-fetches (its 40 store threads and trio's 40), so that
+# none is dropped after a burst (a warning line each) and opened again
+POOL_CONNECTIONS = 128
 
 
 def client_config(timeout: float = READ_TIMEOUT) -> Config:
@@ -51,7 +55,7 @@ def client_config(timeout: float = READ_TIMEOUT) -> Config:
         connect_timeout=min(CONNECT_TIMEOUT, timeout),
         read_timeout=min(READ_TIMEOUT, timeout),
         retries={"total_max_attempts": 1, "mode": "standard"},
-        max_pool_connections=32,
+        max_pool_connections=POOL_CONNECTIONS,
         signature_version="s3v4",  # presigned URLs too (botocore presigns with SigV2 otherwise)
     )
 
@@ -115,7 +119,7 @@ class S3Store(Store):
         """The client and range reader, their timeouts per attempt within ``timeout``."""
         self.client = make_client(self.endpoint, self.timeout)
         self.ranges: RangeReader | None = RangeReader(
-            self.client, self.bucket, self.where,
+            self.client, self.bucket, self.where, pool_size=POOL_CONNECTIONS,
             connect_timeout=min(CONNECT_TIMEOUT, self.timeout),
             read_timeout=min(READ_TIMEOUT, self.timeout))
 
