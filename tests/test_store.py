@@ -464,8 +464,28 @@ def test_s3_both_read_paths_map_an_error_reply_alike(aws_env: None, code: str,
     assert type(info.value) is type(through_boto3)
 
 
-@pytest.mark.daemon_log(r"presigned ranged GETs refused \(.*\); using boto3 calls")
-def test_s3_ranged_gets_fall_back_to_boto3_where_refused(s3_server: S3Server) -> None:
+def test_s3_whole_and_ranged_gets_take_the_presigned_path(s3_server: S3Server) -> None:
+    """A whole object (a ref, a manifest), an empty one and a range: each one
+    presigned GET, none through boto3's get_object; a missing object is
+    ObjectNotFound as through boto3."""
+    store = S3Store("layerfs-test", f"t/{uuid.uuid4().hex}", endpoint=s3_server.endpoint)
+    store.put("blobs/p", DATA)
+    store.put("refs/e", b"")
+    assert store.ranges is not None
+    lean, through_boto3 = [], []
+    get, get_object = store.ranges.get, store.client.get_object
+    store.ranges.get = lambda *a: lean.append(a[1:]) or get(*a)  # type: ignore[method-assign]
+    store.client.get_object = lambda **kw: through_boto3.append(kw) or get_object(**kw)
+    assert store.get("blobs/p") == DATA
+    assert store.get("refs/e") == b""
+    assert store.get("blobs/p", 3, 9) == DATA[3:9]
+    with pytest.raises(ObjectNotFound):
+        store.get("blobs/none")
+    assert lean == [(0, None), (0, None), (3, 9), (0, None)] and through_boto3 == []
+
+
+@pytest.mark.daemon_log(r"presigned GETs refused \(.*\); using boto3 calls")
+def test_s3_gets_fall_back_to_boto3_where_refused(s3_server: S3Server) -> None:
     store = S3Store("layerfs-test", f"t/{uuid.uuid4().hex}", endpoint=s3_server.endpoint)
     store.put("blobs/p", DATA)
     assert store.ranges is not None
@@ -478,6 +498,7 @@ def test_s3_ranged_gets_fall_back_to_boto3_where_refused(s3_server: S3Server) ->
     assert store.ranges is None  # from now on, boto3 calls
     assert store.get("blobs/p", 1000, None) == DATA[1000:]
     assert store.get("blobs/p", 2000, None) == b""
+    assert store.get("blobs/p") == DATA
 
 
 def test_s3_no_such_bucket_message(aws_env: None) -> None:

@@ -5,8 +5,9 @@ given an endpoint (constructor argument, else ``AWS_ENDPOINT_URL_S3`` /
 ``AWS_ENDPOINT_URL``). Credentials come from the standard AWS chain. botocore
 makes one attempt per call; :class:`~layerfs.store.base.RetryPolicy` does the
 retries. One boto3 client per store, shared by all threads (clients are thread
-safe); ranged GETs (chunk fetches) go through :mod:`layerfs.store.s3ranges`
-(presigned by that client). Errors are mapped to :mod:`layerfs.errors`.
+safe); GETs (chunk fetches, refs, manifests) go through
+:mod:`layerfs.store.s3ranges` (presigned by that client). Errors are mapped
+to :mod:`layerfs.errors`.
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ class S3Store(Store):
                 raise self.missing(key)
             return b""
         ranged = first > 0 or end is not None
-        if ranged and self.ranges is not None:  # chunk fetches: the lean path
+        if self.ranges is not None:  # the lean path (~3 ms less a GET than boto3's)
             try:
                 return self.ranges.get(full, first, end)
             except Missing as exc:
@@ -203,7 +204,7 @@ class S3Store(Store):
                     raise self.missing(key) from None
                 raise StoreError(f"bucket {self.bucket!r} does not exist at {self.where}") from None
             except Unsupported as exc:
-                log.warning("%s: presigned ranged GETs refused (%s); using boto3 calls",
+                log.warning("%s: presigned GETs refused (%s); using boto3 calls",
                             self.where, exc)
                 self.ranges = None
             except bx.BotoCoreError as exc:  # presigning: credentials

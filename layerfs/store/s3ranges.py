@@ -1,6 +1,7 @@
-"""Ranged GETs of S3 objects without boto3's per-call machinery.
+"""GETs of S3 objects without boto3's per-call machinery.
 
-A chunk fetch is one ranged GET of a pack. Through a boto3 client such a call
+A chunk fetch is one ranged GET of a pack; a ref, a manifest, a meta image or
+a chunk table is one GET of a whole object. Through a boto3 client such a call
 costs about 2 ms of CPU (request building, signing, event hooks, response
 parsing), as much as the network time of a small chunk and more than its
 hashing and decompression together. Here boto3 still does everything S3
@@ -83,10 +84,12 @@ class RangeReader:
         return url
 
     def get(self, key: str, start: int, end: int | None) -> bytes:
-        """Bytes ``[start, end)`` of ``key`` (to its end with ``end`` None); b""
-        for a range that starts at or past the end. Raises Missing, or the
-        errors of :mod:`layerfs.errors`."""
-        headers = {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
+        """Bytes ``[start, end)`` of ``key`` (to its end with ``end`` None; the
+        whole object, with no ``Range``, from 0 to None); b"" for a range that
+        starts at or past the end. Raises Missing, or the errors of
+        :mod:`layerfs.errors`."""
+        whole = start == 0 and end is None
+        headers = {} if whole else {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
         for fresh in (False, True):
             reply = self._request(self._url(key, fresh), headers, key)
             if reply.status in (200, 206):
