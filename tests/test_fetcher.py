@@ -485,7 +485,7 @@ def test_a_miss_at_the_start_of_a_small_file_fetches_the_rest_of_it(tmp_path):
     store = RangeStore({a: pack})
     f = fetcher(tmp_path, store)
     blob = BlobFile("sha256:" + "5" * 64, ChunkTable(entries, len(pack), 4096), f, 16)
-    assert [list(blob.file_of(i)) for i in (1, 3, 9)] == [[0, 1, 2], [3, 4], list(range(5, 11))]
+    assert [blob.rest_of_file(i) for i in (0, 3, 5, 11)] == [[1, 2], [4], [], [12]]
 
     async def main() -> None:
         async with trio.open_nursery() as background:
@@ -496,11 +496,46 @@ def test_a_miss_at_the_start_of_a_small_file_fetches_the_rest_of_it(tmp_path):
         calls = sorted((start, end) for _, start, end in store.calls)
         assert calls == [(0, 4096), (4096, 3 * 4096), (4 * 4096, 5 * 4096),
                          (5 * 4096, 6 * 4096), (11 * 4096, 12 * 4096), (12 * 4096, 13 * 4096)]
-        assert await blob.read(4096, 2 * 4096) == pack[4096:3 * 4096]  # from memory
+        assert all(f.states.held(entries[i].sha256) is not None for i in (1, 2, 12))  # in memory
+        assert await blob.read(4096, 2 * 4096) == pack[4096:3 * 4096]
         assert len(store.calls) == 6
 
     run(main)
     assert [i for i, e in enumerate(entries) if not f.absent(e.sha256)] == [0, 1, 2, 4, 5, 11, 12]
+
+
+def test_a_file_ends_at_a_short_chunk_a_gap_or_the_next_files_start():
+    """What continues a file: full chunks one after another in the blob. A short
+    chunk ends it (the next entry, unflagged, is a file whose first chunk the
+    table has no entry for); so does a gap (a hole, or a chunk placed earlier)."""
+    a = "sha256:" + "a" * 64
+    plain, pack = run_entries([4096, 100, 4096, 4096, 4096, 4096], a)
+    entries = files_of(plain, {0, 3})
+    # blob offsets: a hole between entries 3 and 4
+    entries = [dataclasses.replace(e, blob_offset=k * 4096 + (4096 if k >= 4 else 0))
+               for k, e in enumerate(entries)]
+    blob = BlobFile("sha256:" + "7" * 64, ChunkTable(entries, 8 * 4096, 4096), None, 16)
+    assert [blob.rest_of_file(i) for i in range(6)] == [[1], [], [], [], [5], []]
+
+
+def test_the_miss_span_takes_a_files_start_with_its_neighbours_in_one_read(tmp_path):
+    """With the miss span on, a miss at a small file's start is one range read of
+    the chunk and its pack neighbours, no second read for the rest of the file."""
+    a = "sha256:" + "a" * 64
+    plain, pack = run_entries([4096] * 4, a)
+    entries = files_of(plain, {0})
+    store = RangeStore({a: pack})
+    f = ChunkFetcher(store, ChunkCache(tmp_path / "cache", 1 << 20), miss_span=3 * 4096)
+    blob = BlobFile("sha256:" + "8" * 64, ChunkTable(entries, len(pack), 4096), f, 16)
+
+    async def main() -> None:
+        async with trio.open_nursery() as background:
+            f.nursery = background
+            assert await blob.read(0, 100) == pack[:100]
+        f.nursery = None
+
+    run(main)
+    assert store.calls == [(blob_key(a), 0, 3 * 4096)]
 
 
 def test_a_table_without_file_starts_fetches_only_what_is_read(tmp_path):

@@ -82,7 +82,6 @@ class BlobFile:
     fetcher: ChunkFetcher
     inode: int
     offsets: list[int] = field(default_factory=list)
-    file_starts: list[int] = field(default_factory=list)  # entries that begin a file
     touched: set[int] = field(default_factory=set)
     trace: list[int] = field(default_factory=list)
     bytes_read: int = 0
@@ -91,7 +90,6 @@ class BlobFile:
 
     def __post_init__(self) -> None:
         self.offsets = [e.blob_offset for e in self.table.entries]
-        self.file_starts = [i for i, e in enumerate(self.table.entries) if e.flags & FILE_START]
 
     @property
     def name(self) -> str:
@@ -164,31 +162,42 @@ class BlobFile:
             del self.ends[next(iter(self.ends))]
         return stream
 
-    def file_of(self, i: int) -> range:
-        """The entries of the file that entry ``i`` belongs to (just ``i`` when
-        the table marks no file starts)."""
-        k = bisect.bisect_right(self.file_starts, i) - 1
-        if k < 0:
-            return range(i, i + 1)
-        end = self.file_starts[k + 1] if k + 1 < len(self.file_starts) else len(self.offsets)
-        return range(self.file_starts[k], end)
+    def rest_of_file(self, i: int) -> list[int]:
+        """The entries after entry ``i`` that continue its file, if the file has
+        at most ``FILE_AHEAD`` chunks (else none): each starts where the full
+        chunk before it ends and is not flagged ``FILE_START``. A chunk of the
+        file that the table has no entry for (a hole, or bytes placed earlier
+        in the layer) ends it early; a file whose first chunk has no entry
+        cannot be told from the file before it when that one ends on a full
+        chunk, so at worst a few chunks of it come along."""
+        entries, size = self.table.entries, self.table.chunk_size
+        rest: list[int] = []
+        for j in range(i + 1, len(entries)):
+            prev, nxt = entries[j - 1], entries[j]
+            if (nxt.flags & FILE_START or prev.length != size
+                    or nxt.blob_offset != prev.blob_offset + size):
+                break
+            if len(rest) == FILE_AHEAD - 1:
+                return []  # a larger file: the stream's readahead's
+            rest.append(j)
+        return rest
 
     def _fetch_rest_of_files(self, pieces: list[tuple[int, int, int]]) -> None:
         """For each read piece that starts a file's first chunk, when no one has
-        or fetches that chunk and the file has 2 to ``FILE_AHEAD`` chunks: the
-        file's other absent chunks, fetched in the background. A program that
-        reads a file from its start (a loader opening a library, a small file
-        read whole) reads the rest of it next: one round trip, not one per
-        chunk. A read that starts inside a file may want only that part."""
+        or fetches that chunk, the miss span does not take its neighbours along
+        and the file has 2 to ``FILE_AHEAD`` chunks: the file's other absent
+        chunks, fetched in the background. A program that reads a file from
+        its start (a loader opening a library, a small file read whole) reads
+        the rest of it next: one round trip, not one per chunk. A read that
+        starts inside a file may want only that part."""
         fetcher, entries, ahead = self.fetcher, self.table.entries, []
         for i, lo, _ in pieces:
             entry = entries[i]
             if (not entry.flags & FILE_START or lo != entry.blob_offset
-                    or not fetcher.absent(entry.sha256)):
+                    or not fetcher.absent(entry.sha256) or fetcher.takes_neighbours(entry)):
                 continue
-            rest = self.file_of(i)
-            if 1 < len(rest) <= FILE_AHEAD:
-                ahead += [entries[j] for j in rest[1:] if fetcher.absent(entries[j].sha256)]
+            ahead += [entries[j] for j in self.rest_of_file(i)
+                      if fetcher.absent(entries[j].sha256)]
         if ahead:
             fetcher.fetch_ahead(ahead)
 
