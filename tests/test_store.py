@@ -13,6 +13,7 @@ from pathlib import Path
 
 import botocore.exceptions as bx
 import pytest
+from registryserver import Answer, FakeServer
 from s3server import DUMMY_AWS_ENV, S3Server, free_ports
 
 from layerfs.errors import (
@@ -450,6 +451,39 @@ def test_s3_ranged_get_error_mapping(reply: Reply, expected: type[Exception] | N
         with pytest.raises(expected) as info:
             reader._failed(reply, "k")
         assert type(info.value) is expected
+
+
+class PresignedAt:
+    """A stand-in boto3 client: presigns every key as a URL of ``base``."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.presigned: list[str] = []
+
+    def generate_presigned_url(self, op: str, Params: dict, ExpiresIn: int) -> str:  # noqa: N803
+        self.presigned.append(Params["Key"])
+        return f"{self.base}/{Params['Key']}"
+
+
+@pytest.mark.parametrize("ranged", [False, True], ids=["whole", "range"])
+def test_s3_a_body_that_breaks_off_is_that_object_unavailable(ranged: bool) -> None:
+    """A reply that ends before its Content-Length: the object unavailable (that
+    pack backs off), not the store unreachable (every read would)."""
+    cut = Answer(206 if ranged else 200, b"x" * 1000, length=5000)
+    with FakeServer(lambda path, headers: cut) as fake:
+        reader = RangeReader(PresignedAt(f"http://{fake.host}"), "bkt", f"http://{fake.host}")
+        with pytest.raises(ObjectUnavailable, match="k"):
+            reader.get("k", 10 if ranged else 0, 5010 if ranged else None)
+
+
+def test_s3_presigned_urls_kept_are_the_most_recently_used(monkeypatch) -> None:
+    monkeypatch.setattr("layerfs.store.s3ranges.MAX_URLS", 3)
+    client = PresignedAt("http://127.0.0.1:9")
+    reader = RangeReader(client, "bkt", "http://127.0.0.1:9")
+    for key in ("a", "b", "c", "a", "d", "a", "b"):
+        reader._url(key, fresh=False)
+    assert client.presigned == ["a", "b", "c", "d", "b"]  # d pushed b out, not a
+    assert list(reader._urls) == ["d", "a", "b"]
 
 
 @pytest.mark.parametrize(("code", "status"), [

@@ -27,7 +27,7 @@ from ..errors import AccessDenied, ObjectUnavailable, StoreError, StoreUnreachab
 from .base import ObjectInfo, RetryPolicy, Store
 from .keys import check_key, check_prefix
 from .s3errors import S3Failure, classify, error_class
-from .s3ranges import Missing, RangeReader, Unsupported
+from .s3ranges import POOL_CONNECTIONS, Missing, RangeReader, Unsupported
 
 log = logging.getLogger(__name__)
 NO_CREDENTIALS = (bx.NoCredentialsError, bx.PartialCredentialsError, bx.CredentialRetrievalError)
@@ -44,10 +44,6 @@ _sessions_lock = threading.Lock()
 
 
 CONNECT_TIMEOUT, READ_TIMEOUT = 3.0, 30.0  # per attempt, and at most the store's timeout
-# connections kept per pool: more than the threads that may use one at once at the
-# daemon's default --store-fetches (its 40 store threads and trio's 40), so that
-# none is dropped after a burst (a warning line each) and opened again
-POOL_CONNECTIONS = 128
 
 
 def client_config(timeout: float = READ_TIMEOUT) -> Config:
@@ -196,9 +192,10 @@ class S3Store(Store):
                 raise self.missing(key)
             return b""
         ranged = first > 0 or end is not None
-        if self.ranges is not None:  # the lean path (~3 ms less a GET than boto3's)
+        ranges = self.ranges  # read once: another thread may drop it
+        if ranges is not None:  # the lean path (~3 ms less a GET than boto3's)
             try:
-                return self.ranges.get(full, first, end)
+                return ranges.get(full, first, end)
             except Missing as exc:
                 if exc.code != "NoSuchBucket":
                     raise self.missing(key) from None

@@ -1,5 +1,5 @@
 """What an S3 error reply means, for both ways layerfs talks to S3 (boto3
-calls in :mod:`.s3` and presigned ranged GETs in :mod:`.s3ranges`): one map
+calls in :mod:`.s3` and presigned GETs in :mod:`.s3ranges`): one map
 from the reply's error code and HTTP status to a kind of failure, so the same
 reply is the same :mod:`layerfs.errors` class whichever path met it.
 

@@ -18,9 +18,11 @@ and the store goes back to boto3 calls.
 
 from __future__ import annotations
 
+import http.client
 import re
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import urllib3
@@ -30,12 +32,16 @@ from .s3errors import S3Failure, classify, error_class
 
 SIGNED_SECONDS = 3600
 REUSE_SECONDS = 600  # well inside the signature's life and short-lived credentials
-MAX_URLS = 4096  # presigned URLs kept (one per recently read object)
+MAX_URLS = 4096  # presigned URLs kept (the most recently read objects')
 _CODE = re.compile(rb"<Code>([^<]*)</Code>")
 
+# connections kept per pool (this one and boto3's): more than a daemon's threads use
+# at once (its store fetches in flight, --store-fetches up to 88, and trio's 40
+# worker threads), so that none is dropped after a burst (a warning line each)
+POOL_CONNECTIONS = 128
 UNREACHABLE = (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError,
                urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError)  # fmt: skip
-CUT_BODY = (urllib3.exceptions.IncompleteRead,)  # the answer broke off
+CUT_BODY = (urllib3.exceptions.IncompleteRead, http.client.IncompleteRead)  # the answer broke off
 
 
 class Missing(Exception):
@@ -47,7 +53,7 @@ class Missing(Exception):
 
 
 class Unsupported(Exception):
-    """The endpoint does not serve presigned ranged GETs here (a redirect to
+    """The endpoint does not serve presigned GETs here (a redirect to
     another region, query authentication refused): use the client's calls."""
 
 
@@ -56,9 +62,9 @@ REFUSED_CODES = {"AuthorizationQueryParametersError", "NotImplemented", "Invalid
 
 
 class RangeReader:
-    """Ranged GETs of ``bucket`` objects; thread safe."""
+    """GETs of ``bucket`` objects, whole or a range; thread safe."""
 
-    def __init__(self, client: Any, bucket: str, where: str, pool_size: int = 32,
+    def __init__(self, client: Any, bucket: str, where: str, pool_size: int = POOL_CONNECTIONS,
                  connect_timeout: float = 3.0, read_timeout: float = 30.0) -> None:
         self.client = client
         self.bucket = bucket
@@ -66,21 +72,25 @@ class RangeReader:
         self.pool = urllib3.PoolManager(
             maxsize=pool_size, block=False, retries=False,
             timeout=urllib3.Timeout(connect=connect_timeout, read=read_timeout))
-        self._urls: dict[str, tuple[str, float]] = {}  # key → (URL, presigned at)
+        # key → (URL, presigned at), least recently used first
+        self._urls: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._lock = threading.Lock()
 
     def _url(self, key: str, fresh: bool) -> str:
         now = time.monotonic()
         with self._lock:
             known = self._urls.get(key)
+            if known is not None:
+                self._urls.move_to_end(key)
         if known is not None and not fresh and now - known[1] < REUSE_SECONDS:
             return known[0]
         url: str = self.client.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=SIGNED_SECONDS)
         with self._lock:
-            if len(self._urls) >= MAX_URLS:
-                self._urls.clear()
             self._urls[key] = (url, now)
+            self._urls.move_to_end(key)
+            while len(self._urls) > MAX_URLS:
+                self._urls.popitem(last=False)
         return url
 
     def get(self, key: str, start: int, end: int | None) -> bytes:
@@ -107,6 +117,10 @@ class RangeReader:
                                      redirect=False)
         except CUT_BODY as exc:
             raise ObjectUnavailable(f"get {key} at {self.where}: {exc}") from exc
+        except urllib3.exceptions.ProtocolError as exc:
+            if any(isinstance(arg, CUT_BODY) for arg in exc.args):  # the body broke off
+                raise ObjectUnavailable(f"get {key} at {self.where}: {exc}") from exc
+            raise StoreUnreachable(f"{self.where}: {exc}") from exc
         except UNREACHABLE as exc:
             raise StoreUnreachable(f"{self.where}: {exc}") from exc
         except urllib3.exceptions.HTTPError as exc:
