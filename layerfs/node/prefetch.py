@@ -123,10 +123,13 @@ class Prefetcher:
             await self.fetcher.get(entry)
 
     def fetch_ahead(self, entries: list[ChunkEntry]) -> None:
-        """Fetch from the store, in the background, the chunks a long sequential
-        stream reads next (runs of neighbours; kept in memory too). The chunks
-        are claimed now, so a reader that asks for one before its run starts
-        waits for it; a failure is only logged: the reader tries again."""
+        """Fetch from the store, in the background, the chunks a reader reads
+        next (a long sequential stream's, the rest of a file; runs of
+        neighbours; kept in memory too). The chunks are claimed now, so a
+        reader that asks for one before its run starts waits for it. A failure
+        is logged where it happened and reaches the readers that wait for the
+        chunk then, as their own fetch's would; a later read tries again
+        (within the fail-fast windows of layerfs/node/failfast.py)."""
         nursery = self.fetcher.nursery
         if nursery is None:
             return
