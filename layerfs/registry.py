@@ -44,6 +44,7 @@ LAYERS, ENVS = "layers", "envs"
 MAX_REF_BYTES = 1024  # a ref is one digest line; anything longer is not a ref
 HEADS_KEPT = 4096  # manifest heads (kind, name, version) remembered by digest
 MANIFESTS_KEPT = 256  # whole manifests remembered by digest (a ref check, then a fetch)
+FETCHES_AT_ONCE = 8  # manifests fetched in parallel (an env's layers)
 V = TypeVar("V")
 # a meta image's structural check of its stored (zstd) bytes: (stored, raw size, blob size,
 # chunk size, layer) → BadMetaImage or not (the daemon's checker processes)
@@ -203,6 +204,18 @@ class Registry:
             data = self._manifests.put(digest, self.store.get_blob(digest))
         return data
 
+    def _fetch_manifests(self, digests: list[str]) -> None:
+        """Bring the manifests not yet kept into memory, in parallel (an env's
+        layers: one store round trip for all of them, not one each). A failure
+        is left to the caller's own read of that manifest, which raises it."""
+        missing = [d for d in dict.fromkeys(digests)
+                   if self._manifests.get(d) is None and DIGEST_RE.fullmatch(d)]
+        if len(missing) < 2:
+            return
+        with ThreadPoolExecutor(min(len(missing), FETCHES_AT_ONCE)) as pool:
+            for digest in missing:
+                pool.submit(self.manifest_bytes, digest)  # a failure: raised where it is read
+
     def _head(self, digest: str) -> ManifestHead:
         """The kind and name@version of the manifest at ``digest``. Kept in memory:
         a digest-checked manifest never changes, so neither does what it says."""
@@ -256,6 +269,7 @@ class Registry:
         if manifest_head(data, digest).kind != "env":
             raise IntegrityError(digest, "not an env manifest")
         manifest = EnvManifest.from_bytes(data, digest)
+        self._fetch_manifests([layer.digest for layer in manifest.layers])
         for layer in manifest.layers:
             ref = Ref.parse(layer.ref)
             if ref.digest is not None and ref.digest != layer.digest:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -99,6 +100,35 @@ def test_env_ref_rewritten_or_env_naming_other_layers_is_refused(store, store_ar
     publish_manifest(store, ENVS, "h@1", pinned.to_bytes())
     with pytest.raises(RefMismatch):
         reg.env(reg.resolve(ENVS, "h@1"))
+
+
+class GatedManifests:
+    """The store, whose GETs of the given blobs each wait until all of them are
+    asked for (so a caller that reads them one after another fails)."""
+
+    def __init__(self, store: Store, digests: set[str]) -> None:
+        self.store = store
+        self.digests = digests
+        self.gate = threading.Barrier(len(digests), timeout=10)
+
+    def get_blob(self, digest: str) -> bytes:
+        if digest in self.digests:
+            self.gate.wait()
+        return self.store.get_blob(digest)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+
+def test_an_envs_layer_manifests_are_fetched_at_once(store, two_layers):
+    """Resolving an env reads its layers' manifests in parallel: one store round
+    trip for all of them; each is still checked against its ref."""
+    a, b = two_layers
+    create_env(Registry(store), "both", "1", ["a@1", "b@1"])
+    reg = Registry(store)
+    digest = reg.resolve(ENVS, "both@1")
+    gated = Registry(GatedManifests(store, {a, b}))  # type: ignore[arg-type]
+    assert [layer.digest for layer in gated.env(digest).layers] == [a, b]
 
 
 # -- finding 11: garbage ref files and manifests are one line --
