@@ -126,14 +126,12 @@ class LayerMounts:
             rl = meta.layer
             blob = self.blobs.add(digest, rl.table, self.fetcher)
             target = self.root / "layers" / rl.hex
-            await trio.to_thread.run_sync(lambda: target.mkdir(parents=True, exist_ok=True))
             device = self.root / "fuse" / "blobs" / rl.hex
             try:
                 if self.adopt(target):
                     return MountedLayer(digest, blob, target)
-                await trio.to_thread.run_sync(
-                    functools.partial(mount_erofs, meta.source, str(device), str(target),
-                                      directio=True, readahead=self.readahead),
+                await trio.to_thread.run_sync(  # one thread job: each hop waits for the loop
+                    functools.partial(mount_layer, meta.source, device, target, self.readahead),
                     limiter=self.mount_limit)
             except OSError:
                 self.blobs.remove(digest)
@@ -256,13 +254,12 @@ class Sandboxes:
         acquired: list[str] = []
         try:
             mounted = await self._acquire_all(record.layers, acquired, replay)
-            await trio.to_thread.run_sync(make_dirs, sdir, fresh)
             lower = ":".join(str(m.path) for m in mounted)
             opts = (f"lowerdir={lower},upperdir={sdir / 'upper'},workdir={sdir / 'work'},"
                     + OVERLAY_OPTIONS)
-            if not self.layers.adopt(sdir / "rootfs"):
-                await trio.to_thread.run_sync(mount, "overlay", str(sdir / "rootfs"), "overlay",
-                                              SAFE_FLAGS, opts, limiter=self.layers.mount_limit)
+            adopted = self.layers.adopt(sdir / "rootfs")
+            await trio.to_thread.run_sync(make_rootfs, sdir, fresh, None if adopted else opts,
+                                          limiter=self.layers.mount_limit)
         except BaseException:
             for digest in acquired:
                 await self.layers.release(digest)
@@ -407,6 +404,21 @@ class Sandboxes:
             out.append(SandboxStatus(**vars(record), upper_bytes=upper,
                                      layer_bytes_read=sum(b.bytes_read for b in blobs)))
         return out
+
+
+def mount_layer(source: str, device: Path, target: Path, readahead: int) -> None:
+    """Worker thread: a layer's mount point, then its EROFS mount of ``source``
+    (the checked meta image) over the blob file ``device``."""
+    target.mkdir(parents=True, exist_ok=True)
+    mount_erofs(source, str(device), str(target), directio=True, readahead=readahead)
+
+
+def make_rootfs(sdir: Path, fresh: bool, opts: str | None) -> None:
+    """Worker thread: the sandbox's directories, then its overlay with ``opts``
+    (None: the overlay is mounted already, kept across a live restart)."""
+    make_dirs(sdir, fresh)
+    if opts is not None:
+        mount("overlay", str(sdir / "rootfs"), "overlay", SAFE_FLAGS, opts)
 
 
 def make_dirs(sdir: Path, fresh: bool) -> None:
