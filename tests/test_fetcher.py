@@ -465,6 +465,21 @@ def test_a_stream_fetches_ahead_a_quarter_of_what_it_has_read(tmp_path):
     assert any(end - start == 2 * 4096 for _, start, end in store.calls)
 
 
+def read_with_background(f: ChunkFetcher, blob: BlobFile, off: int, size: int) -> bytes:
+    """One read of ``blob``, with a nursery for the fetches it starts in the
+    background, which ends once they have."""
+    got: list[bytes] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as background:
+            f.nursery = background
+            got.append(bytes(await blob.read(off, size)))
+        f.nursery = None
+
+    run(main)
+    return got[0]
+
+
 def files_of(entries: list[ChunkEntry], starts: set[int]) -> list[ChunkEntry]:
     """The entries with FILE_START set on those at ``starts``."""
     return [dataclasses.replace(e, flags=FILE_START if i in starts else 0)
@@ -527,14 +542,7 @@ def test_the_miss_span_takes_a_files_start_with_its_neighbours_in_one_read(tmp_p
     store = RangeStore({a: pack})
     f = ChunkFetcher(store, ChunkCache(tmp_path / "cache", 1 << 20), miss_span=3 * 4096)
     blob = BlobFile("sha256:" + "8" * 64, ChunkTable(entries, len(pack), 4096), f, 16)
-
-    async def main() -> None:
-        async with trio.open_nursery() as background:
-            f.nursery = background
-            assert await blob.read(0, 100) == pack[:100]
-        f.nursery = None
-
-    run(main)
+    assert read_with_background(f, blob, 0, 100) == pack[:100]
     assert store.calls == [(blob_key(a), 0, 3 * 4096)]
 
 
@@ -545,14 +553,7 @@ def test_a_table_without_file_starts_fetches_only_what_is_read(tmp_path):
     store = RangeStore({a: pack})
     f = fetcher(tmp_path, store)
     blob = BlobFile("sha256:" + "6" * 64, ChunkTable(entries, len(pack), 4096), f, 16)
-
-    async def main() -> None:
-        async with trio.open_nursery() as background:
-            f.nursery = background
-            assert await blob.read(0, 100) == pack[:100]
-        f.nursery = None
-
-    run(main)
+    assert read_with_background(f, blob, 0, 100) == pack[:100]
     assert store.calls == [(blob_key(a), 0, 4096)]
 
 
