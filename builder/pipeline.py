@@ -127,6 +127,7 @@ class ChunkPipeline:
         self._found: set[str] = set()  # own packs put_blob found already stored
         self._next_block = 0
         self._file_chunks: list[list[int]] = []  # EROFS mode, by file number
+        self._files_placed: set[int] = set()  # EROFS mode: files with a chunk in the blob
 
     # -- worker side --
     def _compressor(self) -> zstandard.ZstdCompressor:
@@ -162,8 +163,7 @@ class ChunkPipeline:
         self._file_chunks.append(chunks)
         for length, fut in self._submit(stream, size):
             chunks.append(HOLE)
-            flags = FILE_START if len(chunks) == 1 else 0
-            self._queue(_Pending(number, len(chunks) - 1, length, fut, flags))
+            self._queue(_Pending(number, len(chunks) - 1, length, fut))
         return number
 
     def add_windows(self, windows: Iterable[tuple[int, bytes]]) -> None:
@@ -213,7 +213,11 @@ class ChunkPipeline:
             addr = self._next_block
             self._next_block += -(-pending.length // BLOCK)
             self._layer_addr[res.sha] = addr
-            self._placed.append((addr * BLOCK, pending.length, res.sha, pending.flags))
+            # the file's first chunk in the blob (its slots settle in order): a hole or
+            # bytes placed earlier take no place there, so a file may start past them
+            flags = 0 if pending.file in self._files_placed else FILE_START
+            self._files_placed.add(pending.file)
+            self._placed.append((addr * BLOCK, pending.length, res.sha, flags))
         self._file_chunks[pending.file][pending.slot] = addr
 
     def _store_chunk(self, res: _Digested) -> None:

@@ -11,6 +11,7 @@ from support import ManifestPutFails, build
 
 from layerfs.builder.env import create_env
 from layerfs.errors import RefNotFound, StoreError, UsageError, VersionExists
+from layerfs.formats.chunktable import FILE_START
 from layerfs.gc import collect
 from layerfs.registry import ENVS, LAYERS, Registry
 from layerfs.store.base import BLOB_PREFIX
@@ -82,6 +83,25 @@ def test_holes_are_not_stored(tmp_path, store):
     res = build(store, str(src), chunk_size=16384)
     assert res.manifest.stats.holes == 63
     assert res.manifest.stats.unique_chunks == 1
+
+
+def test_each_file_flags_its_first_chunk_in_the_blob(tmp_path, store):
+    """Files whose first chunk is a hole or repeats another file's bytes have
+    their first chunk placed in the blob flagged instead: every file with a
+    chunk of its own starts at a flagged entry."""
+    c = 16384
+    one, two, three = (random.Random(n).randbytes(c) for n in (1, 2, 3))
+    src = tmp_path / "s"
+    src.mkdir()
+    (src / "a").write_bytes(one + two)  # two chunks of its own
+    (src / "b").write_bytes(one + three)  # its first chunk is a's
+    with open(src / "c", "wb") as f:  # a hole, then a chunk
+        f.truncate(c)
+        f.write(random.Random(4).randbytes(100))
+    reg = Registry(store)
+    table = reg.chunk_table(reg.layer(build(store, str(src), chunk_size=c).digest))
+    flagged = [bool(e.flags & FILE_START) for e in table.entries]
+    assert len(flagged) == 4 and flagged == [True, False, True, True]  # a, a, b's 2nd, c's 2nd
 
 
 def test_failed_push_publishes_nothing_and_gc_sees_leftovers(tmp_path, store):

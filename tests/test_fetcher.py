@@ -520,30 +520,36 @@ def test_a_miss_at_the_start_of_a_small_file_fetches_the_rest_of_it(tmp_path):
 
 
 def test_a_file_ends_at_a_short_chunk_a_gap_or_the_next_files_start():
-    """What continues a file: full chunks one after another in the blob. A short
-    chunk ends it (the next entry, unflagged, is a file whose first chunk the
-    table has no entry for); so does a gap (a hole, or a chunk placed earlier)."""
+    """What continues a file: full chunks one after another in the blob, up to
+    FILE_AHEAD of them. A short chunk ends it (the next entry, unflagged, is a
+    file with no chunk of its own before it); so does a gap in the blob (no
+    builder leaves one; a table could); a fifth chunk makes it too large."""
     a = "sha256:" + "a" * 64
-    plain, pack = run_entries([4096, 100, 4096, 4096, 4096, 4096], a)
-    entries = files_of(plain, {0, 3})
-    # blob offsets: a hole between entries 3 and 4
+    sizes = [4096, 100, 4096, 4096, 4096, 4096] + [4096] * 4 + [4096] * 5
+    plain, pack = run_entries(sizes, a)
+    entries = files_of(plain, {0, 3, 6, 10})
+    # blob offsets: a gap between entries 3 and 4
     entries = [dataclasses.replace(e, blob_offset=k * 4096 + (4096 if k >= 4 else 0))
                for k, e in enumerate(entries)]
-    blob = BlobFile("sha256:" + "7" * 64, ChunkTable(entries, 8 * 4096, 4096), None, 16)
+    blob = BlobFile("sha256:" + "7" * 64, ChunkTable(entries, 17 * 4096, 4096), None, 16)
     assert [blob.rest_of_file(i) for i in range(6)] == [[1], [], [], [], [5], []]
+    assert blob.rest_of_file(6) == [7, 8, 9]  # 4 chunks: FILE_AHEAD
+    assert blob.rest_of_file(10) == []  # 5 chunks
 
 
-def test_the_miss_span_takes_a_files_start_with_its_neighbours_in_one_read(tmp_path):
-    """With the miss span on, a miss at a small file's start is one range read of
-    the chunk and its pack neighbours, no second read for the rest of the file."""
+def test_the_miss_span_and_the_file_fetch_ahead_split_a_file(tmp_path):
+    """With the miss span on, a miss at a 4-chunk file's start is one range read
+    of the chunk and the neighbours the span holds, and the file's last chunk
+    comes in the background; nothing is read twice."""
     a = "sha256:" + "a" * 64
-    plain, pack = run_entries([4096] * 4, a)
-    entries = files_of(plain, {0})
+    plain, pack = run_entries([4096] * 4 + [4096], a)
+    entries = files_of(plain, {0, 4})
     store = RangeStore({a: pack})
     f = ChunkFetcher(store, ChunkCache(tmp_path / "cache", 1 << 20), miss_span=3 * 4096)
     blob = BlobFile("sha256:" + "8" * 64, ChunkTable(entries, len(pack), 4096), f, 16)
     assert read_with_background(f, blob, 0, 100) == pack[:100]
-    assert store.calls == [(blob_key(a), 0, 3 * 4096)]
+    assert sorted(store.calls) == [(blob_key(a), 0, 3 * 4096), (blob_key(a), 3 * 4096, 4 * 4096)]
+    assert [i for i, e in enumerate(entries) if not f.absent(e.sha256)] == [0, 1, 2, 3]
 
 
 def test_a_table_without_file_starts_fetches_only_what_is_read(tmp_path):

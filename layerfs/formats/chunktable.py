@@ -13,8 +13,9 @@ Binary layout (little endian)::
 A chunk occupies ``round_up(length, 4096)`` bytes of the blob starting at
 ``blob_offset``; blob ranges no chunk covers (the padding after a short chunk)
 read as zeros. ``compression`` 0 = stored raw, 1 = zstd. ``flags`` bit 0
-(``FILE_START``): the chunk is the first of a file (EROFS layers): file
-boundaries in the blob, for readers that prefetch without the meta image.
+(``FILE_START``): the chunk is a file's first in the blob (EROFS layers;
+a file's holes and repeated chunks have no entry): file boundaries in the
+blob, for readers that prefetch without the meta image.
 ``sha256`` is of the uncompressed bytes. Holes (all-zero chunks) have no
 entry.
 """

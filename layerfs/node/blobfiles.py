@@ -165,11 +165,11 @@ class BlobFile:
     def rest_of_file(self, i: int) -> list[int]:
         """The entries after entry ``i`` that continue its file, if the file has
         at most ``FILE_AHEAD`` chunks (else none): each starts where the full
-        chunk before it ends and is not flagged ``FILE_START``. A chunk of the
-        file that the table has no entry for (a hole, or bytes placed earlier
-        in the layer) ends it early; a file whose first chunk has no entry
-        cannot be told from the file before it when that one ends on a full
-        chunk, so at worst a few chunks of it come along."""
+        chunk before it ends and is not flagged ``FILE_START``. A file's holes
+        and repeated chunks have no entry and take no place in the blob, so
+        they are skipped; a file with no chunk of its own has no flagged entry
+        and cannot be told from the file before it when that one ends on a
+        full chunk, so at worst a few of its chunks come along."""
         entries, size = self.table.entries, self.table.chunk_size
         rest: list[int] = []
         for j in range(i + 1, len(entries)):
@@ -184,20 +184,24 @@ class BlobFile:
 
     def _fetch_rest_of_files(self, pieces: list[tuple[int, int, int]]) -> None:
         """For each read piece that starts a file's first chunk, when no one has
-        or fetches that chunk, the miss span does not take its neighbours along
-        and the file has 2 to ``FILE_AHEAD`` chunks: the file's other absent
-        chunks, fetched in the background. A program that reads a file from
-        its start (a loader opening a library, a small file read whole) reads
-        the rest of it next: one round trip, not one per chunk. A read that
-        starts inside a file may want only that part."""
+        or fetches that chunk and the file has 2 to ``FILE_AHEAD`` chunks: the
+        file's other absent chunks, fetched in the background, but for those
+        the miss span brings along with the chunk. A program that reads a
+        file from its start (a loader opening a library, a small file read
+        whole) reads the rest of it next: one round trip, not one per chunk. A
+        read that starts inside a file may want only that part."""
         fetcher, entries, ahead = self.fetcher, self.table.entries, []
         for i, lo, _ in pieces:
             entry = entries[i]
             if (not entry.flags & FILE_START or lo != entry.blob_offset
-                    or not fetcher.absent(entry.sha256) or fetcher.takes_neighbours(entry)):
+                    or not fetcher.absent(entry.sha256)):
                 continue
-            ahead += [entries[j] for j in self.rest_of_file(i)
-                      if fetcher.absent(entries[j].sha256)]
+            rest = [entries[j] for j in self.rest_of_file(i)]
+            if rest and fetcher.takes_neighbours(entry):
+                along = {e.sha256 for e in fetcher.policy.miss_run(
+                    entry, entries[i + 1:i + 1 + MISS_NEIGHBOURS])}
+                rest = [e for e in rest if e.sha256 not in along]
+            ahead += [e for e in rest if fetcher.absent(e.sha256)]
         if ahead:
             fetcher.fetch_ahead(ahead)
 
