@@ -204,17 +204,17 @@ class Registry:
             data = self._manifests.put(digest, self.store.get_blob(digest))
         return data
 
-    def _fetch_manifests(self, digests: list[str]) -> None:
-        """Bring the manifests not yet kept into memory, in parallel (an env's
-        layers: one store round trip for all of them, not one each). A failure
-        is left to the caller's own read of that manifest, which raises it."""
-        missing = [d for d in dict.fromkeys(digests)
-                   if self._manifests.get(d) is None and DIGEST_RE.fullmatch(d)]
+    def _fetch_manifests(self, digests: list[str]) -> dict[str, BaseException]:
+        """Bring the manifests not yet kept into memory, in parallel, up to
+        ``FETCHES_AT_ONCE`` at a time (an env's layers: one store round trip
+        for them all, not one each); what failed, by digest, for the caller to
+        raise in its own order (each is fetched once)."""
+        missing = [d for d in dict.fromkeys(digests) if self._manifests.get(d) is None]
         if len(missing) < 2:
-            return
+            return {}
         with ThreadPoolExecutor(min(len(missing), FETCHES_AT_ONCE)) as pool:
-            for digest in missing:
-                pool.submit(self.manifest_bytes, digest)  # a failure: raised where it is read
+            fetches = {d: pool.submit(self.manifest_bytes, d) for d in missing}
+        return {d: exc for d, f in fetches.items() if (exc := f.exception()) is not None}
 
     def _head(self, digest: str) -> ManifestHead:
         """The kind and name@version of the manifest at ``digest``. Kept in memory:
@@ -269,13 +269,16 @@ class Registry:
         if manifest_head(data, digest).kind != "env":
             raise IntegrityError(digest, "not an env manifest")
         manifest = EnvManifest.from_bytes(data, digest)
-        self._fetch_manifests([layer.digest for layer in manifest.layers])
-        for layer in manifest.layers:
-            ref = Ref.parse(layer.ref)
+        refs = [(Ref.parse(layer.ref), layer) for layer in manifest.layers]
+        failed = self._fetch_manifests([layer.digest for ref, layer in refs
+                                        if ref.name is not None and ref.version is not None])
+        for ref, layer in refs:
             if ref.digest is not None and ref.digest != layer.digest:
                 raise RefMismatch("layer", layer.ref, f"{layer.digest} in env "
                                   f"{manifest.name}@{manifest.version}")
             if ref.name is not None and ref.version is not None:
+                if layer.digest in failed:
+                    raise failed[layer.digest]
                 self.check_binding(LAYERS, ref.name, ref.version, layer.digest)
         return manifest
 

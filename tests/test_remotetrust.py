@@ -22,7 +22,13 @@ from test_cli import layerfs, one_line_error
 from test_erofscheck import layout_of, reseal
 
 from layerfs.builder.env import create_env
-from layerfs.errors import BadMetaImage, IntegrityError, LayerfsError, RefMismatch
+from layerfs.errors import (
+    BadMetaImage,
+    IntegrityError,
+    LayerfsError,
+    ObjectNotFound,
+    RefMismatch,
+)
 from layerfs.manifest import (
     DiskManifest,
     EnvLayer,
@@ -34,7 +40,7 @@ from layerfs.manifest import (
 from layerfs.node.metacheck import MetaChecker
 from layerfs.node.traces import trace_bytes, trace_key
 from layerfs.registry import ENVS, LAYERS, Registry, ref_key
-from layerfs.store.base import Store, sha256_digest
+from layerfs.store.base import Store, blob_key, sha256_digest
 
 
 def small_tree(root: Path, text: str) -> str:
@@ -129,6 +135,23 @@ def test_an_envs_layer_manifests_are_fetched_at_once(store, two_layers):
     digest = reg.resolve(ENVS, "both@1")
     gated = Registry(GatedManifests(store, {a, b}))  # type: ignore[arg-type]
     assert [layer.digest for layer in gated.env(digest).layers] == [a, b]
+
+
+def test_a_missing_layer_manifest_of_an_env_is_read_once_and_one_error(store, two_layers):
+    a, b = two_layers
+    create_env(Registry(store), "both", "1", ["a@1", "b@1"])
+    digest = Registry(store).resolve(ENVS, "both@1")
+    store.delete(blob_key(b))
+    reads: list[str] = []
+
+    class Counting(GatedManifests):
+        def get_blob(self, digest: str) -> bytes:
+            reads.append(digest)
+            return self.store.get_blob(digest)
+
+    with pytest.raises(ObjectNotFound):
+        Registry(Counting(store, {a, b})).env(digest)  # type: ignore[arg-type]
+    assert reads.count(b) == 1 and reads.count(a) == 1
 
 
 # -- finding 11: garbage ref files and manifests are one line --
