@@ -258,8 +258,13 @@ class Sandboxes:
             opts = (f"lowerdir={lower},upperdir={sdir / 'upper'},workdir={sdir / 'work'},"
                     + OVERLAY_OPTIONS)
             adopted = self.layers.adopt(sdir / "rootfs")
-            await trio.to_thread.run_sync(make_rootfs, sdir, fresh, None if adopted else opts,
-                                          limiter=self.layers.mount_limit)
+            try:
+                await trio.to_thread.run_sync(make_rootfs, sdir, fresh, None if adopted else opts,
+                                              limiter=self.layers.mount_limit)
+            except BaseException:
+                if adopted:  # still mounted: drop_unadopted detaches it
+                    self.layers.kept.add(str(sdir / "rootfs"))
+                raise
         except BaseException:
             for digest in acquired:
                 await self.layers.release(digest)

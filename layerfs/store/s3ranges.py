@@ -18,7 +18,6 @@ and the store goes back to boto3 calls.
 
 from __future__ import annotations
 
-import http.client
 import re
 import threading
 import time
@@ -35,13 +34,15 @@ REUSE_SECONDS = 600  # well inside the signature's life and short-lived credenti
 MAX_URLS = 4096  # presigned URLs kept (the most recently read objects')
 _CODE = re.compile(rb"<Code>([^<]*)</Code>")
 
-# connections kept per pool (this one and boto3's): more than a daemon's threads use
-# at once (its store fetches in flight, --store-fetches up to 88, and trio's 40
-# worker threads), so that none is dropped after a burst (a warning line each)
+# connections kept per pool (this one and boto3's): more than a daemon's threads
+# use at once in a burst (its store fetches in flight, 16 by default, and trio's
+# 40 worker threads, an up's manifest fetches among them), so that none is
+# dropped and opened again (a warning line each)
 POOL_CONNECTIONS = 128
+# no answer: before or while the reply's head comes (the body's own failures are
+# that object unavailable; see RangeReader._request)
 UNREACHABLE = (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError,
                urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError)  # fmt: skip
-CUT_BODY = (urllib3.exceptions.IncompleteRead, http.client.IncompleteRead)  # the answer broke off
 
 
 class Missing(Exception):
@@ -112,19 +113,25 @@ class RangeReader:
         return self._failed(reply, key)
 
     def _request(self, url: str, headers: dict[str, str], key: str) -> Any:
+        """The reply, its body read: a request that gets no answer is the store
+        unreachable; an answer that breaks off (cut short, or the connection
+        reset in the body) is that object unavailable, as through boto3."""
         try:
-            return self.pool.request("GET", url, headers=headers, preload_content=True,
-                                     redirect=False)
-        except CUT_BODY as exc:
-            raise ObjectUnavailable(f"get {key} at {self.where}: {exc}") from exc
-        except urllib3.exceptions.ProtocolError as exc:
-            if any(isinstance(arg, CUT_BODY) for arg in exc.args):  # the body broke off
-                raise ObjectUnavailable(f"get {key} at {self.where}: {exc}") from exc
-            raise StoreUnreachable(f"{self.where}: {exc}") from exc
+            reply = self.pool.request("GET", url, headers=headers, preload_content=False,
+                                      redirect=False)
         except UNREACHABLE as exc:
             raise StoreUnreachable(f"{self.where}: {exc}") from exc
         except urllib3.exceptions.HTTPError as exc:
             raise StoreError(f"get {key} at {self.where}: {exc}") from exc
+        try:
+            reply.read(cache_content=True)  # then ``reply.data``
+        except urllib3.exceptions.ReadTimeoutError as exc:
+            raise StoreUnreachable(f"{self.where}: {exc}") from exc
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise ObjectUnavailable(f"get {key} at {self.where}: {exc}") from exc
+        finally:
+            reply.release_conn()
+        return reply
 
     def _failed(self, reply: Any, key: str) -> bytes:
         found = _CODE.search(reply.data or b"")
