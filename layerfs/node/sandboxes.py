@@ -93,11 +93,8 @@ class LayerMounts:
     async def drop_unadopted(self) -> None:
         """Detach the kept mounts no restored sandbox uses (deepest first)."""
         for point in sorted(self.kept, key=lambda p: -p.count("/")):
-            try:
-                await trio.to_thread.run_sync(functools.partial(umount, point, lazy=True))
+            if await detach(point):
                 log.info("detached %s: no sandbox uses it", point)
-            except OSError as exc:
-                log.error("cannot detach %s: %s", point, exc)
         self.kept.clear()
 
     def _lock(self, digest: str) -> trio.Lock:
@@ -262,8 +259,9 @@ class Sandboxes:
                 await trio.to_thread.run_sync(make_rootfs, sdir, fresh, None if adopted else opts,
                                               limiter=self.layers.mount_limit)
             except BaseException:
-                if adopted:  # still mounted: drop_unadopted detaches it
-                    self.layers.kept.add(str(sdir / "rootfs"))
+                if adopted:  # detached now, or the layers under it stay busy
+                    with trio.CancelScope(shield=True):
+                        await detach(str(sdir / "rootfs"))
                 raise
         except BaseException:
             for digest in acquired:
@@ -409,6 +407,17 @@ class Sandboxes:
             out.append(SandboxStatus(**vars(record), upper_bytes=upper,
                                      layer_bytes_read=sum(b.bytes_read for b in blobs)))
         return out
+
+
+async def detach(point: str) -> bool:
+    """Detach a kept mount lazily (its users keep it); False, with an error
+    line, if it cannot be."""
+    try:
+        await trio.to_thread.run_sync(functools.partial(umount, point, lazy=True))
+    except OSError as exc:
+        log.error("cannot detach %s: %s", point, exc)
+        return False
+    return True
 
 
 def mount_layer(source: str, device: Path, target: Path, readahead: int) -> None:
