@@ -52,6 +52,19 @@ def replay_of(tmp_path, store, digests, pushed_only=True):
     return TraceReplay(store, replica, f, digests, pushed_only), f
 
 
+def replay_whole(replay: TraceReplay, table: ChunkTable) -> None:
+    """Run ``replay`` of one layer whose table comes once the replay has started,
+    then the ``up`` ends; returns once every fetch it started is over."""
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(replay.run)
+            replay.table_known(LAYER, table)
+            replay.settle()  # the up is over
+
+    run(main)
+
+
 def test_a_table_that_comes_first_waits_for_the_trace_then_replays_in_its_order(tmp_path):
     table, pack = layer()
     store = TraceStore({PACK: pack}, {LAYER: trace_bytes([3, 4, 5, 0, 1])})
@@ -114,24 +127,9 @@ def test_auto_replays_nothing_without_a_pushed_trace_and_trace_uses_the_nodes_ow
     store = TraceStore({PACK: pack}, {})
     replay, f = replay_of(tmp_path, store, [LAYER], pushed_only=True)
     replay.replica.put_trace(LAYER, [1])
-
-    async def auto() -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(replay.run)
-            replay.table_known(LAYER, table)
-            replay.settle()  # the up is over
-
-    run(auto)
+    replay_whole(replay, table)
     assert store.calls == [(trace_key(LAYER), None, None)]  # asked, none pushed: nothing fetched
-    own = TraceReplay(store, replay.replica, f, [LAYER], pushed_only=False)
-
-    async def trace() -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(own.run)
-            own.table_known(LAYER, table)
-            own.settle()
-
-    run(trace)
+    replay_whole(TraceReplay(store, replay.replica, f, [LAYER], pushed_only=False), table)
     assert store.calls[-1] == (blob_key(PACK), 4096, 2 * 4096)  # the node's own trace
 
 
@@ -141,14 +139,7 @@ def test_a_malformed_pushed_trace_is_one_warning_and_no_fetch(tmp_path):
     table, pack = layer()
     store = TraceStore({PACK: pack}, {LAYER: b'{"not": "a trace"}'})
     replay, _ = replay_of(tmp_path, store, [LAYER])
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(replay.run)
-            replay.table_known(LAYER, table)
-            replay.settle()  # the up is over
-
-    run(main)
+    replay_whole(replay, table)
     assert store.calls == [(trace_key(LAYER), None, None)]
 
 

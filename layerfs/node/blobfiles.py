@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ..formats.chunktable import FILE_START, ChunkEntry, ChunkTable
+from ..formats.chunktable import FILE_START, ChunkTable
 from .fetcher import Buffer, ChunkFetcher
 
 STABLE_INODE_BASE = 1 << 60  # above the fixed directories' inodes
@@ -210,10 +210,6 @@ class BlobFile:
             if i not in self.touched:
                 self.touched.add(i)
                 self.trace.append(i)
-
-    def entries_in_order(self, order: list[int]) -> list[ChunkEntry]:
-        n = len(self.table.entries)
-        return [self.table.entries[i] for i in order if 0 <= i < n]
 
 
 class BlobDirectory:

@@ -306,9 +306,6 @@ class ChunkFetcher:
     def takes_neighbours(self, entry: ChunkEntry) -> bool:
         return self.policy.takes_neighbours(entry)
 
-    def warm(self, entry: ChunkEntry) -> None:
-        self.policy.warm(entry)
-
     def fetch_ahead(self, entries: list[ChunkEntry]) -> None:
         self.policy.fetch_ahead(entries)
 
@@ -317,6 +314,3 @@ class ChunkFetcher:
 
     async def prefetch(self, entries: list[ChunkEntry], workers: int = 1) -> None:
         await self.policy.prefetch(entries, workers)
-
-    def spawn_prefetch(self, entries: list[ChunkEntry], workers: int = 1) -> None:
-        self.policy.spawn_prefetch(entries, workers)

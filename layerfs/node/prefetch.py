@@ -193,10 +193,6 @@ class Prefetcher:
             for _ in range(workers):
                 nursery.start_soon(worker)
 
-    def spawn_prefetch(self, entries: list[ChunkEntry], workers: int = 1) -> None:
-        if self.fetcher.nursery is not None and entries:
-            self.fetcher.nursery.start_soon(self.prefetch, entries, workers)
-
 
 def _unique(entries: list[ChunkEntry]) -> list[ChunkEntry]:
     """The entries without repeats of a chunk (its first entry kept)."""
