@@ -21,7 +21,7 @@ apt-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
-$(STAMP): pyproject.toml | apt-deps
+$(STAMP): pyproject.toml layerfs/formats/_erofscheck.c | apt-deps
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'

@@ -5,6 +5,7 @@ fsck.erofs too (a sample also mounted by the kernel, watching dmesg)."""
 from __future__ import annotations
 
 import os
+import random
 import struct
 import subprocess
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from support import build, need_root
 
 from layerfs.chunks import materialize_blob
 from layerfs.errors import BadMetaImage
-from layerfs.formats import erofscheck
+from layerfs.formats import _erofscheck, erofscheck
 from layerfs.formats.crc32c import crc32c
 from layerfs.formats.erofs import BLOCK, SB_OFFSET
 from layerfs.formats.erofscheck import check_meta_image
@@ -302,6 +303,55 @@ def test_fuzzed_mutants_are_refused_or_sound(sample, tmp_path):
     collect()
     counts = run_fuzz(sample, tmp_path, seen, mount_every=10)
     assert counts["refused"] + counts["accepted"] == len(seen) and counts["refused"]
+
+
+def _verdicts(image: bytes, blob_size: int, chunk_size: int) -> tuple[object, object]:
+    """(compiled, reference): each an ImageShape's fields, or None for a refusal."""
+    compiled = _erofscheck.check(image, blob_size, chunk_size)
+    try:
+        shape = erofscheck.reference_check(image, blob_size, chunk_size)
+        reference: object = (shape.inodes, shape.dirs, shape.regular, shape.chunk_indexes,
+                             shape.blocks)
+    except (erofscheck._Bad, struct.error):
+        reference = None
+    return compiled, reference
+
+
+def test_compiled_and_reference_checks_agree(sample):
+    """The compiled check and the Python one give the same verdict and shape on
+    fuzzed mutants, one to four mutations each, under the layer's sizes and others."""
+    seen: list[tuple] = []
+
+    @settings(max_examples=400, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(mutation=mutants(sample.layout, len(sample.image)))
+    def collect(mutation: tuple) -> None:
+        seen.append(mutation)
+
+    collect()
+    rnd = random.Random(11)
+    sizes = [(sample.blob_size, sample.chunk_size), (sample.blob_size, 4096),
+             (0, sample.chunk_size), (sample.blob_size, 0)]
+    wrong, accepted = [], 0
+    for i in range(1500):
+        image = sample.image
+        for _ in range(1 + i % 4):
+            if len(image) == len(sample.image):
+                image = apply(image, rnd.choice(seen))
+        blob_size, chunk_size = sizes[0] if i % 3 else rnd.choice(sizes)
+        compiled, reference = _verdicts(image, blob_size, chunk_size)
+        accepted += reference is not None
+        if compiled != reference:
+            wrong.append((i, compiled, reference))
+    assert wrong == []
+    assert 100 < accepted < 1400  # both verdicts were exercised
+
+
+def test_checks_that_disagree_refuse(sample, monkeypatch):
+    """An image the compiled check refuses is refused even if the reference passes it."""
+    monkeypatch.setattr(_erofscheck, "check", lambda *args: None)
+    message = refused(sample.image, sample)
+    assert "refused by the compiled check, passed by the reference one" in message
 
 
 def test_big_meta_image_passes(tmp_path):

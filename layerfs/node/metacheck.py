@@ -1,15 +1,16 @@
 """The structural check of meta images in processes of their own, as nobody.
 
-The check (:mod:`layerfs.formats.erofscheck`) is pure Python and holds the
-interpreter while it runs (~75 ms for a Debian base image's 6,674 inodes on a
-small VM, seconds for 100,000 files). In the daemon it would stall every
-sandbox's reads behind the GIL while a never-seen layer comes up, and a flaw
-in it would be a flaw in a root process. So the daemon hands each image to a
-worker: a fresh interpreter (``python -I -m layerfs.node.metacheck``, in
-``/``, so that only the installed package is imported) that imports the
-checker, then gives up root (user and group nobody, no
-supplementary groups) before it reads anything, and checks one image at a
-time from its stdin, as the store holds it (zstd), so that the daemon
+The check (:mod:`layerfs.formats.erofscheck`: a compiled verdict, and the
+Python reference that names a refusal's problem) parses bytes anyone who can
+write to the store may have crafted, and a flaw in it would be a flaw in a
+root process; its reference half, on a refused image, holds the interpreter
+(~85 ms for a Debian base image's 6,674 inodes on a small VM, seconds for
+100,000 files), which in the daemon would stall every sandbox's reads. So the
+daemon hands each image to a worker: a fresh interpreter
+(``python -I -m layerfs.node.metacheck``, in ``/``, so that only the
+installed package is imported) that imports the checker, then gives up root
+(user and group nobody, no supplementary groups) before it reads anything,
+and checks one image at a time from its stdin, as the store holds it (zstd), so that the daemon
 decompresses and hashes its own copy meanwhile (the verdict is on the same
 bytes: decompression is a function of them) and sends a third of the bytes:
 
