@@ -22,6 +22,12 @@ dir), packed as one gzip OCI layer and pushed with ``skopeo`` into a local
   background while the workload runs (the profiled image of a lazy loader).
 * **local dir** (reference): the workload in the unpacked tree
   (``unshare -m chroot``).
+* **floors** (references, each rep): ``runc run`` of the workload with the
+  unpacked tree as the bundle's (read-only) root, caches dropped: the runtime
+  path on a local directory, below which no start through runc goes; and the
+  store serving the chunks the pushed trace lists (their stored bytes, 16
+  ranged GETs at a time from this process, each thread its own client): what
+  any start that reads those bytes waits for at least.
 
 Each cold rep starts from an empty node (containerd root or daemon ROOT
 removed, daemon restarted, page cache dropped), the two sides alternating which
@@ -51,6 +57,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +67,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from daemons import DaemonRuns, clear_dir, drop_caches, git_head, print_footer
 
+from layerfs.formats.chunktable import ChunkEntry
 from layerfs.node.process import LAYERFS, DaemonProcess, detach_mounts
+from layerfs.store.base import blob_key
 
 HERE = Path(__file__).resolve().parent
 
@@ -68,6 +77,8 @@ WORKLOAD = ("apt-get --version; dpkg -l; perl -e 1; ls -lR /usr/share/doc; bash 
 SUITE = "bookworm"
 REPO, TAG = "bench/minbase", SUITE
 ENV_REF = f"{REPO}@1"
+FLOOR_FETCHES = 16  # GETs in flight for the store's floor (the daemon's default store fetches)
+FLOOR_RUN = 4 << 20  # bytes of neighbouring chunks one of its GETs takes at most
 SIDES = ("containerd", "layerfs", "layerfs_trace")
 PREFETCH = {"layerfs": "none", "layerfs_trace": "auto"}  # auto: the pushed trace, if any
 TARGETS = {"cold start layerfs / containerd": 1 / 8, "disk writes layerfs / containerd": 0.1,
@@ -340,10 +351,60 @@ class Bench:
         drop_caches()
         return timed_run(["unshare", "-m", "chroot", str(self.base), "sh", "-c", WORKLOAD])
 
+    def runc_local(self, rep: int) -> float:
+        """The workload through runc on the unpacked tree itself (read-only), caches dropped."""
+        bundle = self.work / "bundle-local"
+        shutil.rmtree(bundle, ignore_errors=True)
+        bundle.mkdir(parents=True)
+        config = json.loads((self.work / "bundle" / "config.json").read_text())
+        config["root"] = {"path": str(self.base), "readonly": True}
+        (bundle / "config.json").write_text(json.dumps(config))
+        drop_caches()
+        return timed_call(lambda: self.runc_workload(bundle, f"local{rep}"))
+
+    def traced_entries(self) -> list[ChunkEntry]:
+        """The chunk table entries the pushed traces of the env's layers list."""
+        from layerfs.node.traces import parse_trace, trace_key
+        from layerfs.registry import Registry
+        from layerfs.store import open_store
+
+        store = open_store(self.store_env["LAYERFS_STORE"],
+                           self.store_env.get("AWS_ENDPOINT_URL"))
+        try:
+            reg = Registry(store)
+            entries: list[ChunkEntry] = []
+            for ref in self.layer_refs():
+                digest, manifest = reg.layer_by_ref(ref)
+                table = reg.chunk_table(manifest)
+                order = parse_trace(store.get(trace_key(digest))) or []
+                entries += [table.entries[i] for i in order if i < len(table.entries)]
+            return entries
+        finally:
+            store.close()
+
+    def fetch_floor(self, entries: list[ChunkEntry]) -> float:
+        """Seconds for the store to serve ``entries`` (stored bytes): runs of
+        neighbours in a pack, up to 4 MiB a GET, 16 GETs at a time."""
+        from layerfs.store import open_store
+
+        ranges = pack_ranges(entries, FLOOR_RUN)
+        store = open_store(self.store_env["LAYERFS_STORE"],
+                           self.store_env.get("AWS_ENDPOINT_URL"))
+        try:
+            store.get(blob_key(ranges[0][0]), 0, 1)  # the client and its connection made
+            drop_caches()
+            with ThreadPoolExecutor(FLOOR_FETCHES) as pool:
+                return timed_call(lambda: list(pool.map(
+                    lambda r: store.get(blob_key(r[0]), r[1], r[2]), ranges)))
+        finally:
+            store.close()
+
     def run(self) -> dict:
         sides: dict[str, list[dict]] = {s: [] for s in SIDES}
         local: list[float] = []
+        floors: dict[str, list[float]] = {"runc_local_s": [], "trace_fetch_s": []}
         self.record_trace()
+        traced = self.traced_entries()
         for rep in range(self.args.reps):
             order = SIDES if rep % 2 == 0 else SIDES[::-1]
             for side in order:
@@ -352,7 +413,24 @@ class Bench:
                 print(f"  rep {rep + 1} {side:10} cold start {sample['cold_start_s']:.3f} s, "
                       f"disk written {sample['disk_written_bytes'] / 1e6:.1f} MB", flush=True)
             local.append(round(self.local(), 3))
-        return {"samples": sides, "local_dir_s": local}
+            floors["runc_local_s"].append(round(self.runc_local(rep), 3))
+            floors["trace_fetch_s"].append(round(self.fetch_floor(traced), 3))
+        return {"samples": sides, "local_dir_s": local, "floors": floors,
+                "traced_stored_bytes": sum(e.stored_length for e in traced)}
+
+
+def pack_ranges(entries: list[ChunkEntry], most: int) -> list[tuple[str, int, int]]:
+    """(pack, start, end) ranges covering ``entries``' stored bytes: each a run of
+    neighbours in one pack, at most ``most`` bytes long (or one entry)."""
+    ranges: list[tuple[str, int, int]] = []
+    for e in sorted(set(entries), key=lambda e: (e.pack, e.pack_offset)):
+        end = e.pack_offset + e.stored_length
+        if ranges and ranges[-1][0] == e.pack and ranges[-1][2] == e.pack_offset \
+                and end - ranges[-1][1] <= most:
+            ranges[-1] = (e.pack, ranges[-1][1], end)
+        else:
+            ranges.append((e.pack, e.pack_offset, end))
+    return ranges
 
 
 def median_of(samples: list[dict], key: str) -> float:
@@ -370,6 +448,7 @@ def summarize(result: dict) -> dict:
     out = {side: {k: median_of(result["samples"][side], k) for k in result["samples"][side][0]}
            for side in SIDES}
     out["local_dir_s"] = local = statistics.median(result["local_dir_s"])
+    out["floors"] = {k: statistics.median(v) for k, v in result["floors"].items()}
     ratios: dict[str, Any] = {}
     for side, label in (("layerfs", "layerfs"), ("layerfs_trace", "layerfs with a trace")):
         start = per_rep(result, side, "cold_start_s")
@@ -396,6 +475,9 @@ def print_table(summary: dict, image: dict) -> None:
     print(f"{'the same, with a pushed trace (auto)':40} {tr['cold_start_s']:12.3f} "
           f"{tr['bytes_fetched'] / 1e6:10.1f} {tr['disk_written_bytes'] / 1e6:15.1f}")
     print(f"{'local dir (unshare + chroot)':40} {summary['local_dir_s']:12.3f}")
+    floors = summary["floors"]
+    print(f"{'floor: runc run on the local dir':40} {floors['runc_local_s']:12.3f}")
+    print(f"{'floor: the store serving the trace':40} {floors['trace_fetch_s']:12.3f}")
     for name, bound in TARGETS.items():
         ratio = summary["ratios"][name]
         print(f"{name}: {ratio:.3f} (target <= {bound:.3f}: "
