@@ -6,7 +6,7 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 APT_PKGS := fuse3 libfuse3-dev pkg-config erofs-utils busybox-static attr zstd tar \
-            qemu-utils e2fsprogs util-linux runc crun passwd gcc libc6-dev \
+            qemu-utils e2fsprogs util-linux runc crun passwd gcc libc6-dev python3-dev \
             docker-registry apache2-utils skopeo umoci containerd debootstrap
 
 .PHONY: all deps apt-deps test demo lint bench-build clean
