@@ -288,19 +288,25 @@ def run_fuzz(sample: Sample, work: Path, mutations: list[tuple], mount_every: in
     return counts
 
 
-def test_fuzzed_mutants_are_refused_or_sound(sample, tmp_path):
-    """Bit flips, byte sets, truncations and field-targeted values (superblock, device
-    slot, inodes, chunk indexes, dirents), resealed or not."""
-    need_root()
+def drawn_mutations(sample: Sample, count: int) -> list[tuple]:
+    """``count`` mutations of the sample drawn by hypothesis (see :func:`mutants`)."""
     seen: list[tuple] = []
 
-    @settings(max_examples=300, deadline=None, database=None,
+    @settings(max_examples=count, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(mutation=mutants(sample.layout, len(sample.image)))
     def collect(mutation: tuple) -> None:
         seen.append(mutation)
 
     collect()
+    return seen
+
+
+def test_fuzzed_mutants_are_refused_or_sound(sample, tmp_path):
+    """Bit flips, byte sets, truncations and field-targeted values (superblock, device
+    slot, inodes, chunk indexes, dirents), resealed or not."""
+    need_root()
+    seen = drawn_mutations(sample, 300)
     counts = run_fuzz(sample, tmp_path, seen, mount_every=10)
     assert counts["refused"] + counts["accepted"] == len(seen) and counts["refused"]
 
@@ -320,15 +326,7 @@ def _verdicts(image: bytes, blob_size: int, chunk_size: int) -> tuple[object, ob
 def test_compiled_and_reference_checks_agree(sample):
     """The compiled check and the Python one give the same verdict and shape on
     fuzzed mutants, one to four mutations each, under the layer's sizes and others."""
-    seen: list[tuple] = []
-
-    @settings(max_examples=400, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(mutation=mutants(sample.layout, len(sample.image)))
-    def collect(mutation: tuple) -> None:
-        seen.append(mutation)
-
-    collect()
+    seen = drawn_mutations(sample, 400)
     rnd = random.Random(11)
     sizes = [(sample.blob_size, sample.chunk_size), (sample.blob_size, 4096),
              (0, sample.chunk_size), (sample.blob_size, 0)]
