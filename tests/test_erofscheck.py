@@ -352,6 +352,32 @@ def test_checks_that_disagree_refuse(sample, monkeypatch):
     assert "refused by the compiled check, passed by the reference one" in message
 
 
+def test_sizes_out_of_range_are_refused(sample):
+    """A blob or chunk size outside [0, 2^64) is never taken modulo 2^64 by the
+    compiled check: refused, with the reference's reason."""
+    assert "larger than the blob" in refused_with(sample, -1, sample.chunk_size)
+    assert "chunk size" in refused_with(sample, sample.blob_size, 2**64 + sample.chunk_size)
+    with pytest.raises(OverflowError):
+        _erofscheck.check(sample.image, -1, sample.chunk_size)
+    with pytest.raises(OverflowError):
+        _erofscheck.check(sample.image, sample.blob_size, 2**64)
+
+
+def test_compiled_check_takes_only_immutable_bytes(sample):
+    """The compiled check runs without the GIL, so a buffer that could change
+    meanwhile is refused; check_meta_image copies one."""
+    with pytest.raises(TypeError):
+        _erofscheck.check(bytearray(sample.image), sample.blob_size, sample.chunk_size)
+    shape = check_meta_image(bytearray(sample.image), sample.blob_size, sample.chunk_size, "s")
+    assert shape.inodes == len(sample.layout.inodes)
+
+
+def refused_with(sample: Sample, blob_size: int, chunk_size: int) -> str:
+    with pytest.raises(BadMetaImage) as info:
+        check_meta_image(sample.image, blob_size, chunk_size, "s@1")
+    return str(info.value)
+
+
 def test_big_meta_image_passes(tmp_path):
     """10k files in one directory tree, as layerfs writes them."""
     need_root()

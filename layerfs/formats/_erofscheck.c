@@ -7,8 +7,10 @@
  * image goes through rd16/rd32/rd64 after a bounds check against the image
  * length; every offset is a uint64_t computed from values already bounded by
  * it, so nothing wraps. Tables are sized by the image (one slot per 32-byte
- * nid, one bit per inode number and per shared xattr id). The GIL is released
- * while the check runs: the buffer is held by the caller's Py_buffer.
+ * nid, one bit per inode number and per shared xattr id); a table that cannot
+ * grow is MemoryError, never a verdict. The GIL is released while the check
+ * runs, so the image must be a read-only buffer (it cannot change meanwhile),
+ * and the sizes must be integers in [0, 2^64) (OverflowError otherwise).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -71,7 +73,7 @@ typedef struct {
     uint32_t *slot;
     uint64_t nslots;
     Inode *nodes;
-    uint32_t *links;
+    uint64_t *links;
     uint64_t nnodes, cap_nodes;
     uint8_t *ino_seen, *xid_seen;
     Region *regions;
@@ -79,6 +81,7 @@ typedef struct {
     Dirent *ents;
     uint64_t nents, cap_ents;
     uint64_t chunk_indexes, dirs, regular;
+    int out_of_memory; /* a table could not grow: MemoryError, not a verdict */
 } Checker;
 
 static uint32_t CRC_TABLE[256];
@@ -112,19 +115,23 @@ static int bit_test_set(uint8_t *bits, uint64_t i) {
     return was;
 }
 
-/* Grow *arr (of *cap items of ``size`` bytes) to hold one more; 0 if out of memory. */
-static int grow(void **arr, uint64_t *cap, uint64_t n, size_t size) {
+/* Grow *arr (of *cap items of ``size`` bytes) to hold one more; 0 if out of
+ * memory (noted in ``c``, so that it is not taken for a refusal). */
+static int grow(Checker *c, void **arr, uint64_t *cap, uint64_t n, size_t size) {
     if (n < *cap) return 1;
     uint64_t ncap = *cap ? *cap * 2 : 64;
     void *p = realloc(*arr, ncap * size);
-    if (!p) return 0;
+    if (!p) {
+        c->out_of_memory = 1;
+        return 0;
+    }
     *arr = p;
     *cap = ncap;
     return 1;
 }
 
 static int region(Checker *c, uint64_t start, uint64_t end) {
-    if (!grow((void **)&c->regions, &c->cap_regions, c->nregions, sizeof(Region))) return 0;
+    if (!grow(c, (void **)&c->regions, &c->cap_regions, c->nregions, sizeof(Region))) return 0;
     c->regions[c->nregions].start = start;
     c->regions[c->nregions].end = end;
     c->nregions++;
@@ -337,7 +344,7 @@ static uint64_t inode(Checker *c, uint64_t nid) {
     if (!file_type(n.fmt)) return 0;
     if (n.xattr_size && !xattrs(c, &n)) return 0;
     if (!data(c, &n)) return 0;
-    if (!grow((void **)&c->nodes, &c->cap_nodes, c->nnodes, sizeof(Inode))) return 0;
+    if (!grow(c, (void **)&c->nodes, &c->cap_nodes, c->nnodes, sizeof(Inode))) return 0;
     c->nodes[c->nnodes++] = n;
     c->slot[nid] = (uint32_t)c->nnodes;
     return c->nnodes;
@@ -346,7 +353,7 @@ static uint64_t inode(Checker *c, uint64_t nid) {
 /* -- directories -- */
 
 static int dirent_add(Checker *c, const uint8_t *name, uint64_t len, uint64_t nid, uint32_t ftype) {
-    if (!grow((void **)&c->ents, &c->cap_ents, c->nents, sizeof(Dirent))) return 0;
+    if (!grow(c, (void **)&c->ents, &c->cap_ents, c->nents, sizeof(Dirent))) return 0;
     Dirent *d = &c->ents[c->nents++];
     d->name = name;
     d->len = (uint32_t)len;
@@ -417,7 +424,10 @@ static int walk(Checker *c) {
     int ok = 0;
     queue = malloc(sizeof(uint64_t) * 64);
     parents = malloc(sizeof(uint64_t) * 64);
-    if (!queue || !parents) goto out;
+    if (!queue || !parents) {
+        c->out_of_memory = 1;
+        goto out;
+    }
     qcap = 64;
     queue[qlen] = root - 1;
     parents[qlen++] = c->root_nid;
@@ -443,10 +453,12 @@ static int walk(Checker *c) {
                 if (fmt == S_DIR) {
                     if (qlen == qcap) {
                         uint64_t *q2 = realloc(queue, sizeof(uint64_t) * qcap * 2);
-                        if (!q2) goto out;
-                        queue = q2;
-                        uint64_t *p2 = realloc(parents, sizeof(uint64_t) * qcap * 2);
-                        if (!p2) goto out;
+                        if (q2) queue = q2;
+                        uint64_t *p2 = q2 ? realloc(parents, sizeof(uint64_t) * qcap * 2) : NULL;
+                        if (!p2) {
+                            c->out_of_memory = 1;
+                            goto out;
+                        }
                         parents = p2;
                         qcap *= 2;
                     }
@@ -490,17 +502,20 @@ static int no_overlaps(Checker *c) {
     return 1;
 }
 
+/* 1 accepted, 0 refused, -1 out of memory (or an image too large for the tables). */
 static int run(Checker *c) {
     if (!superblock(c)) return 0;
     c->nslots = c->len / 32;
+    if (c->nslots >= UINT32_MAX) return -1; /* ``slot`` holds inode indexes as uint32_t */
     c->slot = calloc(c->nslots, sizeof(uint32_t));
-    c->links = calloc(c->nslots, sizeof(uint32_t));
+    c->links = calloc(c->nslots, sizeof(uint64_t));
     c->ino_seen = calloc(c->inos / 8 + 1, 1);
     c->xid_seen = calloc(c->len / 32 + 1, 1);
     if (!c->slot || !c->links || !c->ino_seen || !c->xid_seen) return -1;
     if (!region(c, 0, RESERVED_AREA)) return -1;
-    if (!walk(c)) return 0;
-    if (c->nnodes != c->inos) return 0;
+    int walked = walk(c);
+    if (c->out_of_memory) return -1;
+    if (!walked || c->nnodes != c->inos) return 0;
     return no_overlaps(c);
 }
 
@@ -516,9 +531,20 @@ static void release(Checker *c) {
 
 static PyObject *check(PyObject *self, PyObject *args) {
     Py_buffer buf;
-    unsigned long long blob_size, chunk_size;
+    PyObject *blob_obj, *chunk_obj;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*KK", &buf, &blob_size, &chunk_size)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*O!O!", &buf, &PyLong_Type, &blob_obj, &PyLong_Type, &chunk_obj))
+        return NULL;
+    /* sizes outside [0, 2^64) raise OverflowError (never reduced modulo 2^64) */
+    unsigned long long blob_size = PyLong_AsUnsignedLongLong(blob_obj);
+    unsigned long long chunk_size = blob_size == (unsigned long long)-1 && PyErr_Occurred()
+                                        ? 0 : PyLong_AsUnsignedLongLong(chunk_obj);
+    if (PyErr_Occurred() || buf.readonly == 0) {
+        if (!PyErr_Occurred()) /* the bytes must not change while the GIL is released */
+            PyErr_SetString(PyExc_TypeError, "the image must be a read-only buffer");
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
     Checker c;
     memset(&c, 0, sizeof c);
     c.img = buf.buf;

@@ -133,7 +133,8 @@ class _Inode:
 
 def check_meta_image(image: bytes, blob_size: int, chunk_size: int, what: str) -> ImageShape:
     """Check ``image`` as described in the module docstring; BadMetaImage if it fails."""
-    shape = _erofscheck.check(image, blob_size, chunk_size)
+    sizes_fit = 0 <= blob_size < 1 << 64 and 0 <= chunk_size < 1 << 64
+    shape = _erofscheck.check(bytes(image), blob_size, chunk_size) if sizes_fit else None
     if shape is not None:
         return ImageShape(*shape)
     try:
