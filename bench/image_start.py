@@ -26,9 +26,10 @@ dir), packed as one gzip OCI layer and pushed with ``skopeo`` into a local
   the page cache dropped, as ``up``'s is; ``runc run`` of the workload with the
   unpacked tree as the bundle's (read-only) root, caches dropped: the runtime
   path on a local directory, below which no start through runc goes; and the
-  store serving the chunks the pushed trace lists (their stored bytes, 16
-  ranged GETs at a time from this process, each thread its own client): what
-  any start that reads those bytes waits for at least.
+  store serving the chunks the pushed trace lists (their stored bytes, in
+  runs of neighbours of up to 4 MiB, 16 ranged GETs at a time from this
+  process, one client made beforehand): what any start that reads those
+  bytes waits for at least.
 
 Each cold rep starts from an empty node (containerd root or daemon ROOT
 removed, daemon restarted, page cache dropped), the two sides alternating which
@@ -68,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from daemons import DaemonRuns, clear_dir, drop_caches, git_head, print_footer
 
+from layerfs.chunks import pack_runs
 from layerfs.formats.chunktable import ChunkEntry
 from layerfs.node.process import LAYERFS, DaemonProcess, detach_mounts
 from layerfs.store.base import blob_key
@@ -390,7 +392,9 @@ class Bench:
         neighbours in a pack, up to 4 MiB a GET, 16 GETs at a time."""
         from layerfs.store import open_store
 
-        ranges = pack_ranges(entries, FLOOR_RUN)
+        unique = sorted(set(entries), key=lambda e: e.location)
+        ranges = [(run[0].pack, run[0].pack_offset, run[-1].pack_offset + run[-1].stored_length)
+                  for run in pack_runs(unique, span=FLOOR_RUN, gap=0)]
         store = open_store(self.store_env["LAYERFS_STORE"],
                            self.store_env.get("AWS_ENDPOINT_URL"))
         try:
@@ -420,20 +424,6 @@ class Bench:
             floors["trace_fetch_s"].append(round(self.fetch_floor(traced), 3))
         return {"samples": sides, "local_dir_s": local, "floors": floors,
                 "traced_stored_bytes": sum(e.stored_length for e in traced)}
-
-
-def pack_ranges(entries: list[ChunkEntry], most: int) -> list[tuple[str, int, int]]:
-    """(pack, start, end) ranges covering ``entries``' stored bytes: each a run of
-    neighbours in one pack, at most ``most`` bytes long (or one entry)."""
-    ranges: list[tuple[str, int, int]] = []
-    for e in sorted(set(entries), key=lambda e: (e.pack, e.pack_offset)):
-        end = e.pack_offset + e.stored_length
-        if ranges and ranges[-1][0] == e.pack and ranges[-1][2] == e.pack_offset \
-                and end - ranges[-1][1] <= most:
-            ranges[-1] = (e.pack, ranges[-1][1], end)
-        else:
-            ranges.append((e.pack, e.pack_offset, end))
-    return ranges
 
 
 def median_of(samples: list[dict], key: str) -> float:

@@ -537,11 +537,10 @@ static PyObject *check(PyObject *self, PyObject *args) {
         return NULL;
     /* sizes outside [0, 2^64) raise OverflowError (never reduced modulo 2^64) */
     unsigned long long blob_size = PyLong_AsUnsignedLongLong(blob_obj);
-    unsigned long long chunk_size = blob_size == (unsigned long long)-1 && PyErr_Occurred()
-                                        ? 0 : PyLong_AsUnsignedLongLong(chunk_obj);
-    if (PyErr_Occurred() || buf.readonly == 0) {
-        if (!PyErr_Occurred()) /* the bytes must not change while the GIL is released */
-            PyErr_SetString(PyExc_TypeError, "the image must be a read-only buffer");
+    unsigned long long chunk_size = PyErr_Occurred() ? 0 : PyLong_AsUnsignedLongLong(chunk_obj);
+    if (!PyErr_Occurred() && !buf.readonly) /* it must not change while the GIL is released */
+        PyErr_SetString(PyExc_TypeError, "the image must be a read-only buffer");
+    if (PyErr_Occurred()) {
         PyBuffer_Release(&buf);
         return NULL;
     }

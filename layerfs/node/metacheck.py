@@ -10,9 +10,10 @@ daemon hands each image to a worker: a fresh interpreter
 (``python -I -m layerfs.node.metacheck``, in ``/``, so that only the
 installed package is imported) that imports the checker, then gives up root
 (user and group nobody, no supplementary groups) before it reads anything,
-and checks one image at a time from its stdin, as the store holds it (zstd), so that the daemon
-decompresses and hashes its own copy meanwhile (the verdict is on the same
-bytes: decompression is a function of them) and sends a third of the bytes:
+and checks one image at a time from its stdin, as the store holds it (zstd),
+so that the daemon decompresses and hashes its own copy meanwhile (the
+verdict is on the same bytes: decompression is a function of them) and sends
+a third of the bytes:
 
 * request: the stored image's length, the image's length, blob size, chunk
   size (4 × u64 little-endian), then the stored image;
