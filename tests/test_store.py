@@ -214,6 +214,35 @@ def test_invalid_keys(store: Store, key: str) -> None:
 # ---------------------------------------------------------------- file store
 
 
+def test_a_forked_child_uses_the_store_its_parent_used(store: Store) -> None:
+    """The child of a process that wrote through the store writes and reads
+    through the same store object (a file store's writer threads are not
+    inherited by a fork; its pool starts empty in the child)."""
+    store.put("refs/fork/parent", b"p")
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if its write and read both worked
+        code = 1
+        try:
+            store.put("refs/fork/child", b"c")
+            code = 0 if store.get("refs/fork/child") == b"c" else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the child's write did not end within 60 s")
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store.get("refs/fork/child") == b"c"
+    store.put("refs/fork/parent2", b"q")  # the parent's pool still works
+    assert store.get("refs/fork/parent2") == b"q"
+
+
 def test_file_store_creates_root_on_first_put(tmp_path: Path) -> None:
     store = FileStore(tmp_path / "a" / "b" / "store")
     assert store.list() == []

@@ -92,9 +92,18 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
 class Writers:
     """Daemon threads that run file-store writes, kept for reuse; a new one is
     started whenever none is idle, so a write blocked for good (a hung mount)
-    holds up only its own thread."""
+    holds up only its own thread.
+
+    A forked child has none of its parent's threads: :meth:`forget` (run in
+    every child, ``os.register_at_fork``) starts it with an empty pool, so its
+    first write starts a thread of its own instead of queueing for a thread that
+    does not exist there."""
 
     def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """No threads and no queued tasks: the state of a process that has not written."""
         self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._idle = 0
         self._lock = threading.Lock()
@@ -116,6 +125,7 @@ class Writers:
 
 
 WRITERS = Writers()
+os.register_at_fork(after_in_child=WRITERS.forget)
 
 
 def _read_back(path: Path) -> bytes:
