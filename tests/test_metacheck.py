@@ -139,6 +139,16 @@ except OSError as exc:
 """
 
 
+def dropped_root(pid: int) -> int:
+    """The uid of worker ``pid`` once it has given up root (it imports the
+    checker first, as root: a signal then would be refused for that reason)."""
+    deadline = time.monotonic() + 30
+    while (uid := int(status_of(pid)["Uid"][0])) == 0:
+        assert time.monotonic() < deadline, "the worker is still root"
+        time.sleep(0.05)
+    return uid
+
+
 def signals_from(user: list[str], pid: int) -> list[int]:
     """What ``SIGSTOP`` then ``SIGKILL`` from ``user`` (a runuser argv) did to ``pid``."""
     proc = subprocess.run([*user, "/usr/bin/python3", "-c", SIGNAL, str(pid), "SIGSTOP",
@@ -156,6 +166,7 @@ def test_no_other_user_nor_nobody_may_stop_or_kill_a_worker(checker, sample,  # 
     pid = worker_pid(checker)
     assert checker.identity is not None
     uid = checker.identity.uid
+    assert dropped_root(pid) == uid
     tried = {"user": signals_from(["runuser", "-u", local_user.name, "--"], pid),
              "nobody": signals_from(["runuser", "-u", "nobody", "--"], pid)}
     os.kill(pid, signal.SIGCONT)  # were a stop delivered, the check below would wait on it
@@ -191,7 +202,7 @@ def test_a_daemons_checker_stays_out_of_other_users_reach(node, two_layers,  # n
     120 s, then failed it as corrupt)."""
     assert node.proc is not None
     workers = checker_workers(node.proc.pid)
-    assert len(workers) == 1
+    assert len(workers) == 1 and dropped_root(workers[0]) != 65534
     stopped = [subprocess.run([*user, "kill", "-STOP", str(workers[0])], capture_output=True,
                               text=True, timeout=30)
                for user in (["runuser", "-u", local_user.name, "--"],
