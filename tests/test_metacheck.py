@@ -25,6 +25,8 @@ from users import LocalUser
 from layerfs.errors import BadMetaImage, CheckerTimeout, IntegrityError
 from layerfs.formats.erofscheck import check_meta_image
 from layerfs.node.metacheck import CHECKER_IDS, LOCK_DIR, MetaChecker, named
+from layerfs.node.replica import Replica
+from layerfs.registry import Registry
 
 
 def stored(image: bytes) -> tuple[bytes, int]:
@@ -317,6 +319,30 @@ def test_a_worker_that_gives_no_verdict_is_a_timeout_and_the_next_check_works(
         if thread.is_alive():  # the worker, stopped, is not reaped yet: still ours
             os.kill(pid, signal.SIGKILL)
         thread.join()
+        checker.close()
+
+
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.metacheck: the checker of the meta image of "
+                        r"a@1 gave no verdict within 1s")
+def test_a_timeout_keeps_nothing_of_the_layer_and_the_next_fetch_checks_it(
+        store, two_layers, tmp_path):  # noqa: F811
+    """Through the replica, as the daemon fetches a layer: the timeout is
+    the error (not a verdict: the digest was fine and nothing is found
+    corrupt), the layer is not in the replica, and the next fetch checks
+    it with the fresh worker and keeps it."""
+    a, _ = two_layers
+    checker = MetaChecker(workers=1, timeout=1.0)
+    replica = Replica(tmp_path / "root")
+    replica.check_meta = checker.check
+    try:
+        checker.start()
+        os.kill(worker_pid(checker), signal.SIGSTOP)
+        with pytest.raises(CheckerTimeout, match="a@1 was not checked"):
+            replica.fetch_layer(Registry(store), a)
+        assert replica.layer(a) is None and list(replica.meta_dir.iterdir()) == []
+        assert replica.fetch_layer(Registry(store), a).meta_path.exists()
+    finally:
+        replica.close()
         checker.close()
 
 
