@@ -183,3 +183,9 @@ class BadMetaImage(IntegrityError):
     """integrity check failed for the meta image of {}: {}"""
 
     exit_code = 6
+
+
+class CheckerTimeout(LayerfsError):
+    """the meta image of {} was not checked: the checker gave no verdict within {}s; try again"""
+
+    exit_code = 14  # node-side trouble, nothing found corrupt: the check is to be asked again

@@ -26,6 +26,7 @@ import zstandard
 
 from .errors import (
     BadMetaImage,
+    CheckerTimeout,
     IntegrityError,
     InvalidName,
     ObjectNotFound,
@@ -47,7 +48,7 @@ MANIFESTS_KEPT = 256  # whole manifests remembered by digest (a ref check, then 
 FETCHES_AT_ONCE = 8  # manifests fetched in parallel (an env's layers)
 V = TypeVar("V")
 # a meta image's structural check of its stored (zstd) bytes: (stored, raw size, blob size,
-# chunk size, layer) → BadMetaImage or not (the daemon's checker processes)
+# chunk size, layer) → BadMetaImage or not, or CheckerTimeout (the daemon's checker processes)
 MetaCheck = Callable[[bytes, int, int, int, str], object]
 KINDS_OF = {LAYERS: ("erofs", "lsmt"), ENVS: ("env",)}
 
@@ -314,11 +315,11 @@ class Registry:
             return image
         with ThreadPoolExecutor(1) as pool:
             decoded = pool.submit(_decoded_meta, manifest, stored)
-            refused: BadMetaImage | None = None
+            refused: BadMetaImage | CheckerTimeout | None = None
             try:
                 check(stored, manifest.meta.raw_size, manifest.blob_size, manifest.chunk_size,
                       what)
-            except BadMetaImage as exc:
+            except (BadMetaImage, CheckerTimeout) as exc:
                 refused = exc
             image = decoded.result()  # a digest that does not match is said first
         if refused is not None:

@@ -80,21 +80,104 @@ def test_a_take_gets_the_init_and_the_same_file(keeper):
     sock.close()
 
 
-@pytest.mark.parametrize("request_", [b"", b"give", b"take", b"take -1", b"take nan",
-                                      b"take inf", b"take 1e400", b"\xff" * 64])
-def test_anything_but_a_take_gets_nothing(keeper, request_):
-    run = keeper()
+BAD_REQUESTS = [b"give", b"take", b"take ", b"take -1", b"take nan", b"take inf",
+                b"take 1e400", b"take 1e308", b"take 86401", b"take 1e5", b"take  5",
+                b"take 5.0 5.0", b"take 5.0\n", b"take +5", b"take 0x10", b"take 1_0",
+                b"take \xd9\xa5", b"tak", b"take 5" + b"0" * 100, b"\xff" * 64,
+                b"take 5.0" + b" " * 100_000]
+
+
+def ask(run: KeeperRun, request: bytes) -> tuple[bytes, list[int]]:
+    """What the keeper answers to ``request`` (nothing sent if empty): data and files."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.settimeout(10)
     sock.connect(str(run.path))
-    if request_:
-        sock.sendall(request_)
+    if request:
+        sock.sendall(request)
     else:
         sock.shutdown(socket.SHUT_WR)
     data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
-    assert (data, fds) == (b"", [])  # closed on us, no file
+    assert sock.recv(4096) == b""  # closed on us
     sock.close()
+    return data, fds
+
+
+@pytest.mark.parametrize("request_", [b"", b"give", b"take", b"\xff" * 64])
+def test_anything_but_a_take_gets_nothing(keeper, request_):
+    run = keeper()
+    data, fds = ask(run, request_)
+    assert fds == [] and data == (b"error not a take request: " + repr(request_[:20]).encode()[1:]
+                                  if request_ else b"")  # a caller that said nothing: no answer
     assert run.proc.poll() is None  # and the keeper keeps the connection
+
+
+def test_bad_numbers_and_garbage_get_an_error_and_the_keeper_goes_on(keeper):
+    """A grace that is not a plain decimal in 0-86400 s (1e308 once made the
+    keeper's poll timeout overflow when the last lease ended, and the
+    keeper died with the connection), a request too long, garbage: each
+    gets one error answer, no file, and one log line; the keeper then hands
+    the file to a good take, and with no lease left waits that take's
+    grace as it should."""
+    run = keeper()
+    for request in BAD_REQUESTS:
+        data, fds = ask(run, request)
+        assert fds == [] and data.startswith(b"error "), (request[:20], data)
+        assert run.proc.poll() is None, request[:20]
+    assert ask(run, b"take 1e308")[0] == b"error grace 1e+308 s is outside 0-86400 s"
+    assert ask(run, b"take " + b"5" * 60)[0] == b"error a request longer than 64 bytes"
+    sock, init, fds = run.take(b"take 0.5")
+    assert init == INIT and len(fds) == 1 and same_file(fds[0], run.conn_r)
+    os.close(fds[0])
+    run.lease.send(b"\x00garbage")  # a lease's message other than end: ignored
+    run.lease.close()
+    assert not run.exited_within(0.3)
+    sock.close()  # no lease left: the grace of the last take
+    assert run.exited_within(5) and run.proc.returncode == 0
+    log = run.proc.stderr.read()
+    assert "Traceback" not in log
+    assert log.count("refused a request on the keeper socket") == len(BAD_REQUESTS) + 2
+    assert "ignored a message on a lease: '\\x00garbage'" in log
+    assert log.rstrip().endswith("no daemon took the FUSE connection within 0.5 s: letting it "
+                                 "go; reads waiting on its mounts fail")
+
+
+def test_a_take_of_1e308_leaves_the_keeper_its_grace(keeper):
+    """``take 1e308`` was taken as a lease with that grace, and when the
+    leases ended the keeper's poll timeout overflowed: it died with a
+    traceback, and the connection with it. Now it is refused, and the
+    keeper waits the grace it has."""
+    run = keeper(grace=0.5)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(10)
+    sock.connect(str(run.path))
+    sock.sendall(b"take 1e308")
+    data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+    for fd in fds:
+        os.close(fd)
+    sock.close()
+    run.lease.close()
+    assert run.exited_within(5)
+    log = run.proc.stderr.read()
+    assert run.proc.returncode == 0 and "Traceback" not in log, log
+    assert (data, fds) == (b"error grace 1e+308 s is outside 0-86400 s", [])
+    assert "no daemon took the FUSE connection within 0.5 s" in log
+
+
+@pytest.mark.parametrize("grace,fd", [("1e308", None), ("nan", None), ("-1", None),
+                                      ("5.0", "-1"), ("5.0", "3 ")])
+def test_bad_numbers_in_the_arguments_are_one_line(tmp_path, grace, fd):
+    r, w = os.pipe()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "layerfs.node.keeper", str(tmp_path / "k.sock"),
+             fd or str(r), INIT.hex(), str(r), grace],
+            pass_fds=[r], capture_output=True, text=True, timeout=30)
+    finally:
+        os.close(r)
+        os.close(w)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "usage: keeper" in lines[0], lines
+    assert not (tmp_path / "k.sock").exists()
 
 
 # as the test's unprivileged user: connect, ask, print what came

@@ -1,23 +1,32 @@
 """The daemon's meta image checker processes: the same verdicts as the check
-in-process, run as nobody, and a worker that dies fails only the check it
-had (the next one gets a new worker)."""
+in-process, run as a uid of their own that no other process may signal or
+trace, and a worker that dies fails only the check it had (the next one gets
+a new worker); one that gives no verdict in time is a CheckerTimeout, not a
+verdict on the image."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import zstandard
+from support import need_root
 from test_erofscheck import layout_of, reseal, sample  # noqa: F401 - the fixture
+from test_remotetrust import node, two_layers  # noqa: F401 - the fixtures
+from users import LocalUser
 
-from layerfs.errors import BadMetaImage
+from layerfs.errors import BadMetaImage, CheckerTimeout, IntegrityError
 from layerfs.formats.erofscheck import check_meta_image
-from layerfs.node.metacheck import NOBODY, MetaChecker
+from layerfs.node.metacheck import CHECKER_IDS, LOCK_DIR, MetaChecker, named
+from layerfs.node.replica import Replica
+from layerfs.registry import Registry
 
 
 def stored(image: bytes) -> tuple[bytes, int]:
@@ -63,14 +72,150 @@ def worker_pid(checker: MetaChecker) -> int:
     return checker._idle[0].proc.pid
 
 
-def test_a_worker_runs_as_nobody_without_groups(checker, sample):  # noqa: F811
-    if os.geteuid() != 0:
-        pytest.skip("dropping to nobody needs root")
+def status_of(pid: int) -> dict[str, list[str]]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {line.split(":")[0]: line.split(":")[1].split() for line in lines}
+
+
+def test_a_worker_runs_as_a_uid_of_its_own_without_groups(checker, sample):  # noqa: F811
+    need_root()
     checker.check(*stored(sample.image), sample.blob_size, sample.chunk_size, "s@1")
-    status = Path(f"/proc/{worker_pid(checker)}/status").read_text().splitlines()
-    fields = {line.split(":")[0]: line.split(":")[1].split() for line in status}
-    assert fields["Uid"] == [str(NOBODY)] * 4 and fields["Gid"] == [str(NOBODY)] * 4
-    assert fields["Groups"] == []
+    assert checker.identity is not None
+    uid = checker.identity.uid
+    fields = status_of(worker_pid(checker))
+    assert fields["Uid"] == [str(uid)] * 4 and fields["Gid"] == [str(uid)] * 4
+    assert fields["Groups"] == [] and fields["NoNewPrivs"] == ["1"]
+    assert uid in CHECKER_IDS and not named(uid)
+    assert (LOCK_DIR / str(uid)).read_text() == f"{os.getpid()}\n"
+    checker.close()
+    assert not (LOCK_DIR / str(uid)).exists()
+
+
+def test_two_checkers_never_share_a_uid_nor_take_one_a_process_has():
+    """Two checkers (two daemons on one host, whatever their ROOTs) get
+    different uids; a uid a process runs with (a checker's left over by a
+    daemon that died, say) is skipped; with none free, no worker starts."""
+    need_root()
+    taken = CHECKER_IDS[-3]  # a process of this uid runs: not a checker's to take
+    squatter = subprocess.Popen(["sleep", "60"], user=taken, group=taken, extra_groups=[])
+    first, second = (MetaChecker(workers=1, ids=range(taken, taken + 2)) for _ in range(2))
+    try:
+        first.start()
+        assert first.identity is not None and first.identity.uid == taken + 1
+        with pytest.raises(OSError) as info:
+            second.start()
+        assert info.value.errno == errno.EUSERS and second.identity is None
+        first.close()
+        second.start()  # the uid let go is free again
+        assert second.identity is not None and second.identity.uid == taken + 1
+    finally:
+        squatter.kill()
+        squatter.wait()
+        first.close()
+        second.close()
+
+
+# as another user: signal the pid given, print the errno (0: it was delivered)
+SIGNAL = """
+import os, signal, sys
+for name in sys.argv[2:]:
+    try:
+        os.kill(int(sys.argv[1]), getattr(signal, name))
+        print(0)
+    except OSError as exc:
+        print(exc.errno)
+"""
+
+# as the worker's own uid: trace it, read its memory; print the errnos
+TRACE = """
+import ctypes, os, sys
+pid = int(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+PTRACE_ATTACH = 16
+print(ctypes.get_errno() if libc.ptrace(PTRACE_ATTACH, pid, 0, 0) != 0 else 0)
+try:
+    os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    print(0)
+except OSError as exc:
+    print(exc.errno)
+"""
+
+
+def dropped_root(pid: int) -> int:
+    """The uid of worker ``pid`` once it has given up root (it imports the
+    checker first, as root: a signal then would be refused for that reason)."""
+    deadline = time.monotonic() + 30
+    while (uid := int(status_of(pid)["Uid"][0])) == 0:
+        assert time.monotonic() < deadline, "the worker is still root"
+        time.sleep(0.05)
+    return uid
+
+
+def signals_from(user: list[str], pid: int) -> list[int]:
+    """What ``SIGSTOP`` then ``SIGKILL`` from ``user`` (a runuser argv) did to ``pid``."""
+    proc = subprocess.run([*user, "/usr/bin/python3", "-c", SIGNAL, str(pid), "SIGSTOP",
+                           "SIGKILL"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return [int(word) for word in proc.stdout.split()]
+
+
+def test_no_other_user_nor_nobody_may_stop_or_kill_a_worker(checker, sample,  # noqa: F811
+                                                            local_user):
+    """A local user, and any process of uid nobody, is refused (EPERM) when it
+    signals a worker; the worker's own uid may not trace it nor read its
+    memory; the check after all that is answered at once."""
+    checker.start()
+    pid = worker_pid(checker)
+    assert checker.identity is not None
+    uid = checker.identity.uid
+    assert dropped_root(pid) == uid
+    tried = {"user": signals_from(["runuser", "-u", local_user.name, "--"], pid),
+             "nobody": signals_from(["runuser", "-u", "nobody", "--"], pid)}
+    os.kill(pid, signal.SIGCONT)  # were a stop delivered, the check below would wait on it
+    traced = subprocess.run(["/usr/bin/python3", "-c", TRACE, str(pid)], user=uid, group=uid,
+                            extra_groups=[], capture_output=True, text=True, timeout=30)
+    assert tried == {"user": [errno.EPERM] * 2, "nobody": [errno.EPERM] * 2}
+    assert traced.stdout.split() == [str(errno.EPERM), str(errno.EACCES)], traced.stderr
+    started = time.monotonic()
+    checker.check(*stored(sample.image), sample.blob_size, sample.chunk_size, "s@1")
+    assert time.monotonic() - started < 5 and worker_pid(checker) == pid
+
+
+def checker_workers(daemon_pid: int) -> list[int]:
+    """The daemon's checker processes (its children running layerfs.node.metacheck)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+                ppid = status_of(int(entry.name))["PPid"]
+            except OSError:
+                continue
+            if b"layerfs.node.metacheck" in cmdline and ppid == [str(daemon_pid)]:
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_daemons_checker_stays_out_of_other_users_reach(node, two_layers,  # noqa: F811
+                                                          local_user: LocalUser):
+    """Against the daemon itself: neither a local user nor nobody may stop its
+    checker, and the ``up`` of a layer never seen before is checked within
+    seconds (before, a ``kill -STOP`` as nobody held every such ``up`` for
+    120 s, then failed it as corrupt)."""
+    assert node.proc is not None
+    workers = checker_workers(node.proc.pid)
+    assert len(workers) == 1 and dropped_root(workers[0]) != 65534
+    stopped = [subprocess.run([*user, "kill", "-STOP", str(workers[0])], capture_output=True,
+                              text=True, timeout=30)
+               for user in (["runuser", "-u", local_user.name, "--"],
+                            ["runuser", "-u", "nobody", "--"])]
+    os.kill(workers[0], signal.SIGCONT)  # were a stop delivered
+    for proc in stopped:
+        assert proc.returncode != 0 and "Operation not permitted" in proc.stderr, proc.stderr
+    started = time.monotonic()
+    node.cli("up", "--layer", "a@1", "--id", "fresh")
+    assert time.monotonic() - started < 10
+    node.cli("down", "fresh")
 
 
 def test_a_kept_worker_killed_in_a_check_is_replaced_and_the_check_asked_again(
@@ -133,36 +278,71 @@ def test_a_worker_imports_nothing_from_the_daemons_working_directory(sample, tmp
     assert not marker.exists()
 
 
-def test_a_worker_that_gives_no_verdict_fails_the_check_once_its_time_is_up(sample):  # noqa: F811
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.metacheck: the checker of the meta image of "
+                        r"s@1 gave no verdict within 1s \(signal 9\); starting a fresh one")
+def test_a_worker_that_gives_no_verdict_is_a_timeout_and_the_next_check_works(
+        sample):  # noqa: F811
     """A worker stuck on an image (one built to be slow, or a stopped
     process) must not hold an ``up``, its thread and a check slot forever:
-    once the check's time is up the worker is killed and the check fails."""
+    once the check's time is up the worker is killed and the check fails with
+    a timeout of its own (exit 14: try again), not an integrity error (the
+    image was not found corrupt); a fresh worker answers the next check."""
     checker = MetaChecker(workers=1)
     checker.timeout = 1.0
     checker.start()
     pid = worker_pid(checker)
     os.kill(pid, signal.SIGSTOP)
-    failed: list[str] = []
+    failed: list[Exception] = []
 
     def check() -> None:
         try:
             checker.check(*stored(sample.image), sample.blob_size, sample.chunk_size, "s@1")
-        except BadMetaImage as exc:
-            failed.append(str(exc))
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            failed.append(exc)
 
     thread = threading.Thread(target=check, daemon=True)
     thread.start()
     thread.join(30)  # not a speed bound: only so that a check that hangs fails here
     try:
         assert not thread.is_alive(), "the check still waits on the stopped worker"
-        assert failed == ["integrity check failed for the meta image of s@1: the checker "
-                          "gave no verdict within 1s"]
+        assert len(failed) == 1 and isinstance(failed[0], CheckerTimeout)
+        assert not isinstance(failed[0], IntegrityError) and failed[0].exit_code == 14
+        assert str(failed[0]) == ("the meta image of s@1 was not checked: the checker gave no "
+                                  "verdict within 1s; try again")
         assert not Path(f"/proc/{pid}").exists() or "zombie" not in Path(
             f"/proc/{pid}/status").read_text()
+        fresh = worker_pid(checker)  # started at once, for the next check
+        assert fresh != pid
+        checker.check(*stored(sample.image), sample.blob_size, sample.chunk_size, "s@1")
+        assert worker_pid(checker) == fresh
     finally:
         if thread.is_alive():  # the worker, stopped, is not reaped yet: still ours
             os.kill(pid, signal.SIGKILL)
         thread.join()
+        checker.close()
+
+
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.metacheck: the checker of the meta image of "
+                        r"a@1 gave no verdict within 1s")
+def test_a_timeout_keeps_nothing_of_the_layer_and_the_next_fetch_checks_it(
+        store, two_layers, tmp_path):  # noqa: F811
+    """Through the replica, as the daemon fetches a layer: the timeout is
+    the error (not a verdict: the digest was fine and nothing is found
+    corrupt), the layer is not in the replica, and the next fetch checks
+    it with the fresh worker and keeps it."""
+    a, _ = two_layers
+    checker = MetaChecker(workers=1, timeout=1.0)
+    replica = Replica(tmp_path / "root")
+    replica.check_meta = checker.check
+    try:
+        checker.start()
+        os.kill(worker_pid(checker), signal.SIGSTOP)
+        with pytest.raises(CheckerTimeout, match="a@1 was not checked"):
+            replica.fetch_layer(Registry(store), a)
+        assert replica.layer(a) is None and list(replica.meta_dir.iterdir()) == []
+        assert replica.fetch_layer(Registry(store), a).meta_path.exists()
+    finally:
+        replica.close()
         checker.close()
 
 

@@ -12,6 +12,17 @@ file attached (SCM_RIGHTS), and its connection is its lease from then on.
 Callers are served as their requests come, none waits on another; one that
 sends nothing for 5 s is closed on.
 
+Every number is checked before use, in a message as in the arguments: GRACE
+is a plain decimal (as Python's ``repr`` of a float writes it: no sign,
+``inf``, ``nan`` nor spaces) of at most :data:`MAX_GRACE` seconds (``layerfs
+daemon --restart-grace``'s bound), file descriptors are plain non-negative
+integers. A request that is anything else, or longer than
+:data:`MAX_REQUEST` bytes, gets ``error REASON`` and no file, is logged (one
+warning) and closed on; the keeper goes on serving. It does not share the
+control protocol's parser (:mod:`layerfs.node.protocol`: JSON into typed
+records, which imports layerfs): the keeper imports nothing that an upgrade
+could change under a live connection.
+
 A lease ends when its daemon's socket closes (the daemon exited or died). With
 no lease left, the keeper waits GRACE seconds (the latest daemon's) for a next
 daemon; if none takes the file by then, it exits and lets the connection go:
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import select
 import signal
 import socket
@@ -41,6 +53,15 @@ CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 ERRORS = select.POLLERR | select.POLLHUP | select.POLLNVAL
 TAKE, END = b"take", b"end"
 CALLER_TIMEOUT = 5.0  # seconds a caller has to send its request before it is closed on
+MAX_GRACE = 86400.0  # seconds; also ``layerfs daemon --restart-grace``'s bound
+MAX_REQUEST = 64  # bytes: ``take`` and a grace as ``repr`` writes it fit many times over
+DECIMAL = re.compile(rb"[0-9]{1,20}(\.[0-9]{1,20})?(e[+-]?[0-9]{1,3})?")
+FD_NUMBER = re.compile(r"[0-9]{1,9}")
+log = logging.getLogger("layerfs.node.keeper")
+
+
+class BadRequest(ValueError):
+    """A request or argument the keeper refuses; the message says why."""
 
 
 def peer_uid(conn: socket.socket) -> int:
@@ -77,16 +98,37 @@ def unlink_own(path: str, inode: int) -> None:
         pass
 
 
-def parse_take(message: bytes) -> float | None:
-    """The grace of a ``take GRACE`` request; None for anything else."""
-    word, _, grace = message.partition(b" ")
-    if word != TAKE:
-        return None
-    try:
-        value = float(grace)
-    except ValueError:
-        return None
-    return value if 0 <= value < float("inf") else None
+def shown(data: bytes) -> str:
+    """The first bytes of a request, quoted, for an error line."""
+    return repr(data[:20])[1:]  # without the b of a bytes literal
+
+
+def parse_grace(text: bytes) -> float:
+    """A grace in seconds: a plain decimal in [0, MAX_GRACE]; else BadRequest."""
+    if DECIMAL.fullmatch(text) is None:
+        raise BadRequest(f"grace {shown(text)} is not a plain decimal number")
+    value = float(text)  # finite: at most 20 digits before an exponent of 3
+    if not 0 <= value <= MAX_GRACE:
+        raise BadRequest(f"grace {value:g} s is outside 0-{MAX_GRACE:g} s")
+    return value
+
+
+def parse_take(message: bytes, truncated: bool = False) -> float:
+    """The grace of a ``take GRACE`` request (``truncated``: it was longer
+    than MAX_REQUEST bytes); BadRequest for anything else."""
+    if truncated:
+        raise BadRequest(f"a request longer than {MAX_REQUEST} bytes")
+    word, space, grace = message.partition(b" ")
+    if word != TAKE or not space:
+        raise BadRequest(f"not a take request: {shown(message)}")
+    return parse_grace(grace)
+
+
+def parse_fd(text: str) -> int:
+    """A file descriptor number argument; else BadRequest."""
+    if FD_NUMBER.fullmatch(text) is None:
+        raise BadRequest(f"file descriptor {text[:20]!r} is not a plain number")
+    return int(text)
 
 
 class Keeper:
@@ -129,20 +171,33 @@ class Keeper:
 
     def hand_out(self, fd: int) -> None:
         """A caller's request: ``take GRACE`` gets the file and makes its
-        connection a lease; anything else is closed on."""
+        connection a lease; anything else gets an error answer and is closed on."""
         conn, _ = self.callers.pop(fd)
         self.poller.unregister(fd)
         try:
-            grace = parse_take(conn.recv(64))
-            if grace is not None:
-                socket.send_fds(conn, [self.init], [self.fuse_fd])
+            message, _, flags, _ = conn.recvmsg(MAX_REQUEST)
+            if not message and not flags & socket.MSG_TRUNC:
+                raise ConnectionError("the caller went away")  # said nothing: no error
+            grace = parse_take(message, truncated=bool(flags & socket.MSG_TRUNC))
+            socket.send_fds(conn, [self.init], [self.fuse_fd])
+        except BadRequest as exc:
+            self.refuse(conn, str(exc))
+            return
         except OSError:
-            grace = None  # the caller went away; the next one asks again
-        if grace is None:
-            conn.close()
+            conn.close()  # the caller went away; the next one asks again
             return
         self.grace = grace
         self.add_lease(conn)
+
+    @staticmethod
+    def refuse(conn: socket.socket, reason: str) -> None:
+        """Answer a bad request with ``error REASON`` (one log line) and close on it."""
+        log.warning("refused a request on the keeper socket: %s", reason)
+        try:
+            conn.send(b"error " + reason.encode("ascii", "backslashreplace"))
+        except OSError:
+            pass  # gone already
+        conn.close()
 
     def drop_silent_callers(self) -> None:
         now = time.monotonic()
@@ -155,13 +210,15 @@ class Keeper:
     def lease_says(self, fd: int) -> bool:
         """Read a lease; False if its daemon asked the keeper to end."""
         try:
-            message = self.leases[fd].recv(64)
+            message = self.leases[fd].recv(MAX_REQUEST)
         except OSError:
             message = b""
         if message == END:
             return False
         if not message:
             self.drop_lease(fd)  # its daemon is gone
+        else:
+            log.warning("ignored a message on a lease: %s", shown(message))
         return True
 
     def timeout_ms(self) -> int | None:
@@ -194,21 +251,27 @@ class Keeper:
 
 
 def main(argv: list[str]) -> int:
-    path, fd, init_hex, lease_fd, grace = argv
+    # records in the daemon's log format, on the stderr it shares with the daemon
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        path, fd, init_hex, lease_fd, grace = argv
+        fuse_fd, lease_no = parse_fd(fd), parse_fd(lease_fd)
+        init, grace_s = bytes.fromhex(init_hex), parse_grace(grace.encode())
+    except ValueError as exc:  # BadRequest, a wrong count, bad hex
+        log.error("usage: keeper SOCKET FD INIT_HEX LEASE_FD GRACE: %s", exc)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is meant for the daemon
-    lease = socket.socket(fileno=int(lease_fd))
+    lease = socket.socket(fileno=lease_no)
     server = listen(path)
     inode = os.stat(path).st_ino
     try:
-        reason = Keeper(server, int(fd), bytes.fromhex(init_hex), lease, float(grace)).serve()
+        reason = Keeper(server, fuse_fd, init, lease, grace_s).serve()
     finally:
         unlink_own(path, inode)
         server.close()
-    if reason:  # a record in the daemon's log format, on the stderr it shares with the daemon
-        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        logging.getLogger("layerfs.node.keeper").warning(
-            "%s: letting it go; reads waiting on its mounts fail", reason)
+    if reason:
+        log.warning("%s: letting it go; reads waiting on its mounts fail", reason)
     return 0
 
 
