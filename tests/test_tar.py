@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import io
+import gzip
 import os
 import stat
 import subprocess
@@ -13,6 +13,15 @@ import pytest
 import zstandard
 from gentree import make_tree, tar_tree
 from support import build, mounted_layer, need_root
+from tarcuts import (
+    CUT_SHORT,
+    ENDING_OF,
+    ENDINGS,
+    LAST_FILE,
+    cut_after_last,
+    gnu_long_name_then_end,
+    tar_of,
+)
 from treecmp import diff_trees
 
 from layerfs.errors import SourceError, UnsafeTarEntry
@@ -75,19 +84,6 @@ def test_stdin_gives_the_same_layer(tmp_path, src_tree):
     assert metas[0] == metas[1]
 
 
-def _tar(entries: list[tuple[str, bytes | None, dict]]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data, kw in entries:
-            info = tarfile.TarInfo(name)
-            for k, v in kw.items():
-                setattr(info, k, v)
-            if data is not None:
-                info.size = len(data)
-            tar.addfile(info, io.BytesIO(data) if data is not None else None)
-    return buf.getvalue()
-
-
 def test_whiteouts_become_overlayfs_whiteouts(tmp_path, fstore):
     need_root()
     lower = tmp_path / "lower"
@@ -96,7 +92,7 @@ def test_whiteouts_become_overlayfs_whiteouts(tmp_path, fstore):
     (lower / "kept").write_text("lower")
     (lower / "dir" / "old").write_text("lower")
     upper_tar = tmp_path / "upper.tar"
-    upper_tar.write_bytes(_tar([
+    upper_tar.write_bytes(tar_of([
         ("dir", None, {"type": tarfile.DIRTYPE, "mode": 0o755}),
         ("dir/.wh..wh..opq", b"", {}),
         ("dir/new", b"upper", {}),
@@ -129,7 +125,7 @@ def test_whiteouts_become_overlayfs_whiteouts(tmp_path, fstore):
 ])
 def test_unsafe_entries_are_refused(tmp_path, fstore, entries, why):
     path = tmp_path / "bad.tar"
-    path.write_bytes(_tar(entries))
+    path.write_bytes(tar_of(entries))
     with pytest.raises(UnsafeTarEntry, match=why.split()[0]):
         build(fstore, str(path))
     assert Registry(fstore).list_refs(LAYERS) == []
@@ -137,13 +133,13 @@ def test_unsafe_entries_are_refused(tmp_path, fstore, entries, why):
 
 def test_hard_link_to_missing_target(tmp_path, fstore):
     path = tmp_path / "bad.tar"
-    path.write_bytes(_tar([("l", None, {"type": tarfile.LNKTYPE, "linkname": "nothere"})]))
+    path.write_bytes(tar_of([("l", None, {"type": tarfile.LNKTYPE, "linkname": "nothere"})]))
     with pytest.raises(SourceError, match="hard link to missing"):
         build(fstore, str(path))
 
 
 def test_truncated_archive(tmp_path, fstore):
-    data = _tar([("big", os.urandom(200_000), {})])
+    data = tar_of([("big", os.urandom(200_000), {})])
     path = tmp_path / "cut.tar"
     path.write_bytes(data[:100_000])
     with pytest.raises(SourceError):
@@ -151,37 +147,11 @@ def test_truncated_archive(tmp_path, fstore):
     assert Registry(fstore).list_refs(LAYERS) == []
 
 
+
 # --- where an archive may end: as Go's archive/tar (and so containerd) decides ------------
 
 
-def _member_bounds(data: bytes) -> list[tuple[int, int, int]]:
-    """(header offset, data end, padded end) of each member of a whole archive."""
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-        return [(m.offset, m.offset_data + (m.size if m.isreg() else 0),  # type: ignore[attr-defined]
-                 m.offset_data + -(-m.size // 512) * 512 * m.isreg())  # type: ignore[attr-defined]
-                for m in tar.getmembers()]
-
-
-LAST_FILE = [("d", None, {"type": tarfile.DIRTYPE, "mode": 0o755}),
-             ("d/a", b"a" * 1000, {}), ("d/last", os.urandom(700), {})]
-LAST_EMPTY = [("d", None, {"type": tarfile.DIRTYPE, "mode": 0o755}),
-              ("d/a", b"a" * 1000, {}), ("d/empty", b"", {})]
-# a whiteout's data is never read: the reader skips it
-LAST_UNREAD = [("d", None, {"type": tarfile.DIRTYPE, "mode": 0o755}),
-               ("d/.wh.gone", os.urandom(700), {})]
-ZEROS = bytes(512)
-
-
-def _cut_after_last(entries: list, extra: int = 0, at: str = "data") -> bytes:
-    """The archive of ``entries`` ending ``extra`` bytes after the last member's
-    header start, data end or padded end (``at``)."""
-    data = _tar(entries)
-    header, data_end, padded = _member_bounds(data)[-1]
-    return data[: {"header": header, "data": data_end, "padded": padded}[at] + extra]
-
-
 def _gzip(data: bytes) -> bytes:
-    import gzip
     return gzip.compress(data)
 
 
@@ -191,80 +161,51 @@ def _layer_of(fstore, tmp_path, data: bytes, name: str) -> str:
     return build(fstore, str(path), name=name).manifest.meta.digest
 
 
-ACCEPTED = {
-    "no padding": lambda: _cut_after_last(LAST_FILE),
-    "half the padding": lambda: _cut_after_last(LAST_FILE, 150),
-    "padding, no end blocks": lambda: _cut_after_last(LAST_FILE, at="padded"),
-    "one end block": lambda: _cut_after_last(LAST_FILE, 512, at="padded"),
-    "two end blocks": lambda: _cut_after_last(LAST_FILE, 1024, at="padded"),
-    "gzip, no padding": lambda: _gzip(_cut_after_last(LAST_FILE)),
-}
-
-
 def test_archive_may_end_after_the_last_member_s_data(tmp_path, fstore):
-    """No padding, part of it, no end blocks, one or two: the same layer as the
+    """No padding, part of it, no end blocks, one or two, a last member that is
+    empty or whose data is skipped, gzip-compressed: the same layer as the
     whole archive (tarfile's output, padded to its 10 KiB record)."""
-    want = _layer_of(fstore, tmp_path, _tar(LAST_FILE), "whole")
-    got = {case: _layer_of(fstore, tmp_path, make(), f"c{i}")
-           for i, (case, make) in enumerate(ACCEPTED.items())}
-    assert got == dict.fromkeys(ACCEPTED, want)
-
-
-def test_archive_may_end_after_an_empty_or_unread_last_member(tmp_path, fstore):
-    for i, entries in enumerate((LAST_EMPTY, LAST_UNREAD)):
-        want = _layer_of(fstore, tmp_path, _tar(entries), f"whole{i}")
-        cut = _cut_after_last(entries)  # an empty file: right after its header
-        assert _layer_of(fstore, tmp_path, cut, f"cut{i}") == want
-
-
-def _gnu_long_name_then_end() -> bytes:
-    """A GNU archive ending after a long name header's data: no member follows."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        tar.addfile(tarfile.TarInfo("short"), io.BytesIO(b""))
-        long_info = tarfile.TarInfo("x" * 150)
-        tar.addfile(long_info, io.BytesIO(b""))
-    data = buf.getvalue()
-    return data[: 512 + 512 + 512]  # "short", the long name header and its one block
+    endings = {**ENDINGS, "gzip, no padding": lambda: _gzip(cut_after_last(LAST_FILE))}
+    got, want = {}, {}
+    for i, (case, make) in enumerate(endings.items()):
+        got[case] = _layer_of(fstore, tmp_path, make(), f"c{i}")
+        want[case] = _layer_of(fstore, tmp_path, tar_of(ENDING_OF.get(case, LAST_FILE)),
+                               f"w{i}")
+    assert got == want
 
 
 def test_archive_may_end_after_a_meta_header_as_go_reads_it(tmp_path, fstore):
-    """Go's reader ends the archive where a pax or GNU long name header has no
+    """Go's reader ends the archive where a GNU long name (or pax) header has no
     member after it; so does this one (the header is dropped)."""
-    want = _layer_of(fstore, tmp_path, _tar([("short", b"", {})]), "whole")
-    got = _layer_of(fstore, tmp_path, _gnu_long_name_then_end(), "long")
+    want = _layer_of(fstore, tmp_path, tar_of([("short", b"", {})]), "whole")
+    got = _layer_of(fstore, tmp_path, gnu_long_name_then_end(), "long")
     assert got == want
 
 
 REFUSED = {
-    "header cut short": (lambda: _cut_after_last(LAST_FILE, 100, at="header"),
-                         "ends inside the header"),
-    "data short by one byte": (lambda: _cut_after_last(LAST_FILE, -1), "unexpected end"),
-    "unread data short by one byte": (lambda: _cut_after_last(LAST_UNREAD, -1),
-                                      "ends inside an entry's data"),
-    "gzip, data short by one byte": (lambda: _gzip(_cut_after_last(LAST_FILE, -1)),
-                                     "unexpected end"),
-    "end block cut short": (lambda: _cut_after_last(LAST_FILE, 600, at="padded"),
-                            "ends inside the header"),
-    "header after one zero block": (
-        lambda: _cut_after_last(LAST_FILE, at="padded") + ZEROS + _tar([("x", b"x", {})]),
-        "after a zero block"),
-    "GNU long name cut short": (lambda: _gnu_long_name_then_end()[:-400],
-                                "ends inside an entry's data"),
+    "header cut short": "ends inside the header",
+    "data short by one byte": "unexpected end",
+    "unread data short by one byte": "ends inside an entry's data",
+    "gzip, data short by one byte": "unexpected end",
+    "end block cut short": "ends inside the header",
+    "header after one zero block": "after a zero block",
+    "GNU long name cut short": "ends inside an entry's data",
 }
 
 
 def test_member_cut_short_is_refused(tmp_path, fstore):
     """A header or an entry's data cut short is an error, and so is a zero block
     followed by a header or by part of a block; nothing is published."""
+    cuts = {**CUT_SHORT, "gzip, data short by one byte":
+            lambda: _gzip(cut_after_last(LAST_FILE, -1))}
     got = {}
-    for i, (case, (make, _)) in enumerate(REFUSED.items()):
+    for i, (case, make) in enumerate(cuts.items()):
         path = tmp_path / f"bad{i}.tar"
         path.write_bytes(make())
         try:
             build(fstore, str(path), name=f"bad{i}")
             got[case] = "accepted"
         except SourceError as exc:
-            got[case] = next((m for _, m in REFUSED.values() if m in str(exc)), str(exc))
-    assert got == {case: message for case, (_, message) in REFUSED.items()}
+            got[case] = next((m for m in REFUSED.values() if m in str(exc)), str(exc))
+    assert got == REFUSED
     assert Registry(fstore).list_refs(LAYERS) == []
