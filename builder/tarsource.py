@@ -201,8 +201,10 @@ class BoundedTarFile(tarfile.TarFile):
     def next(self) -> tarfile.TarInfo | None:
         """The next entry, or None where the archive ends: tarfile's own, but
         the stream may end in the padding after an entry's data."""
+        fileobj = self.fileobj
+        assert fileobj is not None
         try:
-            if self.firstmember is None and self.offset > self.fileobj.tell():  # type: ignore[union-attr]
+            if self.firstmember is None and self.offset > fileobj.tell():  # type: ignore[attr-defined]
                 self.skip_data()
             return super().next()
         except ArchiveEnd:
