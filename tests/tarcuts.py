@@ -55,13 +55,22 @@ def cut_after_last(entries: Entries, extra: int = 0, at: str = "data") -> bytes:
     return data[: where[at] + extra]
 
 
-def gnu_long_name_then_end() -> bytes:
-    """A GNU archive ending after a long name header's data, no member after it."""
+def meta_header_then_end(fmt: int = tarfile.GNU_FORMAT) -> bytes:
+    """An archive ending after the data of a GNU long name (or pax) header, with
+    no member after it."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
         tar.addfile(tarfile.TarInfo("short"), io.BytesIO(b""))
         tar.addfile(tarfile.TarInfo("x" * 150), io.BytesIO(b""))
-    return buf.getvalue()[: 3 * tarfile.BLOCKSIZE]  # "short", the long name header, its data
+    return buf.getvalue()[: 3 * tarfile.BLOCKSIZE]  # "short", the meta header, its data
+
+
+def gnu_long_name_then_end() -> bytes:
+    return meta_header_then_end(tarfile.GNU_FORMAT)
+
+
+def pax_header_then_end() -> bytes:
+    return meta_header_then_end(tarfile.PAX_FORMAT)
 
 
 ENDINGS: dict[str, Callable[[], bytes]] = {

@@ -33,7 +33,7 @@ from ociimages import (
 )
 from registryserver import find_registry, push, start_registry
 from support import mounted_layer, need_root
-from tarcuts import CUT_SHORT, ENDINGS, gnu_long_name_then_end
+from tarcuts import CUT_SHORT, ENDINGS, gnu_long_name_then_end, pax_header_then_end
 from treecmp import diff_trees
 
 from layerfs.builder.oci.resolve import host_platform
@@ -578,7 +578,7 @@ def test_containerd_and_layerfs_agree_where_a_layer_tar_may_end(containerd, tmp_
     accept or both refuse it (layerfs with one error line), and what both
     accept unpacks to the same tree."""
     cases = {**ENDINGS, "GNU long name, no member after it": gnu_long_name_then_end,
-             **CUT_SHORT}
+             "pax header, no member after it": pax_header_then_end, **CUT_SHORT}
     verdicts, problems = {}, {}
     for i, (case, make) in enumerate(cases.items()):
         work = tmp_path / f"c{i}"
