@@ -495,7 +495,7 @@ class TarSource:
     def close(self) -> None:
         _close(self.raw)
 
-    def _entry(self, asm: LayerAssembler, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+    def _entry(self, asm: LayerAssembler, tar: BoundedTarFile, member: tarfile.TarInfo) -> None:
         parts = split_name(member.name, "path")
         base = parts[-1] if parts else b""
         if base == OPAQUE:
@@ -518,4 +518,8 @@ class TarSource:
             return
         if node.target:
             check_symlink(parts, node.target, member.name)
-        asm.add(parts, node, tar.extractfile(member) if member.isreg() else None)
+        try:
+            asm.add(parts, node, tar.extractfile(member) if member.isreg() else None)
+        except tarfile.ReadError:  # the data is shorter than the header says
+            raise TarFormatError(f"archive ends inside an entry's data before byte "
+                                 f"{tar.data_end}") from None

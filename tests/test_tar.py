@@ -186,9 +186,9 @@ def test_archive_may_end_after_a_meta_header_as_go_reads_it(tmp_path, fstore):
 
 REFUSED = {
     "header cut short": "ends inside the header",
-    "data short by one byte": "unexpected end",
+    "data short by one byte": "ends inside an entry's data",
     "unread data short by one byte": "ends inside an entry's data",
-    "gzip, data short by one byte": "unexpected end",
+    "gzip, data short by one byte": "ends inside an entry's data",
     "end block cut short": "ends inside the header",
     "header after one zero block": "after a zero block",
     "GNU long name cut short": "ends inside an entry's data",
