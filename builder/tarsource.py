@@ -11,6 +11,11 @@ compression undone here. Python's ``tarfile`` parses the headers behind guards
 (:class:`BoundedTarInfo`): extended headers are bounded before they are read,
 pax records are parsed in linear time and their numbers checked, and a bad
 header is an error rather than the end of the archive.
+
+Where the archive may end is decided as Go's ``archive/tar`` (and so containerd)
+decides: at a header's place, with or without end-of-archive blocks, or inside
+the padding after an entry's data; a header or an entry's data cut short is an
+error, and so is a zero block followed by anything but a second one or the end.
 """
 
 from __future__ import annotations
@@ -52,14 +57,20 @@ PAX_NUMBERS = {"uid": rb"\d{1,30}", "gid": rb"\d{1,30}", "size": rb"\d{1,30}",
                "ctime": rb"-?\d+(\.\d+)?", "GNU.sparse.size": rb"\d{1,30}",
                "GNU.sparse.realsize": rb"\d{1,30}", "GNU.sparse.map": rb"\d{1,30}(,\d{1,30})*"}
 
+ZERO_BLOCK = bytes(HEAD)
+
 # tarfile's header errors, not exported by its stubs
 InvalidHeaderError: type[Exception] = tarfile.InvalidHeaderError  # type: ignore[attr-defined]
-TruncatedHeaderError: type[Exception] = tarfile.TruncatedHeaderError  # type: ignore[attr-defined]
 octal_number = tarfile.nti  # type: ignore[attr-defined]
 
 
 class TarFormatError(Exception):
     """A malformed or oversized tar header; the source adds its path."""
+
+
+class ArchiveEnd(Exception):  # noqa: N818 (not an error: the archive ends here)
+    """The stream ends where an archive may end; raised past tarfile's own
+    handlers (a header after a GNU long name wraps its header errors)."""
 
 
 def looks_like_tar(head: bytes) -> bool:
@@ -183,8 +194,39 @@ class BoundedTarFile(tarfile.TarFile):
         self.meta_bytes = 0
         self.meta_headers = 0
         self.global_bytes = 0
+        self.data_end = 0  # where the last header's data ends (its padding starts)
         kwargs["tarinfo"] = BoundedTarInfo
         super().__init__(*args, **kwargs)
+
+    def next(self) -> tarfile.TarInfo | None:
+        """The next entry, or None where the archive ends: tarfile's own, but
+        the stream may end in the padding after an entry's data."""
+        fileobj = self.fileobj
+        assert fileobj is not None
+        try:
+            if self.firstmember is None and self.offset > fileobj.tell():  # type: ignore[attr-defined]
+                self.skip_data()
+            return super().next()
+        except ArchiveEnd:
+            self._loaded = True
+            return None
+
+    def skip_data(self) -> None:
+        """Move past the unread rest of an entry's data, then its padding."""
+        if not self.reaches(self.data_end):
+            raise TarFormatError(f"archive ends inside an entry's data before byte "
+                                 f"{self.data_end}")
+        if not self.reaches(self.offset):
+            raise ArchiveEnd
+
+    def reaches(self, pos: int) -> bool:
+        """Move the stream to ``pos``; False if it ends before."""
+        fileobj = self.fileobj
+        assert fileobj is not None
+        if fileobj.tell() >= pos:
+            return True
+        fileobj.seek(pos - 1)
+        return bool(fileobj.read(1))
 
     def count_meta(self, info: tarfile.TarInfo) -> None:
         kind = META_TYPES[info.type]
@@ -217,21 +259,23 @@ class BoundedTarInfo(tarfile.TarInfo):
     def fromtarfile(cls, tarfile_: tarfile.TarFile) -> BoundedTarInfo:
         assert isinstance(tarfile_, BoundedTarFile)
         offset = tarfile_.fileobj.tell()  # type: ignore[union-attr]
-        buf = tarfile_.fileobj.read(HEAD)  # type: ignore[union-attr]
+        if offset < tarfile_.data_end:  # a GNU long name cut short
+            raise TarFormatError(f"archive ends inside an entry's data before byte "
+                                 f"{tarfile_.data_end}")
+        buf = read_header_block(tarfile_, offset)
         try:
             obj = cls.frombuf(buf, tarfile_.encoding, tarfile_.errors)  # type: ignore[arg-type]
         except InvalidHeaderError as exc:
             raise TarFormatError(f"invalid tar header at byte {offset} ({exc})") from None
-        except TruncatedHeaderError:
-            if buf.strip(b"\0"):
-                raise TarFormatError(f"archive ends inside the header at byte {offset}") from None
-            raise
         obj.offset = offset
         return cast(BoundedTarInfo, obj._proc_member(tarfile_))
 
     def _proc_member(self, tarfile_: BoundedTarFile) -> tarfile.TarInfo:
         if self.size < 0:
             raise TarFormatError(f"negative size in the tar header at byte {self.offset}")
+        has_data = (self.type in META_TYPES or self.isreg()
+                    or self.type not in tarfile.SUPPORTED_TYPES)
+        tarfile_.data_end = self.offset + HEAD + (self.size if has_data else 0)
         if self.type in META_TYPES:
             tarfile_.count_meta(self)
         else:
@@ -268,7 +312,10 @@ class BoundedTarInfo(tarfile.TarInfo):
             if "size" in pax_headers:
                 end = following.offset_data  # type: ignore[attr-defined]
                 if following.isreg() or following.type not in tarfile.SUPPORTED_TYPES:
+                    tarfile_.data_end = end + following.size
                     end += following._block(following.size)  # type: ignore[attr-defined]
+                else:
+                    tarfile_.data_end = end
                 tarfile_.offset = end
         return following
 
@@ -318,9 +365,30 @@ class BoundedTarInfo(tarfile.TarInfo):
             extended = bool(buf[504])
         self.sparse = structs
         self.offset_data = tarfile_.fileobj.tell()  # type: ignore[attr-defined,union-attr]
+        tarfile_.data_end = self.offset_data + self.size  # type: ignore[attr-defined]
         tarfile_.offset = self.offset_data + self._block(self.size)  # type: ignore[attr-defined]
         self.size = real_size
         return self
+
+
+def read_header_block(tarfile_: BoundedTarFile, offset: int) -> bytes:
+    """The block at a header's place. The archive ends if the stream does, or
+    with a zero block followed by the stream's end or a second zero block."""
+    fileobj = tarfile_.fileobj
+    assert fileobj is not None
+    buf = fileobj.read(HEAD)
+    if not buf:
+        raise ArchiveEnd
+    if len(buf) < HEAD:
+        raise TarFormatError(f"archive ends inside the header at byte {offset}")
+    if buf != ZERO_BLOCK:
+        return buf
+    second = fileobj.read(HEAD)
+    if not second or second == ZERO_BLOCK:
+        raise ArchiveEnd
+    if len(second) < HEAD:
+        raise TarFormatError(f"archive ends inside the header at byte {offset + HEAD}")
+    raise TarFormatError(f"tar header at byte {offset + HEAD} after a zero block")
 
 
 def split_name(name: str, what: str) -> list[bytes]:
@@ -427,7 +495,7 @@ class TarSource:
     def close(self) -> None:
         _close(self.raw)
 
-    def _entry(self, asm: LayerAssembler, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+    def _entry(self, asm: LayerAssembler, tar: BoundedTarFile, member: tarfile.TarInfo) -> None:
         parts = split_name(member.name, "path")
         base = parts[-1] if parts else b""
         if base == OPAQUE:
@@ -450,4 +518,8 @@ class TarSource:
             return
         if node.target:
             check_symlink(parts, node.target, member.name)
-        asm.add(parts, node, tar.extractfile(member) if member.isreg() else None)
+        try:
+            asm.add(parts, node, tar.extractfile(member) if member.isreg() else None)
+        except tarfile.ReadError:  # the data is shorter than the header says
+            raise TarFormatError(f"archive ends inside an entry's data before byte "
+                                 f"{tar.data_end}") from None

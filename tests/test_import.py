@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from containerdserver import ContainerdServer, running_containerd
 from nodes import NodeDaemon
 from ociimages import (
     ImageSettings,
@@ -32,12 +33,14 @@ from ociimages import (
 )
 from registryserver import find_registry, push, start_registry
 from support import mounted_layer, need_root
+from tarcuts import CUT_SHORT, ENDINGS, gnu_long_name_then_end, pax_header_then_end
 from treecmp import diff_trees
 
 from layerfs.builder.oci.resolve import host_platform
 from layerfs.mounts import mount, umount
 from layerfs.node.process import LAYERFS
 from layerfs.registry import ENVS, Registry
+from layerfs.store.file import FileStore
 
 REF = "org.opencontainers.image.ref.name"
 SETTINGS = ImageSettings(env=["PATH=/bin", "GREETING=hello"], entrypoint=["/bin/sh", "-c"],
@@ -451,3 +454,167 @@ def test_registry_import_needs_credentials_and_takes_them_from_the_auth_file(
     finally:
         server.stop()
     assert got["layers"] and server.account.password not in json.dumps(got)
+
+
+# --- containerd as the reference: the tree it unpacks is the tree layerfs imports -------
+
+BUSYBOX_SETTINGS = ImageSettings(env=["PATH=/bin", "GREETING=hello"],
+                                 entrypoint=["/bin/sh", "-c"],
+                                 cmd=["echo $GREETING; pwd; cat hello.txt"], working_dir="/srv")
+
+
+@pytest.fixture(scope="module")
+def containerd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ContainerdServer]:
+    need_root()
+    with running_containerd(tmp_path_factory.mktemp("containerd")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def inserted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Layout with tag "ins" made with ``umoci insert`` only, whose layer tars
+    end right after the last member's data: a busybox tree (files of odd and
+    whole-block sizes, a symlink, a hard link), then one small file."""
+    root = tmp_path_factory.mktemp("inserted")
+    rootfs = busybox_rootfs(root / "rootfs")
+    (rootfs / "srv" / "sub").mkdir(parents=True)
+    (rootfs / "srv" / "odd").write_bytes(os.urandom(1000))
+    (rootfs / "srv" / "sub" / "block").write_bytes(os.urandom(1024))
+    (rootfs / "srv" / "sub" / "empty").write_bytes(b"")
+    os.link(rootfs / "srv" / "odd", rootfs / "srv" / "odd.link")
+    (rootfs / "srv" / "to-odd").symlink_to("odd")
+    layout = make_image(root / "L", "ins", [], BUSYBOX_SETTINGS)
+    run("umoci", "insert", "--image", f"{layout}:ins", str(rootfs), "/")
+    hello = root / "hello.txt"
+    hello.write_bytes(b"hello from the image\n")
+    run("umoci", "insert", "--image", f"{layout}:ins", str(hello), "/srv/hello.txt")
+    return layout
+
+
+@pytest.fixture(scope="module")
+def repacked(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Layout with tag "ctd": the layers of "multi" made with umoci repack and
+    Python's tarfile (the opaque one), less the one containerd 1.6 refuses
+    (umoci 0.4.7 writes ``tobefile/.wh.x`` after the file ``tobefile``, where
+    containerd cannot make the whiteout's parent)."""
+    layout = tmp_path_factory.mktemp("repacked") / "L"
+    return make_image(layout, "ctd", [CHANGES[0], CHANGES[1], CHANGES[2], CHANGES[4]],
+                      SETTINGS)
+
+
+def layout_archive(layout: Path, path: Path) -> Path:
+    """The layout as one tar, as ``ctr image import`` takes an OCI layout."""
+    run("tar", "-C", str(layout), "-cf", str(path), ".")
+    return path
+
+
+def file_store(tmp_path: Path) -> tuple[FileStore, list[str]]:
+    return FileStore(str(tmp_path / "store")), ["--store", f"file://{tmp_path / 'store'}"]
+
+
+def containerd_and_layerfs_trees(containerd: ContainerdServer, archive: Path, tag: str,
+                                 src: str, work: Path) -> list[str]:
+    """Import into both; the differences between containerd's unpacked tree and
+    the layers layerfs imported, overlaid."""
+    names = [n for n in containerd.imported_names(containerd.import_image(archive))
+             if n.endswith(f":{tag}")]
+    assert len(names) == 1, names
+    store, store_args = file_store(work)
+    digests = [x["digest"] for x in do_import(store_args, src, "x")["layers"]]
+    with containerd.mounted(names[0], work / "containerd") as theirs, \
+            overlay_of(store, digests, work / "layerfs") as ours:
+        # a directory a layer does not list keeps the lower one's mtime when
+        # containerd applies layers one on another (docs/oci.md)
+        return diff_trees(str(theirs), str(ours), dir_mtime=False)
+
+
+def test_tools_layer_tars_unpack_in_containerd_as_layerfs_imports_them(
+        containerd, repacked, inserted, tmp_path):
+    """umoci insert (no padding, no end blocks), umoci repack and Python's
+    tarfile (the opaque layer), skopeo's oci-archive and docker-archive."""
+    oci_tar = tmp_path / "o.tar"
+    run("skopeo", "--insecure-policy", "copy", f"oci:{repacked}:ctd",
+        f"oci-archive:{oci_tar}:ctd")
+    docker_tar = to_docker_archive(repacked, "ctd", tmp_path / "d.tar")
+    cases = {
+        "umoci insert": (layout_archive(inserted, tmp_path / "ins.tar"), "ins",
+                         f"oci:{inserted}:ins"),
+        "umoci repack": (layout_archive(repacked, tmp_path / "ctd.tar"), "ctd",
+                         f"oci:{repacked}:ctd"),
+        "skopeo oci-archive": (oci_tar, "ctd", f"oci-archive:{oci_tar}"),
+        "skopeo docker-archive": (docker_tar, "ctd", f"docker-archive:{docker_tar}"),
+    }
+    problems = {case: containerd_and_layerfs_trees(containerd, archive, tag, src,
+                                                   tmp_path / f"w{i}")
+                for i, (case, (archive, tag, src)) in enumerate(cases.items())}
+    assert problems == dict.fromkeys(cases, [])
+
+
+def single_layer_layout(layout: Path, tag: str, tar: bytes) -> Path:
+    """An OCI layout whose one image has ``tar`` (gzip-compressed) as its layer."""
+    (layout / "blobs" / "sha256").mkdir(parents=True)
+    (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    data = gzip.compress(tar)
+    layer = {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+             "digest": put_blob(layout, data), "size": len(data)}
+    config = json.dumps({"architecture": host_platform().architecture, "os": "linux",
+                         "config": {}, "rootfs": {"type": "layers", "diff_ids": [
+                             "sha256:" + hashlib.sha256(tar).hexdigest()]}}).encode()
+    manifest = json.dumps({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                   "digest": put_blob(layout, config), "size": len(config)},
+        "layers": [layer]}).encode()
+    index = {"schemaVersion": 2, "manifests": [{
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "digest": put_blob(layout, manifest), "size": len(manifest),
+        "annotations": {REF: tag}}]}
+    (layout / "index.json").write_text(json.dumps(index))
+    return layout
+
+
+def test_containerd_and_layerfs_agree_where_a_layer_tar_may_end(containerd, tmp_path):
+    """Each ending and each cut of tests/tarcuts.py as an image layer: both
+    accept or both refuse it (layerfs with one error line), and what both
+    accept unpacks to the same tree."""
+    cases = {**ENDINGS, "GNU long name, no member after it": gnu_long_name_then_end,
+             "pax header, no member after it": pax_header_then_end, **CUT_SHORT}
+    verdicts, problems = {}, {}
+    for i, (case, make) in enumerate(cases.items()):
+        work = tmp_path / f"c{i}"
+        layout = single_layer_layout(work / "L", f"cut{i}", make())
+        theirs = containerd.import_image(layout_archive(layout, work / "L.tar"), check=False)
+        store, store_args = file_store(work)
+        ours = cli(store_args, "import", f"oci:{layout}:cut{i}", "--name", "x", "--version",
+                   "1", "--json")
+        verdicts[case] = (theirs.returncode == 0, ours.returncode == 0)
+        if ours.returncode != 0:
+            assert ours.returncode == 3 and ours.stderr.count("\n") == 1, ours.stderr
+        if theirs.returncode == 0 and ours.returncode == 0:
+            (name,) = containerd.imported_names(theirs)
+            digest = json.loads(ours.stdout)["layers"][0]["digest"]
+            with containerd.mounted(name, work / "containerd") as ctd_tree, \
+                    overlay_of(store, [digest], work / "layerfs") as our_tree:
+                problems[case] = diff_trees(str(ctd_tree), str(our_tree), dir_mtime=False)
+    assert verdicts == {case: (case not in CUT_SHORT,) * 2 for case in cases}
+    assert problems == {case: [] for case in cases if case not in CUT_SHORT}
+
+
+def test_umoci_insert_image_comes_up_in_a_sandbox(inserted, tmp_path):
+    """The layer umoci insert writes ends inside a block; the image imports and runs."""
+    need_root()
+    _, manifest = manifest_of(inserted, "ins")
+    top = gzip.decompress(blob(inserted, manifest["layers"][-1]["digest"]).read_bytes())
+    assert len(top) % 512 != 0  # no padding, no end-of-archive blocks
+    _, store_args = file_store(tmp_path)
+    do_import(store_args, f"oci:{inserted}:ins", "ins")
+    node = NodeDaemon(tmp_path / "node", store_args, cache_size="64M").start()
+    try:
+        up = node.cli("up", "ins@1", "--id", "s1")
+        sandbox = Path(up.stdout.strip())
+        assert (sandbox / "srv" / "hello.txt").read_text() == "hello from the image\n"
+        proc = node.cli("run", "s1")
+        assert proc.stdout.splitlines() == ["hello", "/srv", "hello from the image"]
+        node.cli("down", "s1")
+    finally:
+        assert node.cleanup() == []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import io
+import gzip
 import os
 import stat
 import subprocess
@@ -13,6 +13,16 @@ import pytest
 import zstandard
 from gentree import make_tree, tar_tree
 from support import build, mounted_layer, need_root
+from tarcuts import (
+    CUT_SHORT,
+    ENDING_OF,
+    ENDINGS,
+    LAST_FILE,
+    cut_after_last,
+    gnu_long_name_then_end,
+    pax_header_then_end,
+    tar_of,
+)
 from treecmp import diff_trees
 
 from layerfs.errors import SourceError, UnsafeTarEntry
@@ -75,19 +85,6 @@ def test_stdin_gives_the_same_layer(tmp_path, src_tree):
     assert metas[0] == metas[1]
 
 
-def _tar(entries: list[tuple[str, bytes | None, dict]]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data, kw in entries:
-            info = tarfile.TarInfo(name)
-            for k, v in kw.items():
-                setattr(info, k, v)
-            if data is not None:
-                info.size = len(data)
-            tar.addfile(info, io.BytesIO(data) if data is not None else None)
-    return buf.getvalue()
-
-
 def test_whiteouts_become_overlayfs_whiteouts(tmp_path, fstore):
     need_root()
     lower = tmp_path / "lower"
@@ -96,7 +93,7 @@ def test_whiteouts_become_overlayfs_whiteouts(tmp_path, fstore):
     (lower / "kept").write_text("lower")
     (lower / "dir" / "old").write_text("lower")
     upper_tar = tmp_path / "upper.tar"
-    upper_tar.write_bytes(_tar([
+    upper_tar.write_bytes(tar_of([
         ("dir", None, {"type": tarfile.DIRTYPE, "mode": 0o755}),
         ("dir/.wh..wh..opq", b"", {}),
         ("dir/new", b"upper", {}),
@@ -129,7 +126,7 @@ def test_whiteouts_become_overlayfs_whiteouts(tmp_path, fstore):
 ])
 def test_unsafe_entries_are_refused(tmp_path, fstore, entries, why):
     path = tmp_path / "bad.tar"
-    path.write_bytes(_tar(entries))
+    path.write_bytes(tar_of(entries))
     with pytest.raises(UnsafeTarEntry, match=why.split()[0]):
         build(fstore, str(path))
     assert Registry(fstore).list_refs(LAYERS) == []
@@ -137,15 +134,80 @@ def test_unsafe_entries_are_refused(tmp_path, fstore, entries, why):
 
 def test_hard_link_to_missing_target(tmp_path, fstore):
     path = tmp_path / "bad.tar"
-    path.write_bytes(_tar([("l", None, {"type": tarfile.LNKTYPE, "linkname": "nothere"})]))
+    path.write_bytes(tar_of([("l", None, {"type": tarfile.LNKTYPE, "linkname": "nothere"})]))
     with pytest.raises(SourceError, match="hard link to missing"):
         build(fstore, str(path))
 
 
 def test_truncated_archive(tmp_path, fstore):
-    data = _tar([("big", os.urandom(200_000), {})])
+    data = tar_of([("big", os.urandom(200_000), {})])
     path = tmp_path / "cut.tar"
     path.write_bytes(data[:100_000])
     with pytest.raises(SourceError):
         build(fstore, str(path))
+    assert Registry(fstore).list_refs(LAYERS) == []
+
+
+
+# --- where an archive may end: as Go's archive/tar (and so containerd) decides ------------
+
+
+def _gzip(data: bytes) -> bytes:
+    return gzip.compress(data)
+
+
+def _layer_of(fstore, tmp_path, data: bytes, name: str) -> str:
+    path = tmp_path / f"{name}.tar"
+    path.write_bytes(data)
+    return build(fstore, str(path), name=name).manifest.meta.digest
+
+
+def test_archive_may_end_after_the_last_member_s_data(tmp_path, fstore):
+    """No padding, part of it, no end blocks, one or two, a last member that is
+    empty or whose data is skipped, gzip-compressed: the same layer as the
+    whole archive (tarfile's output, padded to its 10 KiB record)."""
+    endings = {**ENDINGS, "gzip, no padding": lambda: _gzip(cut_after_last(LAST_FILE))}
+    got, want = {}, {}
+    for i, (case, make) in enumerate(endings.items()):
+        got[case] = _layer_of(fstore, tmp_path, make(), f"c{i}")
+        want[case] = _layer_of(fstore, tmp_path, tar_of(ENDING_OF.get(case, LAST_FILE)),
+                               f"w{i}")
+    assert got == want
+
+
+def test_archive_may_end_after_a_meta_header_as_go_reads_it(tmp_path, fstore):
+    """Go's reader ends the archive where a GNU long name (or pax) header has no
+    member after it; so does this one (the header is dropped)."""
+    want = _layer_of(fstore, tmp_path, tar_of([("short", b"", {})]), "whole")
+    got = [_layer_of(fstore, tmp_path, gnu_long_name_then_end(), "long"),
+           _layer_of(fstore, tmp_path, pax_header_then_end(), "pax")]
+    assert got == [want, want]
+
+
+REFUSED = {
+    "header cut short": "ends inside the header",
+    "data short by one byte": "ends inside an entry's data",
+    "unread data short by one byte": "ends inside an entry's data",
+    "gzip, data short by one byte": "ends inside an entry's data",
+    "end block cut short": "ends inside the header",
+    "header after one zero block": "after a zero block",
+    "GNU long name cut short": "ends inside an entry's data",
+}
+
+
+def test_member_cut_short_is_refused(tmp_path, fstore):
+    """A header or an entry's data cut short is an error, and so is a zero block
+    followed by a header or by part of a block; nothing is published."""
+    cuts = {**CUT_SHORT, "gzip, data short by one byte":
+            lambda: _gzip(cut_after_last(LAST_FILE, -1))}
+    got = {}
+    for i, (case, make) in enumerate(cuts.items()):
+        path = tmp_path / f"bad{i}.tar"
+        path.write_bytes(make())
+        try:
+            build(fstore, str(path), name=f"bad{i}")
+            got[case] = "accepted"
+        except SourceError as exc:
+            got[case] = next((m for m in REFUSED.values() if m in str(exc)), str(exc))
+    assert got == REFUSED
     assert Registry(fstore).list_refs(LAYERS) == []
