@@ -545,6 +545,7 @@ def test_up_bundle_refuses_a_path_a_user_can_change(node, local_user, shared_dir
     link.symlink_to(inner)
     refused_bundle(node, link / "sub", f"{link} is a symlink")
     refused_bundle(node, link, f"{link} is a symlink")
+    refused_bundle(node, link / ".." / "open", f"{link} is a symlink")  # not read as ./open
     for mode in (0o777, 0o1777, 0o775):
         bundle = shared_dir / f"open-{mode:o}"
         bundle.mkdir()

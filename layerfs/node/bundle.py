@@ -402,9 +402,10 @@ def open_bundle_dir(directory: str, create: bool = True) -> int | None:
     change it: every existing component must be root's, not a symlink, and
     writable by group or others only if sticky (``/tmp``); the directory itself
     root's and not writable by group or others. Anything else is
-    :class:`UnsafeBundleDir`."""
-    path = os.path.abspath(directory)
-    names = [n for n in path.split("/") if n]
+    :class:`UnsafeBundleDir`. The path is walked as the kernel resolves it
+    (``link/..`` is not read as nothing)."""
+    path = os.path.join(os.getcwd(), directory)
+    names = [n for n in path.split("/") if n not in ("", ".")]
     fd = os.open("/", DIR_FLAGS)
     try:
         unsafe = _unsafe_component(fd, "/", last=not names)
@@ -471,8 +472,7 @@ def write_bundle(directory: str, config: Mapping[str, Any], private: bool = True
     (0600, ``O_EXCL | O_NOFOLLOW``), and renamed over config.json, so a
     config.json that is a symlink is replaced, never written through."""
     make_mount_points(config["root"]["path"], config["mounts"])
-    path = os.path.abspath(directory)
-    fd = open_bundle_dir(path)
+    fd = open_bundle_dir(directory)
     assert fd is not None  # (made if missing)
     try:
         if private:
@@ -480,7 +480,7 @@ def write_bundle(directory: str, config: Mapping[str, Any], private: bool = True
         _write_config(fd, config)
     finally:
         os.close(fd)
-    return os.path.join(path, "config.json")
+    return os.path.join(os.path.abspath(directory), "config.json")
 
 
 def _write_config(dir_fd: int, config: Mapping[str, Any]) -> None:
