@@ -80,11 +80,13 @@ class Client:
     def write_bundle(self, record: SandboxRecord, directory: str,
                      network: str = "none") -> str:
         """Write ``directory/config.json``, which runs the sandbox's image process
-        (Entrypoint + Cmd as its User, with its Env and WorkingDir); its path."""
+        (Entrypoint + Cmd as its User, with its Env and WorkingDir); its path.
+        The directory must be root's alone (:func:`.bundle.open_bundle_dir`), and
+        the rootfs's mount points are made real first (:func:`.bundle.write_bundle`)."""
         from . import bundle
 
         config, _ = container_config(record, network)
-        return bundle.write_bundle(os.path.abspath(directory), config, private=False)
+        return bundle.write_bundle(directory, config, private=False)
 
     def down(self, sandbox_id: str, keep_upper: bool = False,
              force: bool = False) -> SandboxRecord:
