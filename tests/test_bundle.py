@@ -3,7 +3,10 @@
 themselves, ``layerfs run`` through the same config (Docker's Entrypoint/Cmd
 rules, StopSignal), and the image user resolved against the image's own
 /etc/passwd and /etc/group, which may be hostile (a symlink to a host file, a
-FIFO, a huge file)."""
+FIFO, a huge file). Hostile images whose mount points (/dev, /proc, /sys,
+/dev/pts, ...) are symlinks to host directories run under both runtimes without
+a file appearing there, and a bundle directory another user could change is
+refused."""
 
 from __future__ import annotations
 
@@ -20,11 +23,19 @@ from pathlib import Path
 import pytest
 from nodes import NodeDaemon
 from support import build, need_root
+from users import LocalUser
 
 from layerfs.builder.env import create_env
 from layerfs.manifest import ImageConfig
 from layerfs.node import runner
-from layerfs.node.bundle import DEFAULT_PATH, STOP_SIGNAL_ANNOTATION
+from layerfs.node.bundle import (
+    DEFAULT_PATH,
+    STOP_SIGNAL_ANNOTATION,
+    ProcessSpec,
+    make_mount_points,
+    runtime_config,
+    write_bundle,
+)
 from layerfs.node.imageuser import ImageFileError, ImageUserError, resolve_user
 from layerfs.node.process import LAYERFS
 from layerfs.registry import Registry
@@ -55,6 +66,38 @@ def make_rootfs(root: Path) -> Path:
         (root / "bin" / applet).symlink_to("busybox")
     (root / "etc" / "passwd").write_text(PASSWD)
     (root / "etc" / "group").write_text(GROUP)
+    return root
+
+
+# Layers that make the bundle's mount points symlinks to a host directory, as an
+# absolute path or as a relative climb out of the rootfs: the ones on the rootfs
+# itself (/dev; /proc and /sys) and the ones inside /dev's tmpfs; /work, the
+# WorkingDir, too. Each also holds the host directory's path as a directory
+# (crun resolves a mount destination inside the rootfs, then writes by the host's path).
+MOUNT_POINT_LINKS = {"dev": ("dev", "work"), "procsys": ("proc", "sys"),
+                     "nested": ("dev/pts", "dev/shm", "dev/mqueue", "work")}
+CLIMB = "../" * 32  # more than the rootfs is deep: a relative link reaches the host's /
+
+
+def mount_point_variants() -> list[str]:
+    return [f"{shape}-{kind}" for shape in MOUNT_POINT_LINKS for kind in ("abs", "rel")]
+
+
+def host_dir(work: Path, variant: str, link: str) -> Path:
+    """The host directory layer ``variant`` points ``link`` at."""
+    return work / "host" / variant / link.replace("/", "_")
+
+
+def hostile_mount_points(root: Path, work: Path, variant: str) -> Path:
+    """The layer of ``variant``: its links, and their host directories' paths."""
+    shape, kind = variant.split("-")
+    for link in MOUNT_POINT_LINKS[shape]:
+        host = host_dir(work, variant, link)
+        host.mkdir(parents=True, exist_ok=True)
+        (root / str(host).lstrip("/")).mkdir(parents=True, exist_ok=True)
+        path = root / link
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.symlink_to(str(host) if kind == "abs" else CLIMB + str(host).lstrip("/"))
     return root
 
 
@@ -91,6 +134,13 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
         create_env(reg, "bare", "1", ["base@1"])
         create_env(reg, "ghost", "1", ["base@1"], config=ImageConfig(user="ghost",
                                                                       cmd=["true"]))
+        for variant in mount_point_variants():
+            build(store, str(hostile_mount_points(work / variant, work, variant)),
+                  name=f"mp-{variant}")
+            for who, user in (("root", ""), ("user", "1234:2345")):
+                create_env(reg, f"mp-{variant}-{who}", "1", [f"mp-{variant}@1", "base@1"],
+                           config=ImageConfig(user=user, working_dir="/work",
+                                              cmd=["/bin/sh", "-c", "echo ran $(id -u)"]))
         for kind in ("symlink", "fifo", "huge"):
             build(store, str(hostile_etc(work / kind, kind, host_file)), name=f"etc-{kind}")
             create_env(reg, f"hostile-{kind}", "1", [f"etc-{kind}@1", "base@1"],
@@ -271,6 +321,84 @@ def test_a_hostile_passwd_in_a_sandbox(node, kind, error):
         node.cli("down", sid)
 
 
+def host_files(work: Path) -> dict[str, list[str]]:
+    """What appeared in the host directories the hostile layers point at."""
+    found = {}
+    for variant in mount_point_variants():
+        for link in MOUNT_POINT_LINKS[variant.split("-")[0]]:
+            names = os.listdir(host_dir(work, variant, link))
+            if names:
+                found[f"{variant} {link}"] = sorted(names)
+    return found
+
+
+@pytest.mark.parametrize("who", ["root", "user"])
+@pytest.mark.parametrize("runtime", ["runc", "crun"])
+def test_mount_points_that_link_to_the_host_are_not_followed(node, runtime, who):
+    """runc made /dev/fd, /dev/ptmx, ... and crun device nodes in the host
+    directory an image's /dev pointed at; now the runtime meets real
+    directories, and the container runs, as root and as the image's user."""
+    for variant in mount_point_variants():
+        sid = f"mp-{variant}-{runtime}-{who}"
+        node.cli("up", f"mp-{variant}-{who}@1", "--id", sid)
+        try:
+            proc = layerfs_run(node, sid, "--runtime", runtime)
+            assert (proc.returncode, proc.stdout, host_files(node.work)) == (
+                0, f"ran {0 if who == 'root' else 1234}\n", {}), (variant, proc.stderr)
+            rootfs = node.root / "sandboxes" / sid / "rootfs"
+            for link in MOUNT_POINT_LINKS[variant.split("-")[0]]:
+                if link != "work" and "/" not in link:
+                    assert (rootfs / link).is_dir() and not (rootfs / link).is_symlink()
+            if "work" in MOUNT_POINT_LINKS[variant.split("-")[0]]:
+                assert (rootfs / "work").is_symlink()  # the cwd resolves in the container
+        finally:
+            node.cli("down", sid)
+
+
+@pytest.mark.parametrize("runtime", ["runc", "crun"])
+def test_an_up_bundle_of_a_hostile_image_writes_nothing_on_the_host(node, runtime, tmp_path):
+    for variant in mount_point_variants():
+        sid = f"mpb-{variant}-{runtime}"
+        bundle = tmp_path / sid
+        node.cli("up", f"mp-{variant}-root@1", "--id", sid, "--bundle", str(bundle))
+        try:
+            proc = runtime_run(node, runtime, bundle, f"{sid}-c")
+            assert (proc.returncode, proc.stdout, host_files(node.work)) == (
+                0, "ran 0\n", {}), (variant, proc.stderr)
+        finally:
+            node.cli("down", sid)
+
+
+def test_mount_points_are_made_real_without_following_links(tmp_path):
+    """On a plain directory: a symlinked, a file and a missing mount point; a
+    bind-mounted file whose target is a symlink, and one that is a directory."""
+    host = tmp_path / "host"
+    (host / "etc").mkdir(parents=True)
+    (host / "etc" / "hosts").write_text("host's own\n")
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "etc").mkdir(parents=True)
+    (rootfs / "dev").symlink_to(host)
+    (rootfs / "proc").write_text("a file\n")
+    (rootfs / "etc" / "hosts").symlink_to(CLIMB + str(host / "etc" / "hosts").lstrip("/"))
+    (rootfs / "etc" / "hostname" / "sub").mkdir(parents=True)
+    source = tmp_path / "hosts"
+    source.write_text("127.0.0.1 localhost\n")
+    mounts = runtime_config(str(rootfs), ProcessSpec(args=("true",)), "h")["mounts"]
+    mounts += [{"destination": f"/etc/{name}", "type": "bind", "source": str(source),
+                "options": ["rbind", "ro"]} for name in ("hosts", "hostname")]
+    replaced = make_mount_points(str(rootfs), mounts)
+    assert replaced == ["/proc", "/dev", "/etc/hosts", "/etc/hostname"]
+    assert [p.name for p in rootfs.iterdir() if p.is_symlink()] == []
+    assert (rootfs / "dev").is_dir() and (rootfs / "proc").is_dir()
+    assert not (rootfs / "sys").exists()  # the runtime makes it, inside the rootfs
+    for name in ("hosts", "hostname"):
+        target = rootfs / "etc" / name
+        assert target.is_file() and not target.is_symlink() and target.stat().st_size == 0
+    assert sorted(os.listdir(host)) == ["etc"]
+    assert (host / "etc" / "hosts").read_text() == "host's own\n"
+    assert make_mount_points(str(rootfs), mounts) == []  # real now: nothing to do
+
+
 # -- the resolution itself, on plain directories --
 
 def etc_rootfs(tmp_path: Path) -> Path:
@@ -370,26 +498,96 @@ def shared_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def test_up_bundle_never_writes_through_a_planted_symlink(node, local_user, shared_dir,
-                                                          tmp_path):
-    """An attacker's bundle directory with config.json a symlink to a root file:
-    root's `up --bundle` replaces the link and leaves the file as it was, and
-    keeps the directory's own mode."""
+def make_as(user: LocalUser, *paths: Path) -> None:
+    """The user makes directories ``paths`` (0755), in order."""
+    proc = user.python("import os, sys; [os.mkdir(p, 0o755) for p in sys.argv[1:]]",
+                       *map(str, paths))
+    assert proc.returncode == 0, proc.stderr
+
+
+def refused_bundle(node: NodeDaemon, bundle: Path, message: str) -> None:
+    """``up --bundle`` refuses the directory with one line, before anything is up."""
+    proc = node.cli("up", "img@1", "--id", "refused", "--bundle", str(bundle), check=False)
+    assert proc.returncode == 2
+    assert proc.stderr == f"layerfs: error: unsafe bundle directory {bundle}: {message}\n"
+    assert "refused" not in sandbox_ids(node)
+    assert not (node.root / "sandboxes" / "refused").exists()
+
+
+def test_up_bundle_refuses_a_directory_a_user_owns(node, local_user, shared_dir, tmp_path):
+    """The owner of the bundle directory could swap config.json (``root.path
+    "/"``) before root's `runc run -b DIR` reads it: refused, and a planted
+    config.json symlink to a root file is neither followed nor replaced."""
     victim = tmp_path / "victim"
     victim.write_text("root's own file\n")
     bundle = shared_dir / "attacker"
-    planted = local_user.python(
-        "import os, sys; os.mkdir(sys.argv[1], 0o755); "
-        "os.symlink(sys.argv[2], os.path.join(sys.argv[1], 'config.json'))",
-        str(bundle), str(victim))
+    make_as(local_user, bundle)
+    planted = local_user.python("import os, sys; os.symlink(sys.argv[1], sys.argv[2])",
+                                str(victim), str(bundle / "config.json"))
     assert planted.returncode == 0, planted.stderr
-    node.cli("up", "img@1", "--id", "planted", "--bundle", str(bundle))
-    try:
-        assert victim.read_text() == "root's own file\n"
-        config = bundle / "config.json"
-        assert not config.is_symlink()
-        assert json.loads(config.read_text())["process"]["user"]["uid"] == 1234
-        assert os.stat(bundle).st_mode & 0o777 == 0o755
-        assert sorted(os.listdir(bundle)) == ["config.json"]
-    finally:
-        node.cli("down", "planted")
+    refused_bundle(node, bundle, f"{bundle} is owned by uid {local_user.uid}, not root")
+    assert victim.read_text() == "root's own file\n"
+    assert (bundle / "config.json").is_symlink()
+
+
+def test_up_bundle_refuses_a_path_a_user_can_change(node, local_user, shared_dir):
+    """Root's own directory inside a user's (who can rename it away and put
+    another there), a symlink on the way, a directory writable by others
+    (sticky or not), one writable by a group."""
+    owned = shared_dir / "owned"
+    make_as(local_user, owned)
+    inner = owned / "bundle"
+    inner.mkdir()  # root's, in the user's directory
+    refused_bundle(node, inner, f"{owned} is owned by uid {local_user.uid}, not root")
+    refused_bundle(node, owned / "missing" / "bundle",
+                   f"{owned} is owned by uid {local_user.uid}, not root")
+    link = shared_dir / "link"
+    link.symlink_to(inner)
+    refused_bundle(node, link / "sub", f"{link} is a symlink")
+    refused_bundle(node, link, f"{link} is a symlink")
+    refused_bundle(node, link / ".." / "open", f"{link} is a symlink")  # not read as ./open
+    for mode in (0o777, 0o1777, 0o775):
+        bundle = shared_dir / f"open-{mode:o}"
+        bundle.mkdir()
+        bundle.chmod(mode)
+        refused_bundle(node, bundle, f"{bundle} is writable by group or others")
+    loose = shared_dir / "loose"
+    loose.mkdir()
+    loose.chmod(0o777)
+    refused_bundle(node, loose / "bundle", f"{loose} is writable by group or others")
+
+
+def test_up_bundle_in_roots_directory_under_tmp(node, shared_dir):
+    """A root-owned directory in a sticky world-writable one (/tmp) is root's
+    to change alone: accepted; a missing one is made 0700, an existing one keeps its mode."""
+    for name, mode in (("made", None), ("kept", 0o755)):
+        bundle = shared_dir / name / "bundle"
+        if mode is not None:
+            bundle.mkdir(parents=True)
+            bundle.chmod(mode)
+        node.cli("up", "img@1", "--id", f"tmp-{name}", "--bundle", str(bundle))
+        try:
+            assert os.stat(bundle).st_mode & 0o777 == (mode or 0o700)
+            assert os.stat(bundle).st_uid == 0
+            assert json.loads((bundle / "config.json").read_text())["process"]["user"][
+                "uid"] == 1234
+            assert sorted(os.listdir(bundle)) == ["config.json"]
+        finally:
+            node.cli("down", f"tmp-{name}")
+
+
+def test_write_bundle_replaces_a_config_json_symlink(tmp_path):
+    """(Root's own directory, where a link could only be root's.) Replaced,
+    never written through."""
+    victim = tmp_path / "victim"
+    victim.write_text("root's own file\n")
+    rootfs = tmp_path / "rootfs"
+    rootfs.mkdir()
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").symlink_to(victim)
+    config = runtime_config(str(rootfs), ProcessSpec(args=("true",)), "h")
+    assert write_bundle(str(bundle), config, private=False) == str(bundle / "config.json")
+    assert victim.read_text() == "root's own file\n"
+    assert not (bundle / "config.json").is_symlink()
+    assert json.loads((bundle / "config.json").read_text())["root"]["path"] == str(rootfs)

@@ -213,6 +213,7 @@ FAST_ARGVS = [
     ["up", "e@1", "--id", "s1"], ["up", "--layer", "a@1", "--layer=b@1", "--id", "s1",
                                   "--prefetch", "none", "--bundle", "/b", "--root", "/r"],
     ["up", "--id", "s1", "--json", "e@1"], ["down", "s1"], ["down", "--keep-upper", "s1", "--json"],
+    ["down", "--force", "s1"],
     ["run", "s1"], ["run", "--root", "/r", "s1", "--", "true"],
     ["run", "--runtime", "crun", "--network", "host", "--user", "0:0", "--entrypoint", "",
      "s1", "--", "sh", "-c", "exit 3"],

@@ -196,7 +196,7 @@ def test_records_behave_as_dataclasses():
     a.layers.append("t@1")
     assert a != b and b.layers == []
     assert Down("s1", True) == Down(id="s1", keep_upper=True)
-    assert repr(Down("s1")) == "Down(id='s1', keep_upper=False)"
+    assert repr(Down("s1")) == "Down(id='s1', keep_upper=False, force=False)"
     record = SandboxRecord("s1", ["sha256:ab"], "/r", "up")
     assert vars(record) == {"id": "s1", "layers": ["sha256:ab"], "rootfs": "/r", "state": "up",
                             "env": None, "layer_refs": [], "config": None, "prefetch": "none",
@@ -204,7 +204,7 @@ def test_records_behave_as_dataclasses():
     names = [f.name for f in records.fields(SandboxStatus)]
     assert names[-2:] == ["upper_bytes", "layer_bytes_read"]
     for bad in (lambda: Down(ident="s1"), lambda: SandboxRecord("s1"),
-                lambda: Down("s1", False, "extra"), lambda: Down("s1", id="s2")):
+                lambda: Down("s1", False, False, "extra"), lambda: Down("s1", id="s2")):
         with pytest.raises(TypeError):
             bad()
 

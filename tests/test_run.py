@@ -4,12 +4,14 @@ namespaces, the host's and other sandboxes' files, mounts, devices, /proc)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +20,8 @@ import pytest
 from nodes import NodeDaemon
 from support import build, need_root
 
-from layerfs.node import runner
+from layerfs.node import Client, runner
+from layerfs.node.control import RemoteError
 from layerfs.node.process import LAYERFS
 from layerfs.store import open_store
 
@@ -274,6 +277,95 @@ def started(node: NodeDaemon, script: str) -> Iterator[subprocess.Popen]:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
+
+
+def runtime_state(node: NodeDaemon, runtime: str, cid: str) -> str:
+    """The container's status as the runtime reports it ("gone" if it has none)."""
+    proc = subprocess.run(runner.runtime_command(
+        runtime, str(node.root / "run" / "state" / runtime), "state", cid),
+        capture_output=True, text=True, timeout=60)
+    return json.loads(proc.stdout)["status"] if proc.returncode == 0 else "gone"
+
+
+@contextmanager
+def busy_sandbox(node: NodeDaemon, sid: str, runtime: str) -> Iterator[tuple[subprocess.Popen,
+                                                                           str]]:
+    """Sandbox ``sid`` up with ``layerfs run -- sleep 30`` in it, in the
+    background: the run and its container id; everything gone afterwards."""
+    node.cli("up", "--layer", "base@1", "--id", sid)
+    argv = [*LAYERFS, "run", "--runtime", runtime, "--root", str(node.root), sid, "--",
+            "sh", "-c", "echo ready; sleep 30"]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        (cid,) = os.listdir(node.root / "run" / "bundles")
+        yield proc, cid
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=60)
+        node.cli("down", "--force", sid, check=False)
+
+
+def refused_down(node: NodeDaemon, sid: str, cid: str, via: str) -> None:
+    """``down`` (the CLI's or ``Client.down``) refuses with exit code 9, and
+    leaves the sandbox as it was."""
+    if via == "cli":
+        down = node.cli("down", sid, check=False)
+        assert down.returncode == 9
+        assert down.stderr == (f"layerfs: error: sandbox {sid}: container {cid} runs in "
+                               "it (stop it first, or `down --force` kills it)\n")
+    else:
+        with pytest.raises(RemoteError, match=f"container {cid} runs in it") as refused:
+            Client(node.root).down(sid)
+        assert refused.value.exit_code == 9
+    assert (node.root / "sandboxes" / sid / "upper").is_dir()
+    assert sid in {row["id"] for row in node.request("ps")["sandboxes"]}
+
+
+@pytest.mark.parametrize(("runtime", "via"), [("runc", "cli"), ("crun", "api")])
+def test_down_refuses_a_sandbox_a_container_runs_in(node, runtime, via):
+    """`down` while `run` is inside would delete the upper under the
+    container: refused with exit code 9, or ``--force`` kills it first."""
+    sid = f"busy-{runtime}"
+    with busy_sandbox(node, sid, runtime) as (proc, cid):
+        refused_down(node, sid, cid, via)
+        assert proc.poll() is None and runtime_state(node, runtime, cid) == "running"
+        if via == "cli":
+            node.cli("down", "--force", sid)
+        else:
+            assert Client(node.root).down(sid, force=True).state == "down"
+        assert proc.wait(timeout=60) == 128 + signal.SIGKILL
+        assert runtime_state(node, runtime, cid) == "gone"
+        assert not (node.root / "sandboxes" / sid).exists()
+        assert sid not in {row["id"] for row in node.request("ps")["sandboxes"]}
+    assert os.listdir(node.root / "run" / "bundles") == []
+
+
+def test_a_stopped_containers_state_left_behind_does_not_block_down(node):
+    """Busy is what the runtime reports at `down` time: once the container's
+    process is gone (its runtime and its run killed too, so that its state is
+    left behind, ``stopped``), a plain `down` goes through."""
+    sid = "busy-stale"
+    state_root = str(node.root / "run" / "state" / "runc")
+    with busy_sandbox(node, sid, "runc") as (proc, cid):
+        refused_down(node, sid, cid, "cli")
+        runtime_pid = int(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text())
+        init = json.loads(subprocess.run(["runc", "--root", state_root, "state", cid],
+                                         capture_output=True, check=True).stdout)["pid"]
+        for pid in (runtime_pid, proc.pid, init):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        for _ in range(200):  # until init is reaped (by the host's init)
+            if runtime_state(node, "runc", cid) != "running":
+                break
+            time.sleep(0.05)
+        assert runtime_state(node, "runc", cid) == "stopped"
+        node.cli("down", sid)
+        assert not (node.root / "sandboxes" / sid).exists()
+        subprocess.run(["runc", "--root", state_root, "delete", "--force", cid], check=True)
+        runner.remove_bundle(str(node.root / "run" / "bundles" / cid))
 
 
 def test_a_terminal_on_stdin_gives_the_command_a_terminal(node):

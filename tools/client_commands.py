@@ -27,8 +27,8 @@ def up(env_ref: str | None, layers: Sequence[str], sid: str, prefetch: str,
     Output(as_json).emit(doc, record.rootfs)
 
 
-def down(sid: str, keep_upper: bool, root: str, as_json: bool) -> None:
-    record = Client(root).down(sid, keep_upper=keep_upper)
+def down(sid: str, keep_upper: bool, force: bool, root: str, as_json: bool) -> None:
+    record = Client(root).down(sid, keep_upper=keep_upper, force=force)
     Output(as_json).emit(record.to_json(), f"{sid} down")
 
 

@@ -57,7 +57,8 @@ def up_command() -> Command:
 
 
 def down_command() -> Command:
-    return Command({"--keep-upper": Option("keep_upper", "flag", default=False), **JSON},
+    return Command({"--keep-upper": Option("keep_upper", "flag", default=False),
+                    "--force": Option("force", "flag", default=False), **JSON},
                    positionals=("sid",))
 
 

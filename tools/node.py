@@ -131,11 +131,14 @@ def up(env_ref: str | None, layers: tuple[str, ...], sid: str, prefetch: str,
 @click.command()
 @click.argument("sid", metavar="ID")
 @click.option("--keep-upper", is_flag=True, help="Keep the sandbox's upper directory.")
+@click.option("--force", is_flag=True,
+              help="Kill the `layerfs run` containers running in the sandbox first "
+                   "(without it, such a sandbox is refused).")
 @root_option
 @json_option
-def down(sid: str, keep_upper: bool, root: str, as_json: bool) -> None:
+def down(sid: str, keep_upper: bool, force: bool, root: str, as_json: bool) -> None:
     """Take sandbox ID down and unmount what only it used."""
-    client_commands.down(sid, keep_upper, root, as_json)
+    client_commands.down(sid, keep_upper, force, root, as_json)
 
 
 @click.command()

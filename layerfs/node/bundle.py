@@ -8,6 +8,11 @@ default capability set with ``noNewPrivileges``, masked and read-only /proc
 paths, a private /dev, /sys read-only, and a seccomp profile that refuses the
 system calls Docker's default profile refuses to a container without
 CAP_SYS_ADMIN (new user namespaces, keyrings, bpf, kernel modules, ...).
+
+A bundle is written only once the image cannot redirect it: every path the
+runtime mounts over on the rootfs is a real directory (or, for a file mount,
+a regular file) there (:func:`make_mount_points`), and the bundle directory
+is root's alone to change (:func:`open_bundle_dir`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import os
 import posixpath
 import signal
+import stat
 from collections.abc import Mapping, Sequence
 
 from ..errors import LayerfsError
@@ -272,24 +278,220 @@ def seccomp_profile() -> dict[str, Any]:
     return profile
 
 
+class UnsafeBundleDir(LayerfsError):
+    """unsafe bundle directory {}: {}"""
+
+    exit_code = 2
+
+
+class MountPoint(Record):
+    """A path of the rootfs a bundle mounts over: a directory, or a file (a
+    bind mount of one)."""
+
+    path: str
+    file: bool = False
+
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def rootfs_mount_points(mounts: Sequence[Mapping[str, Any]]) -> list[MountPoint]:
+    """The destinations of ``mounts`` that lie on the rootfs itself, in order:
+    a destination inside an earlier one (``/dev/pts`` in ``/dev``) is on that
+    mount's fresh file system, not in the image, and so are the entries a
+    runtime makes in ``/dev`` and the masked and read-only paths it mounts
+    over in ``/proc`` and ``/sys`` (after pivot_root). The process's cwd is
+    made and entered after pivot_root too, so a symlink there resolves in the
+    container."""
+    points: list[MountPoint] = []
+    covered: list[str] = []
+    for m in mounts:
+        dest = posixpath.normpath(posixpath.join("/", m["destination"]))
+        if dest != "/" and not any(dest == c or dest.startswith(c.rstrip("/") + "/")
+                                   for c in covered):
+            points.append(MountPoint(path=dest, file=_mounts_a_file(m)))
+        covered.append(dest)
+    return points
+
+
+def _mounts_a_file(mount: Mapping[str, Any]) -> bool:
+    """Whether ``mount`` binds a file (the runtime makes its target a file)."""
+    bind = mount.get("type") == "bind" or {"bind", "rbind"} & set(mount.get("options", ()))
+    return bool(bind) and os.path.isfile(mount.get("source", ""))
+
+
+def make_mount_points(rootfs: str, mounts: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Make each path of the rootfs that ``mounts`` mount over a real directory
+    (or empty regular file) before a runtime runs the bundle; the paths
+    replaced. A runtime resolves a destination inside the rootfs but then
+    makes entries under it (``/dev/fd``, ``/dev/null``, ...) by a path the
+    host resolves: an image's ``/dev -> /host/dir`` would have root write
+    there. Walked from a descriptor of the rootfs with ``O_NOFOLLOW``, each
+    component that is a symlink or not a directory (for the last of a file
+    mount: not a regular file) is removed and made anew, through the overlay
+    (a whiteout and a new directory in the upper); an image's symlink is
+    never followed. A missing path is left to the runtime, which makes it
+    inside the rootfs (nothing on the way can redirect it)."""
+    replaced: list[str] = []
+    root_fd = os.open(rootfs, DIR_FLAGS)
+    try:
+        for point in rootfs_mount_points(mounts):
+            replaced += _make_mount_point(root_fd, point)
+    finally:
+        os.close(root_fd)
+    return replaced
+
+
+def _make_mount_point(root_fd: int, point: MountPoint) -> list[str]:
+    names = point.path.strip("/").split("/")
+    replaced: list[str] = []
+    fd = os.dup(root_fd)
+    try:
+        for k, name in enumerate(names):
+            want_file = point.file and k == len(names) - 1
+            path = "/" + "/".join(names[:k + 1])
+            kind = _entry_kind(fd, name)
+            if kind is None:
+                break  # the runtime makes it and what is below, inside the rootfs
+            if kind != ("file" if want_file else "dir"):
+                _replace_entry(fd, name, kind, want_file)
+                replaced.append(path)
+            if want_file:
+                break
+            try:
+                next_fd = os.open(name, DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:  # changed under us since: refuse rather than follow
+                raise BundleError(f"{path} in the rootfs is not a directory: "
+                                  f"{exc.strerror}") from None
+            os.close(fd)
+            fd = next_fd
+    finally:
+        os.close(fd)
+    return replaced
+
+
+def _entry_kind(dir_fd: int, name: str) -> str | None:
+    """``dir``, ``file`` (regular), ``other`` (a symlink, device, ...) or None if absent."""
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return None
+    return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
+
+
+def _replace_entry(dir_fd: int, name: str, kind: str, want_file: bool) -> None:
+    """Remove ``name`` (a directory with what it holds, without following a
+    symlink) and make an empty directory (0755) or regular file (0644) there."""
+    if kind == "dir":
+        import shutil  # (only here: a client starts faster without it)
+
+        shutil.rmtree(name, dir_fd=dir_fd)
+    else:
+        os.unlink(name, dir_fd=dir_fd)
+    if want_file:
+        os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o644, dir_fd=dir_fd))
+    else:
+        os.mkdir(name, 0o755, dir_fd=dir_fd)
+
+
+def open_bundle_dir(directory: str, create: bool = True) -> int | None:
+    """A descriptor of bundle directory ``directory`` (made 0700 where missing
+    if ``create``; without, None if it is missing), walked from ``/`` with
+    ``O_NOFOLLOW``. Root runs what is in it later, by name, so only root may
+    change it: every existing component must be root's, not a symlink, and
+    writable by group or others only if sticky (``/tmp``); the directory itself
+    root's and not writable by group or others. Anything else is
+    :class:`UnsafeBundleDir`. The path is walked as the kernel resolves it
+    (``link/..`` is not read as nothing)."""
+    path = os.path.join(os.getcwd(), directory)
+    names = [n for n in path.split("/") if n not in ("", ".")]
+    fd = os.open("/", DIR_FLAGS)
+    try:
+        unsafe = _unsafe_component(fd, "/", last=not names)
+        for k, name in enumerate(names):
+            if unsafe:
+                break
+            sub = "/" + "/".join(names[:k + 1])
+            next_fd, unsafe = _open_component(fd, name, sub, create)
+            if next_fd is None:
+                if unsafe:
+                    break
+                os.close(fd)
+                return None  # missing, and not to be made
+            os.close(fd)
+            fd = next_fd
+            unsafe = _unsafe_component(fd, sub, last=k == len(names) - 1)
+    except BaseException:
+        os.close(fd)
+        raise
+    if unsafe:
+        os.close(fd)
+        raise UnsafeBundleDir(path, unsafe)
+    return fd
+
+
+def _open_component(dir_fd: int, name: str, path: str,
+                    create: bool) -> tuple[int | None, str | None]:
+    """The directory ``name`` in ``dir_fd`` opened without following a symlink
+    (made 0700 if missing and ``create``), or None if it is missing; or why
+    it cannot be."""
+    for _ in range(2):  # a second time after making it
+        try:
+            return os.open(name, DIR_FLAGS, dir_fd=dir_fd), None
+        except FileNotFoundError:
+            if not create:
+                return None, None
+            with contextlib.suppress(FileExistsError):  # made meanwhile: checked as found
+                os.mkdir(name, 0o700, dir_fd=dir_fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                if stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                    return None, f"{path} is a symlink"
+            return None, f"{path}: {exc.strerror}"
+    return None, f"{path} vanished while it was made"
+
+
+def _unsafe_component(fd: int, path: str, last: bool) -> str | None:
+    """Why a user other than root could change what directory ``fd`` holds, or None."""
+    st = os.fstat(fd)
+    if st.st_uid != 0:
+        return f"{path} is owned by uid {st.st_uid}, not root"
+    if st.st_mode & 0o022 and (last or not st.st_mode & stat.S_ISVTX):
+        return f"{path} is writable by group or others"
+    return None
+
+
 def write_bundle(directory: str, config: Mapping[str, Any], private: bool = True) -> str:
-    """Write ``config`` as ``directory/config.json``; return the path. A missing
-    directory is made 0700; ``private`` makes an existing one 0700 too (the
-    runner's own directories, not a directory the caller names). The file is
-    written new (0600, ``O_EXCL | O_NOFOLLOW``) and renamed over config.json,
-    so a config.json that is a symlink is replaced, never written through."""
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    if private:
-        os.chmod(directory, 0o700)
-    path = os.path.join(directory, "config.json")
-    temporary = os.path.join(directory, f".config.json.{os.getpid()}.{os.urandom(4).hex()}")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    """Write ``config`` as ``directory/config.json``; return the path. First
+    the mount points of the config's rootfs are made real
+    (:func:`make_mount_points`), and the directory opened as
+    :func:`open_bundle_dir` does (missing parts made 0700); ``private`` makes
+    an existing one 0700 too (the runner's own directories, not a directory
+    the caller names). The file is written new, through that descriptor
+    (0600, ``O_EXCL | O_NOFOLLOW``), and renamed over config.json, so a
+    config.json that is a symlink is replaced, never written through."""
+    make_mount_points(config["root"]["path"], config["mounts"])
+    fd = open_bundle_dir(directory)
+    assert fd is not None  # (made if missing)
+    try:
+        if private:
+            os.fchmod(fd, 0o700)
+        _write_config(fd, config)
+    finally:
+        os.close(fd)
+    return os.path.join(os.path.abspath(directory), "config.json")
+
+
+def _write_config(dir_fd: int, config: Mapping[str, Any]) -> None:
+    temporary = f".config.json.{os.getpid()}.{os.urandom(4).hex()}"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                 | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(config, f, indent=1)
-        os.replace(temporary, path)
+        os.replace(temporary, "config.json", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(temporary)
+            os.unlink(temporary, dir_fd=dir_fd)
         raise
-    return path

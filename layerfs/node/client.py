@@ -57,9 +57,16 @@ class Client:
         first); ``prefetch`` as ``layerfs up --prefetch`` (auto: replay a
         layer's pushed trace, if it has one); with ``bundle_dir``, also write an
         OCI runtime bundle for it there (``runc run -b DIR ID``), or take it
-        down again if that fails."""
+        down again if that fails. A bundle directory another user could change
+        (:func:`.bundle.open_bundle_dir`) is refused before anything is up."""
         if bool(env) == bool(layers):
             raise UsageError("give an env or layer refs (not both)")
+        if bundle_dir is not None:
+            from . import bundle
+
+            fd = bundle.open_bundle_dir(bundle_dir, create=False)
+            if fd is not None:
+                os.close(fd)
         request = protocol.Up(id=sandbox_id, env=env, layers=list(layers), prefetch=prefetch)
         record = call(self.root, request, protocol.SandboxAnswer, self.timeout).sandbox
         if bundle_dir is not None:
@@ -73,15 +80,20 @@ class Client:
     def write_bundle(self, record: SandboxRecord, directory: str,
                      network: str = "none") -> str:
         """Write ``directory/config.json``, which runs the sandbox's image process
-        (Entrypoint + Cmd as its User, with its Env and WorkingDir); its path."""
+        (Entrypoint + Cmd as its User, with its Env and WorkingDir); its path.
+        The directory must be root's alone (:func:`.bundle.open_bundle_dir`), and
+        the rootfs's mount points are made real first (:func:`.bundle.write_bundle`)."""
         from . import bundle
 
         config, _ = container_config(record, network)
-        return bundle.write_bundle(os.path.abspath(directory), config, private=False)
+        return bundle.write_bundle(directory, config, private=False)
 
-    def down(self, sandbox_id: str, keep_upper: bool = False) -> SandboxRecord:
-        """Take a sandbox down and unmount what only it used; its last record."""
-        request = protocol.Down(id=sandbox_id, keep_upper=keep_upper)
+    def down(self, sandbox_id: str, keep_upper: bool = False,
+             force: bool = False) -> SandboxRecord:
+        """Take a sandbox down and unmount what only it used; its last record.
+        A sandbox a ``run`` container still runs in is refused (exit code 9)
+        unless ``force``, which kills the container first."""
+        request = protocol.Down(id=sandbox_id, keep_upper=keep_upper, force=force)
         return call(self.root, request, protocol.SandboxAnswer, self.timeout).sandbox
 
     def ps(self) -> list[SandboxStatus]:

@@ -382,7 +382,7 @@ class Daemon:
             await self.sandboxes.up(r.id, r.env, r.layers, r.prefetch))
 
     async def down(self, r: protocol.Down) -> protocol.SandboxAnswer:
-        return protocol.SandboxAnswer(await self.sandboxes.down(r.id, r.keep_upper))
+        return protocol.SandboxAnswer(await self.sandboxes.down(r.id, r.keep_upper, r.force))
 
     async def ps(self, r: protocol.Ps) -> protocol.PsAnswer:
         return protocol.PsAnswer(await self.sandboxes.ps(r.id))

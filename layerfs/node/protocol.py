@@ -172,6 +172,7 @@ class Down(Request):
     op = "down"
     id: str = ""
     keep_upper: bool = False
+    force: bool = False  # kill the containers that run in it first
 
 
 class Ps(Request):

@@ -8,6 +8,9 @@ stdin/stdout/stderr through, forwards SIGINT/SIGTERM/SIGHUP to the container (a
 second one kills it; SIGTERM, a request to stop, arrives as the image's
 StopSignal), and afterwards deletes the container and its bundle.
 The runtime's exit status (the command's, or 128 + signal) becomes ours.
+While it runs, the runtime's own state says so: :func:`running_containers`
+asks it (``RUNTIME state``) for the daemon's ``down``, which refuses such a
+sandbox or, forced, kills the container first (:func:`kill`).
 The runtime is started with ``posix_spawn`` (``subprocess``, with the
 threading and locale machinery it imports, would add ~5 ms to the start of
 every ``layerfs run``), its signal dispositions reset as ``subprocess`` does.
@@ -22,7 +25,9 @@ container in v1 cgroups, device cgroup included.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,6 +48,8 @@ UNIFIED_CGROUP = "/sys/fs/cgroup/unified"  # the cgroup2 hierarchy of a hybrid h
 WITHOUT_UNIFIED = f'umount {UNIFIED_CGROUP} && exec "$0" "$@"'
 # ignored by Python itself, so reset to the default in the children (as subprocess does)
 CHILD_DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
+# the OCI states of a container that has a process: made, started or frozen, not yet ended
+LIVE_STATES = ("creating", "created", "running", "paused")
 
 
 class Container(Record):
@@ -108,6 +115,68 @@ def on_path(name: str) -> str | None:
 def container_id(sandbox_id: str) -> str:
     """A container id unique to this run: the sandbox id and 12 random hex digits."""
     return f"{sandbox_id}-{os.urandom(6).hex()}"
+
+
+def is_container_of(sandbox_id: str, cid: str) -> bool:
+    """Whether ``cid`` is a :func:`container_id` of ``sandbox_id`` (sandbox ids
+    have no ``-`` + 12 hex digits to spare: ``a-0123456789ab``'s containers
+    are not ``a``'s)."""
+    return re.fullmatch(re.escape(sandbox_id) + r"-[0-9a-f]{12}", cid) is not None
+
+
+def running_containers(root: str, sandbox_id: str) -> list[Container]:
+    """The containers ``layerfs run`` started in sandbox ``sandbox_id`` that
+    have a process now, as each runtime's ``state`` reports it from its state
+    root (``ROOT/run/state/<runtime>``): a fact of the moment, not a record
+    that could outlive a killed run. A state the runtime cannot report (its
+    binary gone from PATH) counts as running."""
+    found = []
+    for name in RUNTIMES:
+        state_root = os.path.join(root, "run", "state", name)
+        try:
+            ids = sorted(os.listdir(state_root))
+        except FileNotFoundError:
+            continue
+        for cid in ids:
+            if not is_container_of(sandbox_id, cid):
+                continue
+            container = Container(runtime=on_path(name) or name, state_root=state_root,
+                                  container_id=cid,
+                                  bundle_dir=os.path.join(root, "run", "bundles", cid))
+            if container_status(container) in (*LIVE_STATES, None):
+                found.append(container)
+    return found
+
+
+def container_status(container: Container) -> str | None:
+    """The container's OCI status (``running``, ``stopped``, ...), ``gone`` if
+    the runtime knows no such container, None if it could not be asked."""
+    import subprocess  # (only here: ``layerfs run`` starts faster without it)
+
+    try:
+        proc = subprocess.run(container.command("state", container.container_id),
+                              capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        state = os.path.join(container.state_root, container.container_id)
+        return "gone" if not os.path.lexists(state) else None
+    try:
+        status = json.loads(proc.stdout)["status"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return status if isinstance(status, str) else None
+
+
+def kill(container: Container) -> bool:
+    """SIGKILL the container and delete it (``RUNTIME delete --force``); the
+    ``layerfs run`` that started it then ends with 128 + 9. Whether it is gone."""
+    import subprocess
+
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        subprocess.run(container.command("delete", "--force", container.container_id),
+                       capture_output=True, timeout=60)
+    return container_status(container) not in (*LIVE_STATES, None)
 
 
 def prepare(root: str, runtime_name: str, sandbox_id: str,

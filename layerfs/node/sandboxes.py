@@ -34,6 +34,7 @@ from ..errors import LayerfsError, UsageError
 from ..mounts import SAFE_FLAGS, mount, mount_erofs, umount
 from ..registry import ENVS, LAYERS, Registry
 from ..sizes import du
+from . import runner
 from .blobfiles import BlobDirectory, BlobFile
 from .fetcher import ChunkFetcher
 from .protocol import LAYER_ROLES, BadMessage, CommitAnswer, SandboxRecord, SandboxStatus
@@ -56,6 +57,12 @@ class SandboxError(LayerfsError):
     """sandbox {}: {}"""
 
     exit_code = 9
+
+
+class SandboxBusy(SandboxError):
+    """sandbox {}: container {} runs in it (stop it first, or `down --force` kills it)"""
+
+    exit_code = 9  # the node's code for busy
 
 
 @dataclass
@@ -304,12 +311,17 @@ class Sandboxes:
             # half the fetch slots, so that sandboxes already up still get theirs
             await fetcher.fetch_all(entries, workers=max(1, fetcher.parallel // 2))
 
-    async def down(self, sid: str, keep_upper: bool = False) -> SandboxRecord:
+    async def down(self, sid: str, keep_upper: bool = False,
+                   force: bool = False) -> SandboxRecord:
+        """Unmount the sandbox and delete its directory (``keep_upper``: not its
+        upper). A sandbox a ``layerfs run`` container runs in is refused
+        (:class:`SandboxBusy`), or with ``force`` the containers are killed first."""
         record = self.records.get(sid)
         if record is None or sid in self._busy:
             raise SandboxError(sid, "no such sandbox" if record is None else "busy")
         self._busy.add(sid)
         try:
+            await self._stop_containers(sid, force)
             sdir = self._dir(sid)
             if record.state == "up":
                 await trio.to_thread.run_sync(umount, str(sdir / "rootfs"),
@@ -326,6 +338,17 @@ class Sandboxes:
             self._busy.discard(sid)
         record.state = "down"
         return record
+
+    async def _stop_containers(self, sid: str, force: bool) -> None:
+        """Refuse (:class:`SandboxBusy`) while a container runs in the sandbox,
+        as its runtime reports now; with ``force``, kill each one first."""
+        running = await trio.to_thread.run_sync(runner.running_containers, str(self.root), sid)
+        if running and not force:
+            raise SandboxBusy(sid, ", ".join(c.container_id for c in running))
+        for container in running:
+            if not await trio.to_thread.run_sync(runner.kill, container):
+                raise SandboxBusy(sid, container.container_id)
+            log.info("down --force of %s: killed container %s", sid, container.container_id)
 
     async def commit(self, sid: str, name: str, version: str,
                      role: str = "workspace") -> CommitAnswer:
