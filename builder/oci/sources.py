@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from layerfs.errors import SourceError
+from layerfs.safeopen import open_error, open_regular
 
 from ..tarsource import BoundedTarFile, TarFormatError
 from .image import (
@@ -78,7 +79,12 @@ def open_source(text: str, plain_http: bool = False) -> ImageSource:
     if not os.path.exists(spec.path):
         raise SourceError(text, "no such file or directory")
     if spec.scheme == "oci":
-        return LayoutSource(text, DirectoryFiles(spec.path), spec.ref)
+        files = DirectoryFiles(spec.path, text)
+        try:
+            return LayoutSource(text, files, spec.ref)
+        except BaseException:
+            files.close()
+            raise
     archive = ArchiveFiles(spec.path, text)
     if spec.scheme == "oci-archive":
         return LayoutSource(text, archive, spec.ref)
@@ -118,20 +124,29 @@ def parse_json(data: bytes, what: str) -> object:
 
 
 class DirectoryFiles:
-    """Files of a layout directory, by relative path."""
+    """Files of a layout directory, by relative path. The layout is not
+    trusted: each file is opened from a descriptor of the directory with no
+    symlink on the way (``blobs/sha256`` a symlink, a blob linked to a host
+    file) and must be a regular file (a FIFO would hang the import)."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, what: str) -> None:
         self.root = root
+        try:
+            self.fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SourceError(what, f"{root}: {open_error(exc)}") from None
 
     def open(self, path: str, what: str) -> BinaryIO:
-        full = os.path.join(self.root, path)
         try:
-            return open(full, "rb")  # noqa: SIM115 (the caller closes it)
+            fd = open_regular(self.fd, path)
         except OSError as exc:
-            raise SourceError(what, f"{path}: {(exc.strerror or str(exc)).lower()}") from None
+            raise SourceError(what, f"{path}: {open_error(exc)}") from None
+        return os.fdopen(fd, "rb")
 
     def close(self) -> None:
-        pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class ArchiveFiles:
