@@ -69,12 +69,15 @@ def parse_spec(text: str) -> SourceSpec:
                             "oci-archive:FILE or docker-archive:FILE")
 
 
-def open_source(text: str, plain_http: bool = False) -> ImageSource:
-    """The image source ``text`` names."""
+def open_source(text: str, plain_http: bool = False, timeout: float | None = None
+                ) -> ImageSource:
+    """The image source ``text`` names; ``timeout``: a registry's (seconds
+    without progress, see :mod:`.registry`)."""
     if text.startswith("docker://"):
-        from .registry import RegistrySource  # urllib3 and TLS only for registries
+        from .registry import DEFAULT_TIMEOUT, RegistrySource  # urllib3 and TLS: registries only
 
-        return RegistrySource(text, plain_http=plain_http)
+        return RegistrySource(text, plain_http=plain_http,
+                              timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
     spec = parse_spec(text)
     if not os.path.exists(spec.path):
         raise SourceError(text, "no such file or directory")
