@@ -493,7 +493,8 @@ class Milestone:
             reply.close()  # not drained: what is left may trickle too
             if time.monotonic() >= self.deadline:
                 raise self.stalled(detail()) from None
-            raise RegistryUnreachable(self.host, f"{self.what}{detail()}: {_reason(exc)}"
+            raise RegistryUnreachable(self.host,
+                                      f"{self.what} broke off{detail()}: {_reason(exc)}"
                                       ) from None
         return data
 
