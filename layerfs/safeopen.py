@@ -3,8 +3,8 @@
 with the ``RESOLVE_*`` flags that keep the walk where it belongs
 (``RESOLVE_IN_ROOT``: symlinks resolve inside; ``RESOLVE_BENEATH`` with
 ``RESOLVE_NO_SYMLINKS``: no symlink anywhere on the way, no escape by ``..``),
-and :func:`open_regular`, which opens a file that must be a regular one without
-blocking on a FIFO or a device.
+and :func:`open_regular` (beneath a directory) and :func:`open_regular_path`,
+which open a file that must be a regular one without blocking on a FIFO.
 """
 
 from __future__ import annotations
@@ -57,7 +57,18 @@ def open_regular(dir_fd: int, path: str) -> int:
     ``dir_fd``, no symlink on the way (ELOOP/EXDEV otherwise); opened with
     ``O_NONBLOCK`` so that a FIFO does not hang the open, then checked with
     fstat (:class:`NotRegular`) and switched back to blocking reads."""
-    fd = openat2(dir_fd, path, READ_FLAGS, STRICT)
+    return _regular(openat2(dir_fd, path, READ_FLAGS, STRICT), path)
+
+
+def open_regular_path(path: str) -> int:
+    """A blocking read-only descriptor of the regular file ``path`` (a path the
+    user gave: symlinks are followed), opened without blocking on a FIFO."""
+    return _regular(os.open(path, READ_FLAGS), path)
+
+
+def _regular(fd: int, path: str) -> int:
+    """``fd`` if it is a regular file, switched to blocking reads; else closed
+    and :class:`NotRegular`."""
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):

@@ -470,6 +470,17 @@ def test_layout_file_not_regular_beneath_it_is_refused_unread(case, secret_image
     assert not any(SECRET in data for data in stored)
 
 
+@pytest.mark.parametrize("scheme", ["oci-archive", "docker-archive"])
+def test_archive_that_is_a_fifo_is_one_line_not_a_hang(scheme, tmp_path):
+    os.mkfifo(tmp_path / "image.tar")
+    proc = subprocess.run([*LAYERFS, "import", f"{scheme}:{tmp_path / 'image.tar'}", "--name",
+                           "bad", "--version", "1", "--store", f"file://{tmp_path / 'store'}"],
+                          capture_output=True, text=True, timeout=HOSTILE_TIMEOUT)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 3 and len(lines) == 1, proc.stderr
+    assert "not a regular file (a FIFO)" in lines[0]
+
+
 # --- a real image in a real sandbox ----------------------------------------------------
 
 

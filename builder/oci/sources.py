@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from layerfs.errors import SourceError
-from layerfs.safeopen import open_error, open_regular
+from layerfs.safeopen import open_error, open_regular, open_regular_path
 
 from ..tarsource import BoundedTarFile, TarFormatError
 from .image import (
@@ -158,9 +158,15 @@ class ArchiveFiles:
     def __init__(self, path: str, what: str) -> None:
         self.what = what
         try:
-            self.tar = BoundedTarFile.open(path, "r:")
+            fd = open_regular_path(path)
+        except OSError as exc:
+            raise SourceError(what, open_error(exc)) from None
+        self.file = os.fdopen(fd, "rb")
+        try:
+            self.tar = BoundedTarFile.open(fileobj=self.file, mode="r:")
             members = self.tar.getmembers()
         except (TarFormatError, tarfile.TarError, OSError) as exc:
+            self.file.close()
             raise SourceError(what, f"not a readable uncompressed tar archive ({exc})") from None
         self.members = {posixpath.normpath(m.name).lstrip("/"): m for m in members}
 
@@ -187,6 +193,7 @@ class ArchiveFiles:
 
     def close(self) -> None:
         self.tar.close()
+        self.file.close()
 
 
 Files = DirectoryFiles | ArchiveFiles
