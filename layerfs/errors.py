@@ -165,6 +165,12 @@ class RegistryUnreachable(RegistryError):
     exit_code = 8
 
 
+class RegistryNoProgress(RegistryUnreachable):
+    """registry {} unreachable: no progress for {}s (--timeout), giving up: {}"""
+
+    exit_code = 8
+
+
 class RefMismatch(IntegrityError):
     """integrity check failed for {} ref {}: it points at a manifest of {}"""
 

@@ -366,6 +366,9 @@ class Answer:
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
     length: int | None = None  # a Content-Length other than the body's: the body breaks off
+    trickle: float = 0.0  # seconds between the body's pieces
+    trickle_piece: int = 1  # bytes in each
+    trickle_headers: bool = False  # the status line and headers trickle too
 
 
 @dataclass(frozen=True)
@@ -384,6 +387,7 @@ class FakeServer:
     address: str = "127.0.0.1"
     seen: list[Seen] = field(default_factory=list)
     server: ThreadingHTTPServer | None = None
+    stopping: threading.Event = field(default_factory=threading.Event)
 
     @property
     def host(self) -> str:
@@ -400,15 +404,34 @@ class FakeServer:
                 headers = {key.lower(): value for key, value in self.headers.items()}
                 fake.seen.append(Seen(self.path, headers))
                 answer = fake.route(self.path, headers)
+                if answer.trickle_headers:
+                    self._trickle(b"HTTP/1.1 200 OK\r\n" * 1000, answer.trickle or 1.0)
+                    return
                 self.send_response(answer.status)
                 for key, value in answer.headers.items():
                     self.send_header(key, value)
                 length = len(answer.body) if answer.length is None else answer.length
                 self.send_header("Content-Length", str(length))
                 self.end_headers()
+                if answer.trickle:
+                    self._trickle(answer.body, answer.trickle, answer.trickle_piece)
+                    return
                 self.wfile.write(answer.body)
                 if answer.length is not None:
                     self.close_connection = True
+
+            def _trickle(self, data: bytes, pause: float, piece: int = 1) -> None:
+                """``data`` in pieces of ``piece`` bytes, ``pause`` seconds apart,
+                until the client hangs up or the server stops."""
+                self.close_connection = True
+                try:
+                    for i in range(0, len(data), piece):
+                        self.wfile.write(data[i : i + piece])
+                        self.wfile.flush()
+                        if fake.stopping.wait(pause):
+                            return
+                except OSError:
+                    pass  # the client gave up: what the test wants
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -419,5 +442,6 @@ class FakeServer:
 
     def __exit__(self, *exc: object) -> None:
         assert self.server is not None
+        self.stopping.set()
         self.server.shutdown()
         self.server.server_close()

@@ -10,8 +10,11 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import tarfile
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,7 @@ from test_node import make_base, upper_tar
 from treecmp import snapshot
 
 from layerfs.builder.env import create_env
+from layerfs.builder.oci.destfiles import locked, remove_stale_temps
 from layerfs.builder.oci.export import host_architecture
 from layerfs.builder.oci.layertar import pax_time
 from layerfs.formats.erofs import write_meta_image
@@ -32,6 +36,7 @@ from layerfs.formats.erofsread import read_meta_image
 from layerfs.manifest import ImageConfig
 from layerfs.registry import Registry
 from layerfs.store.base import blob_key
+from layerfs.store.file import FileStore
 from layerfs.tree import FileTree, FsNode
 
 CHUNK = 65536
@@ -333,3 +338,169 @@ def test_export_tar_entries(env, tmp_path, store_args):
                                           gen["gen/dev/sda"].devminor) == (8, 0)
     assert ".wh.whiteout" in {name.rpartition("/")[2] for name in gen}
     assert not any(name.endswith("/sock") for name in gen)
+
+
+# -- a hostile destination: nothing written where its symlinks point --
+
+@pytest.fixture
+def small_env(tmp_path) -> list[str]:
+    """env s@1 (one small layer) in a file store: the CLI arguments naming the store."""
+    src = tmp_path / "small-src"
+    (src / "etc").mkdir(parents=True)
+    (src / "etc" / "os-release").write_text("NAME=small\n")
+    (src / "data").write_bytes(os.urandom(3 * CHUNK))
+    store = FileStore(str(tmp_path / "store"))
+    build(store, str(src), name="small", chunk_size=CHUNK)
+    create_env(Registry(store), "s", "1", ["small@1"], config=CONFIG)
+    return ["--store", f"file://{tmp_path / 'store'}"]
+
+
+def plant(user, link: Path, target: Path) -> None:
+    """``link`` -> ``target``, made by the unprivileged user who owns the layout."""
+    proc = user.run("ln", "-s", str(target), str(link))
+    assert proc.returncode == 0, proc.stderr
+
+
+HOSTILE_LINKS = {  # what the attacker links, and where to
+    "blobs/sha256": ("blobs/sha256", "dir"),
+    "blobs": ("blobs", "dir"),
+    "index.json": ("index.json", "index"),
+    "oci-layout": ("oci-layout", "file"),
+}
+
+
+@pytest.fixture
+def shared_dir(local_user) -> Iterator[Path]:
+    """A directory the unprivileged user owns, where root can be made to export."""
+    work = Path(tempfile.mkdtemp(prefix="layerfs-export-"))
+    try:
+        os.chmod(work, 0o755)
+        os.chown(work, local_user.uid, local_user.gid)
+        yield work
+    finally:
+        shutil.rmtree(work)
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_LINKS))
+def test_symlink_in_an_existing_layout_is_refused_and_not_followed(case, small_env, tmp_path,
+                                                                   local_user, shared_dir):
+    """A layout an unprivileged user owns, with a symlink where export writes
+    (a directory the blobs go to, the index replaced, the layout marker): root's
+    export is one error line, and nothing appears where the symlink points."""
+    layout = shared_dir / "img"
+    (layout / "blobs" / "sha256").mkdir(parents=True)
+    (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    name, kind = HOSTILE_LINKS[case]
+    if (layout / name).is_dir():
+        shutil.rmtree(layout / name)
+    elif (layout / name).exists():
+        (layout / name).unlink()
+    subprocess.run(["chown", "-R", f"{local_user.uid}:{local_user.gid}", str(layout)],
+                   check=True)
+    target = tmp_path / "elsewhere" / "target"
+    target.parent.mkdir()
+    if kind == "dir":
+        target.mkdir()
+    else:  # a file the export would read or keep: a valid empty index, a layout marker
+        target.write_text('{"manifests": []}' if kind == "index" else
+                          '{"imageLayoutVersion": "1.0.0"}')
+    plant(local_user, layout / name, target)
+    before = snapshot(str(target.parent), dir_mtime=False)
+    line = one_line_error(layerfs("export", "s@1", f"oci:{layout}:v1", *small_env,
+                                  check=False), 4)
+    assert "symlink" in line
+    assert snapshot(str(target.parent), dir_mtime=False) == before
+    assert os.readlink(layout / name) == str(target)  # not replaced either
+    assert temporaries(shared_dir) == []
+
+
+def test_destination_that_is_a_symlink_is_refused(small_env, tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    for target in (f"oci:{tmp_path / 'link'}", f"oci-archive:{tmp_path / 'link'}"):
+        line = one_line_error(layerfs("export", "s@1", target, *small_env, check=False), 4)
+        assert "symlink" in line
+    assert os.listdir(tmp_path / "real") == []
+
+
+# -- temporaries of a killed export --
+
+def stalled_export(store_args: list[str], target: str) -> subprocess.Popen:
+    """``layerfs export`` started on a store whose pack blob is a FIFO nobody
+    writes: it blocks reading the first chunk."""
+    return subprocess.Popen([sys.executable, "-m", "layerfs.tools.main", "export", "s@1",
+                             target, *store_args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def temporaries(where: Path) -> list[Path]:
+    return sorted(p for p in where.rglob("*") if ".tmp-" in p.name)
+
+
+def wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("kind", ["new layout", "archive", "existing layout"])
+def test_next_export_removes_what_a_killed_one_left(kind, small_env, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    dest = out / ("img.tar" if kind == "archive" else "img")
+    target = f"{'oci-archive' if kind == 'archive' else 'oci'}:{dest}"
+    if kind == "existing layout":
+        layerfs("export", "s@1", f"oci:{dest}:first", *small_env)
+    store = FileStore(small_env[1].removeprefix("file://"))
+    reg = Registry(store)
+    pack = reg.chunk_table(reg.layer(reg.resolve("layers", "small@1"))).entries[0].pack
+    pack_path = Path(store.root) / blob_key(pack)
+    data = pack_path.read_bytes()
+    pack_path.unlink()
+    os.mkfifo(pack_path)
+    proc = stalled_export(small_env, target)
+    try:
+        wait_for(lambda: any(p.parent.name == "sha256" for p in temporaries(out)))
+    finally:
+        proc.kill()
+        proc.wait()
+    left = temporaries(out)
+    assert left and all(str(proc.pid) in p.name for p in left if p.parent == out)
+    pack_path.unlink()
+    pack_path.write_bytes(data)
+    layerfs("export", "s@1", f"{target}:second", *small_env)
+    assert temporaries(out) == []
+    assert json.loads(skopeo("inspect", f"{target}:second"))["Env"] == CONFIG.env
+
+
+def test_only_temporaries_of_dead_unlocking_exporters_are_removed(tmp_path, local_user):
+    """Removed: this user's, unlocked, pid gone. Kept: locked (a live exporter,
+    whatever its pid says), pid alive (an exporter between creating and locking,
+    or a reused pid), another user's, a symlink, another destination's."""
+    child = subprocess.Popen(["true"])  # a pid that has just exited
+    child.wait()
+    dead, alive = child.pid, os.getpid()
+    names = {"dead": f".img.tmp-{dead}-ab12", "dead-dir": f".img.tmp-{dead}-cd34",
+             "locked": f".img.tmp-{dead}-ef56", "alive": f".img.tmp-{alive}-0a0b",
+             "other-user": f".img.tmp-{dead}-1c1d", "symlink": f".img.tmp-{dead}-2e2f",
+             "other-dest": f".img2.tmp-{dead}-3a3b"}
+    for key, name in names.items():
+        if key == "dead-dir":
+            (tmp_path / name / "blobs").mkdir(parents=True)
+        elif key == "symlink":
+            (tmp_path / name).symlink_to(tmp_path / names["dead"])
+        else:
+            (tmp_path / name).write_bytes(b"partial blob")
+    os.chown(tmp_path / names["other-user"], local_user.uid, local_user.gid)
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    holder = os.open(tmp_path / names["locked"], os.O_RDONLY)
+    try:
+        locked(holder)
+        removed = remove_stale_temps(dir_fd, ".img")
+    finally:
+        os.close(holder)
+        os.close(dir_fd)
+    assert sorted(removed) == sorted([names["dead"], names["dead-dir"]])
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        names[k] for k in ("locked", "alive", "other-user", "symlink", "other-dest"))

@@ -406,6 +406,84 @@ def test_docker_archive_with_malformed_repo_tags_is_one_error_line(two_layer_ima
     assert "RepoTags must be a list of strings" in lines[0]
 
 
+# --- a hostile layout: what is not a regular file beneath it is not read ----------------
+
+HOSTILE_TIMEOUT = 60  # a FIFO blob used to hang the import for ever: fail instead
+SECRET = b"host secret " + os.urandom(8).hex().encode()
+
+
+def fifo_blob(layout: Path, host: Path) -> None:
+    path = blob(layout, manifest_of(layout, "bad")[1]["layers"][0]["digest"])
+    path.unlink()
+    os.mkfifo(path)
+
+
+def fifo_index(layout: Path, host: Path) -> None:
+    (layout / "index.json").unlink()
+    os.mkfifo(layout / "index.json")
+
+
+def blob_linked_to_host_file(layout: Path, host: Path) -> None:
+    """The top layer (holding a secret) moved to a root-only host file; the blob a
+    symlink to it: followed, the import would succeed and store the secret."""
+    path = blob(layout, manifest_of(layout, "bad")[1]["layers"][-1]["digest"])
+    host.mkdir(mode=0o700)
+    secret = host / "secret-blob"
+    shutil.move(path, secret)
+    os.chmod(secret, 0o600)
+    path.symlink_to(secret)
+
+
+def blob_dir_linked_elsewhere(layout: Path, host: Path) -> None:
+    shutil.move(layout / "blobs" / "sha256", host)
+    (layout / "blobs" / "sha256").symlink_to(host)
+
+
+HOSTILE = {
+    "blob a FIFO": (fifo_blob, "not a regular file (a FIFO)"),
+    "index.json a FIFO": (fifo_index, "index.json: not a regular file (a FIFO)"),
+    "blob a symlink to a host file": (blob_linked_to_host_file, "a symlink"),
+    "blobs/sha256 a symlink": (blob_dir_linked_elsewhere, "a symlink"),
+}
+
+
+@pytest.fixture(scope="module")
+def secret_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    layout = tmp_path_factory.mktemp("secret") / "L"
+    return make_image(layout, "bad", [LayerChange(files={"a": os.urandom(70_000)}),
+                                      LayerChange(files={"secret": SECRET})], SETTINGS)
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_layout_file_not_regular_beneath_it_is_refused_unread(case, secret_image, tmp_path):
+    layout = tmp_path / "L"
+    shutil.copytree(secret_image, layout)
+    spoil, message = HOSTILE[case]
+    spoil(layout, tmp_path / "host")
+    store = tmp_path / "store"
+    proc = subprocess.run([*LAYERFS, "import", f"oci:{layout}:bad", "--name", "bad",
+                           "--version", "1", "--store", f"file://{store}"],
+                          capture_output=True, text=True, timeout=HOSTILE_TIMEOUT)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 3 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("layerfs: error: source ") and message in lines[0], lines[0]
+    listed = cli(["--store", f"file://{store}"], "env", "ls", "--json")
+    assert listed.returncode == 0 and json.loads(listed.stdout) == []
+    stored = [p.read_bytes() for p in store.rglob("*") if p.is_file()] if store.exists() else []
+    assert not any(SECRET in data for data in stored)
+
+
+@pytest.mark.parametrize("scheme", ["oci-archive", "docker-archive"])
+def test_archive_that_is_a_fifo_is_one_line_not_a_hang(scheme, tmp_path):
+    os.mkfifo(tmp_path / "image.tar")
+    proc = subprocess.run([*LAYERFS, "import", f"{scheme}:{tmp_path / 'image.tar'}", "--name",
+                           "bad", "--version", "1", "--store", f"file://{tmp_path / 'store'}"],
+                          capture_output=True, text=True, timeout=HOSTILE_TIMEOUT)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 3 and len(lines) == 1, proc.stderr
+    assert "not a regular file (a FIFO)" in lines[0]
+
+
 # --- a real image in a real sandbox ----------------------------------------------------
 
 

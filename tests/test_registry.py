@@ -12,7 +12,8 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ from layerfs.builder.oci.image import (
     OCI_MANIFEST,
     Descriptor,
 )
-from layerfs.builder.oci.registry import RegistrySource, parse_reference
+from layerfs.builder.oci.registry import BLOB_MILESTONE, RegistrySource, parse_reference
 from layerfs.errors import (
     IntegrityError,
     RefNotFound,
@@ -440,3 +441,58 @@ def test_closed_port_is_unreachable_in_bounded_time() -> None:
     assert done.returncode == 8
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"layerfs: error: registry 127.0.0.1:{port}")
+
+
+# -- a registry that trickles: the import ends within --timeout --
+
+TRICKLE_PAUSE = 2.0  # a byte every 2 s: no socket timeout ever trips
+STALL_TIMEOUT = 3.0
+
+
+def trickling_registry(case: str) -> Callable[[str, dict[str, str]], Answer]:
+    """A fake registry whose manifest (its body, or its status line and headers)
+    or config blob comes a byte every :data:`TRICKLE_PAUSE` seconds."""
+    config = json.dumps({"architecture": "amd64", "os": "linux", "config": {},
+                         "rootfs": {"type": "layers", "diff_ids": []}}).encode()
+    manifest = json.dumps({"schemaVersion": 2, "mediaType": OCI_MANIFEST, "layers": [],
+                           "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                                      "digest": _digest(config), "size": len(config)}}).encode()
+
+    def route(path: str, headers: dict[str, str]) -> Answer:
+        if "/manifests/" in path:
+            return Answer(200, manifest, {"Content-Type": OCI_MANIFEST},
+                          trickle=TRICKLE_PAUSE if case != "config blob" else 0.0,
+                          trickle_headers=case == "headers")
+        return Answer(200, config, trickle=TRICKLE_PAUSE)
+
+    return route
+
+
+@pytest.mark.parametrize("case", ["manifest", "headers", "config blob"])
+def test_trickling_registry_ends_the_import_within_the_timeout(case, tmp_path) -> None:
+    with FakeServer(trickling_registry(case)) as fake:
+        started = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "layerfs.tools.main", "import", f"docker://{fake.host}/app:v1",
+             "--plain-http", "--name", "app", "--version", "1", "--timeout", str(STALL_TIMEOUT),
+             "--store", f"file://{tmp_path / 'store'}"],
+            capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - started
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 8 and len(lines) == 1, proc.stderr
+    assert f"no progress for {STALL_TIMEOUT:g}s (--timeout)" in lines[0], lines[0]
+    assert took < STALL_TIMEOUT + TRICKLE_PAUSE + 8  # (the interpreter's start included)
+
+
+def test_slow_blob_that_keeps_coming_is_read() -> None:
+    """Progress is what counts: a blob in pieces, each well within the timeout,
+    is read whole even though it takes longer than the timeout overall."""
+    data = os.urandom(3 * BLOB_MILESTONE)
+    with FakeServer(lambda path, headers: Answer(200, data, trickle_piece=BLOB_MILESTONE,
+                                                 trickle=0.6)) as fake:
+        source = RegistrySource(f"{fake.host}/app:v1", plain_http=True, timeout=1.0)
+        started = time.monotonic()
+        with source.open_blob(Descriptor("application/octet-stream", _digest(data),
+                                         len(data))) as stream:
+            assert stream.read() == data
+        assert time.monotonic() - started > 1.0

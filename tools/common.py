@@ -21,8 +21,8 @@ def write_store_options(fn: Callable) -> Callable:
 
     @click.option("--timeout", "store_timeout", type=click.FloatRange(min=0.1), metavar="SECONDS",
                   envvar="LAYERFS_TIMEOUT", default=None,
-                  help="Give up when the store has made no progress for this long "
-                       "[env: LAYERFS_TIMEOUT; default: 60].")
+                  help="Give up when the store (or, importing, the registry) has made "
+                       "no progress for this long [env: LAYERFS_TIMEOUT; default: 60].")
     @functools.wraps(fn)
     def wrapper(out: Output, reg: Any, store_timeout: float | None, **kw: Any):
         if store_timeout is not None:  # else the store's DEFAULT_TIMEOUT

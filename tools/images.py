@@ -79,12 +79,13 @@ def import_cmd(out: Output, reg: Registry, src: str, name: str, version: str, pl
     the layer oci/sha256/<diff_id> (built once, shared by every image), the
     image config goes with the env. SRC is docker://HOST[:PORT]/REPO:TAG (or
     @sha256:...), oci:DIR[:TAG], oci-archive:FILE[:TAG] or
-    docker-archive:FILE[:NAME:TAG]."""
+    docker-archive:FILE[:NAME:TAG]. --timeout bounds a registry too: each
+    request, document and 256 KiB of a blob must come within it."""
     opts = ImportOptions(name, version, parse_platform(platform) if platform else None,
                          parse_size(fold) if fold else 0, parse_size(chunk_size))
     opts.check()
     bar = ImportBar(f"import {name}@{version}", enabled=stderr_is_tty() and not out.as_json)
-    source = open_source(src, plain_http=plain_http)
+    source = open_source(src, plain_http=plain_http, timeout=reg.store.timeout)
     try:
         result = import_image(reg, source, opts, ImportProgress(bar.on_layer, bar.on_bytes))
     finally:

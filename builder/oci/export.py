@@ -21,10 +21,18 @@ built in a temporary directory beside DIR and renamed; into an existing
 layout the blobs go first and ``index.json`` is replaced last (new blobs are
 removed again if the export fails); an archive is written to a temporary
 file and linked into place.
+
+Everything is written by descriptor (:mod:`.destfiles`): DEST's directory is
+opened once, DEST and ``blobs/sha256`` without following symlinks, and a
+symlink where the export writes is refused, so an existing layout cannot send
+the blobs elsewhere. Temporaries (``.DEST.tmp-<pid>-<random>`` beside DEST,
+``.tmp-<pid>-<random>`` in a layout) are locked by their exporter; the next
+export to the same place removes those a killed export left.
 """
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import json
@@ -32,7 +40,6 @@ import os
 import re
 import shutil
 import tarfile
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -43,10 +50,21 @@ from layerfs.errors import DestinationExists, UsageError
 from layerfs.formats.erofsread import read_meta_image
 from layerfs.manifest import EnvManifest, ImageConfig
 from layerfs.registry import ENVS, Registry
+from layerfs.safeopen import open_error, open_regular
 from layerfs.store.base import Store
 from layerfs.tree import FileTree, FsNode
 
-from .image import OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, Descriptor
+from .destfiles import (
+    check_regular_or_missing,
+    new_temp_dir,
+    new_temp_file,
+    open_dir,
+    remove_quietly,
+    remove_stale_temps,
+    tar_directory,
+    write_atomic,
+)
+from .image import MAX_DOCUMENT, OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, Descriptor
 from .layertar import BlobRanges, LayerTree, TarStats, fold_layers, write_layer_tar
 
 REF_NAME = "org.opencontainers.image.ref.name"
@@ -143,95 +161,87 @@ class _HashingSink:
 
 
 class Layout:
-    """An OCI image layout being written at ``root``; ``created`` lists the
-    blob files this export added (removed again by :meth:`discard_new`)."""
+    """An OCI image layout being written in the directory ``fd`` (the caller's
+    descriptor, opened without following a symlink); ``where`` names it in
+    errors. ``blobs/sha256`` is opened (or made) without following symlinks,
+    files are made relative to these descriptors, and a symlink or a special
+    file where the export writes (``oci-layout``, ``index.json``, a blob) is
+    refused before anything is written. Stale temporaries of killed exports
+    are removed. ``created`` lists the blobs this export added (removed again
+    by :meth:`discard_new`)."""
 
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self.blob_dir = os.path.join(root, "blobs", "sha256")
-        os.makedirs(self.blob_dir, exist_ok=True)
+    def __init__(self, fd: int, where: str) -> None:
+        self.fd, self.where = fd, where
+        for name in (LAYOUT_FILE, "index.json"):
+            check_regular_or_missing(fd, name, where)
+        blobs = open_dir(fd, "blobs", where, create=True)
+        try:
+            self.blob_fd = open_dir(blobs, "sha256", where, create=True)
+        finally:
+            os.close(blobs)
+        remove_stale_temps(fd)
+        remove_stale_temps(self.blob_fd)
         self.created: list[str] = []
 
-    def _place(self, tmp: str, digest: str) -> None:
-        final = os.path.join(self.blob_dir, digest.removeprefix("sha256:"))
-        if os.path.exists(final):
-            os.unlink(tmp)
-            return
-        os.rename(tmp, final)
-        self.created.append(final)
+    def close(self) -> None:
+        os.close(self.blob_fd)
 
-    def _temp(self) -> tuple[int, str]:
-        fd, tmp = tempfile.mkstemp(dir=self.blob_dir, prefix=".tmp-")
-        os.fchmod(fd, 0o644)
-        return fd, tmp
+    def _place(self, tmp: str, digest: str) -> None:
+        final = digest.removeprefix("sha256:")
+        if check_regular_or_missing(self.blob_fd, final, self.where):
+            os.unlink(tmp, dir_fd=self.blob_fd)
+            return
+        os.rename(tmp, final, src_dir_fd=self.blob_fd, dst_dir_fd=self.blob_fd)
+        self.created.append(final)
 
     def put_json(self, doc: dict[str, Any], media_type: str) -> Descriptor:
         data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        fd, tmp = self._temp()
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        self._place(tmp, digest)
-        return Descriptor(media_type, digest, len(data))
+        return Descriptor(media_type, digest, self.put_stream(lambda out: out.write(data))[1])
 
-    def put_stream(self, write: Callable[[BinaryIO], None]) -> tuple[str, int]:
+    def put_stream(self, write: Callable[[BinaryIO], object]) -> tuple[str, int]:
         """Run ``write`` on a temporary blob file; the blob is named by its digest."""
-        fd, tmp = self._temp()
+        fd, tmp = new_temp_file(self.blob_fd)
         try:
             with os.fdopen(fd, "wb") as f:
                 sink = _HashingSink(f)
                 write(sink)  # type: ignore[arg-type]
                 f.flush()
                 os.fsync(f.fileno())
+            self._place(tmp, sink.digest)
         except BaseException:
-            os.unlink(tmp)
+            remove_quietly(self.blob_fd, tmp)
             raise
-        self._place(tmp, sink.digest)
         return sink.digest, sink.size
 
     def discard_new(self) -> None:
-        for path in self.created:
-            os.unlink(path)
+        for name in self.created:
+            remove_quietly(self.blob_fd, name)
         self.created.clear()
 
     # -- oci-layout and index.json --
     def read_index(self) -> dict[str, Any]:
-        path = os.path.join(self.root, "index.json")
-        if not os.path.exists(path):
+        try:
+            fd = open_regular(self.fd, "index.json")
+        except FileNotFoundError:
             return {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": []}
-        with open(path, "rb") as f:
+        except OSError as exc:
+            raise DestinationExists(self.where, f"index.json: {open_error(exc)}") from None
+        with os.fdopen(fd, "rb") as f:
             try:
-                doc = json.load(f)
+                doc = json.loads(f.read(MAX_DOCUMENT + 1))
             except ValueError:
                 doc = None
         if not isinstance(doc, dict) or not isinstance(doc.get("manifests"), list):
-            raise DestinationExists(self.root, "index.json is not an OCI image index")
+            raise DestinationExists(self.where, "index.json is not an OCI image index")
         return doc
 
     def write_index(self, doc: dict[str, Any]) -> None:
         """``oci-layout``, then ``index.json`` replaced atomically (last)."""
-        layout = os.path.join(self.root, LAYOUT_FILE)
-        if not os.path.exists(layout):
-            _write_atomic(layout, json.dumps(LAYOUT_VERSION).encode())
-        _write_atomic(os.path.join(self.root, "index.json"),
-                      json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n")
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        if not check_regular_or_missing(self.fd, LAYOUT_FILE, self.where):
+            write_atomic(self.fd, LAYOUT_FILE, json.dumps(LAYOUT_VERSION).encode())
+        write_atomic(self.fd, "index.json",
+                     json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n")
 
 
 # -- layers --
@@ -358,11 +368,13 @@ def _tagged_index(index: dict[str, Any], manifest: Descriptor, tag: str,
 
 def check_destination(dest: Destination) -> None:
     """Refuse what the export would overwrite: an existing archive, or an
-    existing directory that is not an OCI image layout; the parent directory
-    must exist."""
+    existing directory that is not an OCI image layout, or a symlink; the
+    parent directory must exist."""
     parent = os.path.dirname(os.path.abspath(dest.path))
     if not os.path.isdir(parent):
         raise UsageError(f"destination {dest.path}: directory {parent} does not exist")
+    if os.path.islink(dest.path):
+        raise DestinationExists(dest.path, "is a symlink (refused)")
     if dest.transport == "oci-archive":
         if os.path.lexists(dest.path):
             raise DestinationExists(dest.path, "file exists")
@@ -370,7 +382,7 @@ def check_destination(dest: Destination) -> None:
     if os.path.lexists(dest.path):
         if not os.path.isdir(dest.path):
             raise DestinationExists(dest.path, "exists and is not a directory")
-        has_layout = os.path.exists(os.path.join(dest.path, LAYOUT_FILE))
+        has_layout = os.path.lexists(os.path.join(dest.path, LAYOUT_FILE))
         if os.listdir(dest.path) and not has_layout:
             raise DestinationExists(dest.path, "exists and is not an OCI image layout")
 
@@ -385,29 +397,63 @@ def export_env(reg: Registry, env_ref: str, dest: Destination, fold: bool = Fals
     env = reg.env(env_digest)
     check_destination(dest)
     layers = _load_layers(reg, env)
-    parent = os.path.dirname(os.path.abspath(dest.path))
-    if dest.transport == "oci" and os.path.isdir(dest.path):
-        return _into_layout(store, env, layers, dest, fold, compression)
-    staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(dest.path)}.tmp-")
+    parent_fd = os.open(os.path.dirname(os.path.abspath(dest.path)),
+                        os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        layout = Layout(staging)
-        manifest, config, exported = _write_image(store, layout, env, layers, fold,
-                                                  compression)
-        layout.write_index(_tagged_index(layout.read_index(), manifest, dest.tag, dest.path))
-        if dest.transport == "oci":
-            os.chmod(staging, 0o755)
-            os.rename(staging, dest.path)
-        else:
-            _archive(staging, dest.path)
+        return _export_at(store, env, layers, dest, parent_fd, fold, compression)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        os.close(parent_fd)
+
+
+def _export_at(store: Store, env: EnvManifest, layers: list[_SourceLayer], dest: Destination,
+               parent_fd: int, fold: bool, compression: str) -> ExportResult:
+    """The export, everything written relative to ``parent_fd`` (DEST's directory)."""
+    name = os.path.basename(os.path.abspath(dest.path))
+    remove_stale_temps(parent_fd, f".{name}")
+    if dest.transport == "oci":
+        try:
+            dest_fd = open_dir(parent_fd, name, dest.path)
+        except FileNotFoundError:
+            pass
+        else:
+            try:
+                return _into_layout(store, env, layers, dest, dest_fd, fold, compression)
+            finally:
+                os.close(dest_fd)
+    staging_fd, staging = new_temp_dir(parent_fd, f".{name}")
+    try:
+        layout = Layout(staging_fd, dest.path)
+        try:
+            manifest, config, exported = _write_image(store, layout, env, layers, fold,
+                                                      compression)
+            layout.write_index(_tagged_index(layout.read_index(), manifest, dest.tag,
+                                             dest.path))
+            if dest.transport == "oci":
+                os.fchmod(staging_fd, 0o755)
+                _rename_into_place(parent_fd, staging, name, dest.path)
+            else:
+                _archive(staging_fd, parent_fd, name, dest.path)
+        finally:
+            layout.close()
+    finally:
+        os.close(staging_fd)
+        shutil.rmtree(staging, dir_fd=parent_fd, ignore_errors=True)
     return ExportResult(f"{env.name}@{env.version}", str(dest), manifest.digest, config.digest,
                         exported)
 
 
+def _rename_into_place(parent_fd: int, staging: str, name: str, where: str) -> None:
+    try:
+        os.rename(staging, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+            raise DestinationExists(where, "appeared during the export") from None
+        raise
+
+
 def _into_layout(store: Store, env: EnvManifest, layers: list[_SourceLayer], dest: Destination,
-                 fold: bool, compression: str) -> ExportResult:
-    layout = Layout(dest.path)
+                 dest_fd: int, fold: bool, compression: str) -> ExportResult:
+    layout = Layout(dest_fd, dest.path)
     try:
         index = layout.read_index()
         manifest, config, exported = _write_image(store, layout, env, layers, fold,
@@ -416,28 +462,27 @@ def _into_layout(store: Store, env: EnvManifest, layers: list[_SourceLayer], des
     except BaseException:
         layout.discard_new()
         raise
+    finally:
+        layout.close()
     return ExportResult(f"{env.name}@{env.version}", str(dest), manifest.digest, config.digest,
                         exported)
 
 
-def _archive(layout_dir: str, path: str) -> None:
-    """Tar the layout into a temporary file beside ``path``, then link it into place."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
+def _archive(layout_fd: int, parent_fd: int, name: str, where: str) -> None:
+    """Tar the layout into a temporary file beside DEST, then link it into place."""
+    fd, tmp = new_temp_file(parent_fd, f".{name}")
     try:
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)
-            with tarfile.open(fileobj=f, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-                for name in (LAYOUT_FILE, "index.json", "blobs"):
-                    tar.add(os.path.join(layout_dir, name), arcname=name,
-                            filter=_archive_entry)
+            tar_directory(layout_fd, [LAYOUT_FILE, "index.json", "blobs"], f, _archive_entry)
             f.flush()
             os.fsync(f.fileno())
         try:
-            os.link(tmp, path)
+            os.link(tmp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd,
+                    follow_symlinks=False)
         except FileExistsError:
-            raise DestinationExists(path, "file exists") from None
+            raise DestinationExists(where, "file exists") from None
     finally:
-        os.unlink(tmp)
+        remove_quietly(parent_fd, tmp)
 
 
 def _archive_entry(info: tarfile.TarInfo) -> tarfile.TarInfo:
@@ -445,4 +490,3 @@ def _archive_entry(info: tarfile.TarInfo) -> tarfile.TarInfo:
     info.uname = info.gname = ""
     info.mode = 0o755 if info.isdir() else 0o644
     return info
-

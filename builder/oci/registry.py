@@ -10,6 +10,16 @@ appear in no message, log line or exception. A redirect to another origin
 header. Connection errors and 5xx answers are retried a bounded number of
 times. A manifest fetched by digest is checked against that digest here;
 ``Docker-Content-Digest`` is advisory only and never trusted.
+
+A registry that answers slowly enough never trips a socket timeout (a byte
+every few seconds), so each transfer has milestones it must reach within the
+source's ``timeout`` (``import --timeout``): a request its answer (retries
+included; a connection whose status line and headers have not come by then is
+shut down), a document (manifest, index, token) its last byte, a blob each
+:data:`BLOB_MILESTONE` bytes or its end; else
+:class:`~layerfs.errors.RegistryNoProgress`. Reads take what one ``recv``
+gives (``read1``) with the socket's timeout set to the time left, so the
+deadline holds however the bytes trickle.
 """
 
 from __future__ import annotations
@@ -20,9 +30,11 @@ import io
 import json
 import os
 import re
+import socket
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -34,6 +46,7 @@ from ...errors import (
     RefNotFound,
     RegistryAuthRequired,
     RegistryError,
+    RegistryNoProgress,
     RegistryUnreachable,
     SourceError,
 )
@@ -44,6 +57,9 @@ DEFAULT_TAG = "latest"
 ACCEPT = ", ".join((*MANIFEST_TYPES, *INDEX_TYPES))
 CONNECT_TIMEOUT = 5.0
 READ_TIMEOUT = 60.0
+DEFAULT_TIMEOUT = 60.0  # seconds a transfer may take to reach its next milestone
+BLOB_MILESTONE = 256 << 10  # a blob must bring this many bytes per timeout (or end)
+READ_PIECE = 64 << 10
 ATTEMPTS = 3  # per request, on connection errors and 5xx/429 answers
 BACKOFF = 0.5  # seconds before the second attempt, doubled after
 MAX_REDIRECTS = 5
@@ -186,18 +202,65 @@ def _origin(url: str) -> tuple[str, str, int | None]:
     return (parts.scheme or "", (parts.host or "").lower(), parts.port)
 
 
+class _AnswerDeadline:
+    """A connection whose answer (status line and headers) must come within
+    ``answer_timeout`` seconds: else its socket is shut down, which ends the
+    blocked read (the request then fails as a broken connection)."""
+
+    answer_timeout = DEFAULT_TIMEOUT
+    sock: Any
+
+    def getresponse(self, *args: Any, **kw: Any) -> Any:
+        timer = threading.Timer(self.answer_timeout, self._cut)
+        timer.daemon = True
+        timer.start()
+        try:
+            return super().getresponse(*args, **kw)  # type: ignore[misc]
+        finally:
+            timer.cancel()
+
+    def _cut(self) -> None:
+        sock = self.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed meanwhile
+
+
+def _watched_pools(timeout: float) -> dict[str, Any]:
+    """urllib3 pool classes (by scheme) whose connections are :class:`_AnswerDeadline`."""
+
+    class Plain(_AnswerDeadline, urllib3.connection.HTTPConnection):
+        answer_timeout = timeout
+
+    class Tls(_AnswerDeadline, urllib3.connection.HTTPSConnection):
+        answer_timeout = timeout
+
+    class PlainPool(urllib3.HTTPConnectionPool):
+        ConnectionCls = Plain
+
+    class TlsPool(urllib3.HTTPSConnectionPool):
+        ConnectionCls = Tls
+
+    return {"http": PlainPool, "https": TlsPool}
+
+
 class RegistrySource(ImageSource):
     """An image in a registry, pulled over HTTPS (``plain_http``: HTTP)."""
 
     def __init__(self, reference: str, plain_http: bool = False,
-                 auth_file: str | None = None) -> None:
+                 auth_file: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.reference = parse_reference(reference)
         self.host = self.reference.host
         self.base = f"{'http' if plain_http else 'https'}://{self.host}/v2/"
         self.plain_http = plain_http
+        self.timeout = timeout
         self.credentials = load_credentials(self.host, auth_file)
         self.pool = urllib3.PoolManager(
-            retries=False, timeout=urllib3.Timeout(connect=CONNECT_TIMEOUT, read=READ_TIMEOUT))
+            retries=False, timeout=urllib3.Timeout(connect=min(CONNECT_TIMEOUT, timeout),
+                                                   read=min(READ_TIMEOUT, timeout)))
+        self.pool.pool_classes_by_scheme = _watched_pools(timeout)
         self._authorization: str | None = None
         self._lock = threading.Lock()
 
@@ -216,7 +279,8 @@ class RegistrySource(ImageSource):
         ref = wanted or self.reference.tag
         reply = self._get(self._url("manifests", ref), {"Accept": ACCEPT}, "manifest", ref)
         try:
-            body = _read_bounded(reply, f"manifest {ref} of {self.describe()}")
+            body = _read_bounded(reply, f"manifest {ref} of {self.describe()}", self.host,
+                                 self.timeout)
         finally:
             _release(reply)
         if wanted is not None:
@@ -230,7 +294,8 @@ class RegistrySource(ImageSource):
         if not _DIGEST.match(desc.digest):
             raise SourceError(self.describe(), f"unsupported blob digest {desc.digest!r}")
         reply = self._get(self._url("blobs", desc.digest), {}, "blob", desc.digest)
-        return io.BufferedReader(BlobStream(reply, self.host, desc.digest), BLOB_BUFFER)
+        return io.BufferedReader(BlobStream(reply, self.host, desc.digest, self.timeout),
+                                 BLOB_BUFFER)
 
     def close(self) -> None:
         self.pool.clear()
@@ -275,9 +340,14 @@ class RegistrySource(ImageSource):
         raise RegistryError(self.host, f"more than {MAX_REDIRECTS} redirects")
 
     def _send(self, method: str, url: str, headers: dict[str, str]) -> Any:
-        """One request with bounded retries on connection errors and 5xx/429 answers."""
+        """One request with bounded retries on connection errors and 5xx/429 answers,
+        all within the source's timeout."""
         delay = BACKOFF
+        started = time.monotonic()
         for attempt in range(1, ATTEMPTS + 1):
+            if time.monotonic() - started >= self.timeout:
+                raise RegistryNoProgress(self._where(url), f"{self.timeout:g}",
+                                         f"no answer to GET {urllib3.util.parse_url(url).path}")
             last = attempt == ATTEMPTS
             try:
                 reply = self.pool.request(method, url, headers=headers, redirect=False,
@@ -294,7 +364,7 @@ class RegistrySource(ImageSource):
                 if (reply.status < 500 and reply.status != 429) or last:
                     return reply
                 _release(reply)
-            time.sleep(delay)
+            time.sleep(min(delay, max(0.0, started + self.timeout - time.monotonic())))
             delay *= 2
         raise AssertionError("unreachable")
 
@@ -332,7 +402,8 @@ class RegistrySource(ImageSource):
                 raise self._auth_required()
             if reply.status != 200:
                 raise RegistryError(self._where(url), f"token request answered HTTP {reply.status}")
-            body = _read_bounded(reply, f"token from {self._where(url)}")
+            body = _read_bounded(reply, f"token from {self._where(url)}", self._where(url),
+                                 self.timeout)
         finally:
             _release(reply)
         return _token_of(body, self._where(url))
@@ -375,18 +446,57 @@ def _reason(exc: Exception) -> str:
     return text.split(": ", 1)[-1] if "object at 0x" in text else text
 
 
-def _read_bounded(reply: Any, what: str) -> bytes:
-    """The body of a document (manifest, index, token answer) up to MAX_DOCUMENT bytes."""
+def _read_bounded(reply: Any, what: str, host: str, timeout: float) -> bytes:
+    """The body of a document (manifest, index, token answer) up to MAX_DOCUMENT
+    bytes, whole within ``timeout`` seconds."""
     declared = reply.headers.get("Content-Length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_DOCUMENT:
         raise SourceError(what, f"larger than {MAX_DOCUMENT} bytes")
-    try:
-        body: bytes = reply.read(MAX_DOCUMENT + 1)
-    except BROKEN as exc:
-        raise RegistryUnreachable(what, _reason(exc)) from None
+    milestone = Milestone(host, timeout, what)
+    body = bytearray()
+    while len(body) <= MAX_DOCUMENT:
+        piece = milestone.read(reply, min(READ_PIECE, MAX_DOCUMENT + 1 - len(body)))
+        if not piece:
+            break
+        body += piece
     if len(body) > MAX_DOCUMENT:
         raise SourceError(what, f"larger than {MAX_DOCUMENT} bytes")
-    return body
+    return bytes(body)
+
+
+class Milestone:
+    """The next point a transfer must reach within ``timeout`` seconds
+    (:meth:`reached` starts the clock again). :meth:`read` reads what one
+    ``recv`` gives, with the socket's timeout set to the time left."""
+
+    def __init__(self, host: str, timeout: float, what: str) -> None:
+        self.host, self.timeout, self.what = host, timeout, what
+        self.reached()
+
+    def reached(self) -> None:
+        self.deadline = time.monotonic() + self.timeout
+
+    def stalled(self, detail: str = "") -> RegistryNoProgress:
+        return RegistryNoProgress(self.host, f"{self.timeout:g}", self.what + detail)
+
+    def read(self, reply: Any, size: int, detail: Callable[[], str] = str) -> bytes:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            reply.close()
+            raise self.stalled(detail())
+        connection = reply.connection
+        if connection is not None and connection.sock is not None:
+            connection.sock.settimeout(left)
+        try:
+            data: bytes = reply.read1(size)
+        except BROKEN as exc:
+            reply.close()  # not drained: what is left may trickle too
+            if time.monotonic() >= self.deadline:
+                raise self.stalled(detail()) from None
+            raise RegistryUnreachable(self.host,
+                                      f"{self.what} broke off{detail()}: {_reason(exc)}"
+                                      ) from None
+        return data
 
 
 def _media_type(content_type: str, body: bytes) -> str:
@@ -423,27 +533,33 @@ def _error_code(reply: Any) -> str:
 
 
 class BlobStream(io.RawIOBase):
-    """A blob's body as a stream; a broken or timed-out connection becomes one error."""
+    """A blob's body as a stream that must bring :data:`BLOB_MILESTONE` bytes
+    (or its end) every ``timeout`` seconds; a broken, timed-out or stalled
+    connection becomes one error."""
 
-    def __init__(self, reply: Any, host: str, digest: str) -> None:
+    def __init__(self, reply: Any, host: str, digest: str,
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
         super().__init__()
         self.reply, self.host, self.digest = reply, host, digest
         self.seen = 0
+        self.milestone = Milestone(host, timeout, f"blob {digest}")
+        self.next_milestone = BLOB_MILESTONE
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        try:
-            data = self.reply.read(len(view))
-        except BROKEN as exc:
-            raise RegistryUnreachable(
-                self.host, f"blob {self.digest} broke off after {self.seen} bytes: {_reason(exc)}"
-            ) from None
+        data = self.milestone.read(self.reply, len(view), self._progress)
         view[: len(data)] = data
         self.seen += len(data)
+        if self.seen >= self.next_milestone:
+            self.milestone.reached()
+            self.next_milestone = self.seen + BLOB_MILESTONE
         return len(data)
+
+    def _progress(self) -> str:
+        return f" after {self.seen} bytes"
 
     def close(self) -> None:
         if not self.closed:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from layerfs.errors import SourceError
+from layerfs.safeopen import open_error, open_regular, open_regular_path
 
 from ..tarsource import BoundedTarFile, TarFormatError
 from .image import (
@@ -68,17 +69,25 @@ def parse_spec(text: str) -> SourceSpec:
                             "oci-archive:FILE or docker-archive:FILE")
 
 
-def open_source(text: str, plain_http: bool = False) -> ImageSource:
-    """The image source ``text`` names."""
+def open_source(text: str, plain_http: bool = False, timeout: float | None = None
+                ) -> ImageSource:
+    """The image source ``text`` names; ``timeout``: a registry's (seconds
+    without progress, see :mod:`.registry`)."""
     if text.startswith("docker://"):
-        from .registry import RegistrySource  # urllib3 and TLS only for registries
+        from .registry import DEFAULT_TIMEOUT, RegistrySource  # urllib3 and TLS: registries only
 
-        return RegistrySource(text, plain_http=plain_http)
+        return RegistrySource(text, plain_http=plain_http,
+                              timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
     spec = parse_spec(text)
     if not os.path.exists(spec.path):
         raise SourceError(text, "no such file or directory")
     if spec.scheme == "oci":
-        return LayoutSource(text, DirectoryFiles(spec.path), spec.ref)
+        files = DirectoryFiles(spec.path, text)
+        try:
+            return LayoutSource(text, files, spec.ref)
+        except BaseException:
+            files.close()
+            raise
     archive = ArchiveFiles(spec.path, text)
     if spec.scheme == "oci-archive":
         return LayoutSource(text, archive, spec.ref)
@@ -118,20 +127,29 @@ def parse_json(data: bytes, what: str) -> object:
 
 
 class DirectoryFiles:
-    """Files of a layout directory, by relative path."""
+    """Files of a layout directory, by relative path. The layout is not
+    trusted: each file is opened from a descriptor of the directory with no
+    symlink on the way (``blobs/sha256`` a symlink, a blob linked to a host
+    file) and must be a regular file (a FIFO would hang the import)."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, what: str) -> None:
         self.root = root
+        try:
+            self.fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SourceError(what, f"{root}: {open_error(exc)}") from None
 
     def open(self, path: str, what: str) -> BinaryIO:
-        full = os.path.join(self.root, path)
         try:
-            return open(full, "rb")  # noqa: SIM115 (the caller closes it)
+            fd = open_regular(self.fd, path)
         except OSError as exc:
-            raise SourceError(what, f"{path}: {(exc.strerror or str(exc)).lower()}") from None
+            raise SourceError(what, f"{path}: {open_error(exc)}") from None
+        return os.fdopen(fd, "rb")
 
     def close(self) -> None:
-        pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class ArchiveFiles:
@@ -140,9 +158,15 @@ class ArchiveFiles:
     def __init__(self, path: str, what: str) -> None:
         self.what = what
         try:
-            self.tar = BoundedTarFile.open(path, "r:")
+            fd = open_regular_path(path)
+        except OSError as exc:
+            raise SourceError(what, open_error(exc)) from None
+        self.file = os.fdopen(fd, "rb")
+        try:
+            self.tar = BoundedTarFile.open(fileobj=self.file, mode="r:")
             members = self.tar.getmembers()
         except (TarFormatError, tarfile.TarError, OSError) as exc:
+            self.file.close()
             raise SourceError(what, f"not a readable uncompressed tar archive ({exc})") from None
         self.members = {posixpath.normpath(m.name).lstrip("/"): m for m in members}
 
@@ -169,6 +193,7 @@ class ArchiveFiles:
 
     def close(self) -> None:
         self.tar.close()
+        self.file.close()
 
 
 Files = DirectoryFiles | ArchiveFiles

@@ -12,21 +12,16 @@ file has no entries; one that is not a regular file or is too large is an error.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import stat
 
 from ..errors import LayerfsError
 from ..records import Record
+from ..safeopen import READ_FLAGS, RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, openat2
 
 MAX_DB_BYTES = 4 << 20  # /etc/passwd and /etc/group: real ones are far smaller
 MAX_ID = (1 << 32) - 2  # (uid_t) -1 means "no change" to the kernel
-SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}
-RESOLVE_NO_MAGICLINKS = 0x02
-RESOLVE_IN_ROOT = 0x10
-
-_libc = ctypes.CDLL(None, use_errno=True)  # libc, already loaded: no `ldconfig -p` run
 
 
 class ImageUserError(LayerfsError):
@@ -39,13 +34,6 @@ class ImageFileError(LayerfsError):
     """the image's {}: {}"""
 
     exit_code = 2
-
-
-class OpenHow(ctypes.Structure):
-    """``struct open_how`` of openat2(2)."""
-
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
-                ("resolve", ctypes.c_uint64)]
 
 
 class PasswdEntry(Record):
@@ -74,19 +62,12 @@ class ImageUser(Record):
 def open_in_root(rootfs_fd: int, path: str) -> int | None:
     """Open ``path`` read-only with every component resolved inside the rootfs
     (``RESOLVE_IN_ROOT``); None if it does not exist."""
-    how = OpenHow(flags=os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, mode=0,
-                  resolve=RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
-    number = SYS_OPENAT2.get(os.uname().machine)
-    if number is None:
-        raise ImageFileError(path, f"openat2 is not known on {os.uname().machine}")
-    fd = _libc.syscall(number, rootfs_fd, os.fsencode(path), ctypes.byref(how),
-                       ctypes.sizeof(how))
-    if fd < 0:
-        err = ctypes.get_errno()
-        if err in (errno.ENOENT, errno.ENOTDIR):
+    try:
+        return openat2(rootfs_fd, path, READ_FLAGS, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
             return None
-        raise ImageFileError(path, os.strerror(err))
-    return int(fd)
+        raise ImageFileError(path, exc.strerror or str(exc)) from None
 
 
 def read_image_file(rootfs_fd: int, path: str, limit: int = MAX_DB_BYTES) -> str:
