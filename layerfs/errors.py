@@ -183,3 +183,15 @@ class BadMetaImage(IntegrityError):
     """integrity check failed for the meta image of {}: {}"""
 
     exit_code = 6
+
+
+class OverLimit(LayerfsError):
+    """{}: field {} is over the limit: {} (at most {}); nothing was published"""
+
+    exit_code = 3  # an input error: what the store would hold is beyond layerfs.bounds
+
+
+class SweepRefused(IntegrityError):
+    """{}: {} unreadable (named above); no blob deleted until each is repaired or its ref removed"""
+
+    exit_code = 6  # gc did the safe part (the report, old temporaries) and deleted no blob

@@ -94,6 +94,19 @@ def parse_size(text: str) -> int:
         raise click.BadParameter(f"not a size: {text!r}") from None
 
 
+def diagnostic(kind: str, text: object) -> str:
+    """``layerfs: KIND: TEXT``, cut to :data:`~layerfs.bounds.MAX_ERROR_LINE`
+    characters (with a marker): every error and warning line the CLI prints."""
+    from layerfs.bounds import MAX_ERROR_LINE, cut
+
+    return cut(f"layerfs: {kind}: {text}", MAX_ERROR_LINE)
+
+
+def warn(text: object) -> None:
+    """One bounded warning line on stderr."""
+    print(diagnostic("warning", text), file=sys.stderr, flush=True)
+
+
 def stderr_is_tty() -> bool:
     return sys.stderr.isatty()
 

@@ -8,7 +8,7 @@ from layerfs.builder.env import create_env
 from layerfs.names import Ref
 from layerfs.registry import ENVS, Registry
 
-from .common import Output, store_options, write_store_options
+from .common import Output, store_options, warn, write_store_options
 
 
 @click.group()
@@ -41,10 +41,13 @@ def create(out: Output, reg: Registry, ref: str, layers: tuple[str, ...],
 @click.argument("name", required=False)
 @store_options
 def ls(out: Output, reg: Registry, name: str | None) -> None:
-    """List envs (all, or the versions of NAME)."""
+    """List envs (all, or the versions of NAME); one that cannot be read is
+    named on a warning line and skipped."""
     rows = []
-    for entry in reg.checked_refs(ENVS, name):
-        m = reg.env(entry.digest)
+    envs, unreadable = reg.read_refs(ENVS, name, reg.env)
+    for problem in unreadable:
+        warn(problem)
+    for entry, m in envs:
         rows.append({"ref": str(entry), "digest": entry.digest, "created": m.created,
                      "layers": [layer.ref for layer in m.layers]})
     out.emit(rows, lambda: "\n".join(

@@ -20,6 +20,7 @@ from .common import (
     parse_size,
     stderr_is_tty,
     store_options,
+    warn,
     write_store_options,
 )
 from .progress import ProgressLine
@@ -48,7 +49,7 @@ def build(out: Output, reg: Registry, src: str, name: str, version: str, role: s
     finally:
         line.close()
         for text in warnings:
-            click.echo(f"layerfs: warning: {text}", err=True)
+            warn(text)
     s = result.manifest.stats
     doc = {"ref": result.ref, "digest": result.digest, "published": result.published,
            "stats": s.__dict__}
@@ -66,10 +67,13 @@ def build(out: Output, reg: Registry, src: str, name: str, version: str, role: s
 @click.argument("name", required=False)
 @store_options
 def ls(out: Output, reg: Registry, name: str | None) -> None:
-    """List layers (all, or the versions of NAME)."""
+    """List layers (all, or the versions of NAME); one that cannot be read is
+    named on a warning line and skipped."""
     rows: list[dict[str, Any]] = []
-    for entry in reg.checked_refs(LAYERS, name):
-        m = reg.any_layer(entry.digest)
+    layers, unreadable = reg.read_refs(LAYERS, name, reg.any_layer)
+    for problem in unreadable:
+        warn(problem)
+    for entry, m in layers:
         rows.append({"ref": str(entry), "digest": entry.digest, "role": m.role,
                      "file_bytes": m.stats.file_bytes, "created": m.created})
     out.emit(rows, lambda: "\n".join(

@@ -13,22 +13,24 @@ import sys
 from layerfs.errors import LayerfsError
 
 from . import fastpath
+from .common import diagnostic
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the CLI; every error a user can cause is one line and a nonzero exit."""
+    """Run the CLI; every error a user can cause is one line (of at most
+    :data:`~layerfs.bounds.MAX_ERROR_LINE` characters) and a nonzero exit."""
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         if not fastpath.run(args):
             run_click(args)
     except LayerfsError as exc:
-        print(f"layerfs: error: {exc}", file=sys.stderr)
+        print(diagnostic("error", exc), file=sys.stderr)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         print("layerfs: interrupted", file=sys.stderr)
         sys.exit(130)
     except OSError as exc:
-        print(f"layerfs: error: {exc}", file=sys.stderr)
+        print(diagnostic("error", exc), file=sys.stderr)
         sys.exit(1)
     sys.exit(0)
 
