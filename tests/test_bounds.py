@@ -64,14 +64,15 @@ def tiny_tar(name: str, content: bytes) -> bytes:
 
 
 def crafted_layout(layout: Path, layers: int, config: dict | None = None,
-                   diff_ids: list[str] | None = None) -> str:
+                   top_diff_id: str = "") -> str:
     """An OCI layout tagged ``t``: ``layers`` one-file tar layers and an image config
-    (``config`` its ``config`` object; ``diff_ids`` instead of the layers' own)."""
+    (``config`` its ``config`` object; ``top_diff_id`` instead of the top layer's own)."""
     tars = [tiny_tar(f"f{i}", b"%d\n" % i) for i in range(layers)]
     descs = [{"mediaType": TAR_LAYER, **put_blob(layout, t)} for t in tars]
+    diff_ids = [d["digest"] for d in descs]
+    diff_ids[-1] = top_diff_id or diff_ids[-1]
     doc = {"architecture": "amd64", "os": "linux", "config": config or {},
-           "rootfs": {"type": "layers",
-                      "diff_ids": diff_ids or [d["digest"] for d in descs]}}
+           "rootfs": {"type": "layers", "diff_ids": diff_ids}}
     image_config = {"mediaType": OCI_CONFIG, **put_blob(layout, json.dumps(doc).encode())}
     manifest = {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "config": image_config,
                 "layers": descs}
@@ -248,7 +249,7 @@ JUNK = {
 @pytest.mark.parametrize("case", list(JUNK))
 def test_malformed_diff_id_is_one_error_line(case, tmp_path):
     junk = JUNK[case]
-    src = crafted_layout(tmp_path / "L", 2, diff_ids=["sha256:" + "1" * 64, junk])
+    src = crafted_layout(tmp_path / "L", 2, top_diff_id=junk)
     store = ["--store", f"file://{tmp_path / 'store'}"]
     line = one_error_line(cli(store, "import", src, "--name", "j", "--version", "1"), 3)
     assert "malformed diff_id" in line
