@@ -190,8 +190,3 @@ class OverLimit(LayerfsError):
 
     exit_code = 3  # an input error: what the store would hold is beyond layerfs.bounds
 
-
-class SweepRefused(IntegrityError):
-    """{}: {} unreadable (named above); no blob deleted until each is repaired or its ref removed"""
-
-    exit_code = 6  # gc did the safe part (the report, old temporaries) and deleted no blob

@@ -107,6 +107,21 @@ def warn(text: object) -> None:
     print(diagnostic("warning", text), file=sys.stderr, flush=True)
 
 
+def report_unreadable(problems: list[Any]) -> None:
+    """Each ref or manifest a store-wide command skipped: one error line on stderr."""
+    for problem in problems:
+        print(diagnostic("error", problem), file=sys.stderr, flush=True)
+
+
+def exit_if_unreadable(problems: list[Any]) -> None:
+    """After a store-wide command's output: the integrity error's exit code if it
+    skipped anything (each already named by :func:`report_unreadable`)."""
+    if problems:
+        from layerfs.errors import IntegrityError
+
+        sys.exit(IntegrityError.exit_code)
+
+
 def stderr_is_tty() -> bool:
     return sys.stderr.isatty()
 

@@ -16,8 +16,10 @@ from layerfs.verify import EXIT_CODES, Found, VerifyReport, verify_layer, worst
 
 from .common import (
     Output,
+    exit_if_unreadable,
     human_bytes,
     parse_size,
+    report_unreadable,
     stderr_is_tty,
     store_options,
     warn,
@@ -68,17 +70,17 @@ def build(out: Output, reg: Registry, src: str, name: str, version: str, role: s
 @store_options
 def ls(out: Output, reg: Registry, name: str | None) -> None:
     """List layers (all, or the versions of NAME); one that cannot be read is
-    named on a warning line and skipped."""
+    named on an error line and skipped (exit 6 after the list)."""
     rows: list[dict[str, Any]] = []
     layers, unreadable = reg.read_refs(LAYERS, name, reg.any_layer)
-    for problem in unreadable:
-        warn(problem)
+    report_unreadable(unreadable)
     for entry, m in layers:
         rows.append({"ref": str(entry), "digest": entry.digest, "role": m.role,
                      "file_bytes": m.stats.file_bytes, "created": m.created})
     out.emit(rows, lambda: "\n".join(
         f"{r['ref']:40} {r['role']:10} {human_bytes(r['file_bytes']):>10}  "
         f"{r['created']}  {r['digest'][:19]}" for r in rows) or "(no layers)")
+    exit_if_unreadable(unreadable)
 
 
 @click.command()
