@@ -287,3 +287,13 @@ def test_an_error_message_longer_than_a_line_is_cut_with_a_marker(tmp_path):
     line = one_error_line(proc, 2)
     assert line.startswith("layerfs: error: invalid platform 'xxx")
     assert line.endswith("more characters]") and len(line) == MAX_ERROR_LINE
+
+
+@pytest.mark.parametrize("size", ["1e999", "inf", "x" * 5000])
+def test_a_size_no_number_holds_is_a_usage_error_of_bounded_lines(size, tmp_path):
+    store = ["--store", f"file://{tmp_path / 'store'}"]
+    proc = cli(store, "import", "oci:/nonexistent:t", "--name", "p", "--version", "1",
+               "--fold", size)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[:2000]
+    lines = proc.stderr.strip().splitlines()
+    assert "not a size" in lines[-1] and len(lines[-1]) <= MAX_ERROR_LINE + 32, lines[-1][:200]

@@ -47,6 +47,9 @@ def run_click(args: list[str]) -> None:
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
+        from layerfs.bounds import MAX_ERROR_LINE, cut
+
+        exc.message = cut(exc.message, MAX_ERROR_LINE)  # (it may quote an argument)
         exc.show()
         sys.exit(exc.exit_code)
     except click.Abort:
