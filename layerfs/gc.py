@@ -93,7 +93,7 @@ def _reach(reg: Registry, digest: str, via: str, seen: set[str],
         seen.update(reg.chunk_table(disk).packs())
         if disk.parent:
             todo.append((disk.parent, via))
-    else:  # (manifest_kind checked it against KINDS)
+    else:  # (manifest_head checked it against KINDS)
         raise IntegrityError(f"manifest {digest}", f"unknown kind {kind!r}")
 
 
