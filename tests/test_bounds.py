@@ -21,7 +21,10 @@ from support import build, need_root
 
 from layerfs.bounds import MAX_CONFIG, MAX_ERROR_LINE, MAX_ITEMS, MAX_STRING
 from layerfs.builder.env import create_env
+from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.builder.oci.fold import fold_source
+from layerfs.errors import OverLimit
+from layerfs.imageconfig import ImageConfig
 from layerfs.node.process import LAYERFS
 from layerfs.registry import ENVS, LAYERS, Registry, ref_key
 
@@ -129,9 +132,9 @@ OVER = {
 
 
 @pytest.mark.parametrize("case", list(OVER))
-def test_config_over_a_bound_is_refused_at_import_and_nothing_is_published(
-        case, tmp_path, store_args):
+def test_config_over_a_bound_is_refused_at_import_and_nothing_is_published(case, tmp_path):
     config, field, limit = OVER[case]
+    store_args = ["--store", f"file://{tmp_path / 'store'}"]  # (refused before the store)
     src = crafted_layout(tmp_path / "L", 2, config)
     line = one_error_line(cli(store_args, "import", src, "--name", "over", "--version", "1"), 3)
     assert field in line and limit in line, line
@@ -168,14 +171,32 @@ def test_fold_source_of_a_list_longer_than_a_string_is_summed_up():
     assert fold_source(diff_ids[:3], "cd" * 32) == "oci:" + ",".join(diff_ids[:3])
 
 
+def test_a_layer_whose_manifest_is_over_a_bound_is_refused_before_its_ref(tmp_path, store):
+    reg = Registry(store)
+    with pytest.raises(OverLimit, match=r"field source is over the limit: a string of 65537"):
+        build_layer(reg, small_tree(tmp_path), BuildOptions("long", "1"),
+                    origin="o" * (MAX_STRING + 1))
+    assert reg.list_refs(LAYERS) == []
+    with pytest.raises(OverLimit, match=r"env e@1: field config.labels\['k'\]"):
+        create_env(reg, "e", "1", [build(store, small_tree(tmp_path)).ref],
+                   config=ImageConfig(labels={"k": "v" * (MAX_STRING + 1)}))
+    assert reg.list_refs(ENVS) == []
+
+
 # --- a bad object in the store: named, skipped; gc deletes no blob ----------------------
 
 
-def craft_bad_objects(store) -> list[str]:
+def small_tree(tmp_path: Path) -> str:
+    (tmp_path / "tree" / "etc").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "tree" / "etc" / "hello").write_text("hello\n")
+    return str(tmp_path / "tree")
+
+
+def craft_bad_objects(store, tmp_path: Path) -> list[str]:
     """Two good envs; an env ref whose manifest does not parse, a layer ref that is
     not a digest, an env naming a layer manifest that is missing. The names to see."""
     reg = Registry(store)
-    good = build(store, "tests", name="good", version="1")  # any directory is a tree
+    good = build(store, small_tree(tmp_path), name="good", version="1")
     create_env(reg, "e", "1", ["good@1"])
     bad_env = json.dumps({"schema": 1, "kind": "env", "name": "bad", "version": "1",
                           "layers": [], "created": ""}).encode()
@@ -201,8 +222,8 @@ def skipped(proc: subprocess.CompletedProcess) -> list[str]:
     return lines
 
 
-def test_unreadable_refs_and_manifests_are_named_and_skipped(store, store_args):
-    craft_bad_objects(store)
+def test_unreadable_refs_and_manifests_are_named_and_skipped(tmp_path, store, store_args):
+    craft_bad_objects(store, tmp_path)
     envs = cli(store_args, "env", "ls", "--json")
     assert [r["ref"] for r in json.loads(envs.stdout)] == ["e@1"]
     named = skipped(envs)
@@ -214,8 +235,9 @@ def test_unreadable_refs_and_manifests_are_named_and_skipped(store, store_args):
     assert "layer ref junk/1" in junk and "not sha256:<64 hex>" in junk
 
 
-def test_gc_with_an_unreadable_object_deletes_no_blob_until_it_is_removed(store, store_args):
-    craft_bad_objects(store)
+def test_gc_with_an_unreadable_object_deletes_no_blob_until_it_is_removed(tmp_path, store,
+                                                                          store_args):
+    craft_bad_objects(store, tmp_path)
     unreachable, _ = store.put_blob(b"nothing references this")
     for args in (["gc", "--dry-run", "--grace", "0", "--json"], ["gc", "--grace", "0", "--json"]):
         proc = cli(store_args, *args)
@@ -233,8 +255,8 @@ def test_gc_with_an_unreadable_object_deletes_no_blob_until_it_is_removed(store,
     assert cli(store_args, "env", "ls").stdout.split()[0] == "e@1"
 
 
-def test_gc_text_says_why_it_deleted_nothing(store, store_args):
-    craft_bad_objects(store)
+def test_gc_text_says_why_it_deleted_nothing(tmp_path, store, store_args):
+    craft_bad_objects(store, tmp_path)
     proc = cli(store_args, "gc", "--grace", "0")
     assert len(skipped(proc)) == 3
     assert proc.stdout.strip().splitlines()[-1].endswith(
