@@ -49,7 +49,8 @@ def run_click(args: list[str]) -> None:
     except click.ClickException as exc:
         from layerfs.bounds import MAX_ERROR_LINE, cut
 
-        exc.message = cut(exc.message, MAX_ERROR_LINE)  # (it may quote an argument)
+        # (the message may quote an argument whole; click declares it Final, for its own use)
+        exc.message = cut(exc.message, MAX_ERROR_LINE)  # type: ignore[misc]
         exc.show()
         sys.exit(exc.exit_code)
     except click.Abort:
