@@ -26,8 +26,13 @@ def cut(text: str, limit: int) -> str:
     """``text``, or its start and a marker saying how much was left out."""
     if len(text) <= limit:
         return text
-    marker = f"... [{len(text) - limit} more characters]"
-    return text[: max(limit - len(marker), 0)] + marker
+    left_out = len(text) - limit
+    while True:  # (the marker's own length decides how much it leaves out)
+        marker = f"... [{left_out} more characters]"
+        keep = max(limit - len(marker), 0)
+        if len(text) - keep == left_out:
+            return text[:keep] + marker
+        left_out = len(text) - keep
 
 
 def summary(items: list[str], shown: int = 5) -> str:
