@@ -180,7 +180,7 @@ def publish_disk(reg: Registry, src: DiskSource, name: str, version: str,
         virtual_size=src.virtual_size, uuid=uid, parent=parent, parent_ref=parent_ref,
         index_offset=layout.index_offset, index_entries=entries + (-entries % lsmt.INDEX_ALIGN),
         created=now_utc(), stats=stats, dedup_sources=sources)
-    manifest_bytes = manifest.to_bytes()
+    manifest_bytes = manifest.checked_bytes()
     digest, _ = store.put_blob(manifest_bytes)
     held = {table_digest: table, digest: manifest_bytes}
     publish_verified(reg, name, version, digest, result.reused, held)

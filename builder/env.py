@@ -46,7 +46,7 @@ def create_env(reg: Registry, name: str, version: str, layer_refs: list[str],
         if old.content_key() != manifest.content_key():
             raise VersionExists(ref)
         return EnvResult(ref, existing, old, published=False)
-    digest, _ = reg.store.put_blob(manifest.to_bytes())
+    digest, _ = reg.store.put_blob(manifest.checked_bytes())
     key = manifest.content_key()
     if not reg.publish(ENVS, name, version, digest,
                        same=lambda other: reg.env(other).content_key() == key):

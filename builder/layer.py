@@ -155,7 +155,7 @@ def build_layer(reg: Registry, src: str, opts: BuildOptions,
         blob_size=result.table.blob_size, created=now_utc(), stats=stats,
         dedup_sources=sources, source=origin,
     )
-    manifest_bytes = manifest.to_bytes()
+    manifest_bytes = manifest.checked_bytes()
     digest, _ = store.put_blob(manifest_bytes)
     held = {table_digest: table, meta_digest: packed_meta, digest: manifest_bytes}
     named, created = publish_verified(reg, opts.name, opts.version, digest, result.reused,

@@ -195,3 +195,10 @@ class CheckerTimeout(LayerfsError):
     """the meta image of {} was not checked: the checker gave no verdict within {}s; try again"""
 
     exit_code = 14  # node-side trouble, nothing found corrupt: the check is to be asked again
+
+
+class OverLimit(LayerfsError):
+    """{}: field {} is over the limit: {} (at most {}); nothing was published"""
+
+    exit_code = 3  # an input error: what the store would hold is beyond layerfs.bounds
+

@@ -9,6 +9,13 @@ its age right before the delete: a push refreshes every blob it reuses before it
 writes its ref (see docs/builder.md, "gc and concurrent pushes"). Temporary
 files of the file store (``.tmp~*``, left by a killed writer) older than the
 grace period are deleted too.
+
+A ref, manifest or chunk table gc cannot read (corrupt, missing, of an unknown
+kind) is set aside as an :class:`~layerfs.registry.Unreadable` and the walk
+goes on; but what it references cannot be known, so gc then deletes no blob at
+all (a sweep could take what the bad object's repaired copy needs): it still
+reports what is unreachable and still deletes old temporaries (no manifest
+references those), and the command exits with the integrity error code.
 """
 
 from __future__ import annotations
@@ -16,9 +23,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .errors import LayerfsError
-from .manifest import manifest_kind
-from .registry import ENVS, LAYERS, Registry
+from .errors import IntegrityError
+from .manifest import EnvManifest, manifest_head
+from .registry import BAD_OBJECT, ENVS, LAYERS, Registry, Unreadable
 from .store.base import BLOB_PREFIX, ObjectInfo, Store
 
 DEFAULT_GRACE = 3600.0
@@ -33,32 +40,61 @@ class GcReport:
     kept_young: int = 0
     temporaries: list[dict] = field(default_factory=list)  # leftovers of interrupted writes
     deleted_temporaries: int = 0
+    unreadable: list[Unreadable] = field(default_factory=list)  # set aside; no blob deleted
+
+    @property
+    def swept(self) -> bool:
+        """Whether unreachable blobs may be deleted: every ref and manifest was read."""
+        return not self.unreadable
 
 
-def reachable_blobs(reg: Registry) -> set[str]:
-    seen: set[str] = set()
-    todo = [r.digest for r in reg.list_refs(LAYERS) + reg.list_refs(ENVS)]
+@dataclass
+class Reachable:
+    """The blobs the refs reach, and what could not be read on the way."""
+
+    blobs: set[str] = field(default_factory=set)
+    unreadable: list[Unreadable] = field(default_factory=list)
+
+
+def reachable_blobs(reg: Registry) -> Reachable:
+    found = Reachable()
+    todo: list[tuple[str, str]] = []  # (manifest digest, the ref it was reached from)
+    for kind in (LAYERS, ENVS):
+        entries, bad = reg.scan_refs(kind)
+        found.unreadable += bad
+        todo += [(entry.digest, f"{kind[:-1]} {entry}") for entry in entries]
     while todo:
-        digest = todo.pop()
-        if digest in seen:
+        digest, via = todo.pop()
+        if digest in found.blobs:
             continue
-        seen.add(digest)
-        kind = manifest_kind(reg.store.get_blob(digest))
-        if kind == "env":
-            todo.extend(layer.digest for layer in reg.env(digest).layers)
-        elif kind == "erofs":
-            manifest = reg.layer(digest)
-            seen.update((manifest.meta.digest, manifest.chunk_table.digest))
-            seen.update(reg.chunk_table(manifest).packs())
-        elif kind == "lsmt":
-            disk = reg.disk(digest)
-            seen.add(disk.chunk_table.digest)
-            seen.update(reg.chunk_table(disk).packs())
-            if disk.parent:
-                todo.append(disk.parent)
-        else:
-            raise LayerfsError(f"manifest {digest} has unknown kind {kind!r}; gc stopped")
-    return seen
+        found.blobs.add(digest)
+        try:
+            _reach(reg, digest, via, found.blobs, todo)
+        except BAD_OBJECT as exc:
+            found.unreadable.append(Unreadable(f"manifest {digest} of {via}", exc.message()))
+    return found
+
+
+def _reach(reg: Registry, digest: str, via: str, seen: set[str],
+           todo: list[tuple[str, str]]) -> None:
+    """Add what the manifest at ``digest`` references: blobs to ``seen``,
+    manifests to ``todo``."""
+    data = reg.store.get_blob(digest)
+    kind = manifest_head(data, digest).kind
+    if kind == "env":  # (its layers' manifests are each walked, read or set aside)
+        todo.extend((layer.digest, via) for layer in EnvManifest.from_bytes(data, digest).layers)
+    elif kind == "erofs":
+        manifest = reg.layer(digest)
+        seen.update((manifest.meta.digest, manifest.chunk_table.digest))
+        seen.update(reg.chunk_table(manifest).packs())
+    elif kind == "lsmt":
+        disk = reg.disk(digest)
+        seen.add(disk.chunk_table.digest)
+        seen.update(reg.chunk_table(disk).packs())
+        if disk.parent:
+            todo.append((disk.parent, via))
+    else:  # (manifest_head checked it against KINDS)
+        raise IntegrityError(f"manifest {digest}", f"unknown kind {kind!r}")
 
 
 def _entry(info: ObjectInfo, now: float, cutoff: float) -> dict:
@@ -75,8 +111,9 @@ def _still_old(store: Store, key: str, cutoff: float) -> bool:
 
 def collect(reg: Registry, dry_run: bool = True, grace: float = DEFAULT_GRACE) -> GcReport:
     cutoff = time.time() - grace  # taken before the refs are read
-    live = reachable_blobs(reg)
-    report = GcReport(reachable=len(live))
+    found = reachable_blobs(reg)
+    live = found.blobs
+    report = GcReport(reachable=len(live), unreadable=found.unreadable)
     now = time.time()
     for info in reg.store.list(BLOB_PREFIX):
         digest = "sha256:" + info.key[len(BLOB_PREFIX):]
@@ -86,7 +123,7 @@ def collect(reg: Registry, dry_run: bool = True, grace: float = DEFAULT_GRACE) -
         report.unreachable.append(entry)
         if entry["young"]:
             report.kept_young += 1
-        elif not dry_run:
+        elif not dry_run and report.swept:
             if not _still_old(reg.store, info.key, cutoff):
                 entry["young"] = True
                 report.kept_young += 1

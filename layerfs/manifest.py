@@ -7,7 +7,10 @@ manifest names its layers by reference and manifest digest, top first.
 Parsing is typed and strict: every field must be present (or have a default),
 of its declared type (``int`` is never ``bool`` or ``float``), in range, and
 digests, names, versions and references well formed; anything else, unknown
-fields included, is one :class:`IntegrityError` naming the field.
+fields included, is one :class:`IntegrityError` naming the field. Strings, lists
+and an env's image config are bounded by :mod:`layerfs.bounds`; a writer runs
+the same parse on what it is about to publish (``checked_bytes``), so that a
+field over a bound is refused there (:class:`OverLimit`), never stored.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import records
-from .errors import IntegrityError, InvalidName, InvalidReference
+from .bounds import MAX_CONFIG, MAX_ITEMS, MAX_STRING
+from .errors import IntegrityError, InvalidName, InvalidReference, OverLimit
 from .formats.chunktable import ChunkTable
 from .imageconfig import ImageConfig
 from .names import DIGEST_RE, Ref, check_name, check_version
@@ -30,8 +34,6 @@ SCHEMA = 1
 ROLES = ("base", "toolchain", "workspace", "disk")
 KINDS = ("erofs", "lsmt", "env")
 MAX_INT = 2**63 - 1
-MAX_TEXT = 4096  # longest free-text field (created, uuid)
-MAX_LIST = 1 << 16  # most layers of an env, dedup sources of a layer
 MIN_CHUNK, MAX_CHUNK = 4096, 16 << 20
 CHUNK_SIZE_RULE = "a power of two from 4 KiB to 16 MiB"
 
@@ -141,9 +143,18 @@ class LayerManifest:
         return LayerIdentity(self.kind, self.role, self.chunk_size, self.blob_size,
                              self.meta.raw_digest, self.meta.raw_size, table_content(table))
 
+    def checked_bytes(self) -> bytes:
+        """:meth:`to_bytes`, after the parse every reader runs (:class:`OverLimit`)."""
+        data = self.to_bytes()
+        self._parse(data, f"layer {self.name}@{self.version}")
+        return data
+
     @classmethod
     def from_bytes(cls, data: bytes, digest: str = "") -> LayerManifest:
-        what = _what("layer manifest", digest)
+        return _reading(cls._parse, data, _what("layer manifest", digest))
+
+    @classmethod
+    def _parse(cls, data: bytes, what: str) -> LayerManifest:
         manifest = _typed(cls, _load(data, what), what, "")
         _check_layer(manifest, what)
         _check_meta(manifest.meta, what)
@@ -175,9 +186,18 @@ class DiskManifest:
     def to_bytes(self) -> bytes:
         return canonical_json(asdict(self))
 
+    def checked_bytes(self) -> bytes:
+        """:meth:`to_bytes`, after the parse every reader runs (:class:`OverLimit`)."""
+        data = self.to_bytes()
+        self._parse(data, f"disk layer {self.name}@{self.version}")
+        return data
+
     @classmethod
     def from_bytes(cls, data: bytes, digest: str = "") -> DiskManifest:
-        what = _what("disk manifest", digest)
+        return _reading(cls._parse, data, _what("disk manifest", digest))
+
+    @classmethod
+    def _parse(cls, data: bytes, what: str) -> DiskManifest:
         manifest = _typed(cls, _load(data, what), what, "")
         _check_layer(manifest, what)
         if manifest.parent is not None:
@@ -213,17 +233,41 @@ class EnvManifest:
         config = canonical_json(self.config.to_json()) if self.config else b""
         return [*(layer.digest for layer in self.layers), config]
 
+    def checked_bytes(self) -> bytes:
+        """:meth:`to_bytes`, after the parse every reader runs (:class:`OverLimit`)."""
+        data = self.to_bytes()
+        self._parse(data, f"env {self.name}@{self.version}")
+        return data
+
     @classmethod
     def from_bytes(cls, data: bytes, digest: str = "") -> EnvManifest:
-        what = _what("env manifest", digest)
+        return _reading(cls._parse, data, _what("env manifest", digest))
+
+    @classmethod
+    def _parse(cls, data: bytes, what: str) -> EnvManifest:
         manifest = _typed(cls, _load(data, what), what, "")
         _check_head(manifest.kind, manifest.name, manifest.version, what)
+        if manifest.config is not None:
+            _check_config_size(manifest.config, what)
         if not manifest.layers:
             raise IntegrityError(what, "field layers: empty")
         for i, layer in enumerate(manifest.layers):
             _check_ref(layer.ref, what, f"layers[{i}].ref")
             _check_digest(layer.digest, what, f"layers[{i}].digest")
         return manifest
+
+
+def check_image_config(config: ImageConfig, what: str) -> None:
+    """Refuse (:class:`OverLimit`) an image config an env manifest could not hold:
+    the check :meth:`EnvManifest.checked_bytes` makes, before anything is built."""
+    _typed(ImageConfig, json.loads(canonical_json(config.to_json())), what, "config.")
+    _check_config_size(config, what)
+
+
+def _check_config_size(config: ImageConfig, what: str) -> None:
+    size = len(canonical_json(config.to_json()))
+    if size > MAX_CONFIG:
+        raise OverLimit(what, "config", f"{size} bytes of JSON", MAX_CONFIG)
 
 
 @dataclass(frozen=True)
@@ -257,6 +301,15 @@ def manifest_kind(data: bytes) -> str:
 
 def _what(kind: str, digest: str) -> str:
     return f"{kind} {digest}" if digest else kind
+
+
+def _reading(parse: typing.Callable[[bytes, str], Any], data: bytes, what: str) -> Any:
+    """``parse(data, what)`` for a reader: a field over a bound is corrupt data."""
+    try:
+        return parse(data, what)
+    except OverLimit as exc:
+        _, path, amount, limit = exc.args
+        raise IntegrityError(what, f"field {path}: {amount}, over the limit of {limit}") from None
 
 
 def _load(data: bytes, what: str) -> dict:
@@ -306,13 +359,15 @@ def _value(hint: Any, value: object, what: str, path: str) -> Any:
         (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
         return _value(inner, value, what, path)
     if origin is list:
-        if not isinstance(value, list) or len(value) > MAX_LIST:
+        if not isinstance(value, list):
             raise IntegrityError(what, f"field {path}: expected a list")
+        _check_items(value, what, path)
         (inner,) = typing.get_args(hint)
         return [_value(inner, v, what, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
-        if not isinstance(value, dict) or len(value) > MAX_LIST:
+        if not isinstance(value, dict):
             raise IntegrityError(what, f"field {path}: expected an object")
+        _check_items(value, what, path)
         _, inner = typing.get_args(hint)
         return {_value(str, k, what, f"{path} key"): _value(inner, v, what, f"{path}[{k[:64]!r}]")
                 for k, v in value.items()}
@@ -324,10 +379,17 @@ def _value(hint: Any, value: object, what: str, path: str) -> Any:
             raise IntegrityError(what, f"field {path}: expected an integer in [0, 2^63)")
         return value
     if hint is str:
-        if not isinstance(value, str) or len(value) > MAX_TEXT:
+        if not isinstance(value, str):
             raise IntegrityError(what, f"field {path}: expected a string")
+        if len(value) > MAX_STRING:
+            raise OverLimit(what, path, f"a string of {len(value)} characters", MAX_STRING)
         return value
     raise AssertionError(f"no typed parse for {hint!r}")
+
+
+def _check_items(value: list | dict, what: str, path: str) -> None:
+    if len(value) > MAX_ITEMS:
+        raise OverLimit(what, path, f"{len(value)} items", MAX_ITEMS)
 
 
 # -- what the fields mean --

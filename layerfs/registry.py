@@ -11,6 +11,10 @@ an env's layers must be the layers its manifest says they are. A ref file that
 is not one ``sha256:<hex>`` line is an :class:`IntegrityError`. A meta image is
 handed out only after its digest and its structure
 (:mod:`layerfs.formats.erofscheck`) are checked.
+
+A store-wide listing (:meth:`Registry.scan_refs`, :meth:`Registry.read_refs`)
+does not stop at a bad object: a ref or manifest it cannot read is set aside as
+an :class:`Unreadable` (what, and why) and the listing goes on.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ HEADS_KEPT = 4096  # manifest heads (kind, name, version) remembered by digest
 MANIFESTS_KEPT = 256  # whole manifests remembered by digest (a ref check, then a fetch)
 FETCHES_AT_ONCE = 8  # manifests fetched in parallel (an env's layers)
 V = TypeVar("V")
+BAD_OBJECT = (IntegrityError, ObjectNotFound)  # what a listing sets aside: corrupt or missing
 # a meta image's structural check of its stored (zstd) bytes: (stored, raw size, blob size,
 # chunk size, layer) → BadMetaImage or not, or CheckerTimeout (the daemon's checker processes)
 MetaCheck = Callable[[bytes, int, int, int, str], object]
@@ -79,6 +84,17 @@ class RefEntry:
 
     def __str__(self) -> str:
         return f"{self.name}@{self.version}"
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A ref or manifest a store-wide command could not read, and why."""
+
+    what: str  # "env ref e@1", "layer t@1"
+    reason: str  # the error's message
+
+    def __str__(self) -> str:
+        return f"skipped {self.what}: {self.reason}"
 
 
 class DigestCache(Generic[V]):
@@ -170,9 +186,22 @@ class Registry:
         return False
 
     def list_refs(self, kind: str, name: str | None = None) -> list[RefEntry]:
-        """Every ref of ``kind`` (or of ``name``), each a well-formed digest line."""
+        """Every ref of ``kind`` (or of ``name``), each a well-formed digest line
+        (the first that is not: its :class:`IntegrityError`)."""
+        entries, bad = self._scan(kind, name)
+        if bad:
+            raise bad[0]
+        return entries
+
+    def scan_refs(self, kind: str, name: str | None = None
+                  ) -> tuple[list[RefEntry], list[Unreadable]]:
+        """Every readable ref of ``kind`` (or of ``name``), and the others."""
+        entries, bad = self._scan(kind, name)
+        return entries, [Unreadable(exc.args[0], exc.args[1]) for exc in bad]
+
+    def _scan(self, kind: str, name: str | None) -> tuple[list[RefEntry], list[IntegrityError]]:
         prefix = f"refs/{kind}/" + (f"{name}/" if name else "")
-        out = []
+        out, bad = [], []
         for info in self.store.list(prefix):
             rest = info.key[len(f"refs/{kind}/") :]
             ref_name, _, version = rest.rpartition("/")
@@ -180,18 +209,31 @@ class Registry:
             try:
                 Ref.parse(f"{ref_name}@{version}")
             except InvalidName:
-                raise IntegrityError(what, "not a valid name@version") from None
-            digest = parse_ref_file(self.store.get(info.key), what)
+                bad.append(IntegrityError(what, "not a valid name@version"))
+                continue
+            try:
+                digest = parse_ref_file(self.store.get(info.key), what)
+            except IntegrityError as exc:
+                bad.append(exc)
+                continue
             out.append(RefEntry(kind, ref_name, version, digest))
         out.sort(key=lambda r: (r.name, version_sort_key(r.version)))
-        return out
+        return out, bad
 
-    def checked_refs(self, kind: str, name: str | None = None) -> list[RefEntry]:
-        """:meth:`list_refs`, each ref checked against the manifest it points at."""
-        entries = self.list_refs(kind, name)
+    def read_refs(self, kind: str, name: str | None, read: Callable[[str], V]
+                  ) -> tuple[list[tuple[RefEntry, V]], list[Unreadable]]:
+        """Each ref of ``kind`` (or of ``name``) checked against the manifest it
+        points at and that manifest as ``read`` (given its digest) reads it; a
+        ref or manifest that is corrupt or missing is set aside, with why."""
+        entries, bad = self.scan_refs(kind, name)
+        rows = []
         for entry in entries:
-            self.check_binding(kind, entry.name, entry.version, entry.digest)
-        return entries
+            try:
+                self.check_binding(kind, entry.name, entry.version, entry.digest)
+                rows.append((entry, read(entry.digest)))
+            except BAD_OBJECT as exc:
+                bad.append(Unreadable(f"{kind[:-1]} {entry}", exc.message()))
+        return rows, bad
 
     def versions(self, kind: str, name: str) -> list[str]:
         return [r.version for r in self.list_refs(kind, name)]

@@ -14,7 +14,10 @@ def parse_size(text: str) -> int:
     """``1M``, ``4KiB``, ``1048576`` → bytes (binary units); ValueError if not a size."""
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
     num, unit = (t[:-1], t[-1]) if t and t[-1] in UNITS else (t, "")
-    return int(float(num) * UNITS[unit])
+    try:
+        return int(float(num) * UNITS[unit])
+    except OverflowError:  # "inf", or more digits than a float holds
+        raise ValueError(f"not a size: {text[:80]!r}") from None
 
 
 def du(path: Path) -> int:

@@ -94,6 +94,34 @@ def parse_size(text: str) -> int:
         raise click.BadParameter(f"not a size: {text!r}") from None
 
 
+def diagnostic(kind: str, text: object) -> str:
+    """``layerfs: KIND: TEXT``, cut to :data:`~layerfs.bounds.MAX_ERROR_LINE`
+    characters (with a marker): every error and warning line the CLI prints."""
+    from layerfs.bounds import MAX_ERROR_LINE, cut
+
+    return cut(f"layerfs: {kind}: {text}", MAX_ERROR_LINE)
+
+
+def warn(text: object) -> None:
+    """One bounded warning line on stderr."""
+    print(diagnostic("warning", text), file=sys.stderr, flush=True)
+
+
+def report_unreadable(problems: list[Any]) -> None:
+    """Each ref or manifest a store-wide command skipped: one error line on stderr."""
+    for problem in problems:
+        print(diagnostic("error", problem), file=sys.stderr, flush=True)
+
+
+def exit_if_unreadable(problems: list[Any]) -> None:
+    """After a store-wide command's output: the integrity error's exit code if it
+    skipped anything (each already named by :func:`report_unreadable`)."""
+    if problems:
+        from layerfs.errors import IntegrityError
+
+        sys.exit(IntegrityError.exit_code)
+
+
 def stderr_is_tty() -> bool:
     return sys.stderr.isatty()
 

@@ -8,7 +8,13 @@ from layerfs.builder.env import create_env
 from layerfs.names import Ref
 from layerfs.registry import ENVS, Registry
 
-from .common import Output, store_options, write_store_options
+from .common import (
+    Output,
+    exit_if_unreadable,
+    report_unreadable,
+    store_options,
+    write_store_options,
+)
 
 
 @click.group()
@@ -41,11 +47,14 @@ def create(out: Output, reg: Registry, ref: str, layers: tuple[str, ...],
 @click.argument("name", required=False)
 @store_options
 def ls(out: Output, reg: Registry, name: str | None) -> None:
-    """List envs (all, or the versions of NAME)."""
+    """List envs (all, or the versions of NAME); one that cannot be read is
+    named on an error line and skipped (exit 6 after the list)."""
     rows = []
-    for entry in reg.checked_refs(ENVS, name):
-        m = reg.env(entry.digest)
+    envs, unreadable = reg.read_refs(ENVS, name, reg.env)
+    report_unreadable(unreadable)
+    for entry, m in envs:
         rows.append({"ref": str(entry), "digest": entry.digest, "created": m.created,
                      "layers": [layer.ref for layer in m.layers]})
     out.emit(rows, lambda: "\n".join(
         f"{r['ref']:30} {' '.join(r['layers'])}" for r in rows) or "(no envs)")
+    exit_if_unreadable(unreadable)

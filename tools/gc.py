@@ -7,7 +7,7 @@ import click
 from layerfs.gc import DEFAULT_GRACE, collect
 from layerfs.registry import Registry
 
-from .common import Output, human_bytes, store_options
+from .common import Output, exit_if_unreadable, human_bytes, report_unreadable, store_options
 
 
 @click.command()
@@ -18,12 +18,16 @@ from .common import Output, human_bytes, store_options
                    "above a minute).")
 @store_options
 def gc(out: Output, reg: Registry, dry_run: bool, grace: float) -> None:
-    """Delete blobs no layer or env ref reaches, and temporary files of interrupted writes."""
+    """Delete blobs no layer or env ref reaches, and temporary files of interrupted writes.
+    A ref or manifest that cannot be read is named on an error line; gc then deletes
+    no blob (only old temporaries) and exits 6."""
     rep = collect(reg, dry_run=dry_run, grace=grace)
     doc = {"dry_run": dry_run, "reachable": rep.reachable, "unreachable": rep.unreachable,
            "deleted": rep.deleted, "deleted_bytes": rep.deleted_bytes,
            "kept_young": rep.kept_young, "temporaries": rep.temporaries,
-           "deleted_temporaries": rep.deleted_temporaries}
+           "deleted_temporaries": rep.deleted_temporaries, "swept": rep.swept,
+           "unreadable": [{"what": u.what, "reason": u.reason} for u in rep.unreadable]}
+    report_unreadable(rep.unreadable)
 
     def text() -> str:
         lines = [f"{u['digest']} {human_bytes(u['size']):>10}  age {u['age_s']:.0f}s"
@@ -35,8 +39,12 @@ def gc(out: Output, reg: Registry, dry_run: bool, grace: float) -> None:
         total = sum(u["size"] for u in rep.unreachable)
         verb = "would delete" if dry_run else "deleted"
         count = len(rep.unreachable) - rep.kept_young if dry_run else rep.deleted
+        if not rep.swept:
+            count = 0
         lines.append(f"{rep.reachable} reachable, {len(rep.unreachable)} unreachable "
-                     f"({human_bytes(total)}); {verb} {count}")
+                     f"({human_bytes(total)}); {verb} {count}" + ("" if rep.swept else
+                     f" ({len(rep.unreadable)} refs or manifests unreadable: no blob is "
+                     f"deleted until each is repaired or its ref removed)"))
         if rep.temporaries:
             old = sum(1 for t in rep.temporaries if not t["young"])
             gone = old if dry_run else rep.deleted_temporaries
@@ -45,3 +53,4 @@ def gc(out: Output, reg: Registry, dry_run: bool, grace: float) -> None:
         return "\n".join(lines)
 
     out.emit(doc, text)
+    exit_if_unreadable(rep.unreadable)

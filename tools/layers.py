@@ -16,10 +16,13 @@ from layerfs.verify import EXIT_CODES, Found, VerifyReport, verify_layer, worst
 
 from .common import (
     Output,
+    exit_if_unreadable,
     human_bytes,
     parse_size,
+    report_unreadable,
     stderr_is_tty,
     store_options,
+    warn,
     write_store_options,
 )
 from .progress import ProgressLine
@@ -48,7 +51,7 @@ def build(out: Output, reg: Registry, src: str, name: str, version: str, role: s
     finally:
         line.close()
         for text in warnings:
-            click.echo(f"layerfs: warning: {text}", err=True)
+            warn(text)
     s = result.manifest.stats
     doc = {"ref": result.ref, "digest": result.digest, "published": result.published,
            "stats": s.__dict__}
@@ -66,15 +69,18 @@ def build(out: Output, reg: Registry, src: str, name: str, version: str, role: s
 @click.argument("name", required=False)
 @store_options
 def ls(out: Output, reg: Registry, name: str | None) -> None:
-    """List layers (all, or the versions of NAME)."""
+    """List layers (all, or the versions of NAME); one that cannot be read is
+    named on an error line and skipped (exit 6 after the list)."""
     rows: list[dict[str, Any]] = []
-    for entry in reg.checked_refs(LAYERS, name):
-        m = reg.any_layer(entry.digest)
+    layers, unreadable = reg.read_refs(LAYERS, name, reg.any_layer)
+    report_unreadable(unreadable)
+    for entry, m in layers:
         rows.append({"ref": str(entry), "digest": entry.digest, "role": m.role,
                      "file_bytes": m.stats.file_bytes, "created": m.created})
     out.emit(rows, lambda: "\n".join(
         f"{r['ref']:40} {r['role']:10} {human_bytes(r['file_bytes']):>10}  "
         f"{r['created']}  {r['digest'][:19]}" for r in rows) or "(no layers)")
+    exit_if_unreadable(unreadable)
 
 
 @click.command()

@@ -13,22 +13,24 @@ import sys
 from layerfs.errors import LayerfsError
 
 from . import fastpath
+from .common import diagnostic
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the CLI; every error a user can cause is one line and a nonzero exit."""
+    """Run the CLI; every error a user can cause is one line (of at most
+    :data:`~layerfs.bounds.MAX_ERROR_LINE` characters) and a nonzero exit."""
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         if not fastpath.run(args):
             run_click(args)
     except LayerfsError as exc:
-        print(f"layerfs: error: {exc}", file=sys.stderr)
+        print(diagnostic("error", exc), file=sys.stderr)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         print("layerfs: interrupted", file=sys.stderr)
         sys.exit(130)
     except OSError as exc:
-        print(f"layerfs: error: {exc}", file=sys.stderr)
+        print(diagnostic("error", exc), file=sys.stderr)
         sys.exit(1)
     sys.exit(0)
 
@@ -45,6 +47,10 @@ def run_click(args: list[str]) -> None:
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
+        from layerfs.bounds import MAX_ERROR_LINE, cut
+
+        # (the message may quote an argument whole; click declares it Final, for its own use)
+        exc.message = cut(exc.message, MAX_ERROR_LINE)  # type: ignore[misc]
         exc.show()
         sys.exit(exc.exit_code)
     except click.Abort:

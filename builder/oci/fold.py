@@ -19,6 +19,12 @@ the same group left:
 
 When the group starts at the image's bottom there is nothing below it:
 whiteouts are dropped and no directory needs to be opaque.
+
+A folded layer's manifest records where it came from in its ``source``:
+``oci:`` and its image layers' diff_ids, bottom first, comma separated; a list
+longer than a manifest string may be (:data:`~layerfs.bounds.MAX_STRING`) is
+summed up by :func:`fold_source` as its first and last diff_ids, their count
+and the sha256 of the whole list (the hash the layer's name holds).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import stat
 from collections.abc import Callable
 from typing import IO
 
+from layerfs.bounds import MAX_STRING
 from layerfs.tree import FsNode
 
 from ..assembler import OPAQUE_XATTR, LayerAssembler
@@ -35,6 +42,17 @@ from ..tarsource import OPAQUE as OPAQUE_MARKER
 
 OPAQUE_KEY, OPAQUE_VALUE = OPAQUE_XATTR
 Path = tuple[bytes, ...]
+
+
+def fold_source(diff_ids: list[str], list_hash: str) -> str:
+    """The ``source`` of a layer folded from ``diff_ids`` (bottom first), whose
+    comma-separated list hashes to ``list_hash``: the list, or its summary where
+    the list is longer than :data:`MAX_STRING`."""
+    listed = "oci:" + ",".join(diff_ids)
+    if len(listed) <= MAX_STRING:
+        return listed
+    return (f"oci:{diff_ids[0]},...,{diff_ids[-1]} ({len(diff_ids)} layers, "
+            f"sha256 of the list {list_hash})")
 
 
 def is_whiteout(node: FsNode) -> bool:

@@ -32,7 +32,7 @@ from ..env import EnvResult, create_env
 from ..layer import BuildOptions, Progress, build_layer
 from ..pipeline import DEFAULT_CHUNK_SIZE
 from ..tarsource import TarSource, drain
-from .fold import FoldingAssembler
+from .fold import FoldingAssembler, fold_source
 from .image import DigestCheckedReader, Image, ImageLayer, ImageSource, Platform
 from .resolve import image_config, resolve_image
 
@@ -87,8 +87,9 @@ def layer_name(group: list[ImageLayer]) -> tuple[str, str]:
     if len(group) == 1:
         diff = group[0].diff_id
         return SINGLE_PREFIX + diff.removeprefix("sha256:"), f"oci:{diff}"
-    joined = ",".join(layer.diff_id for layer in group)
-    return FOLDED_PREFIX + hashlib.sha256(joined.encode()).hexdigest(), f"oci:{joined}"
+    diff_ids = [layer.diff_id for layer in group]
+    list_hash = hashlib.sha256(",".join(diff_ids).encode()).hexdigest()
+    return FOLDED_PREFIX + list_hash, fold_source(diff_ids, list_hash)
 
 
 def fold_groups(layers: tuple[ImageLayer, ...], fold_size: int) -> list[list[ImageLayer]]:

@@ -16,8 +16,10 @@ import json
 import platform as host
 from typing import Any
 
+from layerfs.bounds import cut, summary
 from layerfs.errors import IntegrityError, SourceError, UsageError
-from layerfs.manifest import ImageConfig
+from layerfs.manifest import ImageConfig, check_image_config
+from layerfs.names import DIGEST_RE
 
 from .image import (
     INDEX_TYPES,
@@ -78,6 +80,8 @@ def parse_descriptor(doc: object, what: str) -> Descriptor:
     size = _field(doc, "size", int, what, -1)
     if not digest or size < 0:
         raise SourceError(what, "a descriptor lacks its digest or size")
+    if not DIGEST_RE.fullmatch(digest):
+        raise SourceError(what, f"unsupported or malformed digest {digest[:80]!r}")
     plat = _field(doc, "platform", dict, what)
     annotations = _field(doc, "annotations", dict, what) or {}
     if not all(isinstance(v, str) for v in annotations.values()):
@@ -127,8 +131,9 @@ def pick_platform(index: dict, want: Platform, what: str) -> Descriptor:
     matching = [d for d in descs if platform_matches(d.platform, want)]
     if not matching:
         have = sorted({_show(d.platform) for d in descs if d.platform})
-        raise SourceError(what, f"no image for platform {_show(want)} "
-                                f"(the index has {', '.join(have) or 'no platforms'})")
+        listed = f"{len(have)}: {summary(have)}" if have else "none"
+        raise SourceError(what, f"no image for platform {_show(want)} (the index's platforms, "
+                                f"{listed})")
     exact = [d for d in matching if d.platform and d.platform.variant == want.variant]
     return (exact or matching)[0]
 
@@ -136,7 +141,7 @@ def pick_platform(index: dict, want: Platform, what: str) -> Descriptor:
 def _show(p: Platform | None) -> str:
     if p is None:
         return "?"
-    return "/".join(x for x in (p.os, p.architecture, p.variant) if x)
+    return cut("/".join(x for x in (p.os, p.architecture, p.variant) if x), 80)
 
 
 def read_manifest(source: ImageSource, want: Platform, what: str) -> tuple[str, bytes, dict]:
@@ -208,8 +213,8 @@ def _diff_ids(cdoc: dict, what: str) -> list[str]:
         raise SourceError(what, "the config has no rootfs")
     diff_ids = _strings(rootfs.get("diff_ids"), what, "rootfs.diff_ids")
     for d in diff_ids:
-        if not d.startswith("sha256:") or len(d) != 71:
-            raise SourceError(what, f"malformed diff_id {d[:80]!r}")
+        if not DIGEST_RE.fullmatch(d):
+            raise SourceError(what, f"malformed diff_id {d[:80]!r} (not sha256:<64 hex>)")
     return diff_ids
 
 
@@ -229,7 +234,7 @@ def image_config(image: Image) -> ImageConfig:
     if not all(isinstance(v, str) for v in labels.values()):
         raise SourceError(what, "field 'Labels' must map strings to strings")
     ports = _field(run, "ExposedPorts", dict, what) or {}
-    return ImageConfig(
+    config = ImageConfig(
         env=opt_list("Env") or [],
         entrypoint=opt_list("Entrypoint"),
         cmd=opt_list("Cmd"),
@@ -241,3 +246,5 @@ def image_config(image: Image) -> ImageConfig:
         os=_field(doc, "os", str, what, "linux"),
         architecture=_field(doc, "architecture", str, what, ""),
     )
+    check_image_config(config, what)  # what an env manifest can hold, before any layer is built
+    return config
