@@ -4,6 +4,8 @@ both store backends; the meta image reader against the writer."""
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import io
 import json
 import os
@@ -15,9 +17,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import zstandard
 from gentree import make_tree
 from hypothesis import HealthCheck, given, settings
 from nodes import NodeDaemon
+from ociimages import LayerChange, busybox_rootfs, make_image, manifest_of, to_docker_archive
+from ociimages import blob as ociblob
 from support import build, need_root
 from test_cli import layerfs, one_line_error
 from test_erofs import trees
@@ -26,6 +31,8 @@ from treecmp import snapshot
 
 from layerfs.builder.env import create_env
 from layerfs.builder.oci.export import host_architecture
+from layerfs.builder.oci.image import OCI_CONFIG as OCI_CONFIG_TYPE
+from layerfs.builder.oci.image import OCI_MANIFEST as OCI_MANIFEST_TYPE
 from layerfs.builder.oci.layertar import pax_time
 from layerfs.formats.erofs import write_meta_image
 from layerfs.formats.erofsread import read_meta_image
@@ -333,3 +340,136 @@ def test_export_tar_entries(env, tmp_path, store_args):
                                           gen["gen/dev/sda"].devminor) == (8, 0)
     assert ".wh.whiteout" in {name.rpartition("/")[2] for name in gen}
     assert not any(name.endswith("/sock") for name in gen)
+
+
+# -- tar-split: an imported image's layers go out as they came in --
+
+LONG = "long-name-" * 12  # 120 bytes: a ustar header cannot hold it
+
+
+def gzip_as_exported(data: bytes) -> bytes:
+    """gzip as the export writes it (no name, mtime 0, level 6)."""
+    buf = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=6) as f:
+        f.write(data)
+    return buf.getvalue()
+
+
+def python_tar(fmt: int) -> bytes:
+    """A layer tar by Python's tarfile: long names and link targets (GNU long
+    name headers or pax), a global pax header, a duplicate path (chunked and
+    inline), a hard link, a whiteout, an opaque marker, an xattr, a uid beyond
+    octal, an empty file last, and zero blocks after the end of the archive."""
+    buf = io.BytesIO()
+    pax = {"comment": "global"} if fmt == tarfile.PAX_FORMAT else None
+    with tarfile.open(fileobj=buf, mode="w", format=fmt, pax_headers=pax) as tar:
+        def add(name: str, data: bytes | None = None, kind: bytes = tarfile.REGTYPE,
+                link: str = "", **extra: object) -> None:
+            info = tarfile.TarInfo(name)
+            info.mtime, info.type, info.linkname = 1_700_000_000, kind, link
+            info.mode = 0o755 if kind == tarfile.DIRTYPE else 0o644
+            info.size = len(data) if data is not None else 0
+            for key, value in extra.items():
+                setattr(info, key, value)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+
+        add("d", kind=tarfile.DIRTYPE)
+        add(f"d/{LONG}", b"under a long name", uid=3_000_000)
+        add("d/link", kind=tarfile.SYMTYPE, link=f"{LONG}/{LONG}")
+        add("d/big", os.urandom(3 * CHUNK + 5))
+        add("d/dup", os.urandom(10_000))
+        add("d/small", b"first")
+        add("d/hl", kind=tarfile.LNKTYPE, link="d/big")
+        add("d/dup", b"replaced")
+        add("d/small", b"second")
+        add(".wh.gone")
+        add("o", kind=tarfile.DIRTYPE)
+        add("o/.wh..wh..opq")
+        if fmt == tarfile.PAX_FORMAT:
+            add("d/tagged", b"x", pax_headers={"SCHILY.xattr.user.note": "kept"})
+        add("zz-empty", b"")
+    return buf.getvalue() + bytes(3 * tarfile.BLOCKSIZE)
+
+
+def python_image(layout: Path, tars: list[bytes]) -> Path:
+    """An OCI layout, tag ``t``, of these layer tars gzip'd as the export does."""
+    (layout / "blobs" / "sha256").mkdir(parents=True)
+
+    def put(data: bytes) -> dict:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        ociblob(layout, digest).write_bytes(data)
+        return {"digest": digest, "size": len(data)}
+
+    config = put(json.dumps({"architecture": host_architecture(), "os": "linux", "config": {},
+                             "rootfs": {"type": "layers", "diff_ids": [
+                                 "sha256:" + hashlib.sha256(t).hexdigest() for t in tars]}
+                             }).encode())
+    layers = [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+               **put(gzip_as_exported(t))} for t in tars]
+    manifest = put(json.dumps({"schemaVersion": 2, "mediaType": OCI_MANIFEST_TYPE, "layers": layers,
+                               "config": {"mediaType": OCI_CONFIG_TYPE, **config}}).encode())
+    (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": OCI_MANIFEST_TYPE, **manifest,
+         "annotations": {"org.opencontainers.image.ref.name": "t"}}]}))
+    return layout
+
+
+@pytest.fixture(scope="module")
+def source_images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Path]]:
+    """Import source → (what ``layerfs import`` takes, the OCI layout of the same image)."""
+    root = tmp_path_factory.mktemp("tarsplit")
+    umoci_layout = root / "U"
+    make_image(umoci_layout, "t", [
+        LayerChange(copy_tree=str(busybox_rootfs(root / "rootfs"))),
+        LayerChange(files={f"srv/{LONG}/file": b"pax path", "srv/tagged": os.urandom(5000),
+                           "srv/gone": b"to be deleted"},
+                    xattrs={"srv/tagged": {"user.note": b"kept"}},
+                    hardlinks={"srv/again": "srv/tagged"}),
+        LayerChange(delete=["srv/gone", "bin/cat"], files={"zzz-empty": b""},
+                    hardlinks={"srv/third": "srv/tagged"}),
+    ])
+    zstd_layout = root / "Z"
+    skopeo("--insecure-policy", "copy", "--dest-compress-format", "zstd",
+           f"oci:{umoci_layout}:t", f"oci:{zstd_layout}:t")
+    archive = to_docker_archive(umoci_layout, "t", root / "d.tar")
+    gnu = python_image(root / "G", [python_tar(tarfile.GNU_FORMAT)])
+    pax = python_image(root / "P", [python_tar(tarfile.PAX_FORMAT),
+                                    python_tar(tarfile.GNU_FORMAT)])
+    return {"umoci": (f"oci:{umoci_layout}:t", umoci_layout),
+            "skopeo-zstd": (f"oci:{zstd_layout}:t", zstd_layout),
+            "skopeo-docker-archive": (f"docker-archive:{archive}", umoci_layout),
+            "python-gnu": (f"oci:{gnu}:t", gnu), "python-pax": (f"oci:{pax}:t", pax)}
+
+
+def layer_tars(layout: Path, tag: str) -> tuple[list[str], list[bytes]]:
+    """A tag's config diff_ids and its layers' uncompressed tars, bottom first."""
+    _, manifest = manifest_of(layout, tag)
+    config = json.loads(ociblob(layout, manifest["config"]["digest"]).read_bytes())
+    tars = []
+    for layer in manifest["layers"]:
+        data = ociblob(layout, layer["digest"]).read_bytes()
+        tars.append(zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read()
+                    if layer["mediaType"].endswith("+zstd") else gzip.decompress(data))
+    return config["rootfs"]["diff_ids"], tars
+
+
+@pytest.mark.parametrize("kind", ["umoci", "skopeo-zstd", "skopeo-docker-archive", "python-gnu",
+                                  "python-pax"])
+def test_unchanged_image_layers_export_as_they_came(kind, source_images, tmp_path, store_args):
+    """Every layer's tar comes out byte for byte: the same diff_ids, in the
+    config too; gc keeps the records."""
+    src, layout = source_images[kind]
+    layerfs("import", src, "--name", "img", "--version", "1", *store_args)
+    layerfs("gc", "--grace", "0", *store_args)
+    out = json.loads(layerfs("export", "img@1", f"oci:{tmp_path / 'out'}:t", "--json",
+                             *store_args).stdout)
+    diff_ids, tars = layer_tars(layout, "t")
+    got_ids, got = layer_tars(tmp_path / "out", "t")
+    assert got_ids == diff_ids == [x["diff_id"] for x in out["layers"]]
+    assert [hashlib.sha256(t).hexdigest() for t in got] == [
+        d.removeprefix("sha256:") for d in diff_ids]
+    assert got == tars
+    if kind.startswith("python"):  # what the record counted, as the rebuilt tar would
+        assert (out["layers"][0]["hard_links"], out["layers"][0]["whiteouts"],
+                out["layers"][0]["opaque_dirs"]) == (1, 1, 1)
