@@ -69,7 +69,7 @@ MAX_PATH = 1 << 20  # one FILE path (tar names are bounded by the pax header bou
 MAX_INLINE = BLOCK  # an INLINE content (inline files are smaller than a block)
 MAX_CHUNKS = 1 << 32  # addresses of one CHUNKS content
 ZSTD_LEVEL = 9
-COPY = 1 << 20
+COPY = 1 << 20  # bytes per read or write, and raw bytes per compressor call
 HEADER = struct.Struct("<QQQQQQQ")
 CONTENT = struct.Struct("<BQQ")
 COUNT = struct.Struct("<I")
@@ -99,6 +99,7 @@ class TarSplitRecorder:
     _packer: zstandard.ZstdCompressionObj = field(
         default_factory=lambda: zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj())
     _packed: list[bytes] = field(default_factory=list)
+    _unpacked: bytearray = field(default_factory=bytearray)  # raw bytes for the compressor
 
     def feed(self, data: bytes) -> None:
         """The next bytes of the stream, as the tar reader reads them."""
@@ -133,22 +134,26 @@ class TarSplitRecorder:
         if self.dropped or offset <= self.mark:
             return
         take = min(offset, self.pos) - self.mark
-        self._raw(bytes(self.pending[:take]))
+        self._raw(self.pending[:take])
         del self.pending[:take]
         self.mark += take
 
-    def _raw(self, data: bytes) -> None:
+    def _raw(self, data: bytes | bytearray) -> None:
         self.raw_size += len(data)
         if self.raw_size > MAX_RAW:
             self._drop(f"more than {MAX_RAW >> 20} MiB of tar headers")
             return
-        self._packed.append(self._packer.compress(data))
+        self._unpacked += data
+        if len(self._unpacked) >= COPY:
+            self._packed.append(self._packer.compress(bytes(self._unpacked)))
+            self._unpacked.clear()
 
     def _drop(self, why: str) -> None:
         self.dropped = why
         self.pending.clear()
         self.contents.clear()
         self._packed.clear()
+        self._unpacked.clear()
 
     def finish(self) -> None:
         """The stream has ended: what is pending is raw."""
@@ -172,7 +177,8 @@ class TarSplitRecorder:
             log.info("no tar-split record for %s: an index of %d bytes", diff_id, index.tell())
             return None
         packed_index = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(index.getvalue())
-        raw = b"".join([*self._packed, self._packer.flush()])
+        raw = b"".join([*self._packed, self._packer.compress(bytes(self._unpacked)),
+                        self._packer.flush()])
         blob = b"".join([MAGIC, struct.pack("<Q", len(packed_index)), packed_index, raw])
         if len(blob) > MAX_TAR_SPLIT:
             log.info("no tar-split record for %s: %d bytes", diff_id, len(blob))
