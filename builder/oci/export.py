@@ -10,7 +10,10 @@ first), each a gzip'd (or zstd) tar written by
 :func:`~layerfs.builder.oci.layertar.write_layer_tar` straight into the
 layout's blob directory: the tar is hashed (the diff_id) and compressed, and
 the compressed stream hashed and written to a temporary file renamed to its
-digest, so no layer is ever whole in memory. ``fold`` writes one layer of the
+digest, so no layer is ever whole in memory. An image layer imported with a
+tar-split record (:mod:`~layerfs.builder.oci.tarsplit`) is written from the
+record instead, its original tar byte for byte, checked against its diff_id
+(a mismatch fails the export). ``fold`` writes one layer of the
 merged tree instead. The image config carries the env's
 :class:`~layerfs.manifest.ImageConfig`.
 

@@ -5,8 +5,11 @@ decompressed (gzip, zstd or none, as its media type says), the tar through a
 second check against its diff_id, and into the tar layer builder; nothing is
 written to disk whole. An image layer becomes the layer
 ``oci/sha256/<diff_id hex>@1`` (its manifest records ``oci:<diff_id>``), so
-the same image layer from any image is one layer, built once; with ``fold``
-consecutive layers become one ``oci/folded/<hash of their diff_ids>@1``.
+the same image layer from any image is one layer, built once. Its tar is seen
+by a :class:`~layerfs.builder.oci.tarsplit.TarSplitRecorder` on the way, and the
+record (what of the tar is not file content) is stored with the layer, for the
+export to write that tar again. With ``fold`` consecutive layers become one
+``oci/folded/<hash of their diff_ids>@1`` (without a record).
 The env ``N@V`` (layers top first, the image config) is written last: a
 digest mismatch anywhere leaves it unwritten (layers already built from
 earlier, verified layers stay; they are complete and correct).
