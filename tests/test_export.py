@@ -51,6 +51,7 @@ from layerfs.manifest import (
     TarSplitRef,
 )
 from layerfs.registry import Registry
+from layerfs.store import open_store
 from layerfs.store.base import blob_key
 from layerfs.tree import FileTree, FsNode
 
@@ -227,18 +228,25 @@ def run_as(uid: int, gid: int, argv: list[str]) -> int:
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
+def readable_store(store_args: list[str], work: Path, user) -> list[str]:
+    """Store arguments a user can read (a file store is copied into ``work``,
+    readable by all) and ``work/out``, a directory the user owns."""
+    os.chmod(work, 0o755)
+    args = list(store_args)
+    if args[1].startswith("file://"):
+        shutil.copytree(args[1].removeprefix("file://"), work / "store")
+        subprocess.run(["chmod", "-R", "a+rX", str(work / "store")], check=True)
+        args[1] = f"file://{work / 'store'}"
+    (work / "out").mkdir()
+    os.chown(work / "out", user.uid, user.gid)
+    return args
+
+
 def test_export_runs_unprivileged(env, tmp_path, store_args, local_user):
     """No mounts, no root: a user who can read the store exports the env."""
     work = Path(tempfile.mkdtemp(prefix="layerfs-export-"))
     try:
-        os.chmod(work, 0o755)
-        args = list(store_args)
-        if args[1].startswith("file://"):
-            shutil.copytree(args[1].removeprefix("file://"), work / "store")
-            subprocess.run(["chmod", "-R", "a+rX", str(work / "store")], check=True)
-            args[1] = f"file://{work / 'store'}"
-        (work / "out").mkdir()
-        os.chown(work / "out", local_user.uid, local_user.gid)
+        args = readable_store(store_args, work, local_user)
         image = work / "out" / "img"
         assert run_as(local_user.uid, local_user.gid,
                       ["export", "e@1", f"oci:{image}:v1", *args]) == 0
@@ -515,7 +523,8 @@ def test_changed_layers_are_rebuilt_as_before(source_images, tmp_path, store, st
         assert len(out["layers"]) == len(got_ids)
 
 
-def layer_with_record(store, kind_images, env_name: str = "img@1"):
+def layer_with_record(store, env_name: str = "img@1"):
+    """The bottom layer of the env: its ref, its manifest (which has a record)."""
     reg = Registry(store)
     layer = reg.env(reg.resolve("envs", env_name)).layers[-1]
     manifest = reg.layer(layer.digest)
@@ -527,7 +536,7 @@ def test_damaged_record_fails_the_export_and_writes_nothing(source_images, tmp_p
                                                             store_args):
     src, _ = source_images["python-pax"]
     layerfs("import", src, "--name", "img", "--version", "1", *store_args)
-    reg, layer, manifest = layer_with_record(store, source_images)
+    reg, layer, manifest = layer_with_record(store)
     key = blob_key(manifest.tar_split.digest)
     data = bytearray(store.get(key))
     data[len(data) // 2] ^= 0x01
@@ -540,6 +549,30 @@ def test_damaged_record_fails_the_export_and_writes_nothing(source_images, tmp_p
     assert os.listdir(dest) == []
     verify = layerfs("verify", layer.ref, *store_args, check=False)
     assert verify.returncode == 6 and "tar-split record" in verify.stdout + verify.stderr
+
+
+def test_unprivileged_export_writes_the_recorded_tars(source_images, store_args, local_user):
+    """A user who can only read the store gets the image's own tars too, and
+    a damaged record stops that user's export as it stops root's."""
+    src, layout = source_images["python-pax"]
+    layerfs("import", src, "--name", "img", "--version", "1", *store_args)
+    work = Path(tempfile.mkdtemp(prefix="layerfs-export-"))
+    try:
+        args = readable_store(store_args, work, local_user)
+        image = work / "out" / "img"
+        assert run_as(local_user.uid, local_user.gid,
+                      ["export", "img@1", f"oci:{image}:t", *args]) == 0
+        assert layer_tars(image, "t") == layer_tars(layout, "t")
+        store = open_store(args[1], args[3] if len(args) > 3 else None)
+        reg, _, manifest = layer_with_record(store)
+        assert manifest.tar_split is not None
+        key = blob_key(manifest.tar_split.digest)
+        store.put(key, store.get(key)[:-1])
+        assert run_as(local_user.uid, local_user.gid,
+                      ["export", "img@1", f"oci:{work / 'out' / 'bad'}", *args]) == 6
+        assert not (work / "out" / "bad").exists()
+    finally:
+        shutil.rmtree(work)
 
 
 def forged_record(blob: bytes) -> bytes:
@@ -557,7 +590,7 @@ def test_record_that_writes_another_tar_fails_the_export(source_images, tmp_path
     manifest naming a forged record) fails that layer, naming it."""
     src, _ = source_images["python-pax"]
     layerfs("import", src, "--name", "img", "--version", "1", *store_args)
-    reg, _, manifest = layer_with_record(store, source_images)
+    reg, _, manifest = layer_with_record(store)
     assert manifest.tar_split is not None
     forged = forged_record(store.get_blob(manifest.tar_split.digest))
     digest, _ = store.put_blob(forged)
