@@ -34,7 +34,7 @@ MAX_TEXT = 4096  # longest free-text field (created, uuid)
 MAX_LIST = 1 << 16  # most layers of an env, dedup sources of a layer
 MIN_CHUNK, MAX_CHUNK = 4096, 16 << 20
 CHUNK_SIZE_RULE = "a power of two from 4 KiB to 16 MiB"
-MAX_TAR_SPLIT = 1 << 30  # stored bytes of a layer's tar-split record
+MAX_TAR_SPLIT = 256 << 20  # stored bytes of a layer's tar-split record
 
 
 def valid_chunk_size(size: int) -> bool:

@@ -35,10 +35,12 @@ from treecmp import snapshot
 
 from layerfs.builder.env import create_env
 from layerfs.builder.oci import tarsplit
-from layerfs.builder.oci.export import host_architecture
+from layerfs.builder.oci.export import export_env, host_architecture, parse_destination
 from layerfs.builder.oci.image import OCI_CONFIG as OCI_CONFIG_TYPE
 from layerfs.builder.oci.image import OCI_MANIFEST as OCI_MANIFEST_TYPE
+from layerfs.builder.oci.importer import ImportOptions, import_image
 from layerfs.builder.oci.layertar import pax_time
+from layerfs.builder.oci.sources import open_source as open_oci_source
 from layerfs.errors import IntegrityError
 from layerfs.formats.erofs import write_meta_image
 from layerfs.formats.erofsread import read_meta_image
@@ -735,3 +737,23 @@ def test_manifest_tar_split_is_optional_and_checked():
                          (dataclasses.replace(ref, digest="md5:x"), "tar_split.digest")):
         with pytest.raises(IntegrityError, match=message):
             LayerManifest.from_bytes(dataclasses.replace(manifest, tar_split=bad).to_bytes())
+
+
+def test_record_past_its_bound_is_not_made(tmp_path, store, monkeypatch):
+    """Raw bytes beyond the bound (here: a whiteout carrying random data) do
+    not fail the import: the layer gets no record and is rebuilt on export."""
+    monkeypatch.setattr(tarsplit, "MAX_TAR_SPLIT", 1 << 20)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(tarfile.TarInfo("a"), io.BytesIO(b""))
+        padded = tarfile.TarInfo(".wh.b")
+        padded.size = 3 << 20
+        tar.addfile(padded, io.BytesIO(os.urandom(padded.size)))
+    layout = python_image(tmp_path / "L", [buf.getvalue()])
+    reg = Registry(store)
+    result = import_image(reg, open_oci_source(f"oci:{layout}:t"), ImportOptions("big", "1"))
+    assert reg.layer(result.layers[0].digest).tar_split is None
+    export_env(reg, "big@1", parse_destination(f"oci:{tmp_path / 'out'}:t"))
+    (diff_id,), _ = layer_tars(layout, "t")
+    got, _ = layer_tars(tmp_path / "out", "t")
+    assert got != [diff_id]

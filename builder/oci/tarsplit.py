@@ -35,7 +35,9 @@ blob's digest is checked first, then every length against the bounds below
 and the layer (a FILE must name a regular file of exactly ``size`` bytes;
 CHUNKS must have one address per chunk, inside the blob), and the raw stream
 must end exactly at ``raw_size``. A layer whose record would exceed the
-bounds gets none (its export rebuilds the tar from the tree).
+bounds gets none (its export rebuilds the tar from the tree); the recorder
+stops holding anything as soon as it knows (so a hostile tar costs it at most
+:data:`~layerfs.manifest.MAX_TAR_SPLIT` of memory).
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class TarSplitRecorder:
         default_factory=lambda: zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj())
     _packed: list[bytes] = field(default_factory=list)
     _unpacked: bytearray = field(default_factory=bytearray)  # raw bytes for the compressor
+    _packed_size: int = 0
 
     def feed(self, data: bytes) -> None:
         """The next bytes of the stream, as the tar reader reads them."""
@@ -146,7 +149,10 @@ class TarSplitRecorder:
         self._unpacked += data
         if len(self._unpacked) >= COPY:
             self._packed.append(self._packer.compress(bytes(self._unpacked)))
+            self._packed_size += len(self._packed[-1])
             self._unpacked.clear()
+            if self._packed_size > MAX_TAR_SPLIT:  # what is held in memory meanwhile
+                self._drop(f"a record of more than {MAX_TAR_SPLIT >> 20} MiB")
 
     def _drop(self, why: str) -> None:
         self.dropped = why
