@@ -32,12 +32,14 @@ from layerfs.manifest import (
     LayerManifest,
     LayerStats,
     MetaRef,
+    TarSplitRef,
     table_content,
     valid_chunk_size,
 )
 from layerfs.names import check_name, check_version
 from layerfs.registry import LAYERS, Registry, ref_key
 from layerfs.store.base import blob_key, sha256_digest
+from layerfs.tree import FileTree
 
 from .assembler import LayerAssembler
 from .dirsource import DirectorySource, UpperSource
@@ -109,10 +111,13 @@ def now_utc() -> str:
 def build_layer(reg: Registry, src: str, opts: BuildOptions,
                 progress: Progress | None = None,
                 source: DirectorySource | TarSource | UpperSource | LayerSource | None = None,
-                origin: str = "", assembler: type[LayerAssembler] = LayerAssembler
+                origin: str = "", assembler: type[LayerAssembler] = LayerAssembler,
+                tar_split: Callable[[FileTree], tuple[bytes, TarSplitRef] | None] | None = None,
                 ) -> BuildResult:
     """Build ``src`` (or, if given, ``source``, named ``src`` in errors) into a layer;
-    ``origin`` is recorded in the manifest (``oci:<diff_id>`` for an image layer)."""
+    ``origin`` is recorded in the manifest (``oci:<diff_id>`` for an image layer),
+    and so is the tar-split record ``tar_split`` makes of the finished tree, if any
+    (stored as one more blob)."""
     opts.check()
     source = source or open_source(src)
     store = reg.store
@@ -128,6 +133,7 @@ def build_layer(reg: Registry, src: str, opts: BuildOptions,
         tree = asm.finish()
         result = pipeline.finish()
         asm.place_chunks(result.file_chunks)
+        split = tar_split(tree) if tar_split else None
     finally:
         pipeline.close()
     try:
@@ -148,16 +154,21 @@ def build_layer(reg: Registry, src: str, opts: BuildOptions,
     packed_meta = zstandard.ZstdCompressor(level=META_ZSTD_LEVEL).compress(meta)
     meta_digest, up_meta = store.put_blob(packed_meta)
     stats.uploaded_bytes += len(table) * up_table + len(packed_meta) * up_meta
+    held = {table_digest: table, meta_digest: packed_meta}
+    if split is not None:
+        _, up_split = store.put_blob(split[0], split[1].digest)
+        stats.uploaded_bytes += len(split[0]) * up_split
+        held[split[1].digest] = split[0]
     manifest = LayerManifest(
         name=opts.name, version=opts.version, role=opts.role, chunk_size=opts.chunk_size,
         meta=MetaRef(meta_digest, len(packed_meta), sha256_digest(meta), len(meta)),
         chunk_table=BlobRef(table_digest, len(table)),
         blob_size=result.table.blob_size, created=now_utc(), stats=stats,
-        dedup_sources=sources, source=origin,
+        dedup_sources=sources, source=origin, tar_split=split[1] if split else None,
     )
     manifest_bytes = manifest.checked_bytes()
     digest, _ = store.put_blob(manifest_bytes)
-    held = {table_digest: table, meta_digest: packed_meta, digest: manifest_bytes}
+    held[digest] = manifest_bytes
     named, created = publish_verified(reg, opts.name, opts.version, digest, result.reused,
                                       held, same=lambda other: _same_layer(reg, other, identity))
     if not created:  # a concurrent build of the same source published first

@@ -29,7 +29,7 @@ import stat
 import sys
 import tarfile
 import zlib
-from typing import BinaryIO, cast
+from typing import BinaryIO, Protocol, cast
 
 import zstandard
 
@@ -465,15 +465,25 @@ def node_from_member(member: tarfile.TarInfo) -> FsNode:
     return node
 
 
+class MemberObserver(Protocol):
+    """Told where each member starts and which stream bytes are file content the
+    layer stores (``kind``: "hard_links", "whiteouts", "opaque_dirs" or "")."""
+
+    def member(self, offset: int, kind: str = "") -> None: ...
+
+    def content(self, offset: int, size: int, parts: list[bytes], node: FsNode) -> None: ...
+
+
 class TarSource:
     """Reads a tar archive once, front to back, from an already opened stream."""
 
-    def __init__(self, path: str, raw: BinaryIO, head: bytes, sniff: bool = True) -> None:
+    def __init__(self, path: str, raw: BinaryIO, head: bytes, sniff: bool = True,
+                 observer: MemberObserver | None = None) -> None:
         self.path = path
         self.raw = raw
         self.head = head
         self.sniff = sniff  # False: ``raw`` is already the plain tar stream
-
+        self.observer = observer  # offsets are those of the plain tar stream
 
     def feed(self, asm: LayerAssembler) -> None:
         try:
@@ -498,6 +508,8 @@ class TarSource:
     def _entry(self, asm: LayerAssembler, tar: BoundedTarFile, member: tarfile.TarInfo) -> None:
         parts = split_name(member.name, "path")
         base = parts[-1] if parts else b""
+        if self.observer:
+            self.observer.member(member.offset, _member_kind(member, base))
         if base == OPAQUE:
             asm.mark_opaque(parts[:-1])
             return
@@ -518,8 +530,19 @@ class TarSource:
             return
         if node.target:
             check_symlink(parts, node.target, member.name)
+        if self.observer and member.isreg() and not member.issparse():
+            self.observer.content(member.offset_data, member.size,  # type: ignore[attr-defined]
+                                  parts, node)
         try:
             asm.add(parts, node, tar.extractfile(member) if member.isreg() else None)
         except tarfile.ReadError:  # the data is shorter than the header says
             raise TarFormatError(f"archive ends inside an entry's data before byte "
                                  f"{tar.data_end}") from None
+
+
+def _member_kind(member: tarfile.TarInfo, base: bytes) -> str:
+    if base == OPAQUE:
+        return "opaque_dirs"
+    if base.startswith(WHITEOUT):
+        return "whiteouts"
+    return "hard_links" if member.islnk() else ""

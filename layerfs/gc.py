@@ -86,6 +86,8 @@ def _reach(reg: Registry, digest: str, via: str, seen: set[str],
     elif kind == "erofs":
         manifest = reg.layer(digest)
         seen.update((manifest.meta.digest, manifest.chunk_table.digest))
+        if manifest.tar_split is not None:
+            seen.add(manifest.tar_split.digest)
         seen.update(reg.chunk_table(manifest).packs())
     elif kind == "lsmt":
         disk = reg.disk(digest)

@@ -36,6 +36,7 @@ KINDS = ("erofs", "lsmt", "env")
 MAX_INT = 2**63 - 1
 MIN_CHUNK, MAX_CHUNK = 4096, 16 << 20
 CHUNK_SIZE_RULE = "a power of two from 4 KiB to 16 MiB"
+MAX_TAR_SPLIT = 256 << 20  # stored bytes of a layer's tar-split record
 
 
 def valid_chunk_size(size: int) -> bool:
@@ -62,6 +63,18 @@ class MetaRef:
     raw_digest: str  # sha256 of the EROFS image itself
     raw_size: int
     compression: str = "zstd"
+
+
+@dataclass(frozen=True)
+class TarSplitRef:
+    """The tar-split record of an imported image layer: what of its tar is not
+    file content (builder/oci/tarsplit.py), so that an export writes that tar
+    again byte for byte."""
+
+    digest: str  # sha256 of the stored record
+    size: int  # stored bytes
+    diff_id: str  # sha256 of the tar it rebuilds
+    tar_size: int  # bytes of that tar
 
 
 @dataclass
@@ -134,9 +147,13 @@ class LayerManifest:
     source: str = ""  # what it was built from, where that names it: "oci:<diff_id>"
     kind: str = "erofs"
     schema: int = SCHEMA
+    tar_split: TarSplitRef | None = None  # an image layer's tar, kept (absent: none)
 
     def to_bytes(self) -> bytes:
-        return canonical_json(asdict(self))
+        doc = asdict(self)
+        if self.tar_split is None:
+            del doc["tar_split"]  # the manifests of layers without one are as before
+        return canonical_json(doc)
 
     def identity(self, table: ChunkTable) -> LayerIdentity:
         """What decides that two builds made the same layer (``table``: its chunk table)."""
@@ -158,6 +175,8 @@ class LayerManifest:
         manifest = _typed(cls, _load(data, what), what, "")
         _check_layer(manifest, what)
         _check_meta(manifest.meta, what)
+        if manifest.tar_split is not None:
+            _check_tar_split(manifest, manifest.tar_split, what)
         return manifest
 
 
@@ -435,3 +454,12 @@ def _check_meta(meta: MetaRef, what: str) -> None:
     _check_digest(meta.raw_digest, what, "meta.raw_digest")
     if meta.compression != "zstd":
         raise IntegrityError(what, f"field meta.compression: unknown {meta.compression[:32]!r}")
+
+
+def _check_tar_split(manifest: LayerManifest, ref: TarSplitRef, what: str) -> None:
+    _check_digest(ref.digest, what, "tar_split.digest")
+    _check_digest(ref.diff_id, what, "tar_split.diff_id")
+    if ref.size > MAX_TAR_SPLIT:
+        raise IntegrityError(what, f"field tar_split.size: more than {MAX_TAR_SPLIT >> 20} MiB")
+    if manifest.source != f"oci:{ref.diff_id}":
+        raise IntegrityError(what, "field tar_split.diff_id: not the layer's source")

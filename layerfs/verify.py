@@ -128,6 +128,10 @@ def verify_layer(reg: Registry, digest: str, workers: int = 8) -> VerifyReport:
     if isinstance(manifest, LayerManifest):
         _check_object(report, "meta image", manifest.meta.digest,
                       lambda: reg.meta_image(manifest))
+        split = manifest.tar_split
+        if split is not None:
+            _check_object(report, "tar-split record", split.digest,
+                          lambda: reg.store.get_blob(split.digest))
     tables = []
     if not _check_object(report, "chunk table", manifest.chunk_table.digest,
                          lambda: tables.append(reg.chunk_table(manifest))):

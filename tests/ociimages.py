@@ -34,6 +34,7 @@ class LayerChange:
     hardlinks: dict[str, str] = field(default_factory=dict)  # new path -> existing path
     delete: list[str] = field(default_factory=list)  # files or whole directories
     modes: dict[str, int] = field(default_factory=dict)  # path -> permission bits
+    xattrs: dict[str, dict[str, bytes]] = field(default_factory=dict)  # path -> name -> value
     copy_tree: str | None = None  # a directory copied onto the root first
     opaque_dir: str | None = None  # this directory made opaque, then ``files`` put in it
 
@@ -127,6 +128,9 @@ def _write(root: Path, change: LayerChange) -> None:
         os.link(root / existing, root / path)
     for path, mode in change.modes.items():
         (root / path).chmod(mode)
+    for path, attrs in change.xattrs.items():
+        for name, value in attrs.items():
+            os.setxattr(root / path, name, value, follow_symlinks=False)
 
 
 def _config_args(s: ImageSettings) -> list[str]:

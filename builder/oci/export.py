@@ -10,7 +10,10 @@ first), each a gzip'd (or zstd) tar written by
 :func:`~layerfs.builder.oci.layertar.write_layer_tar` straight into the
 layout's blob directory: the tar is hashed (the diff_id) and compressed, and
 the compressed stream hashed and written to a temporary file renamed to its
-digest, so no layer is ever whole in memory. ``fold`` writes one layer of the
+digest, so no layer is ever whole in memory. An image layer imported with a
+tar-split record (:mod:`~layerfs.builder.oci.tarsplit`) is written from the
+record instead, its original tar byte for byte, checked against its diff_id
+(a mismatch fails the export). ``fold`` writes one layer of the
 merged tree instead. The image config carries the env's
 :class:`~layerfs.manifest.ImageConfig`.
 
@@ -46,9 +49,9 @@ from typing import Any, BinaryIO
 
 import zstandard
 
-from layerfs.errors import DestinationExists, UsageError
+from layerfs.errors import DestinationExists, IntegrityError, UsageError
 from layerfs.formats.erofsread import read_meta_image
-from layerfs.manifest import EnvManifest, ImageConfig
+from layerfs.manifest import EnvManifest, ImageConfig, TarSplitRef
 from layerfs.registry import ENVS, Registry
 from layerfs.safeopen import open_error, open_regular
 from layerfs.store.base import Store
@@ -66,6 +69,7 @@ from .destfiles import (
 )
 from .image import MAX_DOCUMENT, OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, Descriptor
 from .layertar import BlobRanges, LayerTree, TarStats, fold_layers, write_layer_tar
+from .tarsplit import read_record, write_tar_from_record
 
 REF_NAME = "org.opencontainers.image.ref.name"
 LAYOUT_FILE = "oci-layout"
@@ -252,6 +256,17 @@ class _SourceLayer:
     tree: FileTree
     ranges: BlobRanges
     chunk_size: int
+    tar_split: TarSplitRef | None = None  # an image layer's own tar, kept at import
+
+
+@dataclass
+class _OutputLayer:
+    """One layer tar to write: rebuilt from ``tree``, or, where ``kept`` is
+    given, the image layer's original tar from its tar-split record."""
+
+    source: str
+    tree: LayerTree
+    kept: _SourceLayer | None = None
 
 
 def _load_layers(reg: Registry, env: EnvManifest) -> list[_SourceLayer]:
@@ -261,44 +276,75 @@ def _load_layers(reg: Registry, env: EnvManifest) -> list[_SourceLayer]:
         manifest = reg.layer(layer.digest)
         meta = read_meta_image(reg.meta_image(manifest))
         table = reg.chunk_table(manifest)
-        out.append(_SourceLayer(layer.ref, meta.tree, BlobRanges(table), manifest.chunk_size))
+        out.append(_SourceLayer(layer.ref, meta.tree, BlobRanges(table), manifest.chunk_size,
+                                manifest.tar_split))
     return out
 
 
-def _layer_trees(layers: list[_SourceLayer], fold: bool) -> list[tuple[str, LayerTree]]:
+def _layer_trees(layers: list[_SourceLayer], fold: bool) -> list[_OutputLayer]:
     if not fold:
-        return [(layer.ref, LayerTree(layer.tree, _constant_source(layer))) for layer in layers]
+        return [_OutputLayer(layer.ref, LayerTree(layer.tree, _constant_source(layer)),
+                             layer if layer.tar_split else None) for layer in layers]
     tree, origin = fold_layers([layer.tree for layer in layers])
 
     def source_of(node: FsNode) -> tuple[BlobRanges, int]:
         layer = layers[origin[id(node)]]
         return layer.ranges, layer.chunk_size
 
-    return [("+".join(layer.ref for layer in reversed(layers)), LayerTree(tree, source_of))]
+    return [_OutputLayer("+".join(layer.ref for layer in reversed(layers)),
+                         LayerTree(tree, source_of))]
 
 
 def _constant_source(layer: _SourceLayer) -> Callable[[FsNode], tuple[BlobRanges, int]]:
     return lambda _node: (layer.ranges, layer.chunk_size)
 
 
-def _write_layer(store: Store, layout: Layout, source: str, tree: LayerTree,
+def _write_layer(store: Store, layout: Layout, layer: _OutputLayer,
                  compression: str) -> ExportedLayer:
     diff = _HashingSink()
+    write_tar = _tar_writer(store, layer)
 
     def write(out: BinaryIO) -> None:
         if compression == "zstd":
             with zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(
                     out, closefd=False) as packed:  # type: ignore[arg-type]
                 diff.out = packed  # type: ignore[assignment]
-                write_layer_tar(store, tree, diff)  # type: ignore[arg-type]
+                write_tar(diff)
+            _check_kept(layer, diff)
             return
         with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0,
                            compresslevel=GZIP_LEVEL) as packed:
             diff.out = packed  # type: ignore[assignment]
-            write_layer_tar(store, tree, diff)  # type: ignore[arg-type]
+            write_tar(diff)
+        _check_kept(layer, diff)
 
     digest, size = layout.put_stream(write)
-    return ExportedLayer(source, digest, size, diff.digest, tree.stats)
+    return ExportedLayer(layer.source, digest, size, diff.digest, layer.tree.stats)
+
+
+def _tar_writer(store: Store, layer: _OutputLayer) -> Callable[[_HashingSink], TarStats]:
+    """How the layer's tar is written: from its tar-split record (checked and
+    parsed now, before anything is written), or rebuilt from its tree."""
+    kept = layer.kept
+    if kept is None or kept.tar_split is None:
+        return lambda out: write_layer_tar(store, layer.tree, out)  # type: ignore[arg-type]
+    split = read_record(store, kept.tar_split, kept.tree, kept.chunk_size, kept.ref)
+    layer.tree.stats = split.stats
+
+    def write(out: _HashingSink) -> TarStats:
+        write_tar_from_record(store, split, kept.ranges, kept.chunk_size,
+                              out, kept.ref)  # type: ignore[arg-type]
+        return split.stats
+
+    return write
+
+
+def _check_kept(layer: _OutputLayer, diff: _HashingSink) -> None:
+    """A tar written from a record must be the image layer's: its diff_id."""
+    ref = layer.kept.tar_split if layer.kept else None
+    if ref is not None and (diff.digest != ref.diff_id or diff.size != ref.tar_size):
+        raise IntegrityError(f"tar-split record of {layer.source}",
+                             f"the tar written has {diff.digest}, not its diff_id {ref.diff_id}")
 
 
 # -- config and manifest --
@@ -337,8 +383,8 @@ def _descriptor_doc(desc: Descriptor) -> dict[str, Any]:
 def _write_image(store: Store, layout: Layout, env: EnvManifest, layers: list[_SourceLayer],
                  fold: bool, compression: str) -> tuple[Descriptor, Descriptor,
                                                          list[ExportedLayer]]:
-    exported = [_write_layer(store, layout, source, tree, compression)
-                for source, tree in _layer_trees(layers, fold)]
+    exported = [_write_layer(store, layout, layer, compression)
+                for layer in _layer_trees(layers, fold)]
     config = layout.put_json(image_config(env, [x.diff_id for x in exported]), OCI_CONFIG)
     manifest = layout.put_json({
         "schemaVersion": 2,

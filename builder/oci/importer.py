@@ -5,8 +5,11 @@ decompressed (gzip, zstd or none, as its media type says), the tar through a
 second check against its diff_id, and into the tar layer builder; nothing is
 written to disk whole. An image layer becomes the layer
 ``oci/sha256/<diff_id hex>@1`` (its manifest records ``oci:<diff_id>``), so
-the same image layer from any image is one layer, built once; with ``fold``
-consecutive layers become one ``oci/folded/<hash of their diff_ids>@1``.
+the same image layer from any image is one layer, built once. Its tar is seen
+by a :class:`~layerfs.builder.oci.tarsplit.TarSplitRecorder` on the way, and the
+record (what of the tar is not file content) is stored with the layer, for the
+export to write that tar again. With ``fold`` consecutive layers become one
+``oci/folded/<hash of their diff_ids>@1`` (without a record).
 The env ``N@V`` (layers top first, the image config) is written last: a
 digest mismatch anywhere leaves it unwritten (layers already built from
 earlier, verified layers stay; they are complete and correct).
@@ -23,9 +26,11 @@ from typing import BinaryIO
 import zstandard
 
 from layerfs.errors import IntegrityError, UsageError, VersionExists
+from layerfs.manifest import TarSplitRef
 from layerfs.names import check_name, check_version
 from layerfs.registry import ENVS, LAYERS, Registry
 from layerfs.store.base import Store
+from layerfs.tree import FileTree
 
 from ..assembler import LayerAssembler
 from ..env import EnvResult, create_env
@@ -35,6 +40,7 @@ from ..tarsource import TarSource, drain
 from .fold import FoldingAssembler, fold_source
 from .image import DigestCheckedReader, Image, ImageLayer, ImageSource, Platform
 from .resolve import image_config, resolve_image
+from .tarsplit import TarSplitRecorder, TeeReader, tar_split_ref
 
 LAYER_VERSION = "1"
 SINGLE_PREFIX = "oci/sha256/"
@@ -136,9 +142,11 @@ class ImageLayerSource:
     """The image layers of one group, streamed and checked, as a layer source."""
 
     def __init__(self, source: ImageSource, group: list[ImageLayer], at_bottom: bool,
-                 on_bytes: Callable[[int], None] | None) -> None:
+                 on_bytes: Callable[[int], None] | None,
+                 recorder: TarSplitRecorder | None = None) -> None:
         self.source, self.group, self.at_bottom = source, group, at_bottom
         self.on_bytes = on_bytes
+        self.recorder = recorder  # sees the tar of a group of one layer
 
     def feed(self, asm: LayerAssembler) -> None:
         if not isinstance(asm, FoldingAssembler):
@@ -160,10 +168,23 @@ class ImageLayerSource:
         try:
             plain = DigestCheckedReader(decompressed(blob, layer.compression),  # type: ignore[arg-type]
                                         layer.diff_id, None, f"{what} diff_id")
-            TarSource(what, plain, b"", sniff=False).feed(asm)  # type: ignore[arg-type]
+            tar: BinaryIO = plain  # type: ignore[assignment]
+            if self.recorder is not None:
+                tar = TeeReader(tar, self.recorder.feed)  # type: ignore[assignment]
+            TarSource(what, tar, b"", sniff=False, observer=self.recorder).feed(asm)
+            if self.recorder is not None:
+                self.recorder.finish()
             drain(blob)  # type: ignore[arg-type]
         finally:
             raw.close()
+
+
+def _record_maker(recorder: TarSplitRecorder, diff_id: str
+                  ) -> Callable[[FileTree], tuple[bytes, TarSplitRef] | None]:
+    def make(tree: FileTree) -> tuple[bytes, TarSplitRef] | None:
+        blob = recorder.record(tree, diff_id)
+        return (blob, tar_split_ref(blob, diff_id, recorder)) if blob is not None else None
+    return make
 
 
 def import_image(reg: Registry, source: ImageSource, opts: ImportOptions,
@@ -209,9 +230,11 @@ def _import_group(store: Store, reg: Registry, source: ImageSource, group: list[
         return ImportedLayer(diff_ids, ref, existing, built=False, uploaded_bytes=0)
     build_opts = BuildOptions(name, LAYER_VERSION, chunk_size=opts.chunk_size,
                               dedup_with=below)
-    layer_source = ImageLayerSource(source, group, at_bottom, progress.on_bytes)
+    recorder = TarSplitRecorder() if len(group) == 1 else None
+    layer_source = ImageLayerSource(source, group, at_bottom, progress.on_bytes, recorder)
     assembler = FoldingAssembler if len(group) > 1 else LayerAssembler
     result = build_layer(reg, source.describe(), build_opts, Progress(), source=layer_source,
-                         origin=origin, assembler=assembler)
+                         origin=origin, assembler=assembler,
+                         tar_split=_record_maker(recorder, diff_ids[0]) if recorder else None)
     return ImportedLayer(diff_ids, ref, result.digest, built=result.published,
                          uploaded_bytes=result.manifest.stats.uploaded_bytes)
