@@ -354,7 +354,7 @@ def test_a_stopped_containers_state_left_behind_does_not_block_down(node):
         runtime_pid = int(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text())
         init = json.loads(subprocess.run(["runc", "--root", state_root, "state", cid],
                                          capture_output=True, check=True).stdout)["pid"]
-        for pid in (runtime_pid, proc.pid, init):
+        for pid in (proc.pid, runtime_pid, init):  # the run first: it would delete the state
             os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=60)
         for _ in range(200):  # until init is reaped (by the host's init)
