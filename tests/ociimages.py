@@ -183,17 +183,17 @@ def blob(layout: Path, digest: str) -> Path:
     return layout / "blobs" / "sha256" / digest.removeprefix("sha256:")
 
 
-def tiny_layers_image(layout: Path, tag: str, layers: list[dict[str, bytes]],
+def tiny_layers_image(layout: Path, tag: str, layers: list[dict[str, bytes] | Path],
                       config: dict | None = None) -> Path:
     """Tag ``tag`` in a layout written here, without umoci (fast for hundreds of
-    layers): one gzip layer per dict of files (path -> content, bottom first);
-    a dict listed twice is one blob the manifest names twice. ``config`` goes
-    into the image config's ``config``."""
+    layers): one gzip layer per dict of files (path -> content) or directory
+    tree, bottom first; equal dicts are one blob the manifest names twice.
+    ``config`` goes into the image config's ``config``."""
     (layout / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
     (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
     descs, diff_ids = [], []
     for files in layers:
-        tar = _files_tar(files)
+        tar = _tree_tar(files) if isinstance(files, Path) else _files_tar(files)
         descs.append({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
                       **_put(layout, gzip.compress(tar, 1, mtime=0))})
         diff_ids.append("sha256:" + hashlib.sha256(tar).hexdigest())
@@ -220,6 +220,14 @@ def _files_tar(files: dict[str, bytes]) -> bytes:
             info = tarfile.TarInfo(name)
             info.size, info.mode = len(data), 0o644
             tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def _tree_tar(root: Path) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for child in sorted(root.iterdir()):
+            tar.add(child, arcname=child.name)
     return out.getvalue()
 
 

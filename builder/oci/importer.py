@@ -27,7 +27,7 @@ from layerfs.names import check_name, check_version
 from layerfs.registry import ENVS, LAYERS, Registry
 
 from ..assembler import LayerAssembler
-from ..env import EnvResult, create_env
+from ..env import EnvResult, check_layer_count, create_env
 from ..layer import BuildOptions, Progress, build_layer
 from ..pipeline import DEFAULT_CHUNK_SIZE, DedupIndex
 from ..tarsource import TarSource, drain
@@ -177,6 +177,8 @@ def import_image(reg: Registry, source: ImageSource, opts: ImportOptions,
         if existing.config != config:
             raise VersionExists(env_ref)
     groups = fold_groups(image.layers, opts.fold_size)
+    check_layer_count(f"image {source.describe()}",
+                      len({layer_name(group)[0] for group in groups}))
     done: list[ImportedLayer] = []
     below = DedupIndex()  # the chunks of the layers imported so far, each table added once
     for i, group in enumerate(groups):
