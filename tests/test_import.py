@@ -466,13 +466,22 @@ def file_layers(count: int, tag: str) -> list[dict[str, bytes]]:
 
 
 @pytest.mark.parametrize("store_location", ["file"], indirect=True)
-def test_an_image_of_300_layers_imports_comes_up_and_runs(tmp_path, store_args):
+def test_an_image_of_300_layers_imports_comes_up_and_runs(tmp_path, store, store_args):
     need_root()
     layout = tiny_layers_image(tmp_path / "L", "many",
                                [busybox_rootfs(tmp_path / "rootfs"), *file_layers(MANY, "m")],
                                {"Env": ["PATH=/bin"], "Cmd": ["cat", "/top"]})
     got = do_import(store_args, f"oci:{layout}:many", "many")
     assert len(got["layers"]) == MANY + 1
+    # an env of these 301 and 200 more: more than a sandbox stacks, refused
+    more = do_import(store_args, f"oci:{tiny_layers_image(layout, 'more', file_layers(200, 'x'))}"
+                     ":more", "more")
+    proc = cli(store_args, "env", "create", "big@1", "--on", "many@1",
+               *[arg for x in more["layers"] for arg in ("--layer", x["ref"])])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "env big@1 has 501 distinct layers" in lines[0] and "--fold" in lines[0]
+    assert Registry(store).read_ref(ENVS, "big", "1") is None
     node = NodeDaemon(tmp_path / "node", store_args, cache_size="64M").start()
     try:
         rootfs = Path(node.cli("up", "many@1", "--id", "s1").stdout.strip())
