@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layerfs.errors import UsageError, VersionExists
+from layerfs.errors import TooManyLayers, UsageError, VersionExists
 from layerfs.manifest import EnvLayer, EnvManifest, ImageConfig
+from layerfs.mounts import MAX_LOWER_LAYERS
 from layerfs.names import check_name, check_version
 from layerfs.registry import ENVS, LAYERS, Registry
 
 from .layer import now_utc
+
+
+def check_layer_count(what: str, distinct: int) -> None:
+    """TooManyLayers if ``distinct`` layers are more than one overlay can stack
+    (a sandbox mounts a layer listed twice once)."""
+    if distinct > MAX_LOWER_LAYERS:
+        raise TooManyLayers(what, distinct, MAX_LOWER_LAYERS)
 
 
 @dataclass
@@ -38,6 +46,7 @@ def create_env(reg: Registry, name: str, version: str, layer_refs: list[str],
         layers += below.layers
         config = config if config is not None else below.config
     ref = f"{name}@{version}"
+    check_layer_count(f"env {ref}", len({layer.digest for layer in layers}))
     manifest = EnvManifest(name=name, version=version, layers=layers, created=now_utc(),
                            config=config)
     existing = reg.read_ref(ENVS, name, version)

@@ -113,16 +113,18 @@ def build_layer(reg: Registry, src: str, opts: BuildOptions,
                 source: DirectorySource | TarSource | UpperSource | LayerSource | None = None,
                 origin: str = "", assembler: type[LayerAssembler] = LayerAssembler,
                 tar_split: Callable[[FileTree], tuple[bytes, TarSplitRef] | None] | None = None,
-                ) -> BuildResult:
+                shared: DedupIndex | None = None) -> BuildResult:
     """Build ``src`` (or, if given, ``source``, named ``src`` in errors) into a layer;
     ``origin`` is recorded in the manifest (``oci:<diff_id>`` for an image layer),
     and so is the tar-split record ``tar_split`` makes of the finished tree, if any
-    (stored as one more blob)."""
+    (stored as one more blob). ``shared``: chunks of other layers, loaded once by
+    the caller for many builds, that this one may reuse too; the refs among them
+    whose chunks it reuses join the manifest's ``dedup_sources``."""
     opts.check()
     source = source or open_source(src)
     store = reg.store
     existing = reg.read_ref(LAYERS, opts.name, opts.version)
-    index, sources, old = _dedup_index(reg, opts, existing)
+    index, sources, old = _dedup_index(reg, opts, existing, shared)
     progress = progress or Progress()
     pipeline = ChunkPipeline(store, index, opts.chunk_size, upload=existing is None,
                              pack_size=opts.pack_size, workers=opts.workers,
@@ -141,6 +143,8 @@ def build_layer(reg: Registry, src: str, opts: BuildOptions,
     except ErofsError as exc:
         raise SourceError(src, str(exc)) from None
     table = result.table.to_bytes()
+    if shared is not None:
+        sources += [ref for ref in shared.sources_of(result.table) if ref not in sources]
     ref = f"{opts.name}@{opts.version}"
     identity = LayerIdentity("erofs", opts.role, opts.chunk_size, result.table.blob_size,
                              sha256_digest(meta), len(meta), table_content(result.table))
@@ -214,9 +218,10 @@ def publish_verified(reg: Registry, name: str, version: str, digest: str,
     return digest, created
 
 
-def _dedup_index(reg: Registry, opts: BuildOptions, existing: str | None):
+def _dedup_index(reg: Registry, opts: BuildOptions, existing: str | None,
+                 shared: DedupIndex | None):
     """Chunks already stored that this build may reference instead of uploading."""
-    index = DedupIndex()
+    index = DedupIndex(below=shared)
     sources: list[str] = []
     old = None
     if existing is not None:

@@ -41,17 +41,39 @@ REFRESH_WORKERS = 8
 
 
 class DedupIndex:
-    """sha256 → where a chunk with those bytes is already stored."""
+    """sha256 → where a chunk with those bytes is already stored; with ``below``,
+    that index's chunks too (looked up, not copied: an import adds each layer's
+    table once to one index that every later layer's build looks in)."""
 
-    def __init__(self) -> None:
+    def __init__(self, below: DedupIndex | None = None) -> None:
         self.chunks: dict[bytes, ChunkEntry] = {}
+        self.below = below
+        self.sources: dict[bytes, str] = {}  # sha256 → the ref of the table that added it
+        self.refs: dict[str, int] = {}  # those refs, numbered in the order added
 
-    def add_table(self, table: ChunkTable) -> None:
+    def add_table(self, table: ChunkTable, source: str = "") -> None:
+        if source:
+            self.refs.setdefault(source, len(self.refs))
         for entry in table.entries:
-            self.chunks.setdefault(entry.sha256, entry)
+            if entry.sha256 not in self.chunks:
+                self.chunks[entry.sha256] = entry
+                if source:
+                    self.sources[entry.sha256] = source
+
+    def get(self, sha: bytes) -> ChunkEntry | None:
+        found = self.chunks.get(sha)
+        if found is None and self.below is not None:
+            return self.below.get(sha)
+        return found
 
     def __contains__(self, sha: bytes) -> bool:
-        return sha in self.chunks
+        return self.get(sha) is not None
+
+    def sources_of(self, table: ChunkTable) -> list[str]:
+        """The refs whose tables (added with a source) supplied chunks of ``table``
+        (a table built with this index), in the order they were added."""
+        used = {self.sources[e.sha256] for e in table.entries if e.sha256 in self.sources}
+        return sorted(used, key=self.refs.__getitem__)
 
 
 @dataclass
@@ -224,7 +246,7 @@ class ChunkPipeline:
         """Make sure the chunk is stored: found in the store, in this build, or new."""
         if res.sha in self._stored:
             return
-        known = self.index.chunks.get(res.sha)
+        known = self.index.get(res.sha)
         if known is not None:
             self.stats.reused_chunks += 1
             self._stored[res.sha] = known

@@ -39,6 +39,12 @@ class InvalidName(LayerfsError):
     exit_code = 2
 
 
+class TooManyLayers(LayerfsError):
+    """{} has {} distinct layers, more than the {} a sandbox can mount: fold consecutive image layers into fewer with `layerfs import --fold SIZE`"""  # noqa: E501
+
+    exit_code = 2
+
+
 class InvalidReference(LayerfsError):
     """invalid reference {!r}: expected name@version or sha256:<hex>"""
 

@@ -5,6 +5,13 @@ mounts need the syscall itself: source = the meta image file, ``device=`` the
 blob file. Layer and sandbox mounts are ``nosuid,nodev`` (:data:`SAFE_FLAGS`):
 a layer may ship setuid-root programs and device nodes, and neither may work.
 
+Overlays are mounted with the new mount API (:func:`mount_overlay`:
+``fsopen``, one ``fsconfig`` per option and per lower layer, ``fsmount``,
+``move_mount``), so that the number of layers is not bounded by the page that
+mount(2)'s option string must fit in; only the kernel's own limit of
+:data:`MAX_LOWER_LAYERS` lowers remains. A kernel without the API (ENOSYS)
+gets mount(2) with the option string.
+
 What is mounted where is read from ``/proc/self/mountinfo`` by
 :func:`mount_table` alone; :func:`mounts_under` and :func:`fs_type` answer from it.
 """
@@ -24,6 +31,7 @@ MS_NOSUID = 2
 MS_NODEV = 4
 SAFE_FLAGS = MS_NOSUID | MS_NODEV  # on every mount of layer content
 MNT_DETACH = 2
+MAX_LOWER_LAYERS = 500  # overlayfs's OVL_MAX_STACK: lower layers one overlay may have
 BDI = "/sys/class/bdi"
 _bdi_lock = threading.Lock()  # one EROFS mount at a time while its bdi is found
 
@@ -41,6 +49,104 @@ def mount(source: str, target: str, fstype: str, flags: int = 0, data: str = "")
     if rc != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount {fstype} {source} on {target}: {os.strerror(err)}")
+
+
+# the new mount API (linux/mount.h); these syscall numbers are the same on every
+# architecture but alpha (the table was unified before they were added)
+SYS_MOVE_MOUNT, SYS_FSOPEN, SYS_FSCONFIG, SYS_FSMOUNT = 429, 430, 431, 432
+FSOPEN_CLOEXEC = FSMOUNT_CLOEXEC = 1
+FSCONFIG_SET_STRING = 1
+FSCONFIG_CMD_CREATE = 6
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 1, 2, 4
+MOVE_MOUNT_F_EMPTY_PATH = 4
+AT_FDCWD = -100
+_MS_TO_ATTR = ((MS_RDONLY, MOUNT_ATTR_RDONLY), (MS_NOSUID, MOUNT_ATTR_NOSUID),
+               (MS_NODEV, MOUNT_ATTR_NODEV))
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """An overlayfs mount: its lower directories top first, and its writable
+    ``upper``/``work`` (both or neither); ``options`` are further
+    ``key=value`` options, in order."""
+
+    lowers: list[str]
+    upper: str = ""
+    work: str = ""
+    options: tuple[tuple[str, str], ...] = ()
+
+    def settings(self) -> list[tuple[str, str]]:
+        """The fsconfig string settings that make this overlay, in order."""
+        out = [("source", "overlay")]
+        out += [("lowerdir+", lower) for lower in self.lowers]
+        if self.upper:
+            out += [("upperdir", self.upper), ("workdir", self.work)]
+        return out + list(self.options)
+
+    def option_string(self) -> str:
+        """mount(2)'s data for this overlay (bounded by one page)."""
+        parts = ["lowerdir=" + ":".join(self.lowers)]
+        if self.upper:
+            parts += [f"upperdir={self.upper}", f"workdir={self.work}"]
+        return ",".join(parts + [f"{key}={value}" for key, value in self.options])
+
+
+def mount_overlay(overlay: Overlay, target: str, flags: int = SAFE_FLAGS) -> None:
+    """Mount ``overlay`` on ``target`` with the mount flags ``flags`` (MS_*)
+    through the new mount API, or with mount(2) where the kernel lacks it. A
+    refusal is an OSError that carries the kernel's own words."""
+    fs = _syscall(SYS_FSOPEN, b"overlay", ctypes.c_uint(FSOPEN_CLOEXEC))
+    if fs < 0:
+        err = ctypes.get_errno()
+        if err == errno.ENOSYS:
+            mount("overlay", target, "overlay", flags, overlay.option_string())
+            return
+        raise OSError(err, f"fsopen overlay for {target}: {os.strerror(err)}")
+    try:
+        for key, value in overlay.settings():
+            _fs_call(fs, target, f"{key} {value}", SYS_FSCONFIG, ctypes.c_int(fs),
+                     ctypes.c_uint(FSCONFIG_SET_STRING), key.encode(), os.fsencode(value),
+                     ctypes.c_int(0))
+        _fs_call(fs, target, "create", SYS_FSCONFIG, ctypes.c_int(fs),
+                 ctypes.c_uint(FSCONFIG_CMD_CREATE), None, None, ctypes.c_int(0))
+        attrs = sum(attr for flag, attr in _MS_TO_ATTR if flags & flag)
+        mnt = _fs_call(fs, target, "fsmount", SYS_FSMOUNT, ctypes.c_int(fs),
+                       ctypes.c_uint(FSMOUNT_CLOEXEC), ctypes.c_uint(attrs))
+    finally:
+        os.close(fs)
+    try:
+        _fs_call(-1, target, "move_mount", SYS_MOVE_MOUNT, ctypes.c_int(mnt), b"",
+                 ctypes.c_int(AT_FDCWD), os.fsencode(target),
+                 ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH))
+    finally:
+        os.close(mnt)
+
+
+def _fs_call(fs: int, target: str, step: str, *args: object) -> int:
+    """syscall(*args); on failure an OSError naming the step and, from the fs
+    context ``fs`` (-1: none), the kernel's messages."""
+    rc = _syscall(*args)
+    if rc >= 0:
+        return rc
+    err = ctypes.get_errno()
+    said = "; ".join(kernel_messages(fs)) if fs >= 0 else ""
+    raise OSError(err, f"mount overlay on {target}: {step}: {os.strerror(err)}"
+                       + (f" ({said})" if said else ""))
+
+
+def kernel_messages(fs: int) -> list[str]:
+    """The messages the kernel left in the fs context ``fs`` (``e overlay: ...``
+    lines: e error, w warning, i info), oldest first; reading takes them."""
+    out: list[str] = []
+    while len(out) < 16:
+        try:
+            line = os.read(fs, 1024)
+        except OSError:  # ENODATA: none left
+            break
+        out.append(line.decode(errors="replace").strip())
+    return out
 
 
 def umount(target: str, lazy: bool = False) -> None:

@@ -12,6 +12,8 @@ as a tar written here, added with ``umoci raw add-layer``.
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import io
 import json
 import os
@@ -183,3 +185,57 @@ def manifest_of(layout: Path, tag: str) -> tuple[Path, dict]:
 
 def blob(layout: Path, digest: str) -> Path:
     return layout / "blobs" / "sha256" / digest.removeprefix("sha256:")
+
+
+def tiny_layers_image(layout: Path, tag: str, layers: list[dict[str, bytes] | Path],
+                      config: dict | None = None) -> Path:
+    """Tag ``tag`` in a layout written here, without umoci (fast for hundreds of
+    layers): one gzip layer per dict of files (path -> content) or directory
+    tree, bottom first; equal dicts are one blob the manifest names twice.
+    ``config`` goes into the image config's ``config``."""
+    (layout / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
+    (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    descs, diff_ids = [], []
+    for files in layers:
+        tar = _tree_tar(files) if isinstance(files, Path) else _files_tar(files)
+        descs.append({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+                      **_put(layout, gzip.compress(tar, 1, mtime=0))})
+        diff_ids.append("sha256:" + hashlib.sha256(tar).hexdigest())
+    image_config = {"architecture": "amd64", "os": "linux", "config": config or {},
+                    "rootfs": {"type": "layers", "diff_ids": diff_ids}}
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                           **_put(layout, json.dumps(image_config).encode())},
+                "layers": descs}
+    index_path = layout / "index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else {
+        "schemaVersion": 2, "manifests": []}
+    index["manifests"].append({"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                               **_put(layout, json.dumps(manifest).encode()),
+                               "annotations": {"org.opencontainers.image.ref.name": tag}})
+    index_path.write_text(json.dumps(index))
+    return layout
+
+
+def _files_tar(files: dict[str, bytes]) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def _tree_tar(root: Path) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for child in sorted(root.iterdir()):
+            tar.add(child, arcname=child.name)
+    return out.getvalue()
+
+
+def _put(layout: Path, data: bytes) -> dict:
+    digest = hashlib.sha256(data).hexdigest()
+    (layout / "blobs" / "sha256" / digest).write_bytes(data)
+    return {"digest": f"sha256:{digest}", "size": len(data)}

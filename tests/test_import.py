@@ -28,6 +28,7 @@ from ociimages import (
     make_image,
     manifest_of,
     run,
+    tiny_layers_image,
     to_docker_archive,
     to_oci_archive,
 )
@@ -39,7 +40,7 @@ from treecmp import diff_trees
 from layerfs.builder.oci.resolve import host_platform
 from layerfs.mounts import mount, umount
 from layerfs.node.process import LAYERFS
-from layerfs.registry import ENVS, Registry
+from layerfs.registry import ENVS, LAYERS, Registry
 from layerfs.store.file import FileStore
 
 REF = "org.opencontainers.image.ref.name"
@@ -696,3 +697,75 @@ def test_umoci_insert_image_comes_up_in_a_sandbox(inserted, tmp_path):
         node.cli("down", "s1")
     finally:
         assert node.cleanup() == []
+
+
+# --- many layers, repeated layers ------------------------------------------------------
+
+MANY = 300  # an overlay option string of ROOT/layers/<hex> paths holds about 40
+
+
+def file_layers(count: int, tag: str) -> list[dict[str, bytes]]:
+    """``count`` tiny layers: each adds ``many/N`` and writes its number to ``top``."""
+    return [{f"many/{k}": f"{tag} {k}\n".encode(), "top": f"{k}\n".encode()}
+            for k in range(count)]
+
+
+@pytest.mark.parametrize("store_location", ["file"], indirect=True)
+def test_an_image_of_300_layers_imports_comes_up_and_runs(tmp_path, store, store_args):
+    need_root()
+    layout = tiny_layers_image(tmp_path / "L", "many",
+                               [busybox_rootfs(tmp_path / "rootfs"), *file_layers(MANY, "m")],
+                               {"Env": ["PATH=/bin"], "Cmd": ["cat", "/top"]})
+    got = do_import(store_args, f"oci:{layout}:many", "many")
+    assert len(got["layers"]) == MANY + 1
+    # an env of these 301 and 200 more: more than a sandbox stacks, refused
+    more = do_import(store_args, f"oci:{tiny_layers_image(layout, 'more', file_layers(200, 'x'))}"
+                     ":more", "more")
+    proc = cli(store_args, "env", "create", "big@1", "--on", "many@1",
+               *[arg for x in more["layers"] for arg in ("--layer", x["ref"])])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "env big@1 has 501 distinct layers" in lines[0] and "--fold" in lines[0]
+    assert Registry(store).read_ref(ENVS, "big", "1") is None
+    node = NodeDaemon(tmp_path / "node", store_args, cache_size="64M").start()
+    try:
+        rootfs = Path(node.cli("up", "many@1", "--id", "s1").stdout.strip())
+        assert sorted(os.listdir(rootfs / "many"), key=int) == [str(k) for k in range(MANY)]
+        assert all((rootfs / "many" / str(k)).read_text() == f"m {k}\n" for k in range(MANY))
+        assert (rootfs / "top").read_text() == f"{MANY - 1}\n"  # the topmost layer's
+        assert node.cli("run", "s1").stdout == f"{MANY - 1}\n"
+        node.cli("down", "s1")
+    finally:
+        assert node.cleanup() == []
+
+
+@pytest.mark.parametrize("store_location", ["file"], indirect=True)
+def test_an_image_that_repeats_a_layer_comes_up_with_its_topmost_place(tmp_path, store_args):
+    need_root()
+    a, b = {"who": b"a\n", "a": b"a"}, {"who": b"b\n", "b": b"b"}
+    layout = tiny_layers_image(tmp_path / "L", "rep", [a, b, a, b, a])
+    got = do_import(store_args, f"oci:{layout}:rep", "rep")
+    assert len(got["layers"]) == 5 and len({x["digest"] for x in got["layers"]}) == 2
+    assert [x["built"] for x in got["layers"]].count(True) == 2
+    node = NodeDaemon(tmp_path / "node", store_args, cache_size="64M").start()
+    try:
+        rootfs = Path(node.cli("up", "rep@1", "--id", "s1").stdout.strip())
+        assert (rootfs / "who").read_text() == "a\n"  # a is the top layer
+        assert (rootfs / "a").read_text() == "a" and (rootfs / "b").read_text() == "b"
+        ps = json.loads(node.cli("ps", "--json").stdout)
+        assert len(ps[0]["layers"]) == 2  # each layer mounted once
+        node.cli("down", "s1")
+    finally:
+        assert node.cleanup() == []
+
+
+def test_an_image_of_more_layers_than_an_overlay_stacks_is_refused_naming_fold(
+        tmp_path, store, store_args):
+    layout = tiny_layers_image(tmp_path / "L", "big", file_layers(501, "b"))
+    proc = cli(store_args, "import", f"oci:{layout}:big", "--name", "big", "--version", "1")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "501 distinct layers" in lines[0] and "500" in lines[0] and "--fold" in lines[0]
+    reg = Registry(store)
+    assert reg.list_refs(ENVS) == [] and reg.list_refs(LAYERS) == []  # nothing published
+    assert list(store.list("")) == []

@@ -1,11 +1,26 @@
 """The mount table: mount points with escaped and non-ASCII names read back as
-the paths they are."""
+the paths they are. Overlays of more lowers than one page of options names,
+up to overlayfs's limit, and its refusal beyond in the kernel's words."""
 
 from __future__ import annotations
 
+import errno
+import os
+from pathlib import Path
+
+import pytest
 from support import need_root
 
-from layerfs.mounts import fs_type, mount, mount_table, mounts_under, umount
+from layerfs.mounts import (
+    MAX_LOWER_LAYERS,
+    Overlay,
+    fs_type,
+    mount,
+    mount_overlay,
+    mount_table,
+    mounts_under,
+    umount,
+)
 
 
 def test_mount_points_with_spaces_and_non_ascii_names(tmp_path):
@@ -25,4 +40,43 @@ def test_mount_points_with_spaces_and_non_ascii_names(tmp_path):
             umount(str(inner))
     finally:
         umount(str(point))
+    assert mounts_under(tmp_path) == []
+
+
+def lower_dirs(base: Path, count: int) -> list[str]:
+    """``count`` lower directories with 64-character names (as ROOT/layers/<hex>),
+    top first: each holds ``n<k>`` and its own ``top``."""
+    lowers = []
+    for k in range(count):
+        lower = base / f"{k:064d}"
+        lower.mkdir(parents=True)
+        (lower / f"n{k}").write_text(str(k))
+        (lower / "top").write_text(str(k))
+        lowers.append(str(lower))
+    return lowers
+
+
+def test_an_overlay_of_500_lowers_mounts_nosuid_nodev_and_501_is_the_kernels_refusal(tmp_path):
+    need_root()
+    lowers = lower_dirs(tmp_path / "layers", MAX_LOWER_LAYERS + 1)
+    assert len(",".join(lowers)) > 8 * os.sysconf("SC_PAGE_SIZE")
+    for sub in ("upper", "work", "merged"):
+        (tmp_path / sub).mkdir()
+    merged = str(tmp_path / "merged")
+    overlay = Overlay(lowers[:MAX_LOWER_LAYERS], str(tmp_path / "upper"), str(tmp_path / "work"),
+                      (("redirect_dir", "nofollow"), ("metacopy", "off")))
+    mount_overlay(overlay, merged)
+    try:
+        assert len(os.listdir(merged)) == MAX_LOWER_LAYERS + 1
+        assert (tmp_path / "merged" / "top").read_text() == "0"  # the first lower is the top
+        with open("/proc/self/mountinfo") as f:
+            fields = [line.split() for line in f if line.split()[4] == merged]
+        assert len(fields) == 1 and {"nosuid", "nodev"} <= set(fields[0][5].split(","))
+        assert fields[0][fields[0].index("-") + 1:][:2] == ["overlay", "overlay"]
+    finally:
+        umount(merged)
+    with pytest.raises(OSError) as refused:
+        mount_overlay(Overlay(lowers), merged)
+    assert refused.value.errno == errno.EINVAL
+    assert "too many lower directories, limit is 500" in str(refused.value)
     assert mounts_under(tmp_path) == []

@@ -29,13 +29,12 @@ from layerfs.errors import IntegrityError, UsageError, VersionExists
 from layerfs.manifest import TarSplitRef
 from layerfs.names import check_name, check_version
 from layerfs.registry import ENVS, LAYERS, Registry
-from layerfs.store.base import Store
 from layerfs.tree import FileTree
 
 from ..assembler import LayerAssembler
-from ..env import EnvResult, create_env
+from ..env import EnvResult, check_layer_count, create_env
 from ..layer import BuildOptions, Progress, build_layer
-from ..pipeline import DEFAULT_CHUNK_SIZE
+from ..pipeline import DEFAULT_CHUNK_SIZE, DedupIndex
 from ..tarsource import TarSource, drain
 from .fold import FoldingAssembler, fold_source
 from .image import DigestCheckedReader, Image, ImageLayer, ImageSource, Platform
@@ -192,7 +191,6 @@ def import_image(reg: Registry, source: ImageSource, opts: ImportOptions,
     """Import what ``source`` names as the env ``opts.name@opts.version``."""
     opts.check()
     progress = progress or ImportProgress()
-    store = reg.store
     image = resolve_image(source, opts.platform)
     config = image_config(image)
     env_ref = f"{opts.name}@{opts.version}"
@@ -201,12 +199,14 @@ def import_image(reg: Registry, source: ImageSource, opts: ImportOptions,
         if existing.config != config:
             raise VersionExists(env_ref)
     groups = fold_groups(image.layers, opts.fold_size)
+    check_layer_count(f"image {source.describe()}",
+                      len({layer_name(group)[0] for group in groups}))
     done: list[ImportedLayer] = []
+    below = DedupIndex()  # the chunks of the layers imported so far, each table added once
     for i, group in enumerate(groups):
         if progress.on_layer:
             progress.on_layer(i, len(groups))
-        done.append(_import_group(store, reg, source, group, i == 0, opts, progress,
-                                  [x.ref for x in done]))
+        done.append(_import_group(reg, source, group, i == 0, opts, progress, below))
     if progress.on_layer:
         progress.on_layer(len(groups), len(groups))
     done.reverse()
@@ -214,11 +214,12 @@ def import_image(reg: Registry, source: ImageSource, opts: ImportOptions,
     return ImportResult(env, image, done)
 
 
-def _import_group(store: Store, reg: Registry, source: ImageSource, group: list[ImageLayer],
+def _import_group(reg: Registry, source: ImageSource, group: list[ImageLayer],
                   at_bottom: bool, opts: ImportOptions, progress: ImportProgress,
-                  below: list[str]) -> ImportedLayer:
+                  below: DedupIndex) -> ImportedLayer:
     """Reuse the group's layer if it is stored, else build it (deduplicating
-    chunks against the layers below it in this image)."""
+    chunks against the layers below it in this image, whose chunks ``below``
+    holds); its chunks join ``below``."""
     name, origin = layer_name(group)
     ref = f"{name}@{LAYER_VERSION}"
     diff_ids = [layer.diff_id for layer in group]
@@ -227,14 +228,16 @@ def _import_group(store: Store, reg: Registry, source: ImageSource, group: list[
         manifest = reg.layer(existing)
         if manifest.source != origin:
             raise IntegrityError(ref, f"it records {manifest.source[:80]!r}, not {origin[:80]!r}")
+        if ref not in below.refs:
+            below.add_table(reg.chunk_table(manifest), ref)
         return ImportedLayer(diff_ids, ref, existing, built=False, uploaded_bytes=0)
-    build_opts = BuildOptions(name, LAYER_VERSION, chunk_size=opts.chunk_size,
-                              dedup_with=below)
+    build_opts = BuildOptions(name, LAYER_VERSION, chunk_size=opts.chunk_size)
     recorder = TarSplitRecorder() if len(group) == 1 else None
     layer_source = ImageLayerSource(source, group, at_bottom, progress.on_bytes, recorder)
     assembler = FoldingAssembler if len(group) > 1 else LayerAssembler
     result = build_layer(reg, source.describe(), build_opts, Progress(), source=layer_source,
-                         origin=origin, assembler=assembler,
+                         origin=origin, assembler=assembler, shared=below,
                          tar_split=_record_maker(recorder, diff_ids[0]) if recorder else None)
+    below.add_table(reg.chunk_table(result.manifest), ref)
     return ImportedLayer(diff_ids, ref, result.digest, built=result.published,
                          uploaded_bytes=result.manifest.stats.uploaded_bytes)

@@ -31,7 +31,7 @@ from ..builder.dirsource import UpperSource
 from ..builder.layer import BuildOptions, build_layer
 from ..builder.pipeline import DEFAULT_CHUNK_SIZE
 from ..errors import LayerfsError, UsageError
-from ..mounts import SAFE_FLAGS, mount, mount_erofs, umount
+from ..mounts import SAFE_FLAGS, Overlay, mount_erofs, mount_overlay, umount
 from ..registry import ENVS, LAYERS, Registry
 from ..sizes import du
 from . import runner
@@ -50,7 +50,7 @@ PREFETCH = ("none", "full", "trace", "auto")
 # directories (redirect) nor make a file's data come from elsewhere (metacopy),
 # and the upper directory stays one a layer can hold (`commit`): no renamed
 # lower directory kept as a redirect, no chown/chmod kept as metadata only.
-OVERLAY_OPTIONS = "redirect_dir=nofollow,metacopy=off"
+OVERLAY_OPTIONS = (("redirect_dir", "nofollow"), ("metacopy", "off"))
 
 
 class SandboxError(LayerfsError):
@@ -194,12 +194,13 @@ class Sandboxes:
     def _resolve(self, env: str | None,
                  layer_refs: list[str]) -> tuple[list[str], dict[str, Any] | None]:
         """Worker thread: env or layer refs → layer manifest digests, top first,
-        and the env's image config (what ``up --bundle`` and ``run`` start)."""
+        each once (its topmost place: :func:`distinct`), and the env's image
+        config (what ``up --bundle`` and ``run`` start)."""
         if env:
             manifest = self.reg.env(self.reg.resolve(ENVS, env))
             config = manifest.config.to_json() if manifest.config else None
-            return [layer.digest for layer in manifest.layers], config
-        return [self.reg.resolve(LAYERS, ref) for ref in layer_refs], None
+            return distinct([layer.digest for layer in manifest.layers]), config
+        return distinct([self.reg.resolve(LAYERS, ref) for ref in layer_refs]), None
 
     async def up(self, sid: str, env: str | None = None, layers: list[str] | None = None,
                  prefetch: str = "auto") -> SandboxRecord:
@@ -258,12 +259,12 @@ class Sandboxes:
         acquired: list[str] = []
         try:
             mounted = await self._acquire_all(record.layers, acquired, replay)
-            lower = ":".join(str(m.path) for m in mounted)
-            opts = (f"lowerdir={lower},upperdir={sdir / 'upper'},workdir={sdir / 'work'},"
-                    + OVERLAY_OPTIONS)
+            overlay = Overlay(distinct([str(m.path) for m in mounted]), str(sdir / "upper"),
+                              str(sdir / "work"), OVERLAY_OPTIONS)
             adopted = self.layers.adopt(sdir / "rootfs")
             try:
-                await trio.to_thread.run_sync(make_rootfs, sdir, fresh, None if adopted else opts,
+                await trio.to_thread.run_sync(make_rootfs, sdir, fresh,
+                                              None if adopted else overlay,
                                               limiter=self.layers.mount_limit)
             except BaseException:
                 if adopted:  # detached now, or the layers under it stay busy
@@ -450,12 +451,20 @@ def mount_layer(source: str, device: Path, target: Path, readahead: int) -> None
     mount_erofs(source, str(device), str(target), directio=True, readahead=readahead)
 
 
-def make_rootfs(sdir: Path, fresh: bool, opts: str | None) -> None:
-    """Worker thread: the sandbox's directories, then its overlay with ``opts``
+def make_rootfs(sdir: Path, fresh: bool, overlay: Overlay | None) -> None:
+    """Worker thread: the sandbox's directories, then ``overlay`` on its rootfs
     (None: the overlay is mounted already, kept across a live restart)."""
     make_dirs(sdir, fresh)
-    if opts is not None:
-        mount("overlay", str(sdir / "rootfs"), "overlay", SAFE_FLAGS, opts)
+    if overlay is not None:
+        mount_overlay(overlay, str(sdir / "rootfs"), SAFE_FLAGS)
+
+
+def distinct(layers: list[str]) -> list[str]:
+    """``layers`` (top first) without their lower repeats. A layer listed twice
+    is the same tree twice: its upper copy shows every name its lower copy
+    would, so the lower copy changes nothing, and overlayfs refuses a layer
+    listed twice (ELOOP)."""
+    return list(dict.fromkeys(layers))
 
 
 def make_dirs(sdir: Path, fresh: bool) -> None:
