@@ -163,7 +163,9 @@ def test_commit_of_one_changed_byte_uploads_one_chunk(node):
     rootfs = up(node, "e@1", "s1")
     with open(rootfs / "data" / "big", "r+b") as f:  # copy-up of the whole file
         f.seek(17 * CHUNK + 5)
-        f.write(b"\xff" if f.read(1) != b"\xff" else b"\x00")
+        old = f.read(1)
+        f.seek(17 * CHUNK + 5)  # the byte read, not the one after it
+        f.write(b"\xff" if old != b"\xff" else b"\x00")
     res = node.request("commit", id="s1", name="ws", version="1")
     assert res["file_bytes"] == BIG_CHUNKS * CHUNK and res["chunk_size"] == CHUNK
     assert res["unique_chunks"] - res["reused_chunks"] == 1
