@@ -24,7 +24,8 @@ from pathlib import Path
 
 import boto3
 from botocore.config import Config
-from s3server import DUMMY_AWS_ENV, _die_with_parent, _log_tail, free_ports
+from s3server import DUMMY_AWS_ENV, free_ports
+from serverprocs import die_with_parent, log_tail
 
 BUCKET_010 = "rep010"
 BUCKET_000 = "rep000"
@@ -47,7 +48,7 @@ class Service:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                cwd=cwd, env=env, preexec_fn=_die_with_parent,  # noqa: PLW1509
+                cwd=cwd, env=env, preexec_fn=die_with_parent,  # noqa: PLW1509
             )  # fmt: skip
 
     def running(self) -> bool:
@@ -119,7 +120,7 @@ class Cluster:
         self.wait_ready()
 
     def log_tails(self) -> str:
-        return "\n".join(f"--- {s.name}\n{_log_tail(s.log_path, 10)}" for s in self.services())
+        return "\n".join(f"--- {s.name}\n{log_tail(s.log_path, 10)}" for s in self.services())
 
     def _volume_servers_known(self) -> int:
         try:

@@ -13,10 +13,8 @@ add plugins (a proxy snapshotter, say).
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -24,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from registryserver import _die_with_parent
+from serverprocs import die_with_parent, log_tail, stop_process
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 10.0
@@ -91,10 +89,7 @@ class ContainerdServer:
             self.ctr("image", "unmount", "--rm", str(target))
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT
@@ -110,13 +105,7 @@ class ContainerdServer:
 
     def stop(self) -> None:
         """SIGTERM containerd's pid (SIGKILL if it lingers)."""
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait(STOP_TIMEOUT)
+        stop_process(self.process, STOP_TIMEOUT)
 
 
 def start_containerd(binary: str, directory: Path, extra_config: str = "") -> ContainerdServer:
@@ -128,7 +117,7 @@ def start_containerd(binary: str, directory: Path, extra_config: str = "") -> Co
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [binary, "--config", str(config_path)], stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, cwd=directory, preexec_fn=_die_with_parent,  # noqa: PLW1509
+            stdin=subprocess.DEVNULL, cwd=directory, preexec_fn=die_with_parent,  # noqa: PLW1509
         )
     server = ContainerdServer(directory, process, log_path)
     server.wait_ready()

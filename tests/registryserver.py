@@ -15,14 +15,11 @@
 from __future__ import annotations
 
 import base64
-import ctypes
 import datetime
 import hashlib
 import json
-import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import threading
@@ -33,9 +30,10 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from serverprocs import die_with_parent, log_tail, stop_process
+
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 5.0
-PR_SET_PDEATHSIG = 1
 SERVICE = "layerfs-test-registry"
 ISSUER = "layerfs-test-issuer"
 TOKEN_SECONDS = 300
@@ -45,10 +43,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclass(frozen=True)
@@ -204,10 +198,7 @@ class RegistryServer:
     issuer: TokenIssuer | None = None
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
 
     def answers(self) -> bool:
         try:
@@ -230,13 +221,7 @@ class RegistryServer:
 
     def stop(self) -> None:
         """SIGTERM the registry's pid (SIGKILL if it lingers); stop its token issuer."""
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait(STOP_TIMEOUT)
+        stop_process(self.process, STOP_TIMEOUT)
         if self.issuer is not None:
             self.issuer.stop()
 
@@ -288,7 +273,7 @@ def start_registry(binary: str, directory: Path, mode: str = "anonymous") -> Reg
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [binary, "serve", str(config_path)], stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, cwd=directory, preexec_fn=_die_with_parent,  # noqa: PLW1509
+            stdin=subprocess.DEVNULL, cwd=directory, preexec_fn=die_with_parent,  # noqa: PLW1509
         )
     server = RegistryServer(f"127.0.0.1:{port}", process, log_path, account, issuer)
     server.wait_ready()

@@ -10,12 +10,10 @@ slice of the range, so two workers never pick the same port.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -26,10 +24,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from serverprocs import die_with_parent, log_tail, stop_process
+
 GRPC_OFFSET = 10000  # SeaweedFS listens for gRPC on every port + 10000
 PORT_RANGE = (20000, 55000)
 START_TIMEOUT = 60.0
-PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT = 3.0  # weed ignores SIGTERM in practice (gRPC graceful stop hangs)
 
 # SeaweedFS started with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in its environment
@@ -75,11 +74,6 @@ def dummy_aws_env() -> Iterator[None]:
         yield
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL if the test process dies without cleaning up."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
@@ -121,13 +115,6 @@ def free_ports(count: int) -> list[int]:
     raise RuntimeError("no free ports for SeaweedFS")
 
 
-def _log_tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
 @dataclass
 class S3Server:
     """A running SeaweedFS; ``endpoint`` is its S3 URL; ports: master, volume, filer, s3."""
@@ -138,7 +125,7 @@ class S3Server:
     ports: list[int]
 
     def log_tail(self, lines: int = 30) -> str:
-        return _log_tail(self.log_path, lines)
+        return log_tail(self.log_path, lines)
 
     @property
     def master_url(self) -> str:
@@ -187,13 +174,7 @@ class S3Server:
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         """SIGTERM the server's pid, SIGKILL it if it lingers, and reap it."""
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout)
+        stop_process(self.process, timeout)
         self._remove_sockets()
 
     def _remove_sockets(self) -> None:
@@ -226,7 +207,7 @@ def start_server(weed: str, data_dir: Path) -> S3Server:
     with open(log_path, "wb") as log:  # preexec_fn: no test thread runs yet
         process = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=data_dir,
-            env=env, preexec_fn=_die_with_parent,  # noqa: PLW1509
+            env=env, preexec_fn=die_with_parent,  # noqa: PLW1509
         )  # fmt: skip
     server = S3Server(f"http://127.0.0.1:{s3}", process, log_path, ports)
     server.wait_ready()
