@@ -561,16 +561,17 @@ def odd_programs(node: NodeDaemon, tmp_path_factory: pytest.TempPathFactory) -> 
     return host
 
 
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 COMMAND_CODES = [
-    (["no-such-command"], 127, "no-such-command: command not found in PATH /bin"),
+    (["no-such-command"], 127, f"no-such-command: command not found in PATH {DEFAULT_PATH}"),
     (["/bin/no-such-command"], 127, "/bin/no-such-command: no such file or directory"),
     (["./no-such-command"], 127, "./no-such-command: no such file or directory"),
-    (["to-host"], 127, "to-host: command not found in PATH /bin"),
+    (["to-host"], 127, f"to-host: command not found in PATH {DEFAULT_PATH}"),
     (["/bin/up-to-host"], 127, "/bin/up-to-host: no such file or directory"),
     (["/bin/plain"], 126, "/bin/plain: permission denied (not executable)"),
     (["plain"], 126, "/bin/plain: permission denied (not executable)"),
     (["/bin/adir"], 126, "/bin/adir: is a directory"),
-    (["adir"], 127, "adir: command not found in PATH /bin"),
+    (["adir"], 127, f"adir: command not found in PATH {DEFAULT_PATH}"),
     (["/bin/fifo"], 126, "/bin/fifo: permission denied (not a regular file)"),
 ]
 
@@ -584,12 +585,11 @@ def test_a_program_that_cannot_start_exits_127_or_126(node, odd_programs, runtim
     path resolves in the rootfs, where there is none), 126 for one that is
     not an executable file; the same under runc and crun, from the CLI and the API."""
     proc = subprocess.run([*LAYERFS, "run", "--runtime", runtime, "--root", str(node.root),
-                           "--env", "PATH=/bin", "s1", "--", *argv],
+                           "s1", "--", *argv],
                           capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stdout) == (code, "")
     assert proc.stderr == f"layerfs: run: {message}\n"
-    result = Client(node.root).run("s1", argv, runtime=runtime, env={"PATH": "/bin"},
-                                   capture=True)
+    result = Client(node.root).run("s1", argv, runtime=runtime, capture=True)
     assert result == RunResult(exit_code=code, stdout=b"",
                                stderr=f"layerfs: run: {message}\n".encode())
     no_container_left(node, runtime, "s1")
