@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -21,7 +22,9 @@ import pytest
 from nodes import NodeDaemon
 from support import build, need_root
 
+from layerfs.errors import UsageError
 from layerfs.node import Client, runner
+from layerfs.node.bundle import BundleError
 from layerfs.node.control import RemoteError
 from layerfs.node.process import LAYERFS
 from layerfs.node.runner import RunResult
@@ -469,6 +472,22 @@ def test_bad_run_options_are_one_line(node, options, message):
     proc = run(node, "echo ran", *options)
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr == f"layerfs: error: {message}\n"
+    assert bundles_left(node) == []
+
+
+@pytest.mark.parametrize(("options", "error", "message"), [
+    ({"env": {"": "x"}}, BundleError, "bad environment variable ''"),
+    ({"env": {"A=B": "x"}}, BundleError, "bad environment variable 'A=B'"),
+    ({"env": {"A": "x\0y"}}, BundleError, "bad environment variable 'A'"),
+    ({"timeout": 0}, UsageError, "timeout must be a positive number of seconds, not 0"),
+    ({"timeout": float("inf")}, UsageError, "timeout must be a positive number of seconds"),
+    ({"capture": True, "terminal": True}, UsageError, "a run on a terminal neither captures"),
+    ({"max_output": -1}, UsageError, "max_output must be at least 0, not -1"),
+])
+def test_bad_run_arguments_raise_before_anything_runs(node, options, error, message):
+    with pytest.raises(error, match=re.escape(message)) as raised:
+        Client(node.root).run("s1", ["true"], **options)
+    assert raised.value.exit_code == 2
     assert bundles_left(node) == []
 
 
