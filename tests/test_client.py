@@ -111,7 +111,7 @@ def test_the_api_brings_up_lists_and_takes_down_a_sandbox(node):
         assert client.sandbox("nope") is None
         stats = client.stats()
         assert isinstance(stats, StatsAnswer) and stats.sandboxes == 1
-        assert client.run("api", ["sh", "-c", "exit 7"]) == 7
+        assert client.run("api", ["sh", "-c", "exit 7"]).exit_code == 7
     finally:
         down = client.down("api")
     assert down.state == "down"
@@ -219,6 +219,8 @@ FAST_ARGVS = [
      "s1", "--", "sh", "-c", "exit 3"],
     ["run", "s1", "--root", "/r", "--", "sh", "-c", "true"],  # options after the ID
     ["run", "s1", "--runtime=crun", "--user", "0", "--"], ["run", "s1", "--root", "/r"],
+    ["run", "--env", "A=1", "--env=B=2=3", "--cwd", "/tmp", "--timeout", "2.5", "s1", "--",
+     "true"],
 ]
 CLICK_ONLY_ARGVS = [  # help, errors and the edges of click's parse
     ["ps", "--help"], ["ps", "-h"], ["ps", "--json=1"], ["ps", "--bogus"], ["ps", "--root"],
@@ -226,7 +228,7 @@ CLICK_ONLY_ARGVS = [  # help, errors and the edges of click's parse
     ["up", "--id", "s1", "--id", "s2", "e@1"], ["down"], ["down", "a", "b"],
     ["run", "s1", "ls", "-l"], ["run", "--", "s1"], ["run", "--runtime", "docker", "s1"],
     ["run", "s1", "ls", "--root", "/r"], ["run", "s1", "--bogus", "--", "true"],
-    ["run", "s1", "--root"],
+    ["run", "s1", "--root"], ["run", "s1", "--timeout", "--", "true"],
     ["up", "--id", "-s1", "e@1"], ["--log-level", "debug", "ps"], ["commit", "s1"],
 ]
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,9 +22,12 @@ import pytest
 from nodes import NodeDaemon
 from support import build, need_root
 
+from layerfs.errors import UsageError
 from layerfs.node import Client, runner
+from layerfs.node.bundle import BundleError
 from layerfs.node.control import RemoteError
 from layerfs.node.process import LAYERFS
+from layerfs.node.runner import RunResult
 from layerfs.store import open_store
 
 APPLETS = ("sh", "cat", "echo", "grep", "hostname", "id", "ls", "mkdir", "mknod", "mount",
@@ -120,9 +125,9 @@ def test_status_and_output_pass_through_and_nothing_is_left(node):
 def test_a_missing_command_fails(node):
     argv = [*LAYERFS, "run", "--root", str(node.root), "s1", "--", "/bin/no-such-command"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "no-such-command" in proc.stderr
-    assert os.listdir(node.root / "run" / "bundles") == []
+    assert proc.returncode == 127
+    assert proc.stderr == "layerfs: run: /bin/no-such-command: no such file or directory\n"
+    assert bundles_left(node) == []
 
 
 def test_capabilities_are_dockers_default_with_no_new_privs(node):
@@ -411,3 +416,211 @@ def test_crun_runs_the_same_bundle(node):
         "crun", str(node.root / "run" / "state" / "crun"), "list", "-q"),
         capture_output=True, text=True, check=True)
     assert listed.stdout == ""
+
+
+RUNTIMES = pytest.mark.parametrize("runtime", ["runc", "crun"])
+
+
+def rootfs_of(node: NodeDaemon, sid: str) -> Path:
+    rows = {row["id"]: row for row in node.request("ps")["sandboxes"]}
+    return Path(rows[sid]["rootfs"])
+
+
+def no_container_left(node: NodeDaemon, runtime: str, sid: str) -> None:
+    """The runtime lists no container of ``sid``, and no bundle is left."""
+    state = node.root / "run" / "state" / runtime
+    listed = subprocess.run(runner.runtime_command(runtime, str(state), "list", "-q"),
+                            capture_output=True, text=True, check=True)
+    assert [cid for cid in listed.stdout.split() if runner.is_container_of(sid, cid)] == []
+    assert runner.running_containers(str(node.root), sid) == []
+    assert bundles_left(node) == []
+
+
+def bundles_left(node: NodeDaemon) -> list[str]:
+    try:
+        return os.listdir(node.root / "run" / "bundles")
+    except FileNotFoundError:  # no run has written one yet
+        return []
+
+
+@RUNTIMES
+def test_env_cwd_and_user_given_to_run_are_what_the_command_sees(node, runtime):
+    """``env`` over the image's Env (PATH too), ``cwd`` and ``user`` over the
+    image's, through the API and the CLI's ``--env``/``--cwd``/``--user``."""
+    script = 'echo "$GREETING|$PATH|$HOSTNAME"; pwd; id -u; id -g'
+    result = Client(node.root).run("s1", ["sh", "-c", script], runtime=runtime, capture=True,
+                                   env={"GREETING": "hello there", "PATH": "/bin"},
+                                   cwd="/tmp", user="1234:4321")
+    assert isinstance(result, RunResult)
+    assert (result.exit_code, result.stderr) == (0, b"")
+    assert result.stdout == b"hello there|/bin|s1\n/tmp\n1234\n4321\n"
+    proc = run(node, script, "--runtime", runtime, "--env", "GREETING=a=b", "--env",
+               "PATH=/sbin:/bin", "--cwd", "/mnt", "--user", "7")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "a=b|/sbin:/bin|s1\n/mnt\n7\n0\n"
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (("--env", "NOVALUE"), "--env 'NOVALUE': expected KEY=VALUE"),
+    (("--env", "=x"), "--env '=x': expected KEY=VALUE"),
+    (("--cwd", "tmp"), "cannot make the container's process: the working directory 'tmp' "
+                       "is not an absolute path"),
+    (("--timeout", "0"), "--timeout '0': expected a positive number of seconds"),
+    (("--timeout", "soon"), "--timeout 'soon': expected a positive number of seconds"),
+])
+def test_bad_run_options_are_one_line(node, options, message):
+    proc = run(node, "echo ran", *options)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == f"layerfs: error: {message}\n"
+    assert bundles_left(node) == []
+
+
+@pytest.mark.parametrize(("options", "error", "message"), [
+    ({"env": {"": "x"}}, BundleError, "bad environment variable ''"),
+    ({"env": {"A=B": "x"}}, BundleError, "bad environment variable 'A=B'"),
+    ({"env": {"A": "x\0y"}}, BundleError, "bad environment variable 'A'"),
+    ({"timeout": 0}, UsageError, "timeout must be a positive number of seconds, not 0"),
+    ({"timeout": float("inf")}, UsageError, "timeout must be a positive number of seconds"),
+    ({"capture": True, "terminal": True}, UsageError, "a run on a terminal neither captures"),
+    ({"max_output": -1}, UsageError, "max_output must be at least 0, not -1"),
+])
+def test_bad_run_arguments_raise_before_anything_runs(node, options, error, message):
+    with pytest.raises(error, match=re.escape(message)) as raised:
+        Client(node.root).run("s1", ["true"], **options)
+    assert raised.value.exit_code == 2
+    assert bundles_left(node) == []
+
+
+def test_captured_output_is_kept_apart_and_bounded(node):
+    """stdout and stderr each in their own bytes, at most ``max_output`` of
+    each; a command that writes more is not blocked, its output cut and flagged."""
+    client = Client(node.root)
+    result = client.run("s1", ["sh", "-c", "cat; echo err >&2; exit 3"], capture=True,
+                        stdin=b"in\x00put\n")
+    assert result == RunResult(exit_code=3, stdout=b"in\x00put\n", stderr=b"err\n")
+    big = "head -c 3000000 /dev/zero; echo done >&2; head -c 10 /dev/zero >&2"
+    result = client.run("s1", ["sh", "-c", big], capture=True, max_output=1 << 20)
+    assert result.exit_code == 0 and not result.timed_out
+    assert result.stdout == bytes(1 << 20) and result.stdout_truncated
+    assert result.stderr == b"done\n" + bytes(10) and not result.stderr_truncated
+    plain = client.run("s1", ["sh", "-c", "exit 0"])
+    assert plain == RunResult(exit_code=0)  # nothing captured: None, not b""
+
+
+def test_stdin_from_a_descriptor(node, tmp_path):
+    source = tmp_path / "input"
+    source.write_bytes(b"line one\nline two\n")
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        result = Client(node.root).run("s1", ["wc", "-l"], stdin=fd, capture=True)
+    finally:
+        os.close(fd)
+    assert (result.exit_code, result.stdout.strip()) == (0, b"2")
+
+
+def test_a_run_from_another_thread(node):
+    """A scheduler's worker thread runs too (signals are forwarded from the
+    main thread only: a worker cannot set handlers)."""
+    results: list[RunResult] = []
+    worker = threading.Thread(target=lambda: results.append(
+        Client(node.root).run("s1", ["sh", "-c", "echo from-thread"], capture=True)))
+    worker.start()
+    worker.join(120)
+    assert [(r.exit_code, r.stdout) for r in results] == [(0, b"from-thread\n")]
+
+
+def processes_with(marker: str) -> list[str]:
+    """The host's processes whose command line holds ``marker`` (``ps``)."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True,
+                         check=True).stdout
+    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+
+
+@RUNTIMES
+def test_a_timeout_kills_the_container_and_every_process_in_it(node, runtime):
+    """``sleep`` in the background and in the foreground, timeout 2 s: the
+    run returns timed out (124) within seconds, the runtime knows no container
+    of the sandbox, no sleep is left, and the sandbox runs again."""
+    client = Client(node.root)
+    marker = "3599" if runtime == "runc" else "3598"
+    started = time.monotonic()
+    result = client.run("s1", ["sh", "-c", f"sleep {marker} & echo started; sleep {marker}"],
+                        runtime=runtime, timeout=2, capture=True)
+    took = time.monotonic() - started
+    assert result.timed_out and result.exit_code == 124
+    assert result.stdout == b"started\n"
+    assert 2 <= took < 8, took
+    no_container_left(node, runtime, "s1")
+    assert processes_with(f"sleep {marker}") == []
+    assert client.run("s1", ["true"], runtime=runtime) == RunResult(exit_code=0)
+    quick = client.run("s1", ["sh", "-c", "exit 4"], runtime=runtime, timeout=30)
+    assert (quick.exit_code, quick.timed_out) == (4, False)
+    proc = run(node, f"sleep {marker}", "--runtime", runtime, "--timeout", "1")
+    assert (proc.returncode, proc.stderr) == (124, "")
+    no_container_left(node, runtime, "s1")
+
+
+@pytest.fixture(scope="module")
+def odd_programs(node: NodeDaemon, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """In s1: a script without execute bits, a directory, a FIFO, and symlinks
+    to a host program (absolute, and climbing out with ``..``) the rootfs lacks."""
+    host = tmp_path_factory.mktemp("host") / "host-program"
+    host.write_text("#!/bin/sh\necho host\n")
+    host.chmod(0o755)
+    rootfs = rootfs_of(node, "s1")
+    (rootfs / "bin" / "plain").write_text("#!/bin/sh\necho plain\n")
+    (rootfs / "bin" / "plain").chmod(0o644)
+    (rootfs / "bin" / "adir").mkdir()
+    os.mkfifo(rootfs / "bin" / "fifo")
+    (rootfs / "bin" / "to-host").symlink_to(host)
+    (rootfs / "bin" / "up-to-host").symlink_to("../../../../../../.." + str(host))
+    (rootfs / "opt").mkdir()
+    (rootfs / "opt" / "plain").write_text("#!/bin/sh\necho opt\n")
+    (rootfs / "opt" / "plain").chmod(0o755)
+    return host
+
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+COMMAND_CODES = [
+    (["no-such-command"], 127, f"no-such-command: command not found in PATH {DEFAULT_PATH}"),
+    (["/bin/no-such-command"], 127, "/bin/no-such-command: no such file or directory"),
+    (["./no-such-command"], 127, "./no-such-command: no such file or directory"),
+    (["to-host"], 127, f"to-host: command not found in PATH {DEFAULT_PATH}"),
+    (["/bin/up-to-host"], 127, "/bin/up-to-host: no such file or directory"),
+    (["/bin/plain"], 126, "/bin/plain: permission denied (not executable)"),
+    (["plain"], 126, "/bin/plain: permission denied (not executable)"),
+    (["/bin/adir"], 126, "/bin/adir: is a directory"),
+    (["adir"], 127, f"adir: command not found in PATH {DEFAULT_PATH}"),
+    (["/bin/fifo"], 126, "/bin/fifo: permission denied (not a regular file)"),
+]
+
+
+@RUNTIMES
+@pytest.mark.parametrize(("argv", "code", "message"), COMMAND_CODES,
+                         ids=[" ".join(c[0]) for c in COMMAND_CODES])
+def test_a_program_that_cannot_start_exits_127_or_126(node, odd_programs, runtime, argv, code,
+                                                      message):
+    """As a shell: 127 for a program that is not there (a symlink to a host
+    path resolves in the rootfs, where there is none), 126 for one that is
+    not an executable file; the same under runc and crun, from the CLI and the API."""
+    proc = subprocess.run([*LAYERFS, "run", "--runtime", runtime, "--root", str(node.root),
+                           "s1", "--", *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (code, "")
+    assert proc.stderr == f"layerfs: run: {message}\n"
+    result = Client(node.root).run("s1", argv, runtime=runtime, capture=True)
+    assert result == RunResult(exit_code=code, stdout=b"",
+                               stderr=f"layerfs: run: {message}\n".encode())
+    no_container_left(node, runtime, "s1")
+
+
+@RUNTIMES
+def test_the_path_search_takes_the_first_executable(node, odd_programs, runtime):
+    """``plain`` in /bin is not executable, in /opt it is: found there (as the
+    runtimes and shells search PATH); a relative path runs from the cwd."""
+    client = Client(node.root)
+    result = client.run("s1", ["plain"], runtime=runtime, env={"PATH": "/bin:/opt"},
+                        capture=True)
+    assert (result.exit_code, result.stdout) == (0, b"opt\n")
+    result = client.run("s1", ["./plain"], runtime=runtime, cwd="/opt", capture=True)
+    assert (result.exit_code, result.stdout) == (0, b"opt\n")

@@ -68,6 +68,33 @@ def stats(root: str, as_json: bool) -> None:
 
 
 def run(sid: str, cmd: Sequence[str], runtime_name: str, network: str, user: str | None,
-        entrypoint: str | None, root: str) -> None:
-    sys.exit(Client(root).run(sid, cmd, runtime=runtime_name, network=network, user=user,
-                              entrypoint=entrypoint, terminal=sys.stdin.isatty()))
+        entrypoint: str | None, root: str, env: Sequence[str] = (), cwd: str | None = None,
+        timeout: str | None = None) -> None:
+    result = Client(root).run(sid, cmd, runtime=runtime_name, network=network, user=user,
+                              entrypoint=entrypoint, terminal=sys.stdin.isatty(),
+                              env=env_pairs(env), cwd=cwd, timeout=seconds(timeout))
+    sys.exit(result.exit_code)
+
+
+def env_pairs(items: Sequence[str]) -> dict[str, str]:
+    """``--env KEY=VALUE`` options as a mapping (a later KEY wins)."""
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--env {item!r}: expected KEY=VALUE")
+        env[key] = value
+    return env
+
+
+def seconds(text: str | None) -> float | None:
+    """``--timeout SECONDS``: a positive number, or None if not given."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise UsageError(f"--timeout {text!r}: expected a positive number of seconds")
+    return value

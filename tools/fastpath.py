@@ -73,7 +73,9 @@ def run_command() -> Command:
     return Command({"--runtime": Option("runtime_name", default=runner.DEFAULT_RUNTIME,
                                         choices=runner.RUNTIMES, envvar="LAYERFS_RUNTIME"),
                     "--network": Option("network", default="none", choices=bundle.NETWORK_MODES),
-                    "--user": Option("user"), "--entrypoint": Option("entrypoint")},
+                    "--user": Option("user"), "--entrypoint": Option("entrypoint"),
+                    "--env": Option("env", "multiple", default=()), "--cwd": Option("cwd"),
+                    "--timeout": Option("timeout")},
                    positionals=("sid",), command_after=True)
 
 

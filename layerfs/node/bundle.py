@@ -148,18 +148,34 @@ def image_env(config: ImageConfig | None, user: ImageUser, hostname: str,
     return env
 
 
+def checked_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` as given, if every name is non-empty without ``=`` and no name
+    or value holds a NUL (which the process could not receive)."""
+    for key, value in env.items():
+        if not key or "=" in key or "\0" in key or "\0" in value:
+            raise BundleError(f"bad environment variable {key!r}: a name must be non-empty, "
+                              "without '=', and neither name nor value may hold a NUL")
+    return dict(env)
+
+
 def image_process(rootfs: str, config: ImageConfig | None, hostname: str, *,
                   command: Sequence[str] = (), entrypoint: str | None = None,
                   user: str | None = None, term: str | None = None,
-                  terminal: bool = False) -> ProcessSpec:
-    """The process an image's config describes, in ``rootfs``: args, env, cwd
-    (WorkingDir, default /) and the user (``user`` over the image's User),
-    resolved against the rootfs's /etc/passwd and /etc/group."""
+                  terminal: bool = False, env: Mapping[str, str] | None = None,
+                  cwd: str | None = None) -> ProcessSpec:
+    """The process an image's config describes, in ``rootfs``: args, env (``env``
+    added over the image's Env), cwd (``cwd``, else WorkingDir, default /) and
+    the user (``user`` over the image's User), resolved against the rootfs's
+    /etc/passwd and /etc/group."""
     args = process_args(config, command, entrypoint)
     spec = user if user is not None else (config.user if config else "")
     resolved = resolve_user(rootfs, spec)
-    cwd = posixpath.normpath(posixpath.join("/", config.working_dir if config else ""))
-    return ProcessSpec(args=args, env=image_env(config, resolved, hostname, term), cwd=cwd,
+    environment = {**image_env(config, resolved, hostname, term), **checked_env(env or {})}
+    if cwd is not None and not cwd.startswith("/"):
+        raise BundleError(f"the working directory {cwd!r} is not an absolute path")
+    workdir = cwd if cwd is not None else (config.working_dir if config else "")
+    return ProcessSpec(args=args, env=environment,
+                       cwd=posixpath.normpath(posixpath.join("/", workdir)),
                        uid=resolved.uid, gid=resolved.gid,
                        additional_gids=resolved.additional_gids, terminal=terminal)
 

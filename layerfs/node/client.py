@@ -13,7 +13,7 @@ imported when they are called.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..errors import UsageError
 from . import protocol
@@ -31,7 +31,7 @@ TYPE_CHECKING = False  # (typing is not imported at run time)
 if TYPE_CHECKING:
     from typing import Any
 
-    from .runner import Container
+    from .runner import Container, RunResult
 
 
 class SandboxNotUp(UsageError):
@@ -121,23 +121,41 @@ class Client:
         return call(self.root, protocol.TracePush(ref=ref), TracePushAnswer, self.timeout)
 
     def run(self, sandbox_id: str, command: Sequence[str] = (), *,
-            runtime: str | None = None, network: str = "none", user: str | None = None,
-            entrypoint: str | None = None, terminal: bool = False) -> int:
+            env: Mapping[str, str] | None = None, cwd: str | None = None,
+            user: str | None = None, timeout: float | None = None, capture: bool = False,
+            stdin: bytes | int | None = None, max_output: int | None = None,
+            runtime: str | None = None, network: str = "none",
+            entrypoint: str | None = None, terminal: bool = False) -> RunResult:
         """Run the image's process, or ``command`` after its Entrypoint, in a sandbox
         that is up, as a container of OCI runtime ``runtime`` (runc or crun; None:
-        runc) in the foreground,
-        stdio passed through, signals forwarded; its exit status."""
+        runc) in the foreground, signals forwarded (from the main thread), and
+        wait for it. ``env`` is set over the image's Env, ``cwd`` replaces its
+        WorkingDir, ``user`` its User (as ``run --user``). ``timeout`` seconds
+        at most: then the container is killed (``timed_out``, exit code 124).
+        ``stdin``: bytes fed to it, or a descriptor (None: ours); ``capture``:
+        its stdout and stderr in the result, ``max_output`` bytes of each at
+        most (None: 16 MiB; the rest dropped, ``*_truncated`` set), else ours. A program that
+        is missing exits 127, one that is not executable 126."""
+        if timeout is not None and not 0 < timeout < float("inf"):
+            raise UsageError(f"timeout must be a positive number of seconds, not {timeout}")
+        if terminal and (capture or stdin is not None):
+            raise UsageError("a run on a terminal neither captures output nor takes stdin")
+        if max_output is not None and max_output < 0:
+            raise UsageError(f"max_output must be at least 0, not {max_output}")
         container, config = self.prepare_run(sandbox_id, command, runtime=runtime,
                                              network=network, user=user,
-                                             entrypoint=entrypoint, terminal=terminal)
+                                             entrypoint=entrypoint, terminal=terminal,
+                                             env=env, cwd=cwd)
         from . import runner
 
-        return runner.run(container, config)
+        return runner.run(container, config, stdin=stdin, capture=capture, timeout=timeout,
+                          max_output=runner.MAX_OUTPUT if max_output is None else max_output)
 
     def prepare_run(self, sandbox_id: str, command: Sequence[str] = (), *,
                     runtime: str | None = None, network: str = "none",
                     user: str | None = None, entrypoint: str | None = None,
-                    terminal: bool = False) -> tuple[Container, dict[str, Any]]:
+                    terminal: bool = False, env: Mapping[str, str] | None = None,
+                    cwd: str | None = None) -> tuple[Container, dict[str, Any]]:
         """What :meth:`run` runs: the container (runtime, ids, dirs) and its
         config.json, from one request for the sandbox's record."""
         from . import runner
@@ -146,7 +164,8 @@ class Client:
         if record is None or record.state != "up":
             raise SandboxNotUp(sandbox_id)
         config, stop = container_config(record, network, command=tuple(command),
-                                        entrypoint=entrypoint, user=user, terminal=terminal)
+                                        entrypoint=entrypoint, user=user, terminal=terminal,
+                                        env=env, cwd=cwd)
         container = runner.prepare(self.root, runtime or runner.DEFAULT_RUNTIME, sandbox_id,
                                    stop_signal=stop)
         return container, config
@@ -154,7 +173,8 @@ class Client:
 
 def container_config(record: SandboxRecord, network: str, command: tuple[str, ...] = (),
                      entrypoint: str | None = None, user: str | None = None,
-                     terminal: bool = False) -> tuple[dict[str, Any], int]:
+                     terminal: bool = False, env: Mapping[str, str] | None = None,
+                     cwd: str | None = None) -> tuple[dict[str, Any], int]:
     """The config.json of a sandbox's container from its record (the env's image
     config), and the signal that stops it."""
     import resource
@@ -165,7 +185,8 @@ def container_config(record: SandboxRecord, network: str, command: tuple[str, ..
     hostname = record.id[:63]
     process = bundle.image_process(record.rootfs, image, hostname, command=command,
                                    entrypoint=entrypoint, user=user,
-                                   term=os.environ.get("TERM"), terminal=terminal)
+                                   term=os.environ.get("TERM"), terminal=terminal,
+                                   env=env, cwd=cwd)
     config = bundle.runtime_config(record.rootfs, process, hostname=hostname,
                                    network=network,
                                    nofile=resource.getrlimit(resource.RLIMIT_NOFILE),

@@ -4,10 +4,15 @@ Writes an OCI bundle (``bundle.runtime_config``) in a per-run directory
 ``ROOT/run/bundles/<container id>/`` (``ROOT/run`` is mode 0700), runs it in the
 foreground with an OCI runtime (``runc`` or ``crun``, its state under
 ``ROOT/run/state/<runtime>``), passes
-stdin/stdout/stderr through, forwards SIGINT/SIGTERM/SIGHUP to the container (a
-second one kills it; SIGTERM, a request to stop, arrives as the image's
-StopSignal), and afterwards deletes the container and its bundle.
-The runtime's exit status (the command's, or 128 + signal) becomes ours.
+stdin/stdout/stderr through (or feeds stdin bytes and captures stdout and
+stderr, each up to a bound: :class:`Streams`), forwards SIGINT/SIGTERM/SIGHUP
+to the container (a second one kills it; SIGTERM, a request to stop, arrives
+as the image's StopSignal), kills the container at a timeout (:func:`stop`),
+and afterwards deletes the container and its bundle. Its result
+(:class:`RunResult`) carries the runtime's exit status (the command's, or 128
++ signal; 124 after a timeout). A command whose program is missing (127) or
+not executable (126) is found so before the runtime runs
+(:mod:`.imagecommand`), the same under runc and crun.
 While it runs, the runtime's own state says so: :func:`running_containers`
 asks it (``RUNTIME state``) for the daemon's ``down``, which refuses such a
 sandbox or, forced, kills the container first (:func:`kill`).
@@ -28,14 +33,17 @@ import contextlib
 import json
 import os
 import re
+import select
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
 
 from ..errors import UsageError
 from ..records import Record
 from .bundle import write_bundle
+from .imagecommand import CommandProblem, check_command
 
 TYPE_CHECKING = False  # typing is not imported at run time: a client starts faster
 if TYPE_CHECKING:
@@ -50,6 +58,13 @@ WITHOUT_UNIFIED = f'umount {UNIFIED_CGROUP} && exec "$0" "$@"'
 CHILD_DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
 # the OCI states of a container that has a process: made, started or frozen, not yet ended
 LIVE_STATES = ("creating", "created", "running", "paused")
+MAX_OUTPUT = 16 << 20  # bytes of stdout, and of stderr, a captured run keeps
+TIMED_OUT = 124  # the exit code of a run its timeout killed, as timeout(1)'s
+READ_SIZE = 1 << 16
+PIPE_WRITE = 1 << 16
+DRAIN_SECONDS = 1.0  # after the runtime ends, how long the pipes may stay silent
+STOP_SECONDS = 10.0  # after the timeout, how long the runtime has to end
+STOP_POLL_MS = 250
 
 
 class Container(Record):
@@ -193,12 +208,15 @@ def prepare(root: str, runtime_name: str, sandbox_id: str,
 
 
 def spawn(argv: list[str], *, quiet: bool = False, stdout_null: bool = False,
-          own_group: bool = False) -> int:
+          own_group: bool = False, stdio: Sequence[int | None] = ()) -> int:
     """Start ``argv`` (its program looked up on PATH) with our environment and
     stdio and no other descriptor (``stdout_null``: stdout to /dev/null;
-    ``quiet``: stderr too), in a process group of its own if ``own_group``;
+    ``quiet``: stderr too; ``stdio``: the descriptors for 0, 1, 2 instead of
+    ours, None keeps ours), in a process group of its own if ``own_group``;
     its pid."""
-    actions: list[tuple] = [(os.POSIX_SPAWN_CLOSE, fd) for fd in inheritable_fds()]
+    actions: list[tuple] = [(os.POSIX_SPAWN_DUP2, fd, target)
+                            for target, fd in enumerate(stdio) if fd is not None]
+    actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in inheritable_fds()]
     actions += [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_WRONLY, 0)
                 for fd in ((1, 2) if quiet else (1,) if stdout_null else ())]
     if own_group:
@@ -225,27 +243,222 @@ def wait(pid: int) -> int:
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
-def run(container: Container, config: dict[str, Any]) -> int:
-    """Run ``config`` as ``container`` in the foreground; return its exit status."""
+class RunResult(Record):
+    """How a run ended: the command's exit code (128 + N if signal N ended it;
+    :data:`TIMED_OUT` if the timeout killed it; 127 or 126 if its program is
+    missing or not executable), and, if captured, what it wrote to stdout and
+    stderr, at most the bound asked for each (``*_truncated``: more was written
+    and dropped)."""
+
+    exit_code: int
+    stdout: bytes | None = None
+    stderr: bytes | None = None
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    timed_out: bool = False
+
+
+def run(container: Container, config: dict[str, Any], *, stdin: bytes | int | None = None,
+        capture: bool = False, timeout: float | None = None,
+        max_output: int = MAX_OUTPUT) -> RunResult:
+    """Run ``config`` as ``container`` in the foreground and wait for it (at most
+    ``timeout`` seconds: then the container is killed, and the runtime if it
+    does not end); stdin from ``stdin`` (bytes, or a descriptor; None: ours),
+    stdout and stderr captured if ``capture`` (else ours). A command that
+    cannot start (:func:`.imagecommand.check_command`) is not run: its one
+    line goes to stderr."""
+    problem = command_problem(config)
+    if problem is not None:
+        line = f"layerfs: run: {problem.message}\n".encode()
+        if not capture:
+            os.write(2, line)
+        return RunResult(exit_code=problem.exit_code, stdout=b"" if capture else None,
+                         stderr=line if capture else None)
     write_bundle(container.bundle_dir, config)
+    streams = Streams(stdin, capture, max_output)
     try:
         # Without a terminal, a Ctrl-C meant for us reaches the runtime only by our
         # forwarding (once); with one, the runtime owns the terminal's foreground.
         pid = spawn(container.command("run", "--bundle", container.bundle_dir,
                                       container.container_id),
-                    own_group=not config["process"]["terminal"])
+                    own_group=not config["process"]["terminal"], stdio=streams.child_fds())
+        streams.started()
         with forwarding_signals(container, pid):
-            status = wait(pid)
+            status, timed_out = supervise(container, pid, streams, timeout)
     finally:
+        streams.close()
         delete(container)
-    return status if status >= 0 else 128 - status
+    return RunResult(exit_code=TIMED_OUT if timed_out else
+                     status if status >= 0 else 128 - status,
+                     stdout=streams.output(1), stderr=streams.output(2),
+                     stdout_truncated=streams.truncated(1), stderr_truncated=streams.truncated(2),
+                     timed_out=timed_out)
+
+
+def command_problem(config: dict[str, Any]) -> CommandProblem | None:
+    """Why the config's command cannot start in its rootfs, or None."""
+    process = config["process"]
+    env = dict(item.partition("=")[::2] for item in process["env"])
+    return check_command(config["root"]["path"], process["args"][0],
+                         env.get("PATH", ""), process["cwd"])
+
+
+class Streams:
+    """The runtime's stdio for one run: a pipe that feeds it ``stdin`` bytes
+    (or that descriptor, or ours), pipes that capture its stdout and stderr,
+    each kept up to ``max_output`` bytes (the rest read and dropped, so that
+    the command never blocks on a full pipe), or ours."""
+
+    def __init__(self, stdin: bytes | int | None, capture: bool, max_output: int) -> None:
+        self.max_output = max_output
+        self.feed = b""
+        self.stdin_fd: int | None = stdin if isinstance(stdin, int) else None
+        self.writer: int | None = None
+        if isinstance(stdin, bytes | bytearray | memoryview):
+            self.feed = bytes(stdin)
+            self.stdin_fd, self.writer = os.pipe()
+        self.readers: dict[int, int] = {}  # our read end: 1 or 2
+        self.child: dict[int, int] = {}  # 1 or 2: the runtime's write end
+        self.kept: dict[int, bytearray] = {}
+        self.dropped: dict[int, int] = {}
+        if capture:
+            for target in (1, 2):
+                read_end, write_end = os.pipe()
+                self.readers[read_end] = target
+                self.child[target] = write_end
+                self.kept[target] = bytearray()
+                self.dropped[target] = 0
+
+    def child_fds(self) -> tuple[int | None, int | None, int | None]:
+        return self.stdin_fd, self.child.get(1), self.child.get(2)
+
+    def started(self) -> None:
+        """Close the runtime's ends of our pipes (its copies are its own now)."""
+        for fd in self.child.values():
+            os.close(fd)
+        self.child = {}
+        if self.writer is not None and self.stdin_fd is not None:
+            os.close(self.stdin_fd)
+            self.stdin_fd = None
+        if self.writer is not None:
+            os.set_blocking(self.writer, False)
+            if not self.feed:
+                self._close_writer()
+
+    def watched(self) -> dict[int, int]:
+        """The descriptors to poll, with the events awaited."""
+        fds = {fd: select.POLLIN for fd in self.readers}
+        if self.writer is not None:
+            fds[self.writer] = select.POLLOUT
+        return fds
+
+    def ready(self, fd: int) -> None:
+        """Move what ``fd`` is ready for: write some stdin, or read some output."""
+        if fd == self.writer:
+            self._write()
+            return
+        target = self.readers[fd]
+        data = os.read(fd, READ_SIZE)
+        if not data:
+            os.close(fd)
+            del self.readers[fd]
+            return
+        room = self.max_output - len(self.kept[target])
+        self.kept[target] += data[:max(room, 0)]
+        self.dropped[target] += max(len(data) - max(room, 0), 0)
+
+    def _write(self) -> None:
+        assert self.writer is not None
+        try:
+            written = os.write(self.writer, self.feed[:PIPE_WRITE])
+        except BlockingIOError:
+            return
+        except BrokenPipeError:  # the command did not read it all: its business
+            written = len(self.feed)
+        self.feed = self.feed[written:]
+        if not self.feed:
+            self._close_writer()
+
+    def _close_writer(self) -> None:
+        if self.writer is not None:
+            os.close(self.writer)
+            self.writer = None
+
+    def output(self, target: int) -> bytes | None:
+        kept = self.kept.get(target)
+        return None if kept is None else bytes(kept)
+
+    def truncated(self, target: int) -> bool:
+        return self.dropped.get(target, 0) > 0
+
+    def close(self) -> None:
+        fds = [*self.readers, *self.child.values()]
+        if self.writer is not None:
+            fds.append(self.writer)
+        if self.stdin_fd is not None and self.writer is not None:
+            fds.append(self.stdin_fd)
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.readers, self.child, self.writer = {}, {}, None
+
+
+def supervise(container: Container, pid: int, streams: Streams,
+              timeout: float | None) -> tuple[int, bool]:
+    """Move the run's stdio until the runtime ``pid`` has ended and its output
+    is read, at most ``timeout`` seconds (then :func:`stop` it); its wait
+    status (as :func:`wait`) and whether the timeout ended it."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pidfd = os.pidfd_open(pid)
+    try:
+        ended = False
+        while not ended or streams.readers:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return stop(container, pid, pidfd), True
+            if ended:  # the container's processes are gone: what is left in the pipes
+                left = DRAIN_SECONDS if left is None else min(left, DRAIN_SECONDS)
+            poller = select.poll()
+            if not ended:
+                poller.register(pidfd, select.POLLIN)
+            for fd, awaited in streams.watched().items():
+                poller.register(fd, awaited)
+            ready = poller.poll(None if left is None else max(int(left * 1000), 1))
+            if ended and not ready:
+                break
+            for fd, _ in ready:
+                if fd == pidfd:
+                    ended = True
+                else:
+                    streams.ready(fd)
+        return wait(pid), False
+    finally:
+        os.close(pidfd)
+
+
+def stop(container: Container, pid: int, pidfd: int) -> int:
+    """Kill the container (``RUNTIME kill ID KILL``, again until the runtime
+    ends: a container still being made has no state to kill yet), and after
+    :data:`STOP_SECONDS` the runtime itself; its wait status. Its pid namespace
+    ends with its init, so no process of the command outlives it; the state
+    left is deleted afterwards (:func:`delete`, ``delete --force``)."""
+    give_up = time.monotonic() + STOP_SECONDS
+    while time.monotonic() < give_up:
+        wait(spawn(container.command("kill", container.container_id, "KILL"), quiet=True))
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        if poller.poll(STOP_POLL_MS):
+            return wait(pid)
+    _signal_quietly(pid, signal.SIGKILL)
+    return wait(pid)
 
 
 @contextmanager
 def forwarding_signals(container: Container, pid: int) -> Iterator[None]:
     """Forward SIGINT/SIGTERM/SIGHUP to the runtime ``pid`` (which forwards them
     to the container's process; SIGTERM as the container's stop signal); on the
-    second one, kill the container."""
+    second one, kill the container. Only the main thread has signal handlers:
+    a run in another thread forwards nothing."""
     received: list[int] = []
 
     def forward(signum: int, _frame: FrameType | None) -> None:
@@ -255,7 +468,12 @@ def forwarding_signals(container: Container, pid: int) -> Iterator[None]:
         else:
             wait(spawn(container.command("kill", container.container_id, "KILL"), quiet=True))
 
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    previous: dict[signal.Signals, Any] = {}
+    try:
+        for sig in FORWARDED_SIGNALS:
+            previous[sig] = signal.signal(sig, forward)
+    except ValueError:  # not the main thread (a caller's worker): nothing to forward
+        pass
     try:
         yield
     finally:
