@@ -292,6 +292,8 @@ class SandboxRecord(Message):
         doc = super().to_json()
         if self.error is None:
             del doc["error"]
+        if not self.limits.given():  # (as an earlier version wrote it)
+            del doc["limits"]
         return doc
 
 
