@@ -269,3 +269,23 @@ def test_a_bad_limit_is_one_usage_error(node, args, message):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert message in proc.stderr
     assert Client(node.root).sandbox("bad") is None
+
+
+def test_the_limits_outlive_a_restart_and_go_into_the_bundle(node):
+    up(node, "kept", "--disk-quota", "10M", "--pids", "20", "--memory", "64M")
+    _, config = Client(node.root).prepare_run("kept", ["true"])  # what `run` writes
+    resources = config["linux"]["resources"]
+    assert resources["memory"] == {"limit": 64 * MiB, "swap": 64 * MiB}
+    assert resources["pids"] == {"limit": 20} and "cpu" not in resources
+    try:
+        assert node.stop() == 0
+        node.start()
+        record = Client(node.root).sandbox("kept")
+        assert record is not None and record.state == "up"
+        assert (record.limits.disk_quota, record.limits.pids) == (10 * MiB, 20)
+        proc = run(node, "runc", "kept", "dd if=/dev/zero of=/big bs=1M count=30")
+        assert "Disk quota exceeded" in proc.stderr, proc.stderr
+        proc = run(node, "crun", "kept", FORK_BOMB)
+        assert [int(n) for n in proc.stdout.split()][-1] == 19, proc.stdout
+    finally:
+        node.cli("down", "kept")
