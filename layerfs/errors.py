@@ -208,3 +208,9 @@ class OverLimit(LayerfsError):
 
     exit_code = 3  # an input error: what the store would hold is beyond layerfs.bounds
 
+
+
+class LimitUnsupported(LayerfsError):
+    """{}: this node cannot enforce it ({}); nothing was brought up"""
+
+    exit_code = 17  # a limit asked for that the node has no means to enforce

@@ -7,24 +7,53 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from layerfs.errors import UsageError
 from layerfs.node.client import Client
 
 from .common import Output, human_bytes
 
+TYPE_CHECKING = False  # (typing is not imported at run time)
+if TYPE_CHECKING:
+    from typing import Any
+
 
 def up(env_ref: str | None, layers: Sequence[str], sid: str, prefetch: str,
-       bundle_dir: str | None, root: str, as_json: bool) -> None:
+       bundle_dir: str | None, root: str, as_json: bool, memory: str | None = None,
+       cpus: str | None = None, pids: str | None = None,
+       disk_quota: str | None = None) -> None:
     if bool(env_ref) == bool(layers):
         raise UsageError("give ENV_REF or --layer refs (not both)")
     record = Client(root).up(sid, env=env_ref, layers=layers, prefetch=prefetch,
-                             bundle_dir=bundle_dir)
+                             bundle_dir=bundle_dir,
+                             memory=limit_value("--memory", memory, size),
+                             cpus=limit_value("--cpus", cpus, float),
+                             pids=limit_value("--pids", pids, int),
+                             disk_quota=limit_value("--disk-quota", disk_quota, size))
     doc = record.to_json()
     if bundle_dir:
         doc["bundle"] = os.path.join(os.path.abspath(bundle_dir), "config.json")
     Output(as_json).emit(doc, record.rootfs)
+
+
+def size(text: str) -> int:
+    from layerfs.sizes import parse_size
+
+    return parse_size(text)
+
+
+def limit_value(option: str, text: str | None, parse: Callable[[str], Any]) -> Any:
+    """An ``up`` limit's value, None if not given; one usage error if malformed."""
+    if text is None:
+        return None
+    try:
+        value = parse(text)
+    except ValueError:
+        raise UsageError(f"{option}: not a valid value: {text[:80]!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):  # nan, inf
+        raise UsageError(f"{option}: not a valid value: {text[:80]!r}")
+    return value
 
 
 def down(sid: str, keep_upper: bool, force: bool, root: str, as_json: bool) -> None:
@@ -33,14 +62,17 @@ def down(sid: str, keep_upper: bool, force: bool, root: str, as_json: bool) -> N
 
 
 def ps(root: str, as_json: bool) -> None:
+    from layerfs.node.limits import describe
+
     rows = Client(root).ps()
 
     def text() -> str:
         lines = [f"{'ID':20} {'STATE':8} {'UPPER':>10} {'READ':>10}  LAYERS"]
         for r in rows:
             refs = r.env or " ".join(r.layer_refs)
+            limits = f"  (limits: {describe(r.limits)})" if r.limits.given() else ""
             lines.append(f"{r.id:20} {r.state:8} {human_bytes(r.upper_bytes):>10} "
-                         f"{human_bytes(r.layer_bytes_read):>10}  {refs}")
+                         f"{human_bytes(r.layer_bytes_read):>10}  {refs}{limits}")
         return "\n".join(lines)
 
     Output(as_json).emit([r.to_json() for r in rows], text)

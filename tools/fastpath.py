@@ -52,7 +52,9 @@ JSON = {"--json": Option("as_json", "flag", default=False)}
 def up_command() -> Command:
     return Command({"--layer": Option("layers", "multiple", default=()), "--id": Option("sid"),
                     "--prefetch": Option("prefetch", default="auto", choices=PREFETCH_MODES),
-                    "--bundle": Option("bundle_dir"), **JSON},
+                    "--bundle": Option("bundle_dir"), "--memory": Option("memory"),
+                    "--cpus": Option("cpus"), "--pids": Option("pids"),
+                    "--disk-quota": Option("disk_quota"), **JSON},
                    positionals=("env_ref?",), required=("sid",))
 
 

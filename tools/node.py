@@ -120,12 +120,21 @@ def group_id(group: str) -> int:
               help="Also write an OCI runtime bundle for the sandbox: DIR/config.json runs "
                    "the image's Entrypoint + Cmd as its User, with its Env and WorkingDir "
                    "(`runc run -b DIR ID`).")
+@click.option("--memory", metavar="SIZE",
+              help="Memory limit of its containers (swap included), e.g. 512M.")
+@click.option("--cpus", metavar="N", help="CPU time limit of its containers, e.g. 0.5.")
+@click.option("--pids", metavar="N", help="Process (and thread) limit of its containers.")
+@click.option("--disk-quota", metavar="SIZE",
+              help="Bytes its writable layer may hold, e.g. 10G (ROOT on btrfs with quotas).")
 @root_option
 @json_option
 def up(env_ref: str | None, layers: tuple[str, ...], sid: str, prefetch: str,
-       bundle_dir: str | None, root: str, as_json: bool) -> None:
-    """Bring up sandbox ID from ENV_REF (or --layer refs); print its rootfs path."""
-    client_commands.up(env_ref, layers, sid, prefetch, bundle_dir, root, as_json)
+       bundle_dir: str | None, memory: str | None, cpus: str | None, pids: str | None,
+       disk_quota: str | None, root: str, as_json: bool) -> None:
+    """Bring up sandbox ID from ENV_REF (or --layer refs); print its rootfs path.
+    A limit the node cannot enforce is refused (exit 17)."""
+    client_commands.up(env_ref, layers, sid, prefetch, bundle_dir, root, as_json,
+                       memory=memory, cpus=cpus, pids=pids, disk_quota=disk_quota)
 
 
 @click.command()

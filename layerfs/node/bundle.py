@@ -207,8 +207,11 @@ def stop_signal(config: ImageConfig | None) -> signal.Signals:
 def runtime_config(rootfs: str, process: ProcessSpec, hostname: str,
                    network: str = "none",
                    nofile: tuple[int, int] = DEFAULT_NOFILE,
-                   annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The OCI runtime config.json for running ``process`` in ``rootfs``."""
+                   annotations: Mapping[str, str] | None = None,
+                   resources: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The OCI runtime config.json for running ``process`` in ``rootfs``;
+    ``resources``: the sandbox's cgroup limits (``linux.resources`` entries
+    beside the device rule, :func:`.limits.resources`)."""
     if network not in NETWORK_MODES:
         raise ValueError(f"network must be one of {NETWORK_MODES}, not {network!r}")
     config: dict[str, Any] = {
@@ -219,6 +222,8 @@ def runtime_config(rootfs: str, process: ProcessSpec, hostname: str,
         "mounts": _mounts(),
         "linux": _linux(network),
     }
+    if resources:
+        config["linux"]["resources"].update(resources)
     if annotations:
         config["annotations"] = dict(annotations)
     return config

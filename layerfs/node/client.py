@@ -52,10 +52,18 @@ class Client:
         return call(self.root, protocol.Ping(), PingAnswer, self.timeout)
 
     def up(self, sandbox_id: str, env: str | None = None, layers: Sequence[str] = (),
-           prefetch: str = "auto", bundle_dir: str | None = None) -> SandboxRecord:
+           prefetch: str = "auto", bundle_dir: str | None = None, *,
+           memory: int | None = None, cpus: float | None = None, pids: int | None = None,
+           disk_quota: int | None = None) -> SandboxRecord:
         """Bring up a sandbox of env ``env`` (a ref) or of ``layers`` (refs, top
         first); ``prefetch`` as ``layerfs up --prefetch`` (auto: replay a
-        layer's pushed trace, if it has one); with ``bundle_dir``, also write an
+        layer's pushed trace, if it has one). Limits (None: none): ``memory``
+        in bytes (swap included), ``cpus`` (CPU time, 0.5: half of one),
+        ``pids`` (processes and threads), enforced in every ``run`` and
+        ``bundle_dir`` bundle, and ``disk_quota``, the bytes its writable
+        layer may hold (ROOT on btrfs with quotas); a limit the node cannot
+        enforce is refused (:class:`~layerfs.errors.LimitUnsupported`, exit
+        17). With ``bundle_dir``, also write an
         OCI runtime bundle for it there (``runc run -b DIR ID``), or take it
         down again if that fails. A bundle directory another user could change
         (:func:`.bundle.open_bundle_dir`) is refused before anything is up."""
@@ -67,7 +75,9 @@ class Client:
             fd = bundle.open_bundle_dir(bundle_dir, create=False)
             if fd is not None:
                 os.close(fd)
-        request = protocol.Up(id=sandbox_id, env=env, layers=list(layers), prefetch=prefetch)
+        limits = protocol.Limits(memory=memory, cpus=cpus, pids=pids, disk_quota=disk_quota)
+        request = protocol.Up(id=sandbox_id, env=env, layers=list(layers), prefetch=prefetch,
+                              limits=limits)
         record = call(self.root, request, protocol.SandboxAnswer, self.timeout).sandbox
         if bundle_dir is not None:
             try:
@@ -179,7 +189,7 @@ def container_config(record: SandboxRecord, network: str, command: tuple[str, ..
     config), and the signal that stops it."""
     import resource
 
-    from . import bundle
+    from . import bundle, limits
 
     image = bundle.image_config_from(record.config)
     hostname = record.id[:63]
@@ -190,5 +200,9 @@ def container_config(record: SandboxRecord, network: str, command: tuple[str, ..
     config = bundle.runtime_config(record.rootfs, process, hostname=hostname,
                                    network=network,
                                    nofile=resource.getrlimit(resource.RLIMIT_NOFILE),
-                                   annotations=bundle.image_annotations(image))
+                                   annotations=bundle.image_annotations(image),
+                                   resources=limits.resources(
+                                       record.limits,
+                                       swap=record.limits.memory is not None
+                                       and limits.swap_accounted()))
     return config, bundle.stop_signal(image)

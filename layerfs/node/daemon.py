@@ -379,7 +379,7 @@ class Daemon:
 
     async def up(self, r: protocol.Up) -> protocol.SandboxAnswer:
         return protocol.SandboxAnswer(
-            await self.sandboxes.up(r.id, r.env, r.layers, r.prefetch))
+            await self.sandboxes.up(r.id, r.env, r.layers, r.prefetch, r.limits))
 
     async def down(self, r: protocol.Down) -> protocol.SandboxAnswer:
         return protocol.SandboxAnswer(await self.sandboxes.down(r.id, r.keep_upper, r.force))

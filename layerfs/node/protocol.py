@@ -160,12 +160,26 @@ class Ping(Request):
     op = "ping"
 
 
+class Limits(Message):
+    """What a sandbox may use (None: unbounded): memory and its processes in
+    bytes and a count, CPU time in CPUs, its writable layer in bytes."""
+
+    memory: int | None = None
+    cpus: float | None = None
+    pids: int | None = None
+    disk_quota: int | None = None
+
+    def given(self) -> bool:
+        return any(getattr(self, f.name) is not None for f in self.__record_fields__)
+
+
 class Up(Request):
     op = "up"
     id: str = ""
     env: str | None = None
     layers: list[str] = field(default_factory=list)
     prefetch: str = "auto"
+    limits: Limits = field(default_factory=Limits)
 
 
 class Down(Request):
@@ -272,11 +286,14 @@ class SandboxRecord(Message):
     prefetch: str = "none"
     created: float = 0.0
     error: str | None = None  # why it is lost
+    limits: Limits = field(default_factory=Limits)  # enforced by `run` and the upper's quota
 
     def to_json(self) -> dict[str, Any]:
         doc = super().to_json()
         if self.error is None:
             del doc["error"]
+        if not self.limits.given():  # (as an earlier version wrote it)
+            del doc["limits"]
         return doc
 
 

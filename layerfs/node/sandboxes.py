@@ -34,10 +34,18 @@ from ..errors import LayerfsError, UsageError
 from ..mounts import SAFE_FLAGS, Overlay, mount_erofs, mount_overlay, umount
 from ..registry import ENVS, LAYERS, Registry
 from ..sizes import du
-from . import runner
+from . import limits as sandbox_limits
+from . import quota, runner
 from .blobfiles import BlobDirectory, BlobFile
 from .fetcher import ChunkFetcher
-from .protocol import LAYER_ROLES, BadMessage, CommitAnswer, SandboxRecord, SandboxStatus
+from .protocol import (
+    LAYER_ROLES,
+    BadMessage,
+    CommitAnswer,
+    Limits,
+    SandboxRecord,
+    SandboxStatus,
+)
 from .replica import Replica
 from .tracereplay import TraceReplay
 from .traces import merge_traces
@@ -203,7 +211,8 @@ class Sandboxes:
         return distinct([self.reg.resolve(LAYERS, ref) for ref in layer_refs]), None
 
     async def up(self, sid: str, env: str | None = None, layers: list[str] | None = None,
-                 prefetch: str = "auto") -> SandboxRecord:
+                 prefetch: str = "auto", limits: Limits | None = None) -> SandboxRecord:
+        limits = limits or Limits()
         if not SANDBOX_ID.fullmatch(sid or ""):
             raise UsageError(f"invalid sandbox id {sid!r} (expected [A-Za-z0-9][A-Za-z0-9._-]*)")
         if prefetch not in PREFETCH:
@@ -212,13 +221,17 @@ class Sandboxes:
             raise UsageError("give an env or --layer refs, not both or neither")
         if sid in self.records or sid in self._busy:
             raise SandboxError(sid, "already exists")
+        sandbox_limits.validate(limits)
         self._busy.add(sid)
         replay: TraceReplay | None = None
         try:
+            if limits.given():
+                await trio.to_thread.run_sync(self._check_limits, limits)
             digests, config = await trio.to_thread.run_sync(self._resolve, env, layers or [])
             record = SandboxRecord(id=sid, env=env, layer_refs=layers or [], layers=digests,
                                    config=config, prefetch=prefetch, created=time.time(),
-                                   state="starting", rootfs=str(self._dir(sid) / "rootfs"))
+                                   state="starting", rootfs=str(self._dir(sid) / "rootfs"),
+                                   limits=limits)
             replay = self._replay(record)
             await self._start(record, fresh=True, replay=replay)
             if replay is not None:
@@ -238,6 +251,14 @@ class Sandboxes:
                 await self.down(sid)
             raise
         return record
+
+    def _check_limits(self, limits: Limits) -> None:
+        """Worker thread: refuse limits this node cannot enforce, before anything is up."""
+        sandbox_limits.check_enforceable(limits)
+        if limits.disk_quota is not None:
+            parent = self.root / "sandboxes"
+            parent.mkdir(parents=True, exist_ok=True)
+            quota.check_supported(parent)
 
     def _replay(self, record: SandboxRecord) -> TraceReplay | None:
         """The sandbox's trace replay, started now, alongside its layers'
@@ -265,6 +286,7 @@ class Sandboxes:
             try:
                 await trio.to_thread.run_sync(make_rootfs, sdir, fresh,
                                               None if adopted else overlay,
+                                              record.limits.disk_quota,
                                               limiter=self.layers.mount_limit)
             except BaseException:
                 if adopted:  # detached now, or the layers under it stay busy
@@ -451,9 +473,15 @@ def mount_layer(source: str, device: Path, target: Path, readahead: int) -> None
     mount_erofs(source, str(device), str(target), directio=True, readahead=readahead)
 
 
-def make_rootfs(sdir: Path, fresh: bool, overlay: Overlay | None) -> None:
-    """Worker thread: the sandbox's directories, then ``overlay`` on its rootfs
-    (None: the overlay is mounted already, kept across a live restart)."""
+def make_rootfs(sdir: Path, fresh: bool, overlay: Overlay | None,
+                disk_quota: int | None = None) -> None:
+    """Worker thread: the sandbox's directories (a fresh one with a
+    ``disk_quota``: a quota-limited subvolume, :mod:`.quota`), then ``overlay``
+    on its rootfs (None: the overlay is mounted already, kept across a live
+    restart)."""
+    if fresh and disk_quota is not None:
+        sdir.parent.mkdir(parents=True, exist_ok=True)
+        quota.make_quota_dir(sdir, disk_quota)
     make_dirs(sdir, fresh)
     if overlay is not None:
         mount_overlay(overlay, str(sdir / "rootfs"), SAFE_FLAGS)
