@@ -34,7 +34,21 @@ def split_endpoints(endpoint: str | None) -> list[str]:
     parts = [part.strip() for part in endpoint.split(",")]
     if not all(parts):
         raise UsageError(f"empty endpoint in S3 endpoint list {endpoint!r}")
+    for part in parts:
+        check_endpoint(part)
     return parts
+
+
+def check_endpoint(endpoint: str) -> None:
+    """An S3 endpoint is an http:// or https:// URL with a host (boto3 takes
+    nothing else)."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        raise UsageError(f"S3 endpoint {endpoint!r} needs a scheme: http://{endpoint} "
+                         f"or https://{endpoint}")
+    if scheme not in ("http", "https") or not rest.split("/")[0]:
+        raise UsageError(f"S3 endpoint {endpoint!r}: expected http://HOST[:PORT] or "
+                         "https://HOST[:PORT]")
 
 
 def open_s3(url: str, endpoint: str | None = None,
