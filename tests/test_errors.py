@@ -21,9 +21,10 @@ from support import build, need_root
 from test_builder import write_tree
 
 import layerfs
-from layerfs.errors import LayerfsError, SandboxExists, SandboxNotFound
-from layerfs.node import Client
-from layerfs.node.control import RemoteError, error_classes
+from layerfs import errors
+from layerfs.errors import LayerfsError
+from layerfs.node import Client, control
+from layerfs.node.control import RemoteError
 from layerfs.node.process import LAYERFS
 from layerfs.store import open_store
 
@@ -52,7 +53,7 @@ def every_error_class() -> dict[str, type[LayerfsError]]:
     """Every LayerfsError class in the package (each module imported), by kind."""
     for module in pkgutil.walk_packages(layerfs.__path__, "layerfs."):
         importlib.import_module(module.name)
-    return error_classes()
+    return control.error_classes()
 
 
 def test_the_readme_table_lists_every_error_class_and_nothing_else():
@@ -69,13 +70,17 @@ def test_the_readme_table_lists_every_error_class_and_nothing_else():
     assert unused == set(), f"README.md lists codes no error class has: {unused}"
     for code, words in NOT_A_CLASS.items():
         assert words in table[code]
+    from layerfs.store.check import StoreNotSafe
+
+    readme = (ROOT / "README.md").read_text()
+    assert f"`NOT safe to share` with the counts (exit {StoreNotSafe.exit_code})" in readme
     # the kinds are the class names, one class each (what --json and the daemon carry)
     names = [c.__name__ for c in classes.values()]
     assert len(names) == len(set(names)) and all(k == c.kind for k, c in classes.items())
 
 
 def test_not_found_exists_and_busy_are_three_codes():
-    assert SandboxNotFound.exit_code == 5 and SandboxExists.exit_code == 9
+    assert errors.SandboxNotFound.exit_code == 5 and errors.SandboxExists.exit_code == 9
     codes = {name: every_error_class()[name].exit_code for name in (
         "RefNotFound", "ObjectNotFound", "SandboxNotFound", "DiskNotFound", "VmNotFound",
         "SandboxExists", "DiskExists", "VmExists", "SandboxBusy", "SandboxInUse", "DiskBusy",
@@ -209,16 +214,16 @@ def test_no_such_sandbox_is_5_and_a_taken_id_9_in_every_command(node):
 
 def test_the_api_raises_the_daemons_error_class(node):
     client = Client(node.root)
-    with pytest.raises(SandboxNotFound) as missing:
+    with pytest.raises(errors.SandboxNotFound) as missing:
         client.down("nosuch")
     assert isinstance(missing.value, RemoteError)  # what callers caught so far still works
     assert (missing.value.exit_code, missing.value.kind) == (5, "SandboxNotFound")
     assert str(missing.value) == "sandbox nosuch: no such sandbox"
-    with pytest.raises(SandboxNotFound):
+    with pytest.raises(errors.SandboxNotFound):
         client.run("nosuch", ["true"])
     client.up("api", layers=["base@1"])
     try:
-        with pytest.raises(SandboxExists) as taken:
+        with pytest.raises(errors.SandboxExists) as taken:
             client.up("api", layers=["base@1"])
         assert taken.value.exit_code == 9 and isinstance(taken.value, RemoteError)
     finally:
