@@ -446,4 +446,5 @@ def test_trace_recorded_pushed_and_replayed_on_another_node(node, tmp_path):
     finally:
         assert other.cleanup() == []
     proc = node.cli("trace", "push", "up@1", check=False)
-    assert proc.returncode != 0 and "no access trace" in proc.stderr
+    assert (proc.returncode, proc.stderr) == (5, "layerfs: error: no such access trace: up@1 "
+                                              "(none recorded on this node)\n")
