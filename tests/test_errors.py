@@ -130,6 +130,14 @@ def test_a_store_url_without_a_scheme_is_one_line(tmp_path):
             "layerfs: error: store URL 'layerfs/prod' needs a scheme: file:///path or "
             "s3://bucket/prefix")
     assert not Path("layerfs/prod").exists()
+    assert "needs a scheme" in one_line(layerfs_cli("ls", "--store", "://x"), 2)
+
+
+@pytest.mark.parametrize("endpoint", ["http://[::1", "http://h:notaport", "ftp://h", "http://"])
+def test_a_malformed_s3_endpoint_is_one_line(endpoint):
+    proc = layerfs_cli("ls", "--store", "s3://bucket/p", "--s3-endpoint", endpoint)
+    assert one_line(proc, 2) == (f"layerfs: error: S3 endpoint {endpoint!r}: expected "
+                                 "http://HOST[:PORT] or https://HOST[:PORT]")
 
 
 def test_errors_under_json_are_one_json_document(tmp_path):

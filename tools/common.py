@@ -62,7 +62,8 @@ def store_options(fn: Callable) -> Callable:
 def check_store_url(url: str | None) -> None:
     """A ``--store`` URL (or ``$LAYERFS_STORE``) names its scheme: a bare path
     such as ``layerfs/prod`` is refused, not taken for a directory here."""
-    if url is not None and "://" not in url:
+    scheme, sep, _ = (url or "").partition("://")
+    if url is not None and not (sep and scheme.isalnum() and scheme[:1].isalpha()):
         from layerfs.errors import UsageError
 
         raise UsageError(f"store URL {url!r} needs a scheme: file:///path or "

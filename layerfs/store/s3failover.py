@@ -18,6 +18,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 from ..errors import StoreUnreachable, UsageError
 from .base import ObjectInfo, RetryPolicy, Store
@@ -42,11 +43,16 @@ def split_endpoints(endpoint: str | None) -> list[str]:
 def check_endpoint(endpoint: str) -> None:
     """An S3 endpoint is an http:// or https:// URL with a host (boto3 takes
     nothing else)."""
-    scheme, sep, rest = endpoint.partition("://")
-    if not sep:
+    if "://" not in endpoint:
         raise UsageError(f"S3 endpoint {endpoint!r} needs a scheme: http://{endpoint} "
                          f"or https://{endpoint}")
-    if scheme not in ("http", "https") or not rest.split("/")[0]:
+    try:
+        parts = urlsplit(endpoint)
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname)
+        parts.port  # noqa: B018 - a port that is not a number raises
+    except ValueError:
+        valid = False
+    if not valid:
         raise UsageError(f"S3 endpoint {endpoint!r}: expected http://HOST[:PORT] or "
                          "https://HOST[:PORT]")
 
