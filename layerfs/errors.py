@@ -16,7 +16,6 @@ class LayerfsError(Exception):
 
     exit_code = 2
     kind = "LayerfsError"
-    remote_text: str | None = None  # the message as a daemon sent it (remote_copy)
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -27,8 +26,6 @@ class LayerfsError(Exception):
         self.args = args
 
     def message(self) -> str:
-        if self.remote_text is not None:
-            return self.remote_text
         doc = (type(self).__doc__ or "{}").strip().splitlines()[0]
         try:
             return doc.format(*self.args)
