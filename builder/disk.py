@@ -46,6 +46,7 @@ class DiskResult:
     digest: str
     manifest: DiskManifest
     published: bool
+    uploaded_bytes: int = 0  # what this push wrote (0 if the version existed already)
 
 
 def deterministic_uuid(name: str, version: str) -> str:
@@ -184,7 +185,7 @@ def publish_disk(reg: Registry, src: DiskSource, name: str, version: str,
     digest, _ = store.put_blob(manifest_bytes)
     held = {table_digest: table, digest: manifest_bytes}
     publish_verified(reg, name, version, digest, result.reused, held)
-    return DiskResult(ref, digest, manifest, published=True)
+    return DiskResult(ref, digest, manifest, published=True, uploaded_bytes=stats.uploaded_bytes)
 
 
 def build_disk(reg: Registry, image: str, name: str, version: str, parent_ref: str | None = None,

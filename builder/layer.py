@@ -80,6 +80,8 @@ class BuildResult:
     digest: str
     manifest: LayerManifest
     published: bool  # False: the version existed with this content; nothing written
+    uploaded_bytes: int = 0  # what this push wrote (0 if the version existed already)
+    uploaded_packs: int = 0
 
 
 @dataclass
@@ -177,8 +179,8 @@ def build_layer(reg: Registry, src: str, opts: BuildOptions,
                                       held, same=lambda other: _same_layer(reg, other, identity))
     if not created:  # a concurrent build of the same source published first
         return BuildResult(ref, named, reg.layer(named) if named != digest else manifest,
-                           published=False)
-    return BuildResult(ref, digest, manifest, published=True)
+                           False, stats.uploaded_bytes, stats.uploaded_packs)
+    return BuildResult(ref, digest, manifest, True, stats.uploaded_bytes, stats.uploaded_packs)
 
 
 def _same_layer(reg: Registry, digest: str, identity: LayerIdentity) -> bool:

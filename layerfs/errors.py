@@ -1,7 +1,11 @@
 """Errors a user can cause or meet.
 
 Each class's docstring is its message (formatted with the constructor's
-arguments) and each carries the process exit code the CLI uses for it.
+arguments) and each carries the process exit code the CLI uses for it: one
+code per meaning, the same in every command (README.md, Errors and exit
+codes, lists them; tests/test_errors.py checks the table against these
+classes). Its ``kind`` is the class's name, what ``--json`` errors and the
+node's control protocol carry.
 """
 
 from __future__ import annotations
@@ -11,6 +15,11 @@ class LayerfsError(Exception):
     """Error: {}"""
 
     exit_code = 2
+    kind = "LayerfsError"
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.kind = cls.__name__
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
@@ -72,13 +81,13 @@ class UnsupportedEntry(LayerfsError):
 class DiskError(LayerfsError):
     """disk {}: {}"""
 
-    exit_code = 9  # the node's exit code for an object that exists, is missing or busy
+    exit_code = 9  # the base of the disk errors at the end: raise one of those
 
 
 class VmError(LayerfsError):
     """vm {}: {}"""
 
-    exit_code = 9
+    exit_code = 9  # the base of the vm errors at the end: raise one of those
 
 
 class VersionExists(LayerfsError):
@@ -214,3 +223,77 @@ class LimitUnsupported(LayerfsError):
     """{}: this node cannot enforce it ({}); nothing was brought up"""
 
     exit_code = 17  # a limit asked for that the node has no means to enforce
+
+
+# -- node objects: a sandbox, disk or vm that is missing (5), exists (9) or is busy (15)
+
+class SandboxError(LayerfsError):
+    """sandbox {}: {}"""
+
+    exit_code = 9  # the base of the sandbox errors below: raise one of those
+
+
+class SandboxNotFound(SandboxError):
+    """sandbox {}: no such sandbox"""
+
+    exit_code = 5
+
+
+class SandboxExists(SandboxError):
+    """sandbox {}: already exists"""
+
+    exit_code = 9
+
+
+class SandboxBusy(SandboxError):
+    """sandbox {}: container {} runs in it (stop it first, or `down --force` kills it)"""
+
+    exit_code = 15
+
+
+class SandboxInUse(SandboxError):
+    """sandbox {}: busy (another request is bringing it up, taking it down or committing it)"""
+
+    exit_code = 15
+
+
+class DiskNotFound(DiskError):
+    """disk {}: no such disk"""
+
+    exit_code = 5
+
+
+class DiskExists(DiskError):
+    """disk {}: already exists"""
+
+    exit_code = 9
+
+
+class DiskBusy(DiskError):
+    """disk {}: busy"""
+
+    exit_code = 15
+
+
+class DiskBroken(DiskError):
+    """disk {} cannot be opened: {}"""
+
+    exit_code = 6  # what an earlier run left does not load: see the daemon's log
+
+
+class VmNotFound(VmError):
+    """vm {}: no such vm"""
+
+    exit_code = 5
+
+
+class VmExists(VmError):
+    """vm {}: already exists"""
+
+    exit_code = 9
+
+
+class ControlSocketDenied(LayerfsError):
+    """permission denied on {}: only root drives the node daemon (run this as root)"""
+
+    exit_code = 2  # as `layerfs daemon` run by another user: a command root must run

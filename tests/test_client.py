@@ -17,9 +17,8 @@ import pytest
 from nodes import NodeDaemon
 from support import build, need_root
 
-from layerfs.errors import LayerfsError, UsageError
+from layerfs.errors import RefNotFound, SandboxNotFound, UsageError
 from layerfs.node import Client
-from layerfs.node.client import SandboxNotUp
 from layerfs.node.control import DaemonNotRunning, RemoteError, socket_path
 from layerfs.node.process import LAYERFS
 from layerfs.node.protocol import SandboxRecord, SandboxStatus, StatsAnswer
@@ -115,7 +114,7 @@ def test_the_api_brings_up_lists_and_takes_down_a_sandbox(node):
     finally:
         down = client.down("api")
     assert down.state == "down"
-    with pytest.raises(SandboxNotUp, match="sandbox api is not up"):
+    with pytest.raises(SandboxNotFound, match="sandbox api: no such sandbox"):
         client.run("api", ["true"])
 
 
@@ -139,7 +138,7 @@ def test_the_api_raises_the_layerfs_errors(node, tmp_path):
     client = Client(node.root)
     with pytest.raises(RemoteError) as refused:
         client.up("bad", layers=["no-such-layer@1"])
-    assert isinstance(refused.value, LayerfsError) and refused.value.exit_code != 0
+    assert isinstance(refused.value, RefNotFound) and refused.value.exit_code == 5
     with pytest.raises(UsageError, match="not both"):
         client.up("bad", env="e@1", layers=["base@1"])
     assert client.ps() == []

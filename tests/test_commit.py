@@ -207,7 +207,7 @@ def test_commit_while_a_process_appends(node, tmp_path):
 
 def test_commit_bad_input(node):
     missing = node.cli("commit", "nope", "--name", "ws", "--version", "1", check=False)
-    assert missing.returncode == 9
+    assert missing.returncode == 5
     assert missing.stderr.strip().splitlines() == ["layerfs: error: sandbox nope: no such sandbox"]
     rootfs = up(node, "e@1", "s1")
     with pytest.raises(RemoteError) as err:  # an erofs layer cannot claim the disk role

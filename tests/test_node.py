@@ -376,15 +376,16 @@ def test_200_sandboxes_on_shared_layers(node):
 
 
 def test_bad_requests_are_one_line_errors(node):
-    for args, words in [(["up", "nothere@1", "--id", "x"], "no such env"),
-                        (["up", "e@1", "--id", "bad id"], "invalid sandbox id"),
-                        (["down", "nope"], "no such sandbox")]:
+    for args, code, words in [(["up", "nothere@1", "--id", "x"], 5, "no such env"),
+                              (["up", "e@1", "--id", "bad id"], 2, "invalid sandbox id"),
+                              (["down", "nope"], 5, "no such sandbox")]:
         proc = node.cli(*args, check=False)
-        assert proc.returncode != 0
+        assert proc.returncode == code, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and words in lines[0], proc.stderr
     up(node, "dup")
-    assert "already exists" in node.cli("up", "e@1", "--id", "dup", check=False).stderr
+    taken = node.cli("up", "e@1", "--id", "dup", check=False)
+    assert (taken.returncode, taken.stderr) == (9, "layerfs: error: sandbox dup: already exists\n")
     node.cli("down", "dup")
 
 
@@ -445,4 +446,5 @@ def test_trace_recorded_pushed_and_replayed_on_another_node(node, tmp_path):
     finally:
         assert other.cleanup() == []
     proc = node.cli("trace", "push", "up@1", check=False)
-    assert proc.returncode != 0 and "no access trace" in proc.stderr
+    assert (proc.returncode, proc.stderr) == (5, "layerfs: error: no such access trace: up@1 "
+                                              "(none recorded on this node)\n")

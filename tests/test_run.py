@@ -314,17 +314,17 @@ def busy_sandbox(node: NodeDaemon, sid: str, runtime: str) -> Iterator[tuple[sub
 
 
 def refused_down(node: NodeDaemon, sid: str, cid: str, via: str) -> None:
-    """``down`` (the CLI's or ``Client.down``) refuses with exit code 9, and
+    """``down`` (the CLI's or ``Client.down``) refuses with exit code 15, and
     leaves the sandbox as it was."""
     if via == "cli":
         down = node.cli("down", sid, check=False)
-        assert down.returncode == 9
+        assert down.returncode == 15
         assert down.stderr == (f"layerfs: error: sandbox {sid}: container {cid} runs in "
                                "it (stop it first, or `down --force` kills it)\n")
     else:
         with pytest.raises(RemoteError, match=f"container {cid} runs in it") as refused:
             Client(node.root).down(sid)
-        assert refused.value.exit_code == 9
+        assert refused.value.exit_code == 15
     assert (node.root / "sandboxes" / sid / "upper").is_dir()
     assert sid in {row["id"] for row in node.request("ps")["sandboxes"]}
 

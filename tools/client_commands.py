@@ -12,11 +12,20 @@ from collections.abc import Callable, Sequence
 from layerfs.errors import UsageError
 from layerfs.node.client import Client
 
-from .common import Output, human_bytes
+from .common import Output, human_bytes, iso_time
 
 TYPE_CHECKING = False  # (typing is not imported at run time)
 if TYPE_CHECKING:
     from typing import Any
+
+    from layerfs.node.protocol import SandboxRecord
+
+
+def sandbox_json(record: SandboxRecord) -> dict[str, Any]:
+    """A sandbox record as the JSON output shows it: ``created`` in ISO 8601 UTC."""
+    doc = record.to_json()
+    doc["created"] = iso_time(record.created)
+    return doc
 
 
 def up(env_ref: str | None, layers: Sequence[str], sid: str, prefetch: str,
@@ -31,7 +40,7 @@ def up(env_ref: str | None, layers: Sequence[str], sid: str, prefetch: str,
                              cpus=limit_value("--cpus", cpus, float),
                              pids=limit_value("--pids", pids, int),
                              disk_quota=limit_value("--disk-quota", disk_quota, size))
-    doc = record.to_json()
+    doc = sandbox_json(record)
     if bundle_dir:
         doc["bundle"] = os.path.join(os.path.abspath(bundle_dir), "config.json")
     Output(as_json).emit(doc, record.rootfs)
@@ -58,7 +67,7 @@ def limit_value(option: str, text: str | None, parse: Callable[[str], Any]) -> A
 
 def down(sid: str, keep_upper: bool, force: bool, root: str, as_json: bool) -> None:
     record = Client(root).down(sid, keep_upper=keep_upper, force=force)
-    Output(as_json).emit(record.to_json(), f"{sid} down")
+    Output(as_json).emit(sandbox_json(record), f"{sid} down")
 
 
 def ps(root: str, as_json: bool) -> None:
@@ -75,7 +84,7 @@ def ps(root: str, as_json: bool) -> None:
                          f"{human_bytes(r.layer_bytes_read):>10}  {refs}{limits}")
         return "\n".join(lines)
 
-    Output(as_json).emit([r.to_json() for r in rows], text)
+    Output(as_json).emit([sandbox_json(r) for r in rows], text)
 
 
 def stats(root: str, as_json: bool) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 TYPE_CHECKING = False  # (typing is not imported at run time)
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from typing import Any
 
 
@@ -48,6 +49,7 @@ def store_options(fn: Callable) -> Callable:
         from layerfs.registry import Registry
         from layerfs.store import open_store
 
+        check_store_url(store_url)
         store = open_store(store_url, s3_endpoint=s3_endpoint)
         try:
             return fn(Output(as_json), Registry(store), **kw)
@@ -57,19 +59,66 @@ def store_options(fn: Callable) -> Callable:
     return wrapper
 
 
+def check_store_url(url: str | None) -> None:
+    """A ``--store`` URL (or ``$LAYERFS_STORE``) names its scheme: a bare path
+    such as ``layerfs/prod`` is refused, not taken for a directory here."""
+    scheme, sep, _ = (url or "").partition("://")
+    if url is not None and not (sep and scheme.isalnum() and scheme[:1].isalpha()):
+        from layerfs.errors import UsageError
+
+        raise UsageError(f"store URL {url!r} needs a scheme: file:///path or "
+                         "s3://bucket/prefix")
+
+
 class Output:
     """Writes either human text or one JSON document to stdout."""
+
+    json_emitted = False  # a JSON document went to stdout (then no JSON error follows)
 
     def __init__(self, as_json: bool) -> None:
         self.as_json = as_json
 
     def emit(self, doc: Any, text: str | Callable[[], str]) -> None:
+        if self.as_json:
+            Output.json_emitted = True
         out = json.dumps(doc, indent=2, sort_keys=True) if self.as_json else (
             text() if callable(text) else text)
         try:
             print(out, flush=True)
         except BrokenPipeError:  # the reader left (`layerfs ps | head -1`): quietly, as
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # click does
+
+
+def iso_time(epoch: float) -> str:
+    """An epoch time as the JSON output writes every time: ISO 8601 UTC,
+    ``2026-12-02T03:04:05.123456Z``."""
+    import time
+
+    seconds = int(epoch // 1)
+    micros = min(999_999, round((epoch - seconds) * 1e6))
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{micros:06d}Z"
+
+
+def json_requested(args: Sequence[str]) -> bool:
+    """Whether ``--json`` is among the arguments (before a ``--``, after which
+    they are a command's): then an error is also a JSON document."""
+    head = args[:list(args).index("--")] if "--" in args else args
+    return "--json" in head
+
+
+def json_error(error: object, exit_code: int, kind: str) -> None:
+    """An error as one JSON document on stdout, ``{"error": MESSAGE, "exit":
+    CODE, "kind": KIND}`` (KIND: the error class's name), unless the command
+    already printed its JSON document (whose exit code then tells)."""
+    if Output.json_emitted:
+        return
+    from layerfs.bounds import MAX_ERROR_LINE, cut
+
+    doc = {"error": cut(str(error), MAX_ERROR_LINE), "exit": exit_code, "kind": kind}
+    try:
+        print(json.dumps(doc, sort_keys=True), flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def human_bytes(n: float | None) -> str:

@@ -28,7 +28,8 @@ def build_disk_cmd(out: Output, reg: Registry, image: str, name: str, version: s
     res = build_disk(reg, image, name, version, parent, parse_size(chunk_size))
     s = res.manifest.stats
     doc = {"ref": res.ref, "digest": res.digest, "published": res.published,
-           "virtual_size": res.manifest.virtual_size, "stats": s.__dict__}
+           "virtual_size": res.manifest.virtual_size,
+           "stats": {**s.__dict__, "uploaded_bytes": res.uploaded_bytes}}  # this push's
     text = (f"{res.ref} {res.digest}\n  disk {human_bytes(res.manifest.virtual_size)}, data "
             f"{human_bytes(s.file_bytes)}, stored {human_bytes(s.stored_bytes)}, uploaded "
             f"{human_bytes(s.uploaded_bytes)}" if res.published else

@@ -54,7 +54,8 @@ def build(out: Output, reg: Registry, src: str, name: str, version: str, role: s
             warn(text)
     s = result.manifest.stats
     doc = {"ref": result.ref, "digest": result.digest, "published": result.published,
-           "stats": s.__dict__}
+           "stats": {**s.__dict__, "uploaded_bytes": result.uploaded_bytes,
+                     "uploaded_packs": result.uploaded_packs}}  # this push's
     if result.published:
         text = (f"{result.ref} {result.digest}\n"
                 f"  {s.files} files, {human_bytes(s.file_bytes)}; {s.unique_chunks} chunks "

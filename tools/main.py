@@ -1,5 +1,10 @@
 """The ``layerfs`` entry point: the command line and error reporting.
 
+An error is one line on stderr and its exit code; with ``--json`` among the
+arguments (before any ``--``) it is also one JSON document on stdout,
+``{"error": LINE, "exit": CODE, "kind": KIND}`` (:func:`.common.json_error`),
+unless the command already printed its JSON document there.
+
 A node client command (``up``, ``down``, ``ps``, ``stats``, ``run``) in its
 plain form is parsed by :mod:`.fastpath` without importing click (a node
 command starts in a few tens of ms); everything else, ``--help`` and any
@@ -13,31 +18,42 @@ import sys
 from layerfs.errors import LayerfsError
 
 from . import fastpath
-from .common import diagnostic
+from .common import diagnostic, json_error, json_requested
+
+TYPE_CHECKING = False  # (typing is not imported at run time: a node command starts faster)
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; every error a user can cause is one line (of at most
     :data:`~layerfs.bounds.MAX_ERROR_LINE` characters) and a nonzero exit."""
     args = sys.argv[1:] if argv is None else list(argv)
+    as_json = json_requested(args)
     try:
         if not fastpath.run(args):
-            run_click(args)
+            run_click(args, as_json)
     except LayerfsError as exc:
-        print(diagnostic("error", exc), file=sys.stderr)
-        sys.exit(exc.exit_code)
+        fail(exc, exc.exit_code, exc.kind, as_json)
     except KeyboardInterrupt:
-        print("layerfs: interrupted", file=sys.stderr)
-        sys.exit(130)
+        fail("interrupted", 130, "Interrupted", as_json, line="layerfs: interrupted")
     except OSError as exc:
-        print(diagnostic("error", exc), file=sys.stderr)
-        sys.exit(1)
+        fail(exc, 1, type(exc).__name__, as_json)
     sys.exit(0)
 
 
-def run_click(args: list[str]) -> None:
+def fail(error: object, exit_code: int, kind: str, as_json: bool,
+         line: str | None = None) -> NoReturn:
+    """Report an error (with ``as_json`` also as JSON on stdout) and exit with its code."""
+    if as_json:
+        json_error(error, exit_code, kind)
+    print(line or diagnostic("error", error), file=sys.stderr)
+    sys.exit(exit_code)
+
+
+def run_click(args: list[str], as_json: bool = False) -> None:
     """Parse and run ``args`` with the click group (its usage errors and aborts
-    reported as click does)."""
+    reported as click does; with ``as_json`` also as JSON)."""
     import click
 
     from .group import cli
@@ -51,11 +67,13 @@ def run_click(args: list[str]) -> None:
 
         # (the message may quote an argument whole; click declares it Final, for its own use)
         exc.message = cut(exc.message, MAX_ERROR_LINE)  # type: ignore[misc]
+        if as_json:
+            kind = "UsageError" if isinstance(exc, click.UsageError) else type(exc).__name__
+            json_error(exc.format_message(), exc.exit_code, kind)
         exc.show()
         sys.exit(exc.exit_code)
     except click.Abort:
-        click.echo("layerfs: aborted", err=True)
-        sys.exit(130)
+        fail("aborted", 130, "Aborted", as_json, line="layerfs: aborted")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from layerfs.node.control import DEFAULT_ROOT
 from layerfs.node.protocol import LAYER_ROLES
 
 from . import client_commands
-from .common import Output, parse_size
+from .common import Output, check_store_url, parse_size
 from .fastpath import PREFETCH_MODES
 
 
@@ -86,6 +86,7 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
         raise UsageError(f"--restart-grace {restart_grace:g}: between 0 and 86400 seconds")
     if os.geteuid() != 0:
         raise UsageError("the daemon needs root (FUSE, EROFS and overlayfs mounts)")
+    check_store_url(store_url)
     cfg = DaemonConfig(root=root, store_url=store_url, s3_endpoint=s3_endpoint,
                        cache_size=parse_size(cache_size), cache_form=cache_form,
                        read_timeout=read_timeout,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from layerfs.store import open_store
 from layerfs.store.check import CheckPlan, StoreNotSafe, run_check
+
+from .common import Output, check_store_url
 
 
 @click.group()
@@ -34,21 +34,24 @@ def check(urls: tuple[str, ...], writers: int, rounds: int, payload: int,
     may win, and all must read the winner's bytes) and puts its own bytes to
     another (every read must be one writer's bytes whole). Give several URLs
     (e.g. two mounts of one shared file system) to spread the writers over them.
-    Exit 0 if safe, 11 if not.
+    Exit 0 if safe, 13 if not.
     """
+    for url in urls:
+        check_store_url(url)
     plan = CheckPlan(urls, writers, rounds, payload, s3_endpoint)
     first = open_store(urls[0], s3_endpoint=s3_endpoint)
     try:
         result = run_check(plan, first)
     finally:
         first.close()
-    if as_json:
-        click.echo(json.dumps({"safe": result.safe, "urls": list(urls), "writers": writers,
-                               "rounds": rounds, "double_wins": result.double_wins,
-                               "no_wins": result.no_wins, "wrong_reads": result.wrong_reads,
-                               "torn_reads": result.torn_reads, "errors": result.errors},
-                              indent=2, sort_keys=True))
-    if not result.safe:
-        raise StoreNotSafe(result.verdict())
-    if not as_json:
-        click.echo(result.verdict())
+    doc = {"safe": result.safe, "urls": list(urls), "writers": writers, "rounds": rounds,
+           "double_wins": result.double_wins, "no_wins": result.no_wins,
+           "wrong_reads": result.wrong_reads, "torn_reads": result.torn_reads,
+           "errors": result.errors}
+    refusal = None if result.safe else StoreNotSafe(result.verdict())
+    if refusal is not None:  # the verdict's document is the JSON error too
+        doc |= {"error": str(refusal), "exit": refusal.exit_code, "kind": refusal.kind}
+    if as_json or refusal is None:
+        Output(as_json).emit(doc, result.verdict())
+    if refusal is not None:
+        raise refusal

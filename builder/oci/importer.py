@@ -240,4 +240,4 @@ def _import_group(reg: Registry, source: ImageSource, group: list[ImageLayer],
                          tar_split=_record_maker(recorder, diff_ids[0]) if recorder else None)
     below.add_table(reg.chunk_table(result.manifest), ref)
     return ImportedLayer(diff_ids, ref, result.digest, built=result.published,
-                         uploaded_bytes=result.manifest.stats.uploaded_bytes)
+                         uploaded_bytes=result.uploaded_bytes)

@@ -3,7 +3,9 @@ over its control socket, the same calls the CLI's node commands make.
 
 Requests and answers are the typed records of :mod:`.protocol`; a daemon that
 refuses a request raises :class:`~.control.RemoteError` (its message and exit
-code), one that is not running :class:`~.control.DaemonNotRunning`, both
+code) that is also the daemon's error class (:func:`.control.remote_error`:
+``SandboxNotFound``, ``SandboxBusy``, ``RefNotFound`` ...), one that is not
+running :class:`~.control.DaemonNotRunning`, all
 :class:`~layerfs.errors.LayerfsError`. The module imports only the standard
 library, the records and the socket client, so that a command starts fast; what
 ``run`` and ``up --bundle`` need (the OCI bundle writer, the runtime runner) is
@@ -15,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
-from ..errors import UsageError
+from ..errors import SandboxNotFound, UsageError
 from . import protocol
 from .control import DEFAULT_ROOT, call
 from .protocol import (
@@ -101,8 +103,8 @@ class Client:
     def down(self, sandbox_id: str, keep_upper: bool = False,
              force: bool = False) -> SandboxRecord:
         """Take a sandbox down and unmount what only it used; its last record.
-        A sandbox a ``run`` container still runs in is refused (exit code 9)
-        unless ``force``, which kills the container first."""
+        A sandbox a ``run`` container still runs in is refused (``SandboxBusy``,
+        exit code 15) unless ``force``, which kills the container first."""
         request = protocol.Down(id=sandbox_id, keep_upper=keep_upper, force=force)
         return call(self.root, request, protocol.SandboxAnswer, self.timeout).sandbox
 
@@ -171,7 +173,9 @@ class Client:
         from . import runner
 
         record = self.sandbox(sandbox_id)
-        if record is None or record.state != "up":
+        if record is None:
+            raise SandboxNotFound(sandbox_id)
+        if record.state != "up":
             raise SandboxNotUp(sandbox_id)
         config, stop = container_config(record, network, command=tuple(command),
                                         entrypoint=entrypoint, user=user, terminal=terminal,

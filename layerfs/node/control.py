@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable
 
-from ..errors import LayerfsError
+from ..errors import ControlSocketDenied, LayerfsError
 from .protocol import Ping, Request
 
 TYPE_CHECKING = False  # (typing is not imported at run time)
@@ -37,9 +37,41 @@ class DaemonNotRunning(LayerfsError):
 class RemoteError(LayerfsError):
     """{}"""
 
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, code: int, kind: str = "RemoteError") -> None:
+        LayerfsError.__init__(self, message)  # (not the kind's own constructor: remote_error)
         self.exit_code = code
+        self.kind = kind
+
+
+_REMOTE_CLASSES: dict[str, type[RemoteError]] = {}
+
+
+def remote_error(message: str, code: int, kind: str) -> RemoteError:
+    """A daemon's error as the client raises it: a :class:`RemoteError` that is
+    also an instance of the error class named ``kind``, if this process knows
+    one (``except SandboxNotFound`` and ``except RemoteError`` both catch it),
+    its message and exit code the daemon's."""
+    cls = _REMOTE_CLASSES.get(kind)
+    if cls is None:
+        known = error_classes().get(kind)
+        if known is None:
+            return RemoteError(message, code, kind)
+        cls = _REMOTE_CLASSES[kind] = type(kind, (RemoteError, known), {
+            "__doc__": "{}", "__module__": __name__, "__qualname__": kind})
+    return cls(message, code, kind)
+
+
+def error_classes() -> dict[str, type[LayerfsError]]:
+    """Every layerfs error class this process has imported, by kind (remote
+    copies left out)."""
+    found: dict[str, type[LayerfsError]] = {}
+    todo: list[type[LayerfsError]] = [LayerfsError]
+    while todo:
+        cls = todo.pop()
+        if not issubclass(cls, RemoteError):
+            found.setdefault(cls.kind, cls)
+        todo += cls.__subclasses__()
+    return found
 
 
 def socket_path(root: str | os.PathLike[str]) -> str:
@@ -67,6 +99,8 @@ def call_raw(root: str | os.PathLike[str], request: dict[str, Any],
             sock.connect(socket_path(root))
         except (FileNotFoundError, ConnectionRefusedError):
             raise DaemonNotRunning(root, root) from None
+        except PermissionError:
+            raise ControlSocketDenied(socket_path(root)) from None
         sock.sendall(json.dumps(request).encode() + b"\n")
         buf = b""
         while not buf.endswith(b"\n"):
@@ -80,7 +114,8 @@ def call_raw(root: str | os.PathLike[str], request: dict[str, Any],
         raise DaemonNotRunning(root, root)
     response = json.loads(buf)
     if not response.pop("ok", False):
-        raise RemoteError(response.get("error", "unknown error"), int(response.get("code", 1)))
+        raise remote_error(str(response.get("error", "unknown error")),
+                           int(response.get("code", 1)), str(response.get("kind", "RemoteError")))
     return response
 
 

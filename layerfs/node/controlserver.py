@@ -25,13 +25,25 @@ MAX_REQUEST = 1 << 20
 Handler = Callable[[Request], Awaitable[Message]]
 
 
-def exit_code_of(exc: LayerfsError) -> int:
-    """The exit code of an error's first cause that is a layerfs error: a read
-    that failed because a chunk is damaged exits as an integrity error (6), one
-    whose store is down as unreachable (8)."""
+def deciding_error(exc: LayerfsError) -> LayerfsError:
+    """An error's first cause that is a layerfs error, whose exit code and kind
+    the answer carries: a read that failed because a chunk is damaged exits as
+    an integrity error (6), one whose store is down as unreachable (8)."""
     while isinstance(exc.__cause__, LayerfsError):
         exc = exc.__cause__
-    return exc.exit_code
+    return exc
+
+
+def exit_code_of(exc: LayerfsError) -> int:
+    """The exit code a refused request's answer carries for ``exc``."""
+    return deciding_error(exc).exit_code
+
+
+def error_answer(exc: LayerfsError) -> dict[str, Any]:
+    """A refused request's answer: the message, the exit code and the kind
+    (the error class's name) the client raises it as (:func:`.control.remote_error`)."""
+    cause = deciding_error(exc)
+    return {"ok": False, "error": str(exc), "code": cause.exit_code, "kind": cause.kind}
 
 
 class ControlServer:
@@ -73,15 +85,17 @@ class ControlServer:
             if not isinstance(request, dict):
                 raise ValueError("not an object")
         except ValueError:
-            return {"ok": False, "error": "bad request: not a JSON object", "code": 2}
+            return {"ok": False, "error": "bad request: not a JSON object", "code": 2,
+                    "kind": "BadMessage"}
         try:
             answer = await self.handler(parse_request(request))
             return {"ok": True, **answer.to_json()}
         except LayerfsError as exc:
-            return {"ok": False, "error": str(exc), "code": exit_code_of(exc)}
+            return error_answer(exc)
         except OSError as exc:
             log.error("%s: %s", request.get("op"), exc)
-            return {"ok": False, "error": str(exc), "code": 1}
+            return {"ok": False, "error": str(exc), "code": 1, "kind": type(exc).__name__}
         except Exception as exc:  # the daemon keeps serving; the cause is logged
             log.exception("%s failed", request.get("op"))
-            return {"ok": False, "error": f"internal error: {exc!r}", "code": 1}
+            return {"ok": False, "error": f"internal error: {exc!r}", "code": 1,
+                    "kind": "InternalError"}

@@ -33,7 +33,7 @@ import pyfuse3
 import trio
 
 from ..cache.chunkcache import ChunkCache
-from ..errors import LayerfsError, UsageError
+from ..errors import LayerfsError, RefNotFound, UsageError
 from ..formats.erofs import write_meta_image
 from ..mounts import fs_type, mount_erofs, mounts_under, set_readahead, umount
 from ..registry import LAYERS, Registry
@@ -428,7 +428,7 @@ class Daemon:
         order = await trio.to_thread.run_sync(self.replica.trace, digest)
         order = merge_traces(order, list(mounted.blob.trace) if mounted else [])
         if not order:
-            raise UsageError(f"no access trace recorded for {ref} on this node")
+            raise RefNotFound("access trace", f"{ref} (none recorded on this node)")
         pushed = await trio.to_thread.run_sync(pushed_trace, self.store, digest)
         order = merge_traces(pushed or [], order)  # other nodes' runs stay in it
         await trio.to_thread.run_sync(self.store.put, trace_key(digest), trace_bytes(order))

@@ -25,7 +25,16 @@ from pathlib import Path
 import trio
 
 from ..builder.disk import DiskSource, publish_disk
-from ..errors import DiskError, LayerfsError, UsageError, VmError
+from ..errors import (
+    DiskBroken,
+    DiskBusy,
+    DiskExists,
+    DiskNotFound,
+    LayerfsError,
+    UsageError,
+    VmExists,
+    VmNotFound,
+)
 from ..formats import lsmt
 from ..formats.chunktable import ChunkTable
 from ..registry import ENVS, LAYERS, Registry
@@ -102,7 +111,7 @@ class DiskManager:
         if not SANDBOX_ID.fullmatch(sid or ""):
             raise UsageError(f"invalid disk id {sid!r} (expected [A-Za-z0-9][A-Za-z0-9._-]*)")
         if sid in self.disks or sid in self._busy or (self.dir / sid).exists():
-            raise DiskError(sid, "already exists")
+            raise DiskExists(sid)
         if size is not None:
             check_disk_size(size)
         self._busy.add(sid)
@@ -167,10 +176,11 @@ class DiskManager:
     def _get(self, sid: str) -> WritableDisk:
         disk = self.disks.get(sid)
         if disk is None:
-            why = self.broken.get(sid, "no such disk")
-            raise DiskError(sid, why)
+            if sid in self.broken:
+                raise DiskBroken(sid, self.broken[sid])
+            raise DiskNotFound(sid)
         if sid in self._busy:
-            raise DiskError(sid, "busy")
+            raise DiskBusy(sid)
         return disk
 
     async def commit(self, sid: str, name: str, version: str) -> DiskCommitAnswer:
@@ -191,7 +201,7 @@ class DiskManager:
                                 published=result.published,
                                 changed_bytes=sum(m.length for m in changes) * SECTOR,
                                 stored_bytes=result.manifest.stats.stored_bytes,
-                                uploaded_bytes=result.manifest.stats.uploaded_bytes,
+                                uploaded_bytes=result.uploaded_bytes,
                                 parent=parent)
 
     def describe(self, sid: str) -> DiskRecord:
@@ -211,7 +221,7 @@ class DiskManager:
     async def vm_up(self, vid: str, env: str | None, layer_refs: list[str], disk_size: int,
                     base_disk: str | None) -> VmRecord:
         if vid in self.vms:
-            raise VmError(vid, "already exists")
+            raise VmExists(vid)
         if bool(env) == bool(layer_refs):
             raise UsageError("give an env or --layer refs, not both or neither")
         check_disk_size(disk_size)
@@ -245,7 +255,7 @@ class DiskManager:
     async def vm_down(self, vid: str, keep: bool) -> VmRecord:
         vm = self.vms.pop(vid, None)
         if vm is None:
-            raise VmError(vid, "no such vm")
+            raise VmNotFound(vid)
         for d in vm.blobs:
             self.blobs.remove(d)
         if not keep:

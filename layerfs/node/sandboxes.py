@@ -30,7 +30,14 @@ import trio
 from ..builder.dirsource import UpperSource
 from ..builder.layer import BuildOptions, build_layer
 from ..builder.pipeline import DEFAULT_CHUNK_SIZE
-from ..errors import LayerfsError, UsageError
+from ..errors import (
+    LayerfsError,
+    SandboxBusy,
+    SandboxExists,
+    SandboxInUse,
+    SandboxNotFound,
+    UsageError,
+)
 from ..mounts import SAFE_FLAGS, Overlay, mount_erofs, mount_overlay, umount
 from ..registry import ENVS, LAYERS, Registry
 from ..sizes import du
@@ -61,16 +68,16 @@ PREFETCH = ("none", "full", "trace", "auto")
 OVERLAY_OPTIONS = (("redirect_dir", "nofollow"), ("metacopy", "off"))
 
 
-class SandboxError(LayerfsError):
-    """sandbox {}: {}"""
-
-    exit_code = 9
 
 
-class SandboxBusy(SandboxError):
-    """sandbox {}: container {} runs in it (stop it first, or `down --force` kills it)"""
-
-    exit_code = 9  # the node's code for busy
+def ready_record(sid: str, record: SandboxRecord | None, busy: set[str]) -> SandboxRecord:
+    """The record of a sandbox a request needs; refused if it is not there or
+    another request has it (an up, a down or a commit under way)."""
+    if record is None:
+        raise SandboxNotFound(sid)
+    if sid in busy:
+        raise SandboxInUse(sid)
+    return record
 
 
 @dataclass
@@ -220,7 +227,7 @@ class Sandboxes:
         if bool(env) == bool(layers):
             raise UsageError("give an env or --layer refs, not both or neither")
         if sid in self.records or sid in self._busy:
-            raise SandboxError(sid, "already exists")
+            raise SandboxExists(sid)
         sandbox_limits.validate(limits)
         self._busy.add(sid)
         replay: TraceReplay | None = None
@@ -339,9 +346,7 @@ class Sandboxes:
         """Unmount the sandbox and delete its directory (``keep_upper``: not its
         upper). A sandbox a ``layerfs run`` container runs in is refused
         (:class:`SandboxBusy`), or with ``force`` the containers are killed first."""
-        record = self.records.get(sid)
-        if record is None or sid in self._busy:
-            raise SandboxError(sid, "no such sandbox" if record is None else "busy")
+        record = ready_record(sid, self.records.get(sid), self._busy)
         self._busy.add(sid)
         try:
             await self._stop_containers(sid, force)
@@ -380,9 +385,7 @@ class Sandboxes:
         publish it. The sandbox stays up and busy (no ``down``) meanwhile."""
         if role not in LAYER_ROLES:
             raise UsageError(f"invalid role {role!r} (expected one of {', '.join(LAYER_ROLES)})")
-        record = self.records.get(sid)
-        if record is None or sid in self._busy:
-            raise SandboxError(sid, "no such sandbox" if record is None else "busy")
+        record = ready_record(sid, self.records.get(sid), self._busy)
         self._busy.add(sid)
         try:
             source = UpperSource(str(self._dir(sid) / "upper"))
@@ -401,7 +404,7 @@ class Sandboxes:
         return CommitAnswer(ref=result.ref, digest=result.digest, published=result.published,
                             id=sid, chunk_size=chunk_size, files=stats.files,
                             file_bytes=stats.file_bytes, stored_bytes=stats.stored_bytes,
-                            uploaded_bytes=stats.uploaded_bytes,
+                            uploaded_bytes=result.uploaded_bytes,
                             unique_chunks=stats.unique_chunks,
                             reused_chunks=stats.reused_chunks, dedup_sources=record.layers,
                             vanished=source.vanished, changed=source.changed)

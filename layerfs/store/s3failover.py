@@ -18,6 +18,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 from ..errors import StoreUnreachable, UsageError
 from .base import ObjectInfo, RetryPolicy, Store
@@ -34,7 +35,26 @@ def split_endpoints(endpoint: str | None) -> list[str]:
     parts = [part.strip() for part in endpoint.split(",")]
     if not all(parts):
         raise UsageError(f"empty endpoint in S3 endpoint list {endpoint!r}")
+    for part in parts:
+        check_endpoint(part)
     return parts
+
+
+def check_endpoint(endpoint: str) -> None:
+    """An S3 endpoint is an http:// or https:// URL with a host (boto3 takes
+    nothing else)."""
+    if "://" not in endpoint:
+        raise UsageError(f"S3 endpoint {endpoint!r} needs a scheme: http://{endpoint} "
+                         f"or https://{endpoint}")
+    try:
+        parts = urlsplit(endpoint)
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname)
+        parts.port  # noqa: B018 - a port that is not a number raises
+    except ValueError:
+        valid = False
+    if not valid:
+        raise UsageError(f"S3 endpoint {endpoint!r}: expected http://HOST[:PORT] or "
+                         "https://HOST[:PORT]")
 
 
 def open_s3(url: str, endpoint: str | None = None,
