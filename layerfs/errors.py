@@ -208,3 +208,9 @@ class OverLimit(LayerfsError):
 
     exit_code = 3  # an input error: what the store would hold is beyond layerfs.bounds
 
+
+
+class NodeFull(LayerfsError):
+    """ROOT is full: {} has {} free, {} needs {}; free space (`down` sandboxes whose upper directories grew, remove files) and try again"""  # noqa: E501
+
+    exit_code = 16  # the node's file system has no room for a new sandbox or container

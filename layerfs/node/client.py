@@ -130,9 +130,16 @@ class Client:
         container, config = self.prepare_run(sandbox_id, command, runtime=runtime,
                                              network=network, user=user,
                                              entrypoint=entrypoint, terminal=terminal)
-        from . import runner
+        from . import rootspace, runner
 
-        return runner.run(container, config)
+        what = f"a container in sandbox {sandbox_id}"
+        rootspace.check_room(self.root, what)  # the runtime's state and the bundle go there
+        try:
+            return runner.run(container, config)
+        except OSError as exc:
+            if exc.errno in rootspace.NO_SPACE:
+                raise rootspace.no_room_for(self.root, what) from None
+            raise
 
     def prepare_run(self, sandbox_id: str, command: Sequence[str] = (), *,
                     runtime: str | None = None, network: str = "none",
