@@ -53,11 +53,10 @@ class FsUsage:
 
 
 def fs_usage(path: str | Path) -> FsUsage:
-    """Sizes of the file system holding ``path``; root's view of free space
-    (blocks kept for root count: the daemon and its overlays write as root)."""
+    """Sizes of the file system holding ``path``; free is what ``df`` shows as
+    available (blocks kept for root, and ext4's own reserve, not counted)."""
     st = os.statvfs(path)
-    free = st.f_bfree if os.geteuid() == 0 else st.f_bavail
-    return FsUsage(st.f_blocks * st.f_frsize, free * st.f_frsize)
+    return FsUsage(st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize)
 
 
 def default_reserve(total: int) -> int:
