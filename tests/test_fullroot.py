@@ -72,6 +72,9 @@ def test_a_sandbox_filling_root_leaves_the_node_serving(tmp_path):
             warnings = re.findall(CACHE_WARNING, node.log())
             assert 1 <= len(warnings) <= 2, f"{len(warnings)} cache warnings"
 
+            node.stop()  # a restart on the full disk brings the sandbox back
+            node.start()
+            assert node.request("ps")["sandboxes"][0]["state"] == "up"
             node.cli("down", "s1")
             node.cli("up", "--layer", "big@1", "--id", "s2")
             node.cli("down", "s2")
