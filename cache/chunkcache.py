@@ -14,7 +14,12 @@ Files are written to a temporary name and renamed into place, and every read
 is checked, so a torn or corrupted file, or one of another chunk, is never
 served: it is removed, counted as ``corrupt``, logged, and reported as a miss
 (the chunk is fetched again); a file of an earlier format is removed the same
-way, counted as ``outdated``. The
+way, counted as ``outdated``. A file system that is full (ENOSPC: the
+sandboxes' upper directories share it) makes the cache evict its least
+recently used files and try again, twice at most; then the chunk, fetched
+and verified, is served from memory without a cache file (``not_cached``).
+The daemon also lowers the bound at start to what the file system has room
+for (:meth:`ChunkCache.cap`). The
 LRU order lives in memory and is rebuilt at start from the files' access
 stamps; the cache is shared by every layer and version, since equal bytes
 have equal sha256.
@@ -25,6 +30,7 @@ guards the LRU index, the block layouts and the counters, never file I/O.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -52,6 +58,9 @@ from .chunkfile import (
 log = logging.getLogger(__name__)
 
 LAYOUTS = 16384  # block layouts kept in memory (about 0.5 KiB each for 1 MiB chunks)
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a write failed for want of room
+NO_SPACE_RETRIES = 2  # evictions and new tries of a write that found no room
+ROOM = 4 << 20  # bytes evicted at least before each of them
 
 
 @dataclass
@@ -66,6 +75,8 @@ class CacheStats:
     entries: int = 0
     size: int = 0  # bytes in cache files
     limit: int = 0
+    no_space_evictions: int = 0  # times the file system was full and files were evicted
+    not_cached: int = 0  # chunks served but not cached: the file system stayed full
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -217,17 +228,11 @@ class ChunkCache:
             self._reserved += size
         try:
             self._evict()
-            path = self._path(sha)
-            path.parent.mkdir(exist_ok=True)
-            tmp = self.tmp / f"{sha}.{threading.get_ident()}"
             if frame is None:
                 header = file_header(bytes.fromhex(sha), data)
             else:
                 header = zstd_header(bytes.fromhex(sha), len(data), frame)
-            with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(data if frame is None else frame)
-            os.rename(tmp, path)
+            self._store_file(sha, header, data if frame is None else frame, size)
         finally:
             with self._lock:
                 self._reserved -= size
@@ -239,6 +244,55 @@ class ChunkCache:
             self.stats.bytes_written += size
         self._remember(sha, layout_of(header, bytes.fromhex(sha)) if frame is None
                        else ZstdLayout(len(data)))
+
+    def _store_file(self, sha: str, header: bytes, body: Chunk, size: int) -> None:
+        """Write the chunk's file; on a full file system (ENOSPC), evict least
+        recently used files and try again, NO_SPACE_RETRIES times at most, then
+        give up (the OSError, counted in ``not_cached``): the chunk is served
+        from memory, just not kept."""
+        for attempt in range(NO_SPACE_RETRIES + 1):
+            try:
+                self._put_file(sha, header, body)
+                return
+            except OSError as exc:
+                if exc.errno not in NO_SPACE or attempt == NO_SPACE_RETRIES \
+                        or not self._make_room(max(2 * size, ROOM)):
+                    if exc.errno in NO_SPACE:
+                        with self._lock:
+                            self.stats.not_cached += 1
+                    raise
+
+    def _put_file(self, sha: str, header: bytes, body: Chunk) -> None:
+        """The file, through a temporary name (removed if a step fails)."""
+        path = self._path(sha)
+        path.parent.mkdir(exist_ok=True)
+        tmp = self.tmp / f"{sha}.{threading.get_ident()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(body)
+            os.rename(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict least recently used files of at least ``nbytes`` in all (the
+        file system is full); False if the cache had none to evict."""
+        with self._lock:
+            if not self._lru:
+                return False
+            self.stats.no_space_evictions += 1
+            target = self.stats.size - nbytes
+        self._evict(target)
+        return True
+
+    def cap(self, limit: int) -> None:
+        """Lower the bound to ``limit`` bytes (what ROOT's file system has room
+        for: the daemon's start), evicting down to it."""
+        with self._lock:
+            self.limit = self.stats.limit = min(self.limit, max(0, limit))
+        self._evict()
 
     def note_miss(self) -> None:
         """A lookup that found no entry in the index (and so read no file)."""
@@ -262,10 +316,13 @@ class ChunkCache:
             self.stats.entries -= 1
         return size
 
-    def _evict(self) -> None:
+    def _evict(self, limit: int | None = None) -> None:
+        """Evict least recently used files until the files and those being
+        written fit ``limit`` bytes (default: the cache's bound)."""
         victims = []
         with self._lock:
-            while self.stats.size + self._reserved > self.limit and self._lru:
+            bound = self.limit if limit is None else min(limit, self.limit)
+            while self.stats.size + self._reserved > bound and self._lru:
                 sha, size = self._lru.popitem(last=False)
                 self._layouts.pop(sha, None)
                 self.stats.size -= size

@@ -297,3 +297,9 @@ class ControlSocketDenied(LayerfsError):
     """permission denied on {}: only root drives the node daemon (run this as root)"""
 
     exit_code = 2  # as `layerfs daemon` run by another user: a command root must run
+
+
+class NodeFull(LayerfsError):
+    """ROOT is full: {} has {} free, {} needs {}; free space (`down` sandboxes whose upper directories grew, remove files) and try again"""  # noqa: E501
+
+    exit_code = 16  # the node's file system has no room for a new sandbox or container

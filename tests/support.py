@@ -6,6 +6,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from layerfs.registry import Registry
 from layerfs.store.base import Store
 
 IN_CI = os.environ.get("CI") == "true"
+MiB = 1 << 20
 
 
 def need_root() -> None:
@@ -66,3 +68,18 @@ class ManifestPutFails:
         if bytes(data[:1]) == b"{":
             raise StoreError("injected failure while writing the manifest")
         return self.inner.put_blob(data, digest)
+
+
+@contextmanager
+def small_ext4(tmp_path: Path, size: int = 24 * MiB) -> Iterator[Path]:
+    """A fresh ext4 of ``size`` bytes, loop-mounted under tmp_path."""
+    image, mnt = tmp_path / "small.ext4", tmp_path / "small"
+    with open(image, "wb") as f:
+        f.truncate(size)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
+    mnt.mkdir()
+    subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -3,13 +3,16 @@ the earlier formats."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import shutil
 import struct
 
 import pytest
 import xxhash
 import zstandard
+from support import MiB, need_root, small_ext4
 
 from layerfs.cache.chunkcache import ChunkCache
 from layerfs.cache.chunkfile import BLOCK, HEADER, ZSTD_HEADER, ZSTD_MAGIC, Damaged, blocks_of
@@ -203,3 +206,44 @@ def test_a_damaged_compressed_file_is_never_served(tmp_path, damage):
     path.write_bytes(raw)
     assert cache.read(TEXT_SHA) is None
     assert not path.exists() and cache.snapshot()["corrupt"] == 1
+
+
+def test_a_full_file_system_evicts_and_then_serves_without_caching(tmp_path):
+    """A cache bounded above what its file system holds: a write that meets
+    ENOSPC evicts the least recently used files and is tried again (the newest
+    chunk is cached); with nothing left to evict it fails (the caller serves
+    the chunk from memory), counted, and leaves no temporary file behind."""
+    need_root()
+    with small_ext4(tmp_path, 16 * MiB) as small:
+        cache = ChunkCache(small / "cache", 1 << 30)
+        chunks = [os.urandom(1 << 20) for _ in range(24)]  # 24 MiB on a 16 MiB file system
+        for data in chunks:
+            cache.write(sha(data), data)
+        stats = cache.snapshot()
+        assert stats["no_space_evictions"] > 0 and stats["evictions"] > 0
+        assert cache.read(sha(chunks[-1])) == chunks[-1]
+        shutil.rmtree(small / "cache")
+        empty = ChunkCache(small / "empty", 1 << 30)
+        fill_up(small / "filler")
+        data = os.urandom(1 << 20)
+        with pytest.raises(OSError) as failed:
+            empty.write(sha(data), data)
+        assert failed.value.errno == errno.ENOSPC
+        assert not empty.contains(sha(data)) and empty.snapshot()["not_cached"] == 1
+        assert list((small / "empty" / "tmp").iterdir()) == []
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def fill_up(path) -> None:
+    """Write ``path`` until its file system is full."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while os.write(fd, bytes(1 << 20)):
+            pass
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)

@@ -19,14 +19,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import trio
 from nodes import NodeDaemon
-from support import ManifestPutFails, build, need_root
+from support import ManifestPutFails, build, need_root, small_ext4
 
 import layerfs.gc as gcmod
 import layerfs.node.disks as disks_mod
@@ -233,21 +231,6 @@ def test_gc_removes_temporaries_of_killed_puts_after_the_grace(tmp_path):
 
 MiB = 1 << 20
 WRITE = 128 << 10
-
-
-@contextmanager
-def small_ext4(tmp_path, size: int = 24 * MiB) -> Iterator[Path]:
-    """A fresh ext4 of ``size`` bytes, loop-mounted under tmp_path."""
-    image, mnt = tmp_path / "small.ext4", tmp_path / "small"
-    with open(image, "wb") as f:
-        f.truncate(size)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
-    mnt.mkdir()
-    subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], check=True)
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def fill(fd: int, model: bytearray, rng: random.Random) -> list[int]:

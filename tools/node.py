@@ -38,6 +38,12 @@ def json_option(fn):
 @click.option("--s3-endpoint", envvar="AWS_ENDPOINT_URL", metavar="URL")
 @click.option("--cache-size", default="20G", show_default=True,
               help="Bound of the chunk cache under ROOT/cache.")
+@click.option("--reserve", default="auto", show_default=True, metavar="SIZE",
+              help="Room on ROOT's file system the cache leaves to everything else (the "
+                   "sandboxes' upper directories, meta images, the replica); the cache's "
+                   "bound is lowered at start to fit. auto: 5% of the file system, "
+                   "16 MiB to 1 GiB. A quarter of it (4 to 64 MiB) is held for the "
+                   "daemon's own state, so `down` works on a full disk.")
 @click.option("--cache-form", type=click.Choice(["stored", "plain"]), default="stored",
               show_default=True,
               help="How the cache keeps a chunk the store holds compressed: as that zstd "
@@ -71,7 +77,7 @@ def json_option(fn):
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size: str,
-           cache_form: str, read_timeout: float, readahead: str, layer_readahead: str,
+           reserve: str, cache_form: str, read_timeout: float, readahead: str, layer_readahead: str,
            miss_span: str, store_fetches: int, fuse_group: str | None, takeover: bool,
            live_restart: bool, restart_grace: float, log_level: str) -> None:
     """Run the node daemon in the foreground (logs to stderr)."""
@@ -95,7 +101,8 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
                        miss_span=parse_size(miss_span), fetch_parallel=store_fetches,
                        fuse_group=group_id(fuse_group) if fuse_group else None,
                        takeover=takeover, live_restart=live_restart,
-                       restart_grace=restart_grace)
+                       restart_grace=restart_grace,
+                       reserve=None if reserve == "auto" else parse_size(reserve))
     Daemon(cfg).run()
 
 

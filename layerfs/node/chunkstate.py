@@ -12,6 +12,7 @@ diagram and the rule for each ``await``: docs/node.md). Trio-thread only.
 from __future__ import annotations
 
 import enum
+import errno
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -23,6 +24,7 @@ from ..cache.chunkcache import ChunkCache
 from ..cache.chunkfile import Chunk
 from ..errors import LayerfsError
 from ..formats.chunktable import ChunkEntry
+from ..ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 MAX_UNWRITTEN = 64  # fetched chunks whose cache files may be pending at once
@@ -105,6 +107,7 @@ class ChunkStates:
         self._flights: dict[bytes, Flight] = {}
         self._unwritten: dict[bytes, Chunk] = {}  # fetched, cache file not written yet
         self._written = trio.lowlevel.ParkingLot()  # woken when _unwritten empties
+        self.warnings = RateLimitedLog(log)  # one per chunk otherwise, on a full ROOT
 
     def held(self, sha: bytes) -> Chunk | None:
         """The chunk's bytes if they are in memory (no I/O)."""
@@ -171,7 +174,9 @@ class ChunkStates:
             await trio.to_thread.run_sync(self.cache.write, sha.hex(), data, frame,
                                           limiter=self.io_limit)
         except OSError as exc:  # the bytes were served; only the cache copy is lost
-            log.warning("cannot write cache file for chunk %s: %s", sha.hex()[:16], exc)
+            kind = errno.errorcode.get(exc.errno or 0, "cache write")
+            self.warnings.warning(kind, "cannot write cache file for chunk %s: %s; served "
+                                  "without caching it", sha.hex()[:16], exc)
         finally:
             self._unwritten.pop(sha, None)
             if not self._unwritten:

@@ -158,10 +158,17 @@ class Client:
                                              network=network, user=user,
                                              entrypoint=entrypoint, terminal=terminal,
                                              env=env, cwd=cwd)
-        from . import runner
+        from . import rootspace, runner
 
-        return runner.run(container, config, stdin=stdin, capture=capture, timeout=timeout,
-                          max_output=runner.MAX_OUTPUT if max_output is None else max_output)
+        what = f"a container in sandbox {sandbox_id}"
+        rootspace.check_room(self.root, what)  # the runtime's state and the bundle go there
+        try:
+            return runner.run(container, config, stdin=stdin, capture=capture, timeout=timeout,
+                              max_output=runner.MAX_OUTPUT if max_output is None else max_output)
+        except OSError as exc:
+            if exc.errno in rootspace.NO_SPACE:
+                raise rootspace.no_room_for(self.root, what) from None
+            raise
 
     def prepare_run(self, sandbox_id: str, command: Sequence[str] = (), *,
                     runtime: str | None = None, network: str = "none",

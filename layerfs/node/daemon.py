@@ -8,7 +8,9 @@ ROOT is kept and adopted. Otherwise unmount whatever an earlier (crashed)
 daemon left mounted under ROOT, and mount FUSE afresh with a new keeper.
 Close ROOT to other users (:func:`secure_root`, on an existing ROOT too),
 check that ROOT can host file-backed EROFS mounts at all
-(:func:`probe_erofs_mounts`), keep the cache and the replica, bring back the
+(:func:`probe_erofs_mounts`), keep the cache (its bound lowered to the room
+ROOT's file system has, less a reserve, and the held space taken:
+:mod:`.rootspace`) and the replica, bring back the
 sandboxes that were up (adopting their mounts, or mounting them again, or
 marking them lost), then accept requests. SIGTERM/SIGINT: stop accepting
 work, unmount overlays, then EROFS mounts, then FUSE, end the keeper, and
@@ -49,6 +51,7 @@ from .fetcher import ChunkFetcher
 from .fusefs import NodeFS
 from .metacheck import MetaChecker
 from .replica import Replica
+from .rootspace import NO_SPACE, RootSpace, fs_usage, mib, no_room_for
 from .sandboxes import LayerMounts, Sandboxes
 from .tracereplay import pushed_trace
 from .traces import merge_traces, trace_bytes, trace_key
@@ -101,6 +104,7 @@ class DaemonConfig:
     takeover: bool = False  # replace the daemon serving ROOT, keeping its FUSE connection
     live_restart: bool = True  # keep the FUSE connection in a keeper (else libfuse mounts it)
     restart_grace: float = 60.0  # seconds the keeper waits for a next daemon after this one
+    reserve: int | None = None  # bytes of ROOT's file system the cache leaves free (None: 5%)
 
 
 def secure_root(root: Path, fuse_group: int | None, fuse_mounted: bool = False) -> None:
@@ -190,6 +194,21 @@ def retire_running(root: Path, takeover: bool) -> None:
         os.close(pidfd)
 
 
+def cap_cache(cache: ChunkCache, space: RootSpace) -> None:
+    """Lower the cache's bound to what ROOT's file system has room for (its
+    free space and the cache's own files, less the reserve), in one line."""
+    wanted, cached = cache.limit, cache.stats.size
+    room = space.cache_room(cached)
+    if room >= wanted:
+        return
+    cache.cap(room)
+    usage = fs_usage(space.root)
+    log.info("cache bound lowered from %s (--cache-size) to %s: ROOT's file system has %s "
+             "free of %s and the cache %s, less a reserve of %s (--reserve)", mib(wanted),
+             mib(cache.limit), mib(usage.free), mib(usage.total), mib(cached),
+             mib(space.reserve))
+
+
 def kept_mounts(root: Path) -> set[str]:
     """What a taken-over connection keeps mounted below ROOT (besides FUSE)."""
     return set(mounts_under(root)) - {str(root), str(root / "fuse")}
@@ -211,8 +230,12 @@ class Daemon:
         self.replica = Replica(self.root)
         self.checker = MetaChecker()  # meta images are checked in processes of their own
         self.replica.check_meta = self.checker.check
+        self.space = RootSpace(self.root, cfg.reserve)
+        self.replica.make_room = self.space.release
         self.cache = ChunkCache(self.root / "cache", cfg.cache_size,
                                 compressed=cfg.cache_form == "stored")
+        cap_cache(self.cache, self.space)
+        self.space.take()
         self.fetcher = ChunkFetcher(self.store, self.cache, timeout=cfg.read_timeout,
                                     parallel=cfg.fetch_parallel, miss_span=cfg.miss_span)
         self.blobs = BlobDirectory()
@@ -378,11 +401,22 @@ class Daemon:
         }
 
     async def up(self, r: protocol.Up) -> protocol.SandboxAnswer:
-        return protocol.SandboxAnswer(
-            await self.sandboxes.up(r.id, r.env, r.layers, r.prefetch, r.limits))
+        what = f"sandbox {r.id}"
+        await trio.to_thread.run_sync(self.space.check_room, what)
+        try:
+            return protocol.SandboxAnswer(
+                await self.sandboxes.up(r.id, r.env, r.layers, r.prefetch, r.limits))
+        except OSError as exc:
+            if exc.errno in NO_SPACE:
+                raise await trio.to_thread.run_sync(no_room_for, self.root, what) from None
+            raise
 
     async def down(self, r: protocol.Down) -> protocol.SandboxAnswer:
-        return protocol.SandboxAnswer(await self.sandboxes.down(r.id, r.keep_upper, r.force))
+        try:
+            return protocol.SandboxAnswer(await self.sandboxes.down(r.id, r.keep_upper,
+                                                                    r.force))
+        finally:
+            await trio.to_thread.run_sync(self.space.retake)
 
     async def ps(self, r: protocol.Ps) -> protocol.PsAnswer:
         return protocol.PsAnswer(await self.sandboxes.ps(r.id))

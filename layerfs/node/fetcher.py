@@ -30,6 +30,7 @@ from ..cache.chunkfile import Chunk
 from ..chunks import FetchedChunk, fetch_chunk_frame, fetch_run_frames, pack_runs
 from ..errors import IntegrityError, LayerfsError, StoreError, StoreUnreachable
 from ..formats.chunktable import ChunkEntry
+from ..ratelog import RateLimitedLog
 from ..store.base import Store
 from .chunkstate import ChunkState, ChunkStates, Claim, FetchError, Flight, MemoryChunks
 from .failfast import STORE_COOLDOWN, FailFast
@@ -62,6 +63,7 @@ class ChunkFetcher:
         self.memory = self.states.memory
         self.nursery: trio.Nursery | None = None
         self.fail_fast = FailFast()
+        self.store_log = RateLimitedLog(log)  # a store outage fails every read: one line a minute
         self._reader_fetches = 0  # store reads that readers (or an eager up) wait for
         self._quiet = trio.lowlevel.ParkingLot()  # woken when they drop to QUIET
         self.policy = Prefetcher(self, miss_span)
@@ -215,7 +217,8 @@ class ChunkFetcher:
                     for e, r in zip(run, results, strict=True)]
         assert scope.cancelled_caught
         self._store_failed(f"no answer within {self.timeout:.0f}s")
-        log.error("%s: no answer from the store within %.0fs", where, self.timeout)
+        self.store_log.error("timeout", "%s: no answer from the store within %.0fs", where,
+                             self.timeout)
         raise FetchError(where, f"timed out after {self.timeout:.0f}s")
 
     async def _from_store(self, where: str, pack: str, fetch: Callable[[T], R], arg: T,
@@ -237,11 +240,11 @@ class ChunkFetcher:
             return result
         except StoreUnreachable as exc:
             self._store_failed(str(exc))
-            log.error("%s: %s", where, exc)
+            self.store_log.error("unreachable", "%s: %s", where, exc)
             raise FetchError(where, str(exc)) from exc
         except StoreError as exc:
             self.fail_fast.pack_failed(pack, trio.current_time(), str(exc))
-            log.error("%s: %s", where, exc)
+            self.store_log.error(type(exc).__name__, "%s: %s", where, exc)
             raise FetchError(where, str(exc)) from exc
         except LayerfsError as exc:
             log.error("%s: %s", where, exc)
@@ -286,7 +289,8 @@ class ChunkFetcher:
             return got.data, got
         assert scope.cancelled_caught
         self._store_failed(f"no answer within {self.timeout:.0f}s")
-        log.error("chunk %s: no answer from the store within %.0fs", sha[:16], self.timeout)
+        self.store_log.error("timeout", "chunk %s: no answer from the store within %.0fs",
+                             sha[:16], self.timeout)
         raise FetchError(f"chunk {sha[:16]}", f"timed out after {self.timeout:.0f}s")
 
     def _store_failed(self, reason: str) -> None:

@@ -22,6 +22,7 @@ serialises writers itself and readers never block.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -84,10 +85,28 @@ class Replica:
         self.env = lmdb.open(str(self.root / "replica.lmdb"), max_dbs=8, map_size=1 << 34,
                              subdir=True, lock=True)
         self.check_meta: MetaCheck | None = None  # the daemon's checker processes (else in-process)
+        # gives room back when a commit finds ROOT full (the daemon's held space); True if it did
+        self.make_room: Callable[[], bool] | None = None
         self.dbs = {name.decode(): self.env.open_db(name) for name in DBS}
 
     def close(self) -> None:
         self.env.close()
+
+    def _write(self, change: Callable[[lmdb.Transaction], object]) -> None:
+        """``change`` in a write transaction, committed. A commit that fails
+        for want of room (ENOSPC; EIO, LMDB's word for a short write) is tried
+        once more after ``make_room`` gave room back (the daemon's held space:
+        :mod:`.rootspace`); the environment stays usable after a failed commit,
+        which LMDB aborts whole."""
+        try:
+            with self.env.begin(write=True) as txn:
+                change(txn)
+            return
+        except lmdb.Error as exc:
+            if not no_room(exc) or self.make_room is None or not self.make_room():
+                raise
+        with self.env.begin(write=True) as txn:
+            change(txn)
 
     def _remove_temporaries(self) -> None:
         """Meta images a killed daemon was writing (the daemon owns ROOT)."""
@@ -139,9 +158,9 @@ class Replica:
         meta = self.meta_dir / (digest.removeprefix("sha256:") + ".erofs")
         fd = write_atomically(meta, image)
         try:
-            with self.env.begin(write=True) as txn:
-                txn.put(digest.encode(), table_bytes, db=self.dbs["chunktables"])
-                txn.put(digest.encode(), manifest.to_bytes(), db=self.dbs["layers"])
+            self._write(lambda txn: (
+                txn.put(digest.encode(), table_bytes, db=self.dbs["chunktables"]),
+                txn.put(digest.encode(), manifest.to_bytes(), db=self.dbs["layers"])))
         except BaseException:
             os.close(fd)
             raise
@@ -185,19 +204,18 @@ class Replica:
             return ChunkTable.from_bytes(bytes(have))
         table_bytes = reg.store.get_blob(table_digest)
         table = ChunkTable.from_bytes(table_bytes)
-        with self.env.begin(write=True) as txn:
-            txn.put(digest.encode(), table_bytes, db=self.dbs["chunktables"])
-            txn.put(digest.encode(), manifest_bytes, db=self.dbs["layers"])
+        self._write(lambda txn: (
+            txn.put(digest.encode(), table_bytes, db=self.dbs["chunktables"]),
+            txn.put(digest.encode(), manifest_bytes, db=self.dbs["layers"])))
         return table
 
     # -- sandboxes --
     def put_sandbox(self, sid: str, record: dict) -> None:
-        with self.env.begin(write=True) as txn:
-            txn.put(sid.encode(), json.dumps(record).encode(), db=self.dbs["sandboxes"])
+        self._write(lambda txn: txn.put(sid.encode(), json.dumps(record).encode(),
+                                        db=self.dbs["sandboxes"]))
 
     def delete_sandbox(self, sid: str) -> None:
-        with self.env.begin(write=True) as txn:
-            txn.delete(sid.encode(), db=self.dbs["sandboxes"])
+        self._write(lambda txn: txn.delete(sid.encode(), db=self.dbs["sandboxes"]))
 
     def sandboxes(self) -> dict[str, dict]:
         with self.env.begin() as txn:
@@ -211,8 +229,14 @@ class Replica:
         return json.loads(bytes(raw)) if raw else []
 
     def put_trace(self, digest: str, order: list[int]) -> None:
-        with self.env.begin(write=True) as txn:
-            txn.put(digest.encode(), json.dumps(order).encode(), db=self.dbs["traces"])
+        self._write(lambda txn: txn.put(digest.encode(), json.dumps(order).encode(),
+                                        db=self.dbs["traces"]))
+
+
+def no_room(exc: lmdb.Error) -> bool:
+    """Whether an LMDB error says the file system had no room for a write."""
+    return isinstance(exc, lmdb.DiskError) or any(
+        os.strerror(code) in str(exc) for code in (errno.ENOSPC, errno.EIO, errno.EDQUOT))
 
 
 def write_atomically(path: Path, data: bytes) -> int:
