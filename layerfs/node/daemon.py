@@ -47,9 +47,10 @@ from .controlserver import ControlServer
 from .diskmanager import DiskManager
 from .fetcher import ChunkFetcher
 from .fusefs import NodeFS
+from .layermounts import LayerMounts
 from .metacheck import MetaChecker
 from .replica import Replica
-from .sandboxes import LayerMounts, Sandboxes
+from .sandboxes import Sandboxes
 from .tracereplay import pushed_trace
 from .traces import merge_traces, trace_bytes, trace_key
 
@@ -313,7 +314,7 @@ class Daemon:
                 else:
                     self.stopping = True
                     log.info("stopping: unmounting sandboxes and layers")
-                    await self.sandboxes.down_all()
+                    await self.sandboxes.stop()
                     await self.layers.unmount_all()
                     await self.disks.close_all()
                 nursery.cancel_scope.cancel()
