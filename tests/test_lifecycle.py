@@ -105,10 +105,9 @@ def try_up(client: Client, sid: str) -> str:
         return f"failed: {exc}"
 
 
-@FILE_ONLY
-def test_sigterm_during_32_ups_leaves_no_mount(node):
-    """Each `up` in flight at the SIGTERM is either done and recorded (and
-    comes back at the next start) or rolled back completely."""
+def ups_cut_off(node: NodeDaemon, stop) -> tuple[dict[str, str], int]:
+    """32 `up`s at once, and ``stop(node)`` as soon as the first overlay is
+    mounted: each up's outcome, and how many were in flight then."""
     client = Client(node.root, timeout=60)
     ids = [f"u{i:02d}" for i in range(32)]
     with ThreadPoolExecutor(32) as pool:
@@ -117,21 +116,42 @@ def test_sigterm_during_32_ups_leaves_no_mount(node):
         while not below(node, "/sandboxes/") and time.monotonic() < deadline:
             time.sleep(0.005)
         in_flight = sum(not f.done() for f in futures)
-        stopped_cleanly(node)
-        outcomes = dict(zip(ids, (f.result() for f in futures), strict=True))
-    assert in_flight > 0, outcomes
-    node.start()
+        stop(node)
+        return dict(zip(ids, (f.result() for f in futures), strict=True)), in_flight
+
+
+def each_done_or_gone(node: NodeDaemon, outcomes: dict[str, str]) -> None:
+    """After a restart: every up that answered is up; every other one is up
+    too or left nothing behind (no record, no directory); then all go down."""
     restored = states(node)
-    done = {sid for sid, outcome in outcomes.items() if outcome == "up"}
-    assert done <= set(restored)
+    assert {sid for sid, outcome in outcomes.items() if outcome == "up"} <= set(restored)
     assert all(r["state"] == "up" for r in restored.values()), restored
-    for sid in set(ids) - set(restored):  # rolled back: nothing of it is left
-        assert not (node.root / "sandboxes" / sid).exists(), sid
+    assert set(os.listdir(node.root / "sandboxes")) == set(restored)
     for sid in restored:
         rootfs = node.root / "sandboxes" / sid / "rootfs"
         assert (rootfs / "lower" / "a").read_text() == "upper a"
         node.cli("down", sid)
     assert below(node, "/sandboxes/") == below(node, "/layers/") == []
+
+
+@FILE_ONLY
+def test_sigterm_during_32_ups_leaves_no_mount(node):
+    """Each `up` in flight at the SIGTERM is either done and recorded (and
+    comes back at the next start) or rolled back completely."""
+    outcomes, in_flight = ups_cut_off(node, stopped_cleanly)
+    assert in_flight > 0, outcomes
+    node.start()
+    each_done_or_gone(node, outcomes)
+
+
+@FILE_ONLY
+def test_kill_9_during_32_ups_is_rolled_back_at_the_next_start(node):
+    """A daemon killed with ups in flight: the next one (taking the kept
+    mounts over) rolls back each up it finds recorded as starting."""
+    outcomes, in_flight = ups_cut_off(node, NodeDaemon.kill)
+    assert in_flight > 0, outcomes
+    node.start()
+    each_done_or_gone(node, outcomes)
 
 
 @FILE_ONLY
