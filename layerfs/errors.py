@@ -303,3 +303,14 @@ class NodeFull(LayerfsError):
     """ROOT is full: {} has {} free, {} needs {}; free space (`down` sandboxes whose upper directories grew, remove files) and try again"""  # noqa: E501
 
     exit_code = 16  # the node's file system has no room for a new sandbox or container
+
+
+class MountBusy(SandboxBusy):
+    """sandbox {}: {} is busy (a process has its working directory or a file open in it); \
+down stopped there: run it again once that process is gone"""
+
+
+class DownIncomplete(LayerfsError):
+    """sandbox {}: down stopped while {}: {} (run it again)"""
+
+    exit_code = 14  # node-side trouble (the replica or the file system failed it): ask again

@@ -76,11 +76,11 @@ def ps(root: str, as_json: bool) -> None:
     rows = Client(root).ps()
 
     def text() -> str:
-        lines = [f"{'ID':20} {'STATE':8} {'UPPER':>10} {'READ':>10}  LAYERS"]
+        lines = [f"{'ID':20} {'STATE':11} {'UPPER':>10} {'READ':>10}  LAYERS"]
         for r in rows:
             refs = r.env or " ".join(r.layer_refs)
             limits = f"  (limits: {describe(r.limits)})" if r.limits.given() else ""
-            lines.append(f"{r.id:20} {r.state:8} {human_bytes(r.upper_bytes):>10} "
+            lines.append(f"{r.id:20} {r.state:11} {human_bytes(r.upper_bytes):>10} "
                          f"{human_bytes(r.layer_bytes_read):>10}  {refs}{limits}")
         return "\n".join(lines)
 

@@ -49,10 +49,11 @@ from .controlserver import ControlServer
 from .diskmanager import DiskManager
 from .fetcher import ChunkFetcher
 from .fusefs import NodeFS
+from .layermounts import LayerMounts
 from .metacheck import MetaChecker
 from .replica import Replica
 from .rootspace import NO_SPACE, RootSpace, fs_usage, mib, no_room_for
-from .sandboxes import LayerMounts, Sandboxes
+from .sandboxes import Sandboxes
 from .tracereplay import pushed_trace
 from .traces import merge_traces, trace_bytes, trace_key
 
@@ -336,7 +337,7 @@ class Daemon:
                 else:
                     self.stopping = True
                     log.info("stopping: unmounting sandboxes and layers")
-                    await self.sandboxes.down_all()
+                    await self.sandboxes.stop()
                     await self.layers.unmount_all()
                     await self.disks.close_all()
                 nursery.cancel_scope.cancel()

@@ -46,13 +46,14 @@ class DaemonProcess:
         self.request_timeout = request_timeout
         self.proc: subprocess.Popen | None = None
         self.extra_args: list[str] = []  # more `layerfs daemon` options
+        self.command = LAYERFS  # the program run as `layerfs`
 
     def start(self, timeout: float = 60.0) -> DaemonProcess:
         self.root.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [*LAYERFS, "daemon", "--root", str(self.root), *self.store_args,
+                [*self.command, "daemon", "--root", str(self.root), *self.store_args,
                  "--cache-size", self.cache_size, "--read-timeout", str(self.read_timeout),
                  "--log-level", "info", *self.extra_args], stdout=log, stderr=log)
         proc = self.proc

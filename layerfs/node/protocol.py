@@ -279,13 +279,13 @@ class SandboxRecord(Message):
     id: str
     layers: list[str]  # layer manifest digests, top first
     rootfs: str
-    state: str  # starting, up, down or lost
+    state: str  # a lifecycle.SandboxState: starting, up, lost, stopping, down_failed, down
     env: str | None = None
     layer_refs: list[str] = field(default_factory=list)
     config: dict[str, Any] | None = None  # the env's image config
     prefetch: str = "none"
     created: float = 0.0
-    error: str | None = None  # why it is lost
+    error: str | None = None  # why it is lost, or why its down stopped
     limits: Limits = field(default_factory=Limits)  # enforced by `run` and the upper's quota
 
     def to_json(self) -> dict[str, Any]:

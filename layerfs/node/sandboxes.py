@@ -1,27 +1,29 @@
-"""Layer mounts and sandboxes on one node.
+"""Sandboxes on one node, and their lifecycle (:mod:`.lifecycle`).
 
-Each layer is mounted once per node with kernel EROFS (file-backed: source =
-its local meta image, ``device=`` its lazy FUSE blob file) at
-``ROOT/layers/<hex>``, reference-counted across the sandboxes that use it.
-A sandbox is an overlayfs mount at ``ROOT/sandboxes/<id>/rootfs`` with the
-layer mounts as lowerdirs (top first) and its own ``upper``/``work``. Both
-kinds of mount are ``nosuid,nodev``; ``ROOT/sandboxes/<id>`` is root's alone
+A sandbox is an overlayfs mount at ``ROOT/sandboxes/<id>/rootfs`` with its
+layers' mounts (:mod:`.layermounts`) as lowerdirs (top first) and its own
+``upper``/``work``, ``nosuid,nodev``; ``ROOT/sandboxes/<id>`` is root's alone
 (0700), since its ``upper`` keeps the mode of the sandbox's ``/``.
 
-mount(2) and umount(2) run in worker threads: mounting an EROFS image whose
-device lives on the daemon's own FUSE mount makes the kernel call back into
-the daemon before the syscall returns.
+Every step of an ``up`` or a ``down`` is recorded as it is done (the
+record's state in the replica, the mounts each sandbox holds in memory), so
+that a failed or cancelled ``up`` is rolled back completely, a ``down`` that
+stopped half way can be asked again until it is done, and a stop unmounts
+everything.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,20 +33,22 @@ from ..builder.dirsource import UpperSource
 from ..builder.layer import BuildOptions, build_layer
 from ..builder.pipeline import DEFAULT_CHUNK_SIZE
 from ..errors import (
+    DownIncomplete,
     LayerfsError,
+    MountBusy,
     SandboxBusy,
     SandboxExists,
     SandboxInUse,
     SandboxNotFound,
     UsageError,
 )
-from ..mounts import SAFE_FLAGS, Overlay, mount_erofs, mount_overlay, umount
+from ..mounts import SAFE_FLAGS, Overlay, mount_overlay
 from ..registry import ENVS, LAYERS, Registry
 from ..sizes import du
 from . import limits as sandbox_limits
 from . import quota, runner
-from .blobfiles import BlobDirectory, BlobFile
-from .fetcher import ChunkFetcher
+from .layermounts import LayerMounts, MountedLayer, detach, unmount, unmount_or_detach
+from .lifecycle import SandboxState, move, state_of
 from .protocol import (
     LAYER_ROLES,
     BadMessage,
@@ -55,7 +59,6 @@ from .protocol import (
 )
 from .replica import Replica
 from .tracereplay import TraceReplay
-from .traces import merge_traces
 
 log = logging.getLogger(__name__)
 SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -66,8 +69,6 @@ PREFETCH = ("none", "full", "trace", "auto")
 # and the upper directory stays one a layer can hold (`commit`): no renamed
 # lower directory kept as a redirect, no chown/chmod kept as metadata only.
 OVERLAY_OPTIONS = (("redirect_dir", "nofollow"), ("metacopy", "off"))
-
-
 
 
 def ready_record(sid: str, record: SandboxRecord | None, busy: set[str]) -> SandboxRecord:
@@ -81,115 +82,11 @@ def ready_record(sid: str, record: SandboxRecord | None, busy: set[str]) -> Sand
 
 
 @dataclass
-class MountedLayer:
-    digest: str
-    blob: BlobFile
-    path: Path
-    users: int = 0
+class SandboxMounts:
+    """What a sandbox holds mounted now: its rootfs, and the layers it counts as a user of."""
 
-
-class LayerMounts:
-    """Reference-counted EROFS mounts of layers, one per layer per node."""
-
-    def __init__(self, root: Path, reg: Registry, replica: Replica, blobs: BlobDirectory,
-                 fetcher: ChunkFetcher, readahead: int = 0) -> None:
-        self.root = root
-        self.reg = reg
-        self.replica = replica
-        self.blobs = blobs
-        self.fetcher = fetcher
-        self.readahead = readahead
-        self.mounted: dict[str, MountedLayer] = {}
-        self._locks: dict[str, trio.Lock] = {}
-        self.mount_limit = trio.CapacityLimiter(8)
-        # mounts an earlier daemon left on a taken-over FUSE connection: adopted, not redone
-        self.kept: set[str] = set()
-
-    def adopt(self, target: Path) -> bool:
-        """Whether ``target`` is still mounted from before a live restart (and is now ours)."""
-        if str(target) not in self.kept:
-            return False
-        self.kept.discard(str(target))
-        return True
-
-    async def drop_unadopted(self) -> None:
-        """Detach the kept mounts no restored sandbox uses (deepest first)."""
-        for point in sorted(self.kept, key=lambda p: -p.count("/")):
-            if await detach(point):
-                log.info("detached %s: no sandbox uses it", point)
-        self.kept.clear()
-
-    def _lock(self, digest: str) -> trio.Lock:
-        return self._locks.setdefault(digest, trio.Lock())
-
-    async def acquire(self, digest: str, replay: TraceReplay | None = None) -> MountedLayer:
-        """The layer, mounted (once per node); ``replay`` learns its chunk table
-        as soon as it is known."""
-        async with self._lock(digest):
-            layer = self.mounted.get(digest)
-            if layer is None:
-                layer = await self._mount(digest, replay)
-                self.mounted[digest] = layer
-            elif replay is not None:
-                replay.table_known(digest, layer.blob.table)
-            layer.users += 1
-            return layer
-
-    async def _mount(self, digest: str, replay: TraceReplay | None) -> MountedLayer:
-        """Mount the layer from its meta image as checked just now: the open,
-        hashed file itself (``/proc/self/fd/N``), never the name again."""
-        reporter = replay.reporter(digest) if replay is not None else None
-        meta = await trio.to_thread.run_sync(self.replica.checked_meta, self.reg, digest,
-                                             reporter)
-        try:
-            rl = meta.layer
-            blob = self.blobs.add(digest, rl.table, self.fetcher)
-            target = self.root / "layers" / rl.hex
-            device = self.root / "fuse" / "blobs" / rl.hex
-            try:
-                if self.adopt(target):
-                    return MountedLayer(digest, blob, target)
-                await trio.to_thread.run_sync(  # one thread job: each hop waits for the loop
-                    functools.partial(mount_layer, meta.source, device, target, self.readahead),
-                    limiter=self.mount_limit)
-            except OSError:
-                self.blobs.remove(digest)
-                raise
-        finally:
-            meta.close()  # the mount keeps its own reference to the file
-        return MountedLayer(digest, blob, target)
-
-    async def release(self, digest: str) -> None:
-        async with self._lock(digest):
-            layer = self.mounted.get(digest)
-            if layer is None:
-                return
-            layer.users -= 1
-            if layer.users > 0:
-                return
-            del self.mounted[digest]
-            await trio.to_thread.run_sync(self._unmount, layer, limiter=self.mount_limit)
-            self.blobs.remove(digest)
-
-    def _unmount(self, layer: MountedLayer) -> None:
-        """Worker thread: keep the layer's trace, unmount it, remove the mount point."""
-        self.save_trace(layer.blob)
-        umount(str(layer.path))
-        layer.path.rmdir()
-
-    def save_trace(self, blob: BlobFile) -> None:
-        """Merge this mount's first-touch order into the layer's trace."""
-        if blob.trace:
-            kept = self.replica.trace(blob.digest)
-            self.replica.put_trace(blob.digest, merge_traces(kept, list(blob.trace)))
-
-    async def unmount_all(self) -> None:
-        for digest in list(self.mounted):
-            layer = self.mounted.pop(digest)
-            try:
-                await trio.to_thread.run_sync(self._unmount, layer)
-            except OSError as exc:
-                log.error("unmount %s: %s", layer.path, exc)
+    rootfs: bool = False
+    layers: list[str] = field(default_factory=list)
 
 
 class Sandboxes:
@@ -201,7 +98,12 @@ class Sandboxes:
         self.replica = replica
         self.layers = layers
         self.records: dict[str, SandboxRecord] = {}
+        self.mounts: dict[str, SandboxMounts] = {}  # what each sandbox holds mounted
         self._busy: set[str] = set()
+        self._ups: dict[str, trio.CancelScope] = {}  # ups in flight: a stop cancels them
+        self._downs: set[str] = set()  # downs in flight: a stop waits for them
+        self._settled = trio.lowlevel.ParkingLot()  # woken as each up or down ends
+        self.closing = False  # a stop began: no more ups
 
     def _dir(self, sid: str) -> Path:
         return self.root / "sandboxes" / sid
@@ -229,33 +131,49 @@ class Sandboxes:
         if sid in self.records or sid in self._busy:
             raise SandboxExists(sid)
         sandbox_limits.validate(limits)
+        if self.closing:
+            raise UsageError("the daemon is stopping")
         self._busy.add(sid)
+        try:
+            with trio.CancelScope() as scope:  # a stop cancels it: rolled back, then
+                self._ups[sid] = scope
+                record = await self._up(sid, env, layers or [], prefetch, limits)
+        finally:
+            del self._ups[sid]
+            self._busy.discard(sid)
+            self._settled.unpark_all()
+        if scope.cancelled_caught:
+            raise UsageError("the daemon is stopping")
+        return record
+
+    async def _up(self, sid: str, env: str | None, layers: list[str], prefetch: str,
+                  limits: Limits) -> SandboxRecord:
+        """Record the sandbox as starting, mount it, record it as up (and with
+        ``--prefetch full``, fetch it); anything that fails or is cancelled on
+        the way is rolled back completely (:meth:`_take_down`)."""
+        if limits.given():
+            await trio.to_thread.run_sync(self._check_limits, limits)
+        digests, config = await trio.to_thread.run_sync(self._resolve, env, layers)
+        record = SandboxRecord(id=sid, env=env, layer_refs=layers, layers=digests,
+                               config=config, prefetch=prefetch, created=time.time(),
+                               state=SandboxState.STARTING,
+                               rootfs=str(self._dir(sid) / "rootfs"), limits=limits)
         replay: TraceReplay | None = None
         try:
-            if limits.given():
-                await trio.to_thread.run_sync(self._check_limits, limits)
-            digests, config = await trio.to_thread.run_sync(self._resolve, env, layers or [])
-            record = SandboxRecord(id=sid, env=env, layer_refs=layers or [], layers=digests,
-                                   config=config, prefetch=prefetch, created=time.time(),
-                                   state="starting", rootfs=str(self._dir(sid) / "rootfs"),
-                                   limits=limits)
+            self.records[sid] = record
+            await self._save(record)  # from here on a crash is rolled back at the next start
             replay = self._replay(record)
             await self._start(record, fresh=True, replay=replay)
             if replay is not None:
                 replay.settle()  # every layer's table is in
-            self.records[sid] = record
+            move(record, SandboxState.UP)
             await self._save(record)
+            await self._prefetch(record)
         except BaseException:
             if replay is not None:
                 replay.cancel()
-            raise
-        finally:
-            self._busy.discard(sid)
-        try:
-            await self._prefetch(record)
-        except BaseException:
-            with trio.CancelScope(shield=True):  # a failed eager up leaves nothing up
-                await self.down(sid)
+            with trio.CancelScope(shield=True):  # a failed up leaves nothing up
+                await self._roll_back(record)
             raise
         return record
 
@@ -266,6 +184,14 @@ class Sandboxes:
             parent = self.root / "sandboxes"
             parent.mkdir(parents=True, exist_ok=True)
             quota.check_supported(parent)
+
+    async def _roll_back(self, record: SandboxRecord) -> None:
+        """Take a failed ``up``'s sandbox down again; if even that fails, it
+        stays ``down_failed`` (logged) for a ``down`` to finish."""
+        try:
+            await self._take_down(record, keep_upper=False)
+        except LayerfsError as exc:
+            log.error("rolling back the up of %s: %s", record.id, exc)
 
     def _replay(self, record: SandboxRecord) -> TraceReplay | None:
         """The sandbox's trace replay, started now, alongside its layers'
@@ -283,30 +209,45 @@ class Sandboxes:
 
     async def _start(self, record: SandboxRecord, fresh: bool,
                      replay: TraceReplay | None = None) -> None:
+        """Mount the sandbox's layers and rootfs (``fresh``: its directories
+        are new), each mount noted in :attr:`mounts` as soon as it is made;
+        on failure, what was mounted stays noted for the caller to release."""
         sdir = self._dir(record.id)
-        acquired: list[str] = []
+        held = self.mounts.setdefault(record.id, SandboxMounts())
+        mounted = await self._acquire_all(record.layers, held.layers, replay)
+        overlay = Overlay(distinct([str(m.path) for m in mounted]), str(sdir / "upper"),
+                          str(sdir / "work"), OVERLAY_OPTIONS)
+        adopted = self.layers.adopt(sdir / "rootfs")
         try:
-            mounted = await self._acquire_all(record.layers, acquired, replay)
-            overlay = Overlay(distinct([str(m.path) for m in mounted]), str(sdir / "upper"),
-                              str(sdir / "work"), OVERLAY_OPTIONS)
-            adopted = self.layers.adopt(sdir / "rootfs")
-            try:
-                await trio.to_thread.run_sync(make_rootfs, sdir, fresh,
-                                              None if adopted else overlay,
-                                              record.limits.disk_quota,
-                                              limiter=self.layers.mount_limit)
-            except BaseException:
-                if adopted:  # detached now, or the layers under it stay busy
-                    with trio.CancelScope(shield=True):
-                        await detach(str(sdir / "rootfs"))
-                raise
+            await trio.to_thread.run_sync(make_rootfs, sdir, fresh,
+                                          None if adopted else overlay,
+                                          record.limits.disk_quota,
+                                          limiter=self.layers.mount_limit)
         except BaseException:
-            for digest in acquired:
-                await self.layers.release(digest)
-            if fresh:
-                await trio.to_thread.run_sync(shutil.rmtree, sdir, True)
+            if adopted:  # detached now, or the layers under it stay busy
+                with trio.CancelScope(shield=True):
+                    await detach(str(sdir / "rootfs"))
             raise
-        record.state = "up"
+        held.rootfs = True
+
+    async def _unmount(self, sid: str) -> None:
+        """Unmount what the sandbox holds: its rootfs, then its use of each
+        layer; each step is noted as done, so that after a failure (OSError:
+        a busy mount) this can be asked again and goes on where it stopped."""
+        held = self.mounts.get(sid)
+        if held is None:
+            return
+        if held.rootfs:
+            rootfs = self._dir(sid) / "rootfs"
+            with busy_mount(sid, rootfs):
+                await trio.to_thread.run_sync(unmount, rootfs, limiter=self.layers.mount_limit)
+            held.rootfs = False
+        while held.layers:
+            digest = held.layers[-1]
+            with busy_mount(sid, self.layers.mounted[digest].path):
+                await self.layers.release(digest)
+            held.layers.pop()
+        del self.mounts[sid]
 
     async def _acquire_all(self, digests: list[str], acquired: list[str],
                            replay: TraceReplay | None) -> list[MountedLayer]:
@@ -345,27 +286,59 @@ class Sandboxes:
                    force: bool = False) -> SandboxRecord:
         """Unmount the sandbox and delete its directory (``keep_upper``: not its
         upper). A sandbox a ``layerfs run`` container runs in is refused
-        (:class:`SandboxBusy`), or with ``force`` the containers are killed first."""
+        (:class:`SandboxBusy`), or with ``force`` the containers are killed first.
+        A down that fails half way leaves the sandbox ``down_failed`` and can be
+        asked again (:meth:`_take_down`)."""
         record = ready_record(sid, self.records.get(sid), self._busy)
         self._busy.add(sid)
+        self._downs.add(sid)
         try:
             await self._stop_containers(sid, force)
-            sdir = self._dir(sid)
-            if record.state == "up":
-                await trio.to_thread.run_sync(umount, str(sdir / "rootfs"),
-                                              limiter=self.layers.mount_limit)
-                for digest in record.layers:
-                    await self.layers.release(digest)
-            if keep_upper:
-                await trio.to_thread.run_sync(shutil.rmtree, sdir / "work", True)
-            else:
-                await trio.to_thread.run_sync(shutil.rmtree, sdir, True)
-            del self.records[sid]
-            await trio.to_thread.run_sync(self.replica.delete_sandbox, sid)
+            await self._take_down(record, keep_upper)
+        except DownIncomplete as exc:
+            log.error("%s", exc)  # the replica or the file system failed it, not the caller
+            raise
         finally:
+            self._downs.discard(sid)
             self._busy.discard(sid)
-        record.state = "down"
+            self._settled.unpark_all()
         return record
+
+    async def _take_down(self, record: SandboxRecord, keep_upper: bool) -> None:
+        """The steps of a down, each idempotent, shielded from cancellation:
+        record it as stopping, unmount its rootfs and release its layers,
+        remove its directory (``keep_upper``: only its work directory), delete its
+        record. A step that fails leaves it ``down_failed`` with the reason
+        (:class:`MountBusy` for a busy mount, :class:`DownIncomplete` else),
+        and the next down starts again from the first step not done."""
+        sid = record.id
+        move(record, SandboxState.STOPPING)
+        step = "recording it as stopping"
+        with trio.CancelScope(shield=True):
+            try:
+                await self._save(record)
+                step = "unmounting it"
+                await self._unmount(sid)
+                step = "removing its directory"
+                await trio.to_thread.run_sync(remove_sandbox_dir, self._dir(sid), keep_upper)
+                step = "deleting its record"
+                await trio.to_thread.run_sync(self.replica.delete_sandbox, sid)
+            except Exception as exc:  # noqa: BLE001 - OSError, lmdb.Error: recorded, raised
+                error = exc if isinstance(exc, LayerfsError) else DownIncomplete(sid, step, exc)
+                move(record, SandboxState.DOWN_FAILED, str(error))
+                await self._save_quietly(record)
+                if error is exc:
+                    raise
+                raise error from exc
+        del self.records[sid]
+        move(record, SandboxState.DOWN)
+
+    async def _save_quietly(self, record: SandboxRecord) -> None:
+        """Save the record if the replica lets us (an error line if not)."""
+        try:
+            await self._save(record)
+        except Exception as exc:  # noqa: BLE001 - the replica's own failure, logged
+            log.error("sandbox %s: cannot save its record (%s): %s", record.id, record.state, exc)
 
     async def _stop_containers(self, sid: str, force: bool) -> None:
         """Refuse (:class:`SandboxBusy`) while a container runs in the sandbox,
@@ -415,34 +388,65 @@ class Sandboxes:
         return self.reg.layer(digests[0]).chunk_size if digests else DEFAULT_CHUNK_SIZE
 
     async def restore(self) -> None:
-        """After a restart: bring back the sandboxes that were up, or mark them lost.
-        Records an earlier version wrote load too; one that does not parse is
-        logged and left in the replica."""
+        """After a restart, each record by its state: an ``up`` or ``lost``
+        sandbox is brought back (or marked lost); an up the last daemon did
+        not finish (``starting``) is rolled back; a down it did not finish
+        (``stopping``) is ``down_failed``, for a down to finish. Records an
+        earlier version wrote load too; one that does not parse is logged and
+        left in the replica."""
         stored = await trio.to_thread.run_sync(self.replica.sandboxes)
         for sid, data in stored.items():
             try:
                 record = SandboxRecord.from_json(data, f"sandbox record {sid}")
-            except BadMessage as exc:
+                state = state_of(record)
+            except (BadMessage, ValueError) as exc:
                 log.error("sandbox %s not restored: %s", sid, exc)
                 continue
-            try:
-                await self._start(record, fresh=False)
-            except (LayerfsError, OSError) as exc:
-                record.state = "lost"
-                record.error = str(exc)
-                log.error("sandbox %s lost: %s", sid, exc)
             self.records[sid] = record
-            await self._save(record)
+            if state is SandboxState.STARTING:
+                log.info("sandbox %s: rolling back its unfinished up", sid)
+                if self.layers.adopt(self._dir(sid) / "rootfs"):
+                    await detach(str(self._dir(sid) / "rootfs"))
+                await self._roll_back(record)
+            elif state is SandboxState.STOPPING:
+                move(record, SandboxState.DOWN_FAILED, "the daemon stopped during its down")
+                await self._save(record)
+            elif state in (SandboxState.UP, SandboxState.LOST):
+                await self._bring_back(record)
 
-    async def down_all(self) -> None:
-        """Shutdown: unmount every sandbox, keep its records and upper dirs."""
-        for sid, record in list(self.records.items()):
-            if record.state != "up":
-                continue
-            try:
-                await trio.to_thread.run_sync(umount, str(self._dir(sid) / "rootfs"))
-            except OSError as exc:
-                log.error("unmount sandbox %s: %s", sid, exc)
+    async def _bring_back(self, record: SandboxRecord) -> None:
+        """Mount a restored sandbox on its upper again (``up``), or mark it ``lost``."""
+        try:
+            await self._start(record, fresh=False)
+        except (LayerfsError, OSError) as exc:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self._unmount(record.id)
+                except (LayerfsError, OSError) as again:  # left for a stop to detach
+                    log.error("sandbox %s: %s", record.id, again)
+            if record.state != SandboxState.LOST:
+                move(record, SandboxState.LOST)
+            record.error = str(exc)
+            log.error("sandbox %s lost: %s", record.id, exc)
+        else:
+            if record.state == SandboxState.LOST:
+                move(record, SandboxState.UP)
+        await self._save(record)
+
+    async def stop(self) -> None:
+        """A stop for good: ups in flight are cancelled (each rolled back
+        completely, or done and recorded if it was that far), downs in flight
+        finish; then every sandbox's rootfs is unmounted, or detached if it is
+        busy. Records and upper directories stay for the next start; the
+        layers are :meth:`LayerMounts.unmount_all`'s."""
+        self.closing = True
+        for scope in self._ups.values():
+            scope.cancel()
+        while self._ups or self._downs:
+            await self._settled.park()
+        for sid, held in list(self.mounts.items()):
+            if held.rootfs and await unmount_or_detach(self._dir(sid) / "rootfs"):
+                held.rootfs = False
 
     async def ps(self, only: str | None = None) -> list[SandboxStatus]:
         """Every sandbox's status, or only sandbox ``only``'s (none if unknown)."""
@@ -458,22 +462,23 @@ class Sandboxes:
         return out
 
 
-async def detach(point: str) -> bool:
-    """Detach a kept mount lazily (its users keep it); False, with an error
-    line, if it cannot be."""
+@contextmanager
+def busy_mount(sid: str, path: Path) -> Iterator[None]:
+    """An unmount of ``path`` that fails because it is busy (EBUSY) as :class:`MountBusy`."""
     try:
-        await trio.to_thread.run_sync(functools.partial(umount, point, lazy=True))
+        yield
     except OSError as exc:
-        log.error("cannot detach %s: %s", point, exc)
-        return False
-    return True
+        if exc.errno == errno.EBUSY:
+            raise MountBusy(sid, path) from None
+        raise
 
 
-def mount_layer(source: str, device: Path, target: Path, readahead: int) -> None:
-    """Worker thread: a layer's mount point, then its EROFS mount of ``source``
-    (the checked meta image) over the blob file ``device``."""
-    target.mkdir(parents=True, exist_ok=True)
-    mount_erofs(source, str(device), str(target), directio=True, readahead=readahead)
+def remove_sandbox_dir(sdir: Path, keep_upper: bool) -> None:
+    """Worker thread: the sandbox's directory gone (``keep_upper``: all but
+    upper and rootfs), or gone already; never while its rootfs is mounted."""
+    if os.path.ismount(sdir / "rootfs"):
+        raise OSError(errno.EBUSY, f"{sdir / 'rootfs'} is still mounted")
+    shutil.rmtree(sdir / "work" if keep_upper else sdir, ignore_errors=True)
 
 
 def make_rootfs(sdir: Path, fresh: bool, overlay: Overlay | None,
