@@ -22,9 +22,9 @@ import pytest
 from nodes import NodeDaemon
 from test_node import publish_base_env, up
 
+from layerfs.errors import DownIncomplete, SandboxBusy
 from layerfs.node.client import Client
 from layerfs.node.daemon import mounts_under
-from layerfs.errors import DownIncomplete, SandboxBusy
 
 FILE_ONLY = pytest.mark.parametrize("store_location", ["file"], indirect=True)
 LAUNCHER = textwrap.dedent("""
