@@ -68,7 +68,9 @@ def test_a_sandbox_filling_root_leaves_the_node_serving(tmp_path):
             one_line_exit_16(node.cli("run", "s1", "--", "true", check=False))
             assert (rootfs / "data").read_bytes() == data  # fetched, verified, not cached
             cache = node.request("stats")["cache"]
-            assert cache["not_cached"] > 0  # served without a cache file
+            # the full disk was met: served without a cache file, or cached in room
+            # that evicting other chunks made (once the held space is free, both happen)
+            assert cache["not_cached"] + cache["no_space_evictions"] > 0, cache
             warnings = re.findall(CACHE_WARNING, node.log())
             assert 1 <= len(warnings) <= 2, f"{len(warnings)} cache warnings"
 
