@@ -72,7 +72,7 @@ def test_a_sandbox_filling_root_leaves_the_node_serving(tmp_path):
             # that evicting other chunks made (once the held space is free, both happen)
             assert cache["not_cached"] + cache["no_space_evictions"] > 0, cache
             warnings = re.findall(CACHE_WARNING, node.log())
-            assert 1 <= len(warnings) <= 2, f"{len(warnings)} cache warnings"
+            assert len(warnings) <= 2, f"{len(warnings)} cache warnings"  # no line per chunk
 
             node.stop()  # a restart on the full disk brings the sandbox back
             node.start()
