@@ -193,14 +193,16 @@ def test_a_volume_server_killed_under_000_fails_only_what_it_held(healthy: Clust
     assert proc.returncode == ObjectUnavailable.exit_code, proc.stderr
     assert proc.stderr.startswith("layerfs: error: ") and len(proc.stderr.splitlines()) == 1
     assert "unavailable" in proc.stderr and "corrupt" not in proc.stderr
-    if proc.stdout:  # the per-object report: what the lost server held is unavailable
-        objects = json.loads(proc.stdout)[0]["objects"]
+    doc = json.loads(proc.stdout)
+    if isinstance(doc, list):  # the per-object report: what the lost server held is unavailable
+        objects = doc[0]["objects"]
         lost_objects = {o["what"] for o in objects if o["found"] == "unavailable"}
         assert lost_objects and {o["found"] for o in objects} <= {"ok", "unavailable"}
         if "chunk table" not in lost_objects:  # the packs could be listed
             assert any(o["digest"] == lost.pack and o["found"] == "unavailable"
                        for o in objects), objects
     else:  # the lost server held the layer's ref or manifest: the line names that object
+        assert doc["exit"] == ObjectUnavailable.exit_code and doc["error"] in proc.stderr, doc
         assert "get " in proc.stderr and "InternalError" in proc.stderr, proc.stderr
 
 

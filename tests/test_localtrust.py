@@ -17,6 +17,7 @@ import pytest
 from nodes import NodeDaemon
 from support import build, need_root
 
+from layerfs.errors import NodeFull
 from layerfs.registry import Registry
 
 CHUNK = 65536
@@ -149,10 +150,9 @@ def test_a_full_root_leaves_no_temporary_meta_images(tmp_path, store, store_loca
         assert not stale.exists()  # removed at start
         fill(small_root, leave=1 << 20)
         proc = node.cli("up", "--layer", "big-meta@1", "--id", "s1", check=False)
-        assert proc.returncode != 0
+        assert proc.returncode == NodeFull.exit_code, proc.stderr
         errors = proc.stderr.strip().splitlines()
-        assert len(errors) == 1 and errors[0].startswith("layerfs: error: ")
-        assert "No space left" in errors[0]
+        assert len(errors) == 1 and errors[0].startswith("layerfs: error: ROOT is full: ")
         assert [p.name for p in (small_root / "meta").iterdir()] == []
         assert node.request("ps")["sandboxes"] == []
     finally:

@@ -22,7 +22,7 @@ import pytest
 from nodes import NodeDaemon
 from support import build, need_root
 
-from layerfs.errors import UsageError
+from layerfs.errors import SandboxNotFound, UsageError
 from layerfs.node import Client, runner
 from layerfs.node.bundle import BundleError
 from layerfs.node.control import RemoteError
@@ -394,8 +394,8 @@ def test_a_missing_runtime_is_one_line(node):
 def test_a_sandbox_that_is_not_up_is_one_line(node):
     argv = [*LAYERFS, "run", "--root", str(node.root), "nope", "--", "true"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr == "layerfs: error: sandbox nope is not up\n"
+    assert proc.returncode == SandboxNotFound.exit_code == 5
+    assert proc.stderr == "layerfs: error: sandbox nope: no such sandbox\n"
 
 
 def test_crun_runs_the_same_bundle(node):
