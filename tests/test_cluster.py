@@ -2,7 +2,8 @@
 volume servers that die under replication 010 and 000.
 
 The ``cluster`` group: one cluster per session (about 15 s to start), each test
-a few seconds; ``-m cluster`` runs the group alone.
+a few seconds (the hung volume server's, about 30: its readers read for 25 s);
+``-m cluster`` runs the group alone.
 """
 
 from __future__ import annotations
