@@ -51,6 +51,17 @@ class Service:
                 cwd=cwd, env=env, preexec_fn=die_with_parent,  # noqa: PLW1509
             )  # fmt: skip
 
+    def pause(self) -> None:
+        """SIGSTOP: a hung server, whose port still takes connections but
+        never answers (the gateway waits on it, as on a lost machine)."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.running():
+            assert self.process is not None
+            os.kill(self.process.pid, signal.SIGCONT)
+
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
@@ -77,6 +88,7 @@ class Cluster:
     filer: Service
     gateways: list[Service]
     stopped: list[Service] = field(default_factory=list)
+    paused: list[Service] = field(default_factory=list)
 
     @property
     def endpoints(self) -> list[str]:
@@ -112,8 +124,16 @@ class Cluster:
         service.kill()
         self.stopped.append(service)
 
+    def pause(self, service: Service) -> None:
+        service.pause()
+        self.paused.append(service)
+
     def restart_stopped(self) -> None:
-        """Start again what a test killed, and wait until the cluster serves."""
+        """Resume what a test paused, start again what it killed, and wait
+        until the cluster serves."""
+        for service in self.paused:
+            service.resume()
+        self.paused.clear()
         for service in self.stopped:
             service.start(self.root)
         self.stopped.clear()

@@ -2,7 +2,8 @@
 volume servers that die under replication 010 and 000.
 
 The ``cluster`` group: one cluster per session (about 15 s to start), each test
-a few seconds; ``-m cluster`` runs the group alone.
+a few seconds (the hung volume server's, about 30: its readers read for 25 s);
+``-m cluster`` runs the group alone.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ from layerfs.node.fetcher import ChunkFetcher, FetchError
 from layerfs.registry import Registry
 from layerfs.store import Store, open_store
 from layerfs.store.base import blob_key
+from layerfs.store.counting import CountingStore
 from layerfs.store.s3failover import FailoverS3Store
 
 FAILOVER_LOG = r"S3 endpoint http://127\.0\.0\.1:\d+ does not answer"
@@ -60,7 +63,8 @@ def healthy(cluster: Cluster) -> Iterator[Cluster]:
     cluster.restart_stopped()
 
 
-def build(tmp_path: Path, url: str, endpoints: str, name: str, seed: int) -> str:
+def build(tmp_path: Path, url: str, endpoints: str, name: str, seed: int,
+          chunk_size: str = "1M") -> str:
     """Build a small layer of random files into ``url``; its manifest digest."""
     tree = tmp_path / f"tree-{name}"
     tree.mkdir()
@@ -68,7 +72,8 @@ def build(tmp_path: Path, url: str, endpoints: str, name: str, seed: int) -> str
     for number in range(4):
         (tree / f"file{number}").write_bytes(rng.randbytes(150_000))
     proc = layerfs("build", str(tree), "--name", f"c/{name}", "--version", "1",
-                   "--store", url, "--s3-endpoint", endpoints, "--json")
+                   "--store", url, "--s3-endpoint", endpoints, "--chunk-size", chunk_size,
+                   "--json")
     assert proc.returncode == 0, proc.stderr
     store = open_store(url, endpoints)
     try:
@@ -239,3 +244,101 @@ def test_two_daemons_read_a_build_while_a_gateway_and_a_volume_server_die(
         second.cli("down", "b")
     finally:
         assert first.cleanup() == [] and second.cleanup() == []
+
+
+@dataclass
+class TimedRead:
+    """One chunk read through the fetcher: whether it got the bytes, how long
+    it took, and its error if not."""
+
+    lost: bool  # a chunk of a pack on the killed volume server
+    seconds: float
+    error: str | None
+
+
+async def read_for_a_while(fetcher: ChunkFetcher, lost: list[ChunkEntry],
+                           healthy: list[ChunkEntry], seconds: float,
+                           readers: int = 4) -> list[TimedRead]:
+    """Readers of the lost chunks, over and over (each read waits up to the
+    timeout, then its pack backs off), while other readers read each healthy
+    chunk once, spread over ``seconds``."""
+    reads: list[TimedRead] = []
+    todo = list(healthy)
+    pause = seconds * readers / len(healthy)
+
+    async def timed(entry: ChunkEntry, is_lost: bool) -> None:
+        start = trio.current_time()
+        try:
+            await fetcher.get(entry)
+            error = None
+        except FetchError as exc:
+            error = str(exc)
+        reads.append(TimedRead(is_lost, trio.current_time() - start, error))
+
+    async def read_healthy() -> None:
+        while todo:
+            await timed(todo.pop(0), False)
+            await trio.sleep(pause)
+
+    async def read_lost(first: int, cancel: trio.CancelScope) -> None:
+        with cancel:
+            for number in range(first, 10_000):
+                await timed(lost[number % len(lost)], True)
+                await trio.sleep(0.3)
+
+    lost_scopes = [trio.CancelScope() for _ in range(readers)]
+    async with trio.open_nursery() as nursery:
+        for number, scope in enumerate(lost_scopes):
+            nursery.start_soon(read_lost, number, scope)
+        async with trio.open_nursery() as healthy_readers:
+            for _ in range(readers):
+                healthy_readers.start_soon(read_healthy)
+        for scope in lost_scopes:
+            scope.cancel()
+    return reads
+
+
+@pytest.mark.cluster
+@pytest.mark.daemon_log(r"no answer from the store within|object unavailable|chunk [0-9a-f]+: ")
+def test_slow_answers_for_a_lost_server_under_000_fail_only_its_data(healthy: Cluster,
+                                                                     tmp_path: Path) -> None:
+    """Regression (the cluster, replication 000, one volume server lost, the
+    daemon's ``--read-timeout 10``): the gateway waits on the lost server for
+    longer than the read timeout before it answers (here the server hangs:
+    SIGSTOP); each such timeout once counted as the store not answering and
+    failed every uncached read for 2 s, most of them of data on healthy
+    servers. Now only reads of what the lost server held fail, each within
+    the timeout."""
+    endpoints = ",".join(healthy.endpoints)
+    url = f"s3://{BUCKET_000}/s-{uuid.uuid4().hex[:8]}"
+    store = CountingStore(open_store(url, endpoints))
+    prefix = store.prefix
+    by_server: dict[str, list[ChunkEntry]] = {}
+    try:
+        for seed in range(16):  # until one server holds one layer and the others two
+            digest = build(tmp_path, url, endpoints, f"s{seed}", seed=40 + seed,
+                           chunk_size="32K")
+            chunks = entries(store, digest)
+            server = healthy.volume_of(BUCKET_000, prefix + blob_key(chunks[0].pack)).name
+            assert {healthy.volume_of(BUCKET_000, prefix + blob_key(p)).name
+                    for p in {c.pack for c in chunks}} == {server}
+            by_server.setdefault(server, []).extend(chunks)
+            counts = sorted(len(c) for c in by_server.values())
+            if len(counts) >= 2 and counts[-1] >= 2 * len(chunks) and counts[0] >= 1:
+                break
+        lost_server = min(by_server, key=lambda name: len(by_server[name]))
+        lost = by_server.pop(lost_server)
+        kept = [c for chunks in by_server.values() for c in chunks]
+        assert kept, f"every layer's packs on {lost_server}"
+        healthy.pause(next(v for v in healthy.volumes if v.name == lost_server))
+        fetcher = ChunkFetcher(store, ChunkCache(tmp_path / "cache", 64 << 20), timeout=10.0)
+        reads = trio.run(read_for_a_while, fetcher, lost, kept, 25.0)
+    finally:
+        store.close()
+    failed_healthy = [r.error for r in reads if not r.lost and r.error is not None]
+    assert failed_healthy == [], f"{len(failed_healthy)} of {len(kept)}: {failed_healthy[:3]}"
+    lost_reads = [r for r in reads if r.lost]
+    assert lost_reads and all(r.error is not None for r in lost_reads)
+    assert max(r.seconds for r in lost_reads) <= 10.0 + 1.0
+    # the case is the one seen: the gateway answered no lost read within the timeout
+    assert any("timed out" in (r.error or "") for r in lost_reads), lost_reads[:3]

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 import threading
+import time
 
 import pytest
 import trio
@@ -136,9 +138,9 @@ def test_a_failure_reaches_every_waiter_and_the_next_read_tries_again(tmp_path):
             await trio.testing.wait_all_tasks_blocked()
             store.release.set()
         store.fail = False
-        with pytest.raises(FetchError, match="failed just now"):  # the fail-fast window
+        with pytest.raises(FetchError, match=r"unavailable \(failed 1 time"):  # its backoff
             await f.get(ENTRY)
-        clock.jump(STORE_COOLDOWN)
+        clock.jump(OBJECT_BACKOFF)
         assert await f.get(ENTRY) == DATA
 
     run(main, clock)
@@ -172,12 +174,21 @@ OTHER_ENTRY = ChunkEntry(0, len(OTHER), hashlib.sha256(OTHER).digest(), "sha256:
 
 class FaultyStore:
     """Fault injection: answers an error for the objects in ``broken`` (a 500
-    for one lost volume), DATA or OTHER for the others; records the keys read."""
+    for one lost volume), DATA or OTHER for the others; records the keys read.
+    Its HEAD (the fetcher's health probe) raises ``head_error`` if given."""
 
-    def __init__(self, broken: set[str], error: Exception) -> None:
+    def __init__(self, broken: set[str], error: Exception,
+                 head_error: Exception | None = None) -> None:
         self.broken = broken
         self.error = error
+        self.head_error = head_error
         self.keys: list[str] = []
+        self.heads = 0
+
+    def head(self, key: str) -> None:
+        self.heads += 1
+        if self.head_error is not None:
+            raise self.head_error
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         self.keys.append(key)
@@ -206,19 +217,259 @@ def test_one_unservable_pack_fails_fast_alone_and_other_reads_go_on(tmp_path):
     trio.run(main)
 
 
-@pytest.mark.daemon_log(r"store unreachable: connection refused")
+async def probed(f: ChunkFetcher) -> None:
+    """Wait (in real time: the probe is a worker thread) until the fetcher's
+    health probe, if one runs, has its answer."""
+    while f.fail_fast.probing:
+        await trio.to_thread.run_sync(time.sleep, 0.005)
+
+
+@pytest.mark.daemon_log(r"store unreachable: connection refused|store does not answer")
 def test_a_store_that_does_not_answer_fails_every_uncached_read_fast(tmp_path):
+    refused = StoreUnreachable("connection refused")
+    store = FaultyStore({blob_key(BAD_PACK)}, refused, head_error=refused)
+    f = fetcher(tmp_path, store)
+
+    async def main() -> None:
+        with pytest.raises(FetchError, match="connection refused"):
+            await f.get(BAD_ENTRY)
+        await probed(f)
+        with pytest.raises(FetchError, match=r"store unavailable \(failed just now"):
+            await f.get(ENTRY)
+        assert store.keys == [blob_key(BAD_PACK)] and store.heads == 1
+
+    trio.run(main)
+
+
+@pytest.mark.daemon_log(r"store unreachable: connection refused")
+def test_a_refused_read_while_the_store_answers_its_probe_fails_that_pack_alone(tmp_path):
     store = FaultyStore({blob_key(BAD_PACK)}, StoreUnreachable("connection refused"))
     f = fetcher(tmp_path, store)
 
     async def main() -> None:
         with pytest.raises(FetchError, match="connection refused"):
             await f.get(BAD_ENTRY)
-        with pytest.raises(FetchError, match=r"store unavailable \(failed just now"):
-            await f.get(ENTRY)
-        assert store.keys == [blob_key(BAD_PACK)]
+        await probed(f)
+        assert await f.get(ENTRY) == DATA
+        with pytest.raises(FetchError, match=r"unavailable \(failed 1 time"):
+            await f.get(BAD_ENTRY)
+        assert store.heads == 1
 
     trio.run(main)
+
+
+class HangingStore:
+    """Objects that answer (DATA, OTHER) or hang: a GET of a key in ``hung``,
+    and the HEAD if ``head_hangs``, waits until ``release`` is set (then
+    fails, as a request given up on). Counts its calls."""
+
+    def __init__(self, hung: set[str], head_hangs: bool = False) -> None:
+        self.hung = hung
+        self.head_hangs = head_hangs
+        self.release = threading.Event()
+        self.gets: list[str] = []
+        self.heads = 0
+
+    def _hang(self) -> None:
+        self.release.wait(30)
+        raise StoreUnreachable("given up")
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        self.gets.append(key)
+        if key in self.hung:
+            self._hang()
+        return OTHER if key == blob_key(OTHER_ENTRY.pack) else DATA
+
+    def head(self, key: str) -> None:
+        self.heads += 1
+        if self.head_hangs:
+            self._hang()
+
+
+@pytest.mark.daemon_log(r"no answer from the store within 5\.0s")
+def test_one_object_that_does_not_answer_while_the_store_does_backs_off_alone(tmp_path):
+    """Regression (the real cluster, replication 000, one volume server lost and
+    a gateway that retries it past ``--read-timeout``): one object's timeout
+    once failed every uncached read for 2 s. Objects slow one by one: the
+    probe answers, each backs off alone, every other read goes on."""
+    store = HangingStore({blob_key(BAD_PACK)})
+    f = fetcher(tmp_path, store, timeout=5.0)
+
+    async def main() -> None:
+        start = trio.current_time()
+        with pytest.raises(FetchError, match=r"timed out after 5\.0s"):
+            await f.get(BAD_ENTRY)
+        assert trio.current_time() - start == 5.0
+        clock.autojump_threshold = math.inf  # the clock stands still from now on
+        await probed(f)
+        assert f.fail_fast.store_down_until == 0.0  # the probe answered
+        assert await f.get(ENTRY) == DATA  # another pack, right after the timeout
+        assert await f.get(OTHER_ENTRY) == OTHER
+        gets = len(store.gets)
+        with pytest.raises(FetchError, match=r"unavailable \(failed 1 time"):
+            await f.get(BAD_ENTRY)
+        assert len(store.gets) == gets  # its backoff: not asked again
+
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    try:
+        run(main, clock)
+    finally:
+        store.release.set()
+    assert store.heads == 1
+
+
+@pytest.mark.daemon_log(r"no answer from the store within 5\.0s")
+def test_a_timeout_while_other_objects_answer_needs_no_probe(tmp_path):
+    """A read that times out while reads of other objects were answered since
+    it began: the store answers, no probe is sent, nothing else fails."""
+    store = HangingStore({blob_key(BAD_PACK)})
+    f = fetcher(tmp_path, store, timeout=5.0)
+    clock = trio.testing.MockClock()
+
+    async def main() -> None:
+        async def lost() -> None:
+            with pytest.raises(FetchError, match="timed out"):
+                await f.get(BAD_ENTRY)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lost)
+            while not store.gets:
+                await trio.sleep(0)
+            clock.jump(1.0)
+            assert await f.get(ENTRY) == DATA  # answered while the lost read waits
+            clock.jump(4.0)
+        assert not f.fail_fast.probing and f.fail_fast.store_down_until == 0.0
+        assert await f.get(OTHER_ENTRY) == OTHER
+
+    try:
+        run(main, clock)
+    finally:
+        store.release.set()
+    assert store.heads == 0
+
+
+@pytest.mark.daemon_log(r"no answer from the store within 5\.0s|store does not answer")
+def test_a_store_where_nothing_answers_fails_every_uncached_read_fast(tmp_path):
+    """Objects slow all at once and the probe unanswered too: the store is
+    down, every uncached read fails at once for STORE_COOLDOWN."""
+    store = HangingStore({blob_key(BAD_PACK), blob_key(ENTRY.pack)}, head_hangs=True)
+    f = fetcher(tmp_path, store, timeout=5.0)
+
+    async def main() -> None:
+        with pytest.raises(FetchError, match="timed out after 5"):
+            await f.get(BAD_ENTRY)
+        await probed(f)  # the probe's own timeout
+        start = trio.current_time()
+        with pytest.raises(FetchError, match=r"store unavailable \(failed just now"):
+            await f.get(OTHER_ENTRY)
+        assert trio.current_time() == start  # at once
+        assert store.gets == [blob_key(BAD_PACK)]
+
+    try:
+        run(main, trio.testing.MockClock(autojump_threshold=0))
+    finally:
+        store.release.set()
+    assert store.heads == 1
+
+
+class StuckCache(ChunkCache):
+    """A chunk cache whose file reads hang until ``release`` is set."""
+
+    release = threading.Event()
+
+    def read(self, sha: str) -> bytes | None:
+        self.release.wait(30)
+        return None
+
+    def read_range(self, sha: str, lo: int, hi: int) -> bytes | None:
+        self.release.wait(30)
+        return None
+
+
+@pytest.mark.daemon_log(r"the local cache did not answer within 5s")
+def test_a_slow_cache_read_fails_within_the_timeout_and_blames_no_store(tmp_path):
+    """A local cache read that hangs: ``get`` and ``get_range`` each fail
+    within ``--read-timeout`` in all (``get_range`` once waited twice that),
+    and neither the store nor the pack is held to blame."""
+    store = HangingStore(set())
+    f = ChunkFetcher(store, StuckCache(tmp_path / "cache", 1 << 20), timeout=5.0)
+    f.cache.write(ENTRY.sha256.hex(), DATA)
+
+    async def main() -> None:
+        for read in (lambda: f.get(ENTRY), lambda: f.get_range(ENTRY, 10, 20)):
+            start = trio.current_time()
+            with pytest.raises(FetchError, match="cache read timed out"):
+                await read()
+            assert trio.current_time() - start == 5.0
+        clock.autojump_threshold = math.inf  # the clock stands still from now on
+        assert f.fail_fast.packs == {} and not f.fail_fast.probing
+        assert f.fail_fast.store_down_until == 0.0
+        assert await f.get(OTHER_ENTRY) == OTHER  # the store was never asked, nor blamed
+
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    try:
+        run(main, clock)
+    finally:
+        StuckCache.release.set()
+    assert store.gets == [blob_key(OTHER_ENTRY.pack)] and store.heads == 0
+
+
+@pytest.mark.daemon_log(r"no store slot free within the timeout|no answer from the store")
+def test_a_read_that_waits_its_timeout_in_the_queue_blames_no_store(tmp_path):
+    """One store thread, held by a read of an object that does not answer
+    (after its timeout, too: an abandoned request's thread runs on): a read of
+    another pack waits for it, fails within its timeout as the node's own
+    business, and neither its pack nor the store is blamed."""
+    store = HangingStore({blob_key(BAD_PACK)})
+    f = ChunkFetcher(store, ChunkCache(tmp_path / "cache", 1 << 20), timeout=5.0, parallel=1)
+    f.store_threads = trio.CapacityLimiter(1)
+    clock = trio.testing.MockClock()
+
+    async def main() -> None:
+        async def lost() -> None:
+            with pytest.raises(FetchError, match="timed out"):
+                await f.get(BAD_ENTRY)
+
+        async def queued() -> None:
+            with pytest.raises(FetchError, match="node busy"):
+                await f.get(ENTRY)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lost)
+            while not store.gets:
+                await trio.sleep(0)
+            clock.jump(1.0)
+            nursery.start_soon(queued)
+            await trio.testing.wait_all_tasks_blocked()
+            clock.jump(4.0)  # the lost read's timeout: the slot is free, the probe starts
+            await trio.testing.wait_all_tasks_blocked()
+            clock.jump(1.0)  # the queued read's timeout
+        assert ENTRY.pack not in f.fail_fast.packs and BAD_ENTRY.pack in f.fail_fast.packs
+        await probed(f)
+        assert f.fail_fast.store_down_until == 0.0
+
+    try:
+        run(main, clock)
+    finally:
+        store.release.set()
+    assert store.gets == [blob_key(BAD_PACK)]
+
+
+def test_the_evidence_rule_blames_the_store_only_when_nothing_answered():
+    """The plain rule: a no-answer backs its pack off; it makes the store
+    suspect (a probe) only if nothing answered since it began and no probe
+    runs; the probe's answer clears it, its silence opens the window."""
+    fail_fast = FailFast()
+    assert fail_fast.no_answer("a", started=0.0, now=10.0, reason="t")  # probe it
+    assert fail_fast.refusal("a", 10.0) is not None and fail_fast.refusal("b", 10.0) is None
+    assert not fail_fast.no_answer("b", started=1.0, now=11.0, reason="t")  # one probe at a time
+    fail_fast.probe_answered(11.5)
+    assert fail_fast.refusal("c", 11.5) is None
+    assert not fail_fast.no_answer("c", started=11.0, now=21.0, reason="t")  # answered since
+    assert fail_fast.no_answer("d", started=12.0, now=22.0, reason="t")
+    fail_fast.probe_failed(27.0, "no answer")
+    assert "store unavailable" in (fail_fast.refusal("e", 27.0) or "")
+    assert fail_fast.refusal("e", 27.0 + STORE_COOLDOWN) is None
 
 
 def test_a_packs_backoff_doubles_up_to_a_bound_and_a_success_forgets_it():

@@ -160,6 +160,7 @@ def store_outage(node: NodeDaemon):
     r"ERROR layerfs\.node\.fusefs: read: cannot read chunk",
     r"ERROR layerfs\.node\.fetcher: chunk \S+: (object not found in store|store unreachable"
     r"|no answer from the store within)",
+    r"ERROR layerfs\.node\.fetcher: store does not answer",
 )
 def test_store_outage_gives_eio_in_bounded_time(node, request):
     if node.location.endpoint:

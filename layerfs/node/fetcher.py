@@ -5,13 +5,17 @@ decompression and hashing happen in worker threads bounded by
 ``trio.CapacityLimiter``s. Every fetch first claims its chunks
 (``ChunkStates.claim``, one synchronous step), so there is one fetch per chunk
 however many readers want it (single flight); fetches run in parallel up to a
-bound; every fetch is bounded in time, and its failure (store down, corrupt
-chunk, timeout) reaches every reader that waited for it, then is forgotten so
-the next read tries again. A failed read makes the next reads of what
-failed fail at once for a while (layerfs/node/failfast.py), so that one
-read(2) never waits several timeouts: reads of one pack the store could not
-serve, with a backoff, and every uncached read only when the store itself did
-not answer (``STORE_COOLDOWN``). A run of chunks that lie one after another in a pack is
+bound; a reader waits at most the timeout in all (the cache read, the queue
+for a store slot and the store request together), and a failure (store down,
+corrupt chunk, timeout) reaches every reader that waited for it, then is
+forgotten so the next read tries again. Only the store request's own time is
+held against the store: a slow cache read or a long queue fails the read
+without blaming anyone. A failed read makes the next reads of what failed
+fail at once for a while (layerfs/node/failfast.py), so that one read(2)
+never waits several timeouts: reads of that one pack, with a backoff, and
+every uncached read only when the store as a whole stopped answering (no
+answer to any request since the failed one began, and a health probe
+unanswered too; ``STORE_COOLDOWN``). A run of chunks that lie one after another in a pack is
 fetched with one range read; each chunk of it has its own flight. The
 prefetch policies (layerfs/node/prefetch.py) only call this core.
 Invariants: docs/node.md.
@@ -20,8 +24,9 @@ Invariants: docs/node.md.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import TypeAlias, TypeVar
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import TypeAlias, TypeVar, cast
 
 import trio
 
@@ -44,6 +49,26 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 QUIET = 1  # a background run starts only while at most this many readers' fetches go on
+PROBE_KEY = "refs/.probe"  # the health probe's HEAD: any answer, found or not, will do
+
+
+class HeldThread:
+    """A worker thread slot of a ``CapacityLimiter`` already taken (the queue
+    for it waited out apart from the store request): the limiter that
+    ``trio.to_thread.run_sync`` is given, which only gives the slot back when
+    the thread ends (after it is abandoned, too)."""
+
+    def __init__(self, limiter: trio.CapacityLimiter, owner: object) -> None:
+        self.limiter = limiter
+        self.owner = owner
+        self.used = False  # a thread was started with it: it gives the slot back
+
+    async def acquire_on_behalf_of(self, borrower: object) -> None:
+        """Taken already."""
+        self.used = True
+
+    def release_on_behalf_of(self, borrower: object) -> None:
+        self.limiter.release_on_behalf_of(self.owner)
 
 
 class ChunkFetcher:
@@ -58,6 +83,7 @@ class ChunkFetcher:
         # the store reads' worker threads, those abandoned after a timeout included
         # (trio's default limiter, 40 threads shared by all, would cap ``parallel``)
         self.store_threads = trio.CapacityLimiter(max(40, 2 * parallel))
+        self.probe_thread = trio.CapacityLimiter(1)  # the health probe's (one at a time)
         self.io_limit = trio.CapacityLimiter(io_threads)
         self.states = ChunkStates(cache, memory, self.io_limit)
         self.memory = self.states.memory
@@ -70,11 +96,14 @@ class ChunkFetcher:
 
     # -- reading one chunk -------------------------------------------------
 
-    async def get(self, entry: ChunkEntry, after: Sequence[ChunkEntry] = ()) -> Chunk:
-        """The verified bytes of one chunk; raises FetchError within the timeout.
-        ``after``: the entries that follow it in its blob; if the chunk comes
-        from the store, those that follow it in its pack come along
-        (``Prefetcher.miss_run``)."""
+    async def get(self, entry: ChunkEntry, after: Sequence[ChunkEntry] = (),
+                  deadline: float | None = None) -> Chunk:
+        """The verified bytes of one chunk; raises FetchError within the timeout
+        (by ``deadline``, a ``trio.current_time()``, if given). ``after``: the
+        entries that follow it in its blob; if the chunk comes from the store,
+        those that follow it in its pack come along (``Prefetcher.miss_run``)."""
+        if deadline is None:
+            deadline = trio.current_time() + self.timeout
         while True:
             data = self.states.held(entry.sha256)
             if data is not None:
@@ -83,7 +112,7 @@ class ChunkFetcher:
             run = self.policy.miss_run(entry, after) if after and absent else [entry]
             claim = self.states.claim(run, cached=True)
             if claim.lead:  # ours: the entry leads its run
-                result = (await self.lead(claim, keep=False))[0]
+                result = (await self.lead(claim, keep=False, deadline=deadline))[0]
                 if isinstance(result, FetchError):
                     raise result
                 self.memory.put(entry.sha256, result)
@@ -102,10 +131,12 @@ class ChunkFetcher:
         else, if the chunk is cached, only the cache file's blocks that hold
         them (a small random read: the chunk is not kept in memory); else, or
         if its file must be read whole (zstd form), the whole chunk, as
-        :meth:`get` (which keeps it in memory for the reads that follow)."""
+        :meth:`get` (which keeps it in memory for the reads that follow).
+        Within the timeout in all."""
         sha = entry.sha256
+        deadline = trio.current_time() + self.timeout
         if self.states.state(sha) is ChunkState.CACHED and not self.cache.reads_whole(sha.hex()):
-            with trio.move_on_after(self.timeout):
+            with trio.move_on_at(deadline):
                 part = await trio.to_thread.run_sync(self.cache.read_range, sha.hex(), lo, hi,
                                                      limiter=self.io_limit,
                                                      abandon_on_cancel=True)
@@ -114,7 +145,9 @@ class ChunkFetcher:
                 if part is not None and len(part) == entry.length:  # a file read whole
                     self.memory.put(sha, part)
                     return memoryview(part)[lo:hi]
-        return memoryview(await self.get(entry, after))[lo:hi]
+            if trio.current_time() >= deadline:
+                raise self._cache_timeout(f"chunk {sha.hex()[:16]}")
+        return memoryview(await self.get(entry, after, deadline))[lo:hi]
 
     def absent(self, sha: bytes) -> bool:
         """No one has or fetches the chunk (no I/O)."""
@@ -141,7 +174,7 @@ class ChunkFetcher:
                 await self.get(entry)
 
     async def lead(self, claim: Claim, *, keep: bool, for_reader: bool = True,
-                   split: bool = False) -> list[Chunk | FetchError]:
+                   split: bool = False, deadline: float | None = None) -> list[Chunk | FetchError]:
         """Fetch the chunks the claim leads and end their flights: each chunk's
         bytes or FetchError (raises FetchError if a read itself failed). One
         chunk a reader wants is read from the cache or the store; several with
@@ -149,16 +182,18 @@ class ChunkFetcher:
         one read as a reader's and kept in memory; the first failure ends it,
         its later runs abandoned). Fetched bytes go to the cache, and to
         memory if ``keep``, else only while memory has room (a prefetch must
-        not push out what readers use)."""
+        not push out what readers use). Each read within the timeout, or by
+        ``deadline`` if given."""
         try:
             if not split:
-                return await self._lead_part(claim.lead, claim.flights, keep, for_reader)
+                return await self._lead_part(claim.lead, claim.flights, keep, for_reader,
+                                             deadline)
             flights = dict(zip((e.sha256 for e in claim.lead), claim.flights, strict=True))
             results: list[Chunk | FetchError] = []
             for part in pack_runs(claim.lead):
                 lone = len(part) == 1 and for_reader
                 done = await self._lead_part(part, [flights[e.sha256] for e in part],
-                                             keep or lone, for_reader)
+                                             keep or lone, for_reader, deadline)
                 failed = next((r for r in done if isinstance(r, FetchError)), None)
                 if failed is not None:
                     raise failed
@@ -168,17 +203,20 @@ class ChunkFetcher:
             self.states.release(claim)
 
     async def _lead_part(self, part: list[ChunkEntry], flights: list[Flight],
-                         keep: bool, for_reader: bool) -> list[Chunk | FetchError]:
+                         keep: bool, for_reader: bool,
+                         deadline: float | None = None) -> list[Chunk | FetchError]:
         """Load ``part`` (claimed by the caller) and settle its flights: each
         gets its bytes or FetchError, all of them the error of a failed read."""
+        if deadline is None:
+            deadline = trio.current_time() + self.timeout
         try:
             if len(part) == 1 and for_reader:
-                data, got = await self._load(part[0])
+                data, got = await self._load(part[0], deadline)
                 results: list[Chunk | FetchError] = [data]
                 frames = [None if got is None else got.frame]
                 fetched = got is not None
             else:
-                loaded = await self._load_run(part, for_reader)
+                loaded = await self._load_run(part, deadline, for_reader)
                 results = [r if isinstance(r, FetchError) else r.data for r in loaded]
                 frames = [None if isinstance(r, FetchError) else r.frame for r in loaded]
                 fetched = True
@@ -203,46 +241,54 @@ class ChunkFetcher:
 
     # -- the store and the cache --------------------------------------------
 
-    async def _load_run(self, run: list[ChunkEntry],
+    async def _load_run(self, run: list[ChunkEntry], deadline: float,
                         for_reader: bool = True) -> list[FetchedChunk | FetchError]:
         """Each chunk of a run from one range read of the store, or the FetchError
         of that chunk alone (a corrupt chunk); raises FetchError for a failed read."""
         where = f"{len(run)} chunks of pack {run[0].pack[7:23]} @ {run[0].pack_offset}"
         for _ in run:
             self.cache.note_miss()
-        with trio.move_on_after(self.timeout) as scope:
-            results = await self._from_store(where, run[0].pack, self._fetch_run, run,
-                                             for_reader)
-            return [self._failed_chunk(e, r) if isinstance(r, IntegrityError) else r
-                    for e, r in zip(run, results, strict=True)]
-        assert scope.cancelled_caught
-        self._store_failed(f"no answer within {self.timeout:.0f}s")
-        self.store_log.error("timeout", "%s: no answer from the store within %.0fs", where,
-                             self.timeout)
-        raise FetchError(where, f"timed out after {self.timeout:.0f}s")
+        results = await self._from_store(where, run[0].pack, self._fetch_run, run, deadline,
+                                         for_reader)
+        return [self._failed_chunk(e, r) if isinstance(r, IntegrityError) else r
+                for e, r in zip(run, results, strict=True)]
 
     async def _from_store(self, where: str, pack: str, fetch: Callable[[T], R], arg: T,
-                          for_reader: bool = True) -> R:
+                          deadline: float, for_reader: bool = True) -> R:
         """``fetch(arg)`` (a read of ``pack``) in a worker thread under
-        ``fetch_limit``; its errors as FetchError with a log line. It fails at
-        once while ``fail_fast`` refuses the pack; a store that did not answer
-        opens the store-wide window, any other store error the pack's backoff.
+        ``fetch_limit``, by ``deadline``; its errors as FetchError with a log
+        line. It fails at once while ``fail_fast`` refuses the pack. The queue
+        for a fetch slot and a thread is not the store's: a deadline met there
+        blames no one. A store request that got no answer (the deadline, a
+        refused connection) backs its pack off and may make the store suspect
+        (``_no_answer``); an error the store answered backs the pack off.
         Counted in ``_reader_fetches`` unless it is a background fetch."""
-        refusal = self.fail_fast.refusal(pack, trio.current_time())
-        if refusal is not None:
-            raise FetchError(where, refusal)
+        self._refuse(where, pack)
         self._reader_fetches += for_reader
+        started = trio.current_time()
         try:
-            async with self.fetch_limit:
-                result = await trio.to_thread.run_sync(fetch, arg, abandon_on_cancel=True,
-                                                       limiter=self.store_threads)
-            self.fail_fast.pack_served(pack)
-            return result
+            async with self._store_slot(where, deadline) as thread:
+                self._refuse(where, pack)  # the store may have been found down meanwhile
+                started = trio.current_time()
+                with trio.move_on_at(deadline):
+                    result = await trio.to_thread.run_sync(fetch, arg, abandon_on_cancel=True,
+                                                           limiter=thread)
+                    self.fail_fast.answered(trio.current_time())
+                    self.fail_fast.pack_served(pack)
+                    return result
+            waited = trio.current_time() - started
+            self._no_answer(pack, started, f"no answer within {waited:.1f}s")
+            self.store_log.error("timeout", "%s: no answer from the store within %.1fs", where,
+                                 waited)
+            raise FetchError(where, f"timed out after {waited:.1f}s")
+        except FetchError:
+            raise
         except StoreUnreachable as exc:
-            self._store_failed(str(exc))
+            self._no_answer(pack, started, str(exc))
             self.store_log.error("unreachable", "%s: %s", where, exc)
             raise FetchError(where, str(exc)) from exc
         except StoreError as exc:
+            self.fail_fast.answered(trio.current_time())
             self.fail_fast.pack_failed(pack, trio.current_time(), str(exc))
             self.store_log.error(type(exc).__name__, "%s: %s", where, exc)
             raise FetchError(where, str(exc)) from exc
@@ -253,6 +299,71 @@ class ChunkFetcher:
             self._reader_fetches -= for_reader
             if self._reader_fetches <= QUIET:
                 self._quiet.unpark_all()
+
+    def _refuse(self, where: str, pack: str) -> None:
+        refusal = self.fail_fast.refusal(pack, trio.current_time())
+        if refusal is not None:
+            raise FetchError(where, refusal)
+
+    @asynccontextmanager
+    async def _store_slot(self, where: str, deadline: float) -> AsyncIterator[trio.CapacityLimiter]:
+        """A fetch slot (``fetch_limit``) and a store thread, waited for by
+        ``deadline`` (threads of abandoned requests hold theirs until their
+        request ends); FetchError past it, which blames neither the store nor
+        the pack. Gives the thread's limiter for ``trio.to_thread.run_sync``."""
+        owner = object()
+        got = 0  # limiters taken
+        with trio.move_on_at(deadline):
+            await self.fetch_limit.acquire_on_behalf_of(owner)
+            got = 1
+            await self.store_threads.acquire_on_behalf_of(owner)
+            got = 2
+        if got < 2:
+            if got:
+                self.fetch_limit.release_on_behalf_of(owner)
+            self.store_log.error("busy", "%s: no store slot free within the timeout (%d fetches,"
+                                 " %d threads held)", where, self.fetch_limit.borrowed_tokens,
+                                 self.store_threads.borrowed_tokens)
+            raise FetchError(where, "node busy: no store slot free within the timeout")
+        thread = HeldThread(self.store_threads, owner)
+        try:
+            yield cast(trio.CapacityLimiter, thread)
+        finally:
+            self.fetch_limit.release_on_behalf_of(owner)
+            if not thread.used:  # no thread started (refused, cancelled first)
+                self.store_threads.release_on_behalf_of(owner)
+
+    def _no_answer(self, pack: str, started: float, reason: str) -> None:
+        """A request of ``pack`` begun at ``started`` got no answer: the pack
+        backs off; a probe checks the store if nothing answered since."""
+        if self.fail_fast.no_answer(pack, started, trio.current_time(), reason):
+            trio.lowlevel.spawn_system_task(self._probe, reason)
+
+    async def _probe(self, why: str) -> None:
+        """The health probe: one HEAD of a small key, within the timeout. Any
+        answer (found, not found, an error reply) clears the suspicion; none
+        opens the store-wide window (reads fail fast for ``STORE_COOLDOWN``)."""
+        reason = ""
+        with trio.move_on_after(self.timeout) as scope:
+            try:
+                await trio.to_thread.run_sync(self.store.head, PROBE_KEY,
+                                              abandon_on_cancel=True, limiter=self.probe_thread)
+            except StoreUnreachable as exc:
+                reason = str(exc)
+            except StoreError:
+                pass  # an answer
+            except Exception as exc:  # a store that cannot be probed tells nothing  # noqa: BLE001
+                log.debug("store probe: %r", exc)
+        if scope.cancelled_caught:
+            reason = f"no answer within {self.timeout:.0f}s"
+        now = trio.current_time()
+        if not reason:
+            log.info("store answers (after: %s); only that object's reads back off", why)
+            self.fail_fast.probe_answered(now)
+            return
+        log.error("store does not answer (%s, and its health probe: %s); uncached reads"
+                  " fail at once for %.0fs", why, reason, STORE_COOLDOWN)
+        self.fail_fast.probe_failed(now, reason)
 
     async def quiet(self) -> None:
         """Wait until at most ``QUIET`` readers' store reads go on."""
@@ -274,30 +385,28 @@ class ChunkFetcher:
                                     if isinstance(r, FetchedChunk)))
         return results
 
-    async def _load(self, entry: ChunkEntry) -> tuple[Chunk, FetchedChunk | None]:
+    async def _load(self, entry: ChunkEntry,
+                    deadline: float) -> tuple[Chunk, FetchedChunk | None]:
         """The chunk's bytes, and what the store gave if they came from it."""
         sha = entry.sha256.hex()
-        with trio.move_on_after(self.timeout) as scope:
-            if self.cache.contains(sha):  # an index lookup: a miss costs no thread hop
+        where = f"chunk {sha[:16]}"
+        if self.cache.contains(sha):  # an index lookup: a miss costs no thread hop
+            with trio.move_on_at(deadline):
                 data = await trio.to_thread.run_sync(self.cache.read, sha, limiter=self.io_limit,
                                                      abandon_on_cancel=True)
                 if data is not None and len(data) == entry.length:
                     return data, None
-            else:
-                self.cache.note_miss()
-            got = await self._from_store(f"chunk {sha[:16]}", entry.pack, self._fetch, entry)
-            return got.data, got
-        assert scope.cancelled_caught
-        self._store_failed(f"no answer within {self.timeout:.0f}s")
-        self.store_log.error("timeout", "chunk %s: no answer from the store within %.0fs",
-                             sha[:16], self.timeout)
-        raise FetchError(f"chunk {sha[:16]}", f"timed out after {self.timeout:.0f}s")
+            if trio.current_time() >= deadline:
+                raise self._cache_timeout(where)
+        else:
+            self.cache.note_miss()
+        got = await self._from_store(where, entry.pack, self._fetch, entry, deadline)
+        return got.data, got
 
-    def _store_failed(self, reason: str) -> None:
-        """The store did not answer: for a moment, fail uncached reads at once
-        instead of waiting again (the kernel retries a failed read page by page,
-        and each retry would otherwise wait a whole timeout)."""
-        self.fail_fast.store_failed(trio.current_time(), reason)
+    def _cache_timeout(self, where: str) -> FetchError:
+        """The local cache read did not end within the timeout: not the store's."""
+        log.error("%s: the local cache did not answer within %.0fs", where, self.timeout)
+        return FetchError(where, f"cache read timed out after {self.timeout:.0f}s")
 
     def _fetch(self, entry: ChunkEntry) -> FetchedChunk:
         """Worker thread: range-read the pack, decompress, verify."""
