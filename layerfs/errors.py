@@ -208,3 +208,15 @@ class OverLimit(LayerfsError):
 
     exit_code = 3  # an input error: what the store would hold is beyond layerfs.bounds
 
+
+
+class NoProgressUnavailable(ObjectUnavailable):
+    """object unavailable: no progress for {}s (--timeout), giving up: {}"""
+
+    exit_code = 11  # every failed attempt of the stall was answered "unavailable" (5xx, EIO)
+
+
+class NoAnswerInTime(StoreUnreachable):
+    """store unreachable: {}"""
+
+    exit_code = 8  # an attempt still running when the time without progress ran out
