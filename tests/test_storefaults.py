@@ -419,3 +419,63 @@ def test_a_call_in_flight_is_cut_when_another_gives_up(tmp_path):
     assert [type(e) for e in errors] == [NoProgress, NoProgress]
     assert time.monotonic() - started < 2 + 1.0  # the later one did not run to 1.5 + 2 s
 
+
+
+class SlowUnavailablePuts(http.server.BaseHTTPRequestHandler):
+    """An S3 endpoint of an empty bucket whose writes all answer 503 after 1.2 s
+    (a gateway retrying lost volume servers before it gives up)."""
+
+    protocol_version = "HTTP/1.1"
+    EMPTY = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>bkt</Name>'
+             b"<KeyCount>0</KeyCount><MaxKeys>1000</MaxKeys><IsTruncated>false</IsTruncated>"
+             b"</ListBucketResult>")
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            try:
+                self.wfile.write(body)
+            except BrokenPipeError:  # the client gave up waiting (its deadline)
+                self.close_connection = True
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if "list-type=2" in self.path:
+            self._answer(200, self.EMPTY)
+        else:
+            self._answer(404, b"<Error><Code>NoSuchKey</Code><Message>none</Message></Error>")
+
+    do_HEAD = do_GET
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        time.sleep(1.2)
+        self._answer(503, b"<Error><Code>ServiceUnavailable</Code>"
+                          b"<Message>volume servers lost</Message></Error>")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_cli_build_to_slow_5xx_writes_exits_at_its_timeout(tmp_path, monkeypatch):
+    for name, value in DUMMY_AWS_ENV.items():
+        monkeypatch.setenv(name, value)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowUnavailablePuts)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    write_tree(tmp_path / "src", 7, files=30)
+    try:
+        started = time.monotonic()
+        proc = layerfs("build", str(tmp_path / "src"), "--name", "t", "--version", "1",
+                       "--timeout", "3", "--store", "s3://bkt/p", "--s3-endpoint",
+                       f"http://127.0.0.1:{server.server_address[1]}", check=False)
+        elapsed = time.monotonic() - started
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == ObjectUnavailable.exit_code, proc.stderr
+    assert cli_error(proc).startswith("layerfs: error: object unavailable: no progress for 3s "
+                                      "(--timeout), giving up: "), proc.stderr
+    assert "ServiceUnavailable" in proc.stderr
+    assert 3 <= elapsed < 3 + SLACK
