@@ -125,12 +125,13 @@ class S3Store(Store):
 
     def _connect(self) -> None:
         """The client and range reader, their timeouts per attempt within ``timeout``."""
-        self._pid = os.getpid()
-        self._client = make_client(self.endpoint, self.timeout)
+        client = make_client(self.endpoint, self.timeout)
         self._ranges: RangeReader | None = RangeReader(
-            self._client, self.bucket, self.where, pool_size=POOL_CONNECTIONS,
-            connect_timeout=min(CONNECT_TIMEOUT, self.timeout),
+            client, self.bucket, self.endpoint or str(client.meta.endpoint_url),
+            pool_size=POOL_CONNECTIONS, connect_timeout=min(CONNECT_TIMEOUT, self.timeout),
             read_timeout=min(READ_TIMEOUT, self.timeout))
+        self._client = client
+        self._pid = os.getpid()  # last: other threads of a child wait for the new ones
 
     # A forked child must not send requests on its parent's pooled connections
     # (both processes would write to one socket and read each other's answers):
