@@ -28,7 +28,7 @@ from typing import Any
 import urllib3
 
 from ..errors import ObjectUnavailable, StoreError, StoreUnreachable
-from .base import time_left
+from .base import attempt_deadline, time_left
 from .s3errors import S3Failure, classify, error_class
 
 SIGNED_SECONDS = 3600
@@ -116,15 +116,21 @@ class RangeReader:
                 break
         return self._failed(reply, key)
 
+    def _timeout_now(self) -> dict[str, urllib3.Timeout]:
+        """The request's timeouts, if the attempt's time left is under the pool's."""
+        deadline = attempt_deadline()
+        if deadline is None or deadline - time.monotonic() >= self.read_timeout:
+            return {}
+        return {"timeout": urllib3.Timeout(connect=time_left(self.connect_timeout),
+                                           read=time_left(self.read_timeout))}
+
     def _request(self, url: str, headers: dict[str, str], key: str) -> Any:
         """The reply, its body read: a request that gets no answer is the store
         unreachable; an answer that breaks off (cut short, or the connection
         reset in the body) is that object unavailable, as through boto3."""
         try:
-            timeout = urllib3.Timeout(connect=time_left(self.connect_timeout),
-                                      read=time_left(self.read_timeout))
             reply = self.pool.request("GET", url, headers=headers, preload_content=False,
-                                      redirect=False, timeout=timeout)
+                                      redirect=False, **self._timeout_now())
         except UNREACHABLE as exc:
             raise StoreUnreachable(f"{self.where}: {exc}") from exc
         except urllib3.exceptions.HTTPError as exc:
