@@ -116,7 +116,7 @@ class RangeReader:
                 break
         return self._failed(reply, key)
 
-    def _timeout_now(self) -> dict[str, urllib3.Timeout]:
+    def _timeout_now(self) -> dict[str, Any]:
         """The request's timeouts, if the attempt's time left is under the pool's."""
         deadline = attempt_deadline()
         if deadline is None or deadline - time.monotonic() >= self.read_timeout:
