@@ -11,6 +11,11 @@ current pack). Full packs are uploaded by a small thread pool while the build
 goes on. Before the build publishes, :meth:`ChunkPipeline.finish` refreshes every
 pack it reuses (and its own packs written long ago), so that gc's grace period
 covers them until the ref is written (docs/builder.md, "gc and concurrent pushes").
+
+The first store call of the pipeline that fails ends the build: uploads and
+refreshes not yet started are not sent, the next chunk raises its error, and
+the calls in flight end by the store's deadline (layerfs/store/base.py), so a
+push whose store makes no progress ends within about its ``--timeout``.
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, TypeVar
 
 import zstandard
 
@@ -38,6 +43,7 @@ DEFAULT_PACK_SIZE = 16 << 20
 ZSTD_LEVEL = 3
 FRESH_SECONDS = 60.0  # own packs written this recently are not refreshed again
 REFRESH_WORKERS = 8
+T = TypeVar("T")
 
 
 class DedupIndex:
@@ -134,6 +140,8 @@ class ChunkPipeline:
         self._uploads = ThreadPoolExecutor(2, thread_name_prefix="upload")
         self._upload_slots = threading.Semaphore(3)
         self._upload_futures: list[Future] = []
+        self._failure: BaseException | None = None  # the first failed store call's error
+        self._failure_lock = threading.Lock()
         self._inflight: deque[_Pending] = deque()
         self._max_inflight = 4 * workers + 2
         self._local = threading.local()
@@ -217,6 +225,7 @@ class ChunkPipeline:
             yield len(data), self._pool.submit(self._digest, data)
 
     def _queue(self, pending: _Pending) -> None:
+        self._raise_failure()
         self._inflight.append(pending)
         while len(self._inflight) > self._max_inflight:
             self._settle(self._inflight.popleft())
@@ -275,7 +284,9 @@ class ChunkPipeline:
     def _upload(self, data: bytes, digest: str) -> int:
         try:
             started = time.time()
-            _, uploaded = self.store.put_blob(data, digest)
+            uploaded = self._guarded(lambda: self.store.put_blob(data, digest)[1], None)
+            if uploaded is None:  # not sent: the build fails
+                return 0
             self._written_at[digest] = started
             if not uploaded:  # already stored (a retried build): put_blob refreshed it
                 self._found.add(digest)
@@ -283,9 +294,25 @@ class ChunkPipeline:
         finally:
             self._upload_slots.release()
 
+    def _guarded(self, call: Callable[[], T], skipped: T) -> T:
+        """``call()`` unless a store call of this pipeline failed already (then
+        ``skipped``: the build ends with that error); the first error is kept."""
+        if self._failure is not None:
+            return skipped
+        try:
+            return call()
+        except BaseException as exc:
+            with self._failure_lock:
+                if self._failure is None:
+                    self._failure = exc
+            raise
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
     def _check_uploads(self) -> None:
-        for fut in [f for f in self._upload_futures if f.done()]:
-            fut.result()  # raises the upload's error
+        self._raise_failure()
 
     def finish(self) -> PipelineResult:
         """Settle every chunk, upload the last pack, and return the chunk table."""
@@ -293,6 +320,8 @@ class ChunkPipeline:
             while self._inflight:
                 self._settle(self._inflight.popleft())
             self._seal_pack()
+            wait(self._upload_futures, return_when=FIRST_EXCEPTION)
+            self._raise_failure()
             for fut in self._upload_futures:
                 uploaded = fut.result()
                 if uploaded:
@@ -319,7 +348,11 @@ class ChunkPipeline:
         is gone fails the build (the ref is not written)."""
         packs = sorted(self._packs_to_refresh())
         with ThreadPoolExecutor(REFRESH_WORKERS, thread_name_prefix="refresh") as pool:
-            present = list(pool.map(self.store.refresh_blob, packs))
+            futures = [pool.submit(self._guarded, lambda d=d: self.store.refresh_blob(d), True)
+                       for d in packs]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            self._raise_failure()
+            present = [f.result() for f in futures]
         for digest, ok in zip(packs, present, strict=True):
             if not ok:
                 raise BlobVanished(f"pack {digest}", "this layer was built")

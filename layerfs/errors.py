@@ -314,3 +314,15 @@ class DownIncomplete(LayerfsError):
     """sandbox {}: down stopped while {}: {} (run it again)"""
 
     exit_code = 14  # node-side trouble (the replica or the file system failed it): ask again
+
+
+class NoProgressUnavailable(ObjectUnavailable):
+    """object unavailable: no progress for {}s (--timeout), giving up: {}"""
+
+    exit_code = 11  # every failed attempt of the stall was answered "unavailable" (5xx, EIO)
+
+
+class NoAnswerInTime(StoreUnreachable):
+    """store unreachable: {}"""
+
+    exit_code = 8  # an attempt still running when the time without progress ran out

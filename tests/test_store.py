@@ -214,33 +214,61 @@ def test_invalid_keys(store: Store, key: str) -> None:
 # ---------------------------------------------------------------- file store
 
 
+FORK_KEYS = 8  # objects, each read and written by both processes after the fork
+
+
+def _use_concurrently(store: Store, who: str, rounds: int = 10) -> list[str]:
+    """From 4 threads at once, reads of the shared objects and writes and reads
+    of this process's own; what came back wrong (empty: all right)."""
+    def work(thread: int) -> list[str]:
+        wrong = []
+        for n in range(rounds):
+            key = f"refs/fork/shared{(thread + n) % FORK_KEYS}"
+            if store.get(key) != key.encode() * 50:
+                wrong.append(key)
+            own = f"refs/fork/{who}{thread}-{n}"
+            store.put(own, own.encode() * 50)
+            if store.get(own) != own.encode() * 50 or store.head(own) is None:
+                wrong.append(own)
+        return wrong
+
+    with ThreadPoolExecutor(4) as pool:
+        return [key for found in pool.map(work, range(4)) for key in found]
+
+
 def test_a_forked_child_uses_the_store_its_parent_used(store: Store) -> None:
-    """The child of a process that wrote through the store writes and reads
-    through the same store object (a file store's writer threads are not
-    inherited by a fork; its pool starts empty in the child)."""
-    store.put("refs/fork/parent", b"p")
+    """The child of a process that used the store uses the same store object,
+    while the parent goes on using it: a file store's writer threads are not
+    inherited by a fork (its pool starts empty in the child), and an S3
+    store's pooled connections are not shared with the child (each would read
+    the other's answers)."""
+    for n in range(FORK_KEYS):
+        store.put(f"refs/fork/shared{n}", f"refs/fork/shared{n}".encode() * 50)
+    assert _use_concurrently(store, "before") == []  # connections in the pools
     pid = os.fork()
-    if pid == 0:  # the child: exit 0 only if its write and read both worked
+    if pid == 0:  # the child: exit 0 only if all its calls worked and read right
         code = 1
         try:
-            store.put("refs/fork/child", b"c")
-            code = 0 if store.get("refs/fork/child") == b"c" else 2
+            code = 0 if _use_concurrently(store, "child") == [] else 2
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail("the child's write did not end within 60 s")
+    try:
+        wrong = _use_concurrently(store, "parent")
+    finally:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the child's calls did not end within 60 s")
+    assert wrong == []
     assert os.waitstatus_to_exitcode(status) == 0
-    assert store.get("refs/fork/child") == b"c"
-    store.put("refs/fork/parent2", b"q")  # the parent's pool still works
-    assert store.get("refs/fork/parent2") == b"q"
+    assert store.get("refs/fork/child3-9") == b"refs/fork/child3-9" * 50
+    assert _use_concurrently(store, "after") == []  # the parent's pools still work
 
 
 def test_file_store_creates_root_on_first_put(tmp_path: Path) -> None:

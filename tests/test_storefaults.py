@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -29,6 +30,7 @@ from layerfs.errors import (
     AccessDenied,
     IntegrityError,
     NoProgress,
+    NoProgressUnavailable,
     ObjectNotFound,
     ObjectUnavailable,
     StoreUnreachable,
@@ -37,7 +39,7 @@ from layerfs.errors import (
 from layerfs.node.controlserver import exit_code_of
 from layerfs.node.fetcher import ChunkFetcher, FetchError
 from layerfs.registry import ENVS, LAYERS, Registry
-from layerfs.store.base import blob_key
+from layerfs.store.base import RetryPolicy, blob_key
 from layerfs.store.file import FileStore
 from layerfs.store.s3 import S3Store
 from layerfs.verify import EXIT_CODES, Found, verify_layer, worst
@@ -322,3 +324,158 @@ def test_file_store_write_blocked_on_a_hung_mount_gives_up_at_its_timeout(tmp_pa
         assert "no answer from the file system" in str(info.value)
     finally:
         hung.set()
+
+
+# ------------------------------------------------ the deadline is a deadline, whatever the errors
+
+PATIENT = RetryPolicy(attempts=50, base_delay=0.05, max_delay=0.2)  # the deadline ends it first
+SLACK = 15.0  # a correctness bound on a loaded machine, not a speed benchmark
+
+
+def blocked_puts(tmp_path, hook, error=None) -> FaultStore:
+    """A file store whose blob and ref writes run ``hook`` first, then raise ``error``."""
+    faulty = FaultStore(FileStore(tmp_path / "store"), retry=PATIENT)
+    faulty.inject(Fault("put", "blobs/", error=error, hook=hook))
+    faulty.inject(Fault("put_if_absent", "refs/", error=error, hook=hook))
+    return faulty
+
+
+def push_in_thread(store, src: str, timeout: float) -> tuple[BaseException | None, float]:
+    """Push ``src`` (many packs, so several uploads are in flight) with the store's
+    ``timeout``; the push's error (None: it did not end within timeout + SLACK)
+    and how long it ran."""
+    store.set_timeout(timeout)
+    outcome: list[BaseException] = []
+
+    def push() -> None:
+        try:
+            build(store, src, chunk_size=16384, pack_size=65536, workers=2)
+        except BaseException as exc:  # noqa: BLE001 - examined by the test
+            outcome.append(exc)
+
+    started = time.monotonic()
+    thread = threading.Thread(target=push, daemon=True)
+    thread.start()
+    thread.join(timeout + SLACK)
+    elapsed = time.monotonic() - started
+    return (outcome[0] if outcome else None), elapsed
+
+
+def test_a_push_whose_puts_answer_5xx_slowly_ends_at_its_timeout(tmp_path):
+    """Regression: an unavailable object (a 5xx) was retried past --timeout, each
+    attempt as long as the store took to answer it."""
+    write_tree(tmp_path / "src", 5, files=30)
+    faulty = blocked_puts(tmp_path, hook=lambda: time.sleep(1.2),
+                          error=lambda key: ObjectUnavailable(f"put {key}: InternalError"))
+    error, elapsed = push_in_thread(faulty, str(tmp_path / "src"), timeout=3)
+    assert isinstance(error, NoProgressUnavailable), (error, elapsed)
+    assert error.exit_code == ObjectUnavailable.exit_code == 11
+    assert str(error).startswith("object unavailable: no progress for 3s (--timeout), giving up:")
+    assert "InternalError" in str(error)  # the last error the store answered
+    assert 3 <= elapsed < 3 + SLACK
+
+
+def test_a_push_whose_puts_hang_ends_at_its_timeout(tmp_path):
+    """Every upload in flight is cut when the stall reaches the timeout, and the
+    queued ones are not sent."""
+    write_tree(tmp_path / "src", 6, files=30)
+    release = threading.Event()
+    faulty = blocked_puts(tmp_path, hook=release.wait)
+    try:
+        error, elapsed = push_in_thread(faulty, str(tmp_path / "src"), timeout=3)
+    finally:
+        release.set()
+    assert isinstance(error, NoProgress), (error, elapsed)
+    assert error.exit_code == StoreUnreachable.exit_code == 8
+    assert "no progress for 3s (--timeout), giving up: " in str(error)
+    assert "no answer from" in str(error) and "in time (3s without progress)" in str(error)
+    assert 3 <= elapsed < 3 + SLACK
+    puts = sum(f.hits for f in faulty.faults)
+    assert puts <= 4, puts  # the two in flight (and their retries at most), nothing queued
+
+
+def test_a_call_in_flight_is_cut_when_another_gives_up(tmp_path):
+    """A hung write started later than the stall is cut with it, not at its own deadline."""
+    release = threading.Event()
+    faulty = blocked_puts(tmp_path, hook=release.wait)
+    faulty.set_timeout(2)
+    errors: list[BaseException] = []
+
+    def put(key: str) -> None:
+        try:
+            faulty.put(key, b"x")
+        except BaseException as exc:  # noqa: BLE001 - examined by the test
+            errors.append(exc)
+
+    first = threading.Thread(target=put, args=("blobs/sha256/" + "a" * 64,))
+    started = time.monotonic()
+    first.start()
+    time.sleep(1.5)
+    later = threading.Thread(target=put, args=("blobs/sha256/" + "b" * 64,))
+    later.start()
+    first.join(10)
+    later.join(10)
+    release.set()
+    assert [type(e) for e in errors] == [NoProgress, NoProgress]
+    assert time.monotonic() - started < 2 + 1.0  # the later one did not run to 1.5 + 2 s
+
+
+
+class SlowUnavailablePuts(http.server.BaseHTTPRequestHandler):
+    """An S3 endpoint of an empty bucket whose writes all answer 503 after 1.2 s
+    (a gateway retrying lost volume servers before it gives up)."""
+
+    protocol_version = "HTTP/1.1"
+    EMPTY = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>bkt</Name>'
+             b"<KeyCount>0</KeyCount><MaxKeys>1000</MaxKeys><IsTruncated>false</IsTruncated>"
+             b"</ListBucketResult>")
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            try:
+                self.wfile.write(body)
+            except BrokenPipeError:  # the client gave up waiting (its deadline)
+                self.close_connection = True
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if "list-type=2" in self.path:
+            self._answer(200, self.EMPTY)
+        else:
+            self._answer(404, b"<Error><Code>NoSuchKey</Code><Message>none</Message></Error>")
+
+    do_HEAD = do_GET
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        time.sleep(1.2)
+        self._answer(503, b"<Error><Code>ServiceUnavailable</Code>"
+                          b"<Message>volume servers lost</Message></Error>")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_cli_build_to_slow_5xx_writes_exits_at_its_timeout(tmp_path, monkeypatch):
+    for name, value in DUMMY_AWS_ENV.items():
+        monkeypatch.setenv(name, value)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowUnavailablePuts)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    write_tree(tmp_path / "src", 7, files=30)
+    try:
+        started = time.monotonic()
+        proc = layerfs("build", str(tmp_path / "src"), "--name", "t", "--version", "1",
+                       "--timeout", "3", "--store", "s3://bkt/p", "--s3-endpoint",
+                       f"http://127.0.0.1:{server.server_address[1]}", check=False)
+        elapsed = time.monotonic() - started
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == ObjectUnavailable.exit_code, proc.stderr
+    assert cli_error(proc).startswith("layerfs: error: object unavailable: no progress for 3s "
+                                      "(--timeout), giving up: "), proc.stderr
+    assert "ServiceUnavailable" in proc.stderr
+    assert 3 <= elapsed < 3 + SLACK

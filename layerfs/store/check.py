@@ -142,7 +142,7 @@ def _round(store: Store, plan: CheckPlan, base: str, who: tuple[int, int],
 def _put_once(store: Store, key: str, data: bytes) -> str:
     """One put, not retried: another writer's bytes read back is this phase's race."""
     try:
-        store._put(key, data)  # noqa: SLF001
+        store._bounded(f"put {key}", lambda: store._put(key, data))  # noqa: SLF001
     except TransientStoreError:
         pass
     return ""

@@ -28,17 +28,15 @@ from __future__ import annotations
 
 import errno
 import os
-import queue
 import secrets
 import stat
-import threading
-import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from ..errors import (
     AccessDenied,
+    NoAnswerInTime,
     ObjectUnavailable,
     StoreError,
     StoreUnreachable,
@@ -55,7 +53,6 @@ UNREACHABLE = {errno.ETIMEDOUT, errno.ENOTCONN, errno.EHOSTDOWN, errno.EHOSTUNRE
                errno.ECONNREFUSED, errno.ECONNABORTED, errno.ECONNRESET}  # a network mount
 NOT_AN_OBJECT = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR}
 FILE_MODE = 0o644
-T = typing.TypeVar("T")
 
 
 def path_from_url(url: str) -> Path:
@@ -87,45 +84,6 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
-
-
-class Writers:
-    """Daemon threads that run file-store writes, kept for reuse; a new one is
-    started whenever none is idle, so a write blocked for good (a hung mount)
-    holds up only its own thread.
-
-    A forked child has none of its parent's threads: :meth:`forget` (run in
-    every child, ``os.register_at_fork``) starts it with an empty pool, so its
-    first write starts a thread of its own instead of queueing for a thread that
-    does not exist there."""
-
-    def __init__(self) -> None:
-        self.forget()
-
-    def forget(self) -> None:
-        """No threads and no queued tasks: the state of a process that has not written."""
-        self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._idle = 0
-        self._lock = threading.Lock()
-
-    def submit(self, task: Callable[[], None]) -> None:
-        with self._lock:
-            start = self._idle == 0
-            if not start:
-                self._idle -= 1
-        self._tasks.put(task)
-        if start:
-            threading.Thread(target=self._work, name="store-write", daemon=True).start()
-
-    def _work(self) -> None:
-        while True:
-            self._tasks.get()()
-            with self._lock:
-                self._idle += 1
-
-
-WRITERS = Writers()
-os.register_at_fork(after_in_child=WRITERS.forget)
 
 
 def _read_back(path: Path) -> bytes:
@@ -276,44 +234,12 @@ class FileStore(Store):
                 return
             raise self._error(exc, key, "delete", reading=False) from exc
 
-    # -- writes, each bounded by the store's timeout --
-    def _bounded(self, what: str, write: Callable[[], T]) -> T:
-        """``write()`` in a writer thread; StoreUnreachable if it has not returned
-        within the store's timeout (a hung network mount), leaving it behind."""
-        outcome: list[tuple[bool, object]] = []
-        done = threading.Event()
-
-        def task() -> None:
-            try:
-                outcome.append((True, write()))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                outcome.append((False, exc))
-            finally:
-                done.set()
-
-        WRITERS.submit(task)
-        if not done.wait(self.timeout):
-            raise StoreUnreachable(f"cannot {what}: no answer from the file system at "
-                                   f"{self.root} within {self.timeout:g}s")
-        ok, value = outcome[0]
-        if not ok:
-            raise typing.cast(BaseException, value)
-        return typing.cast(T, value)
+    # -- writes (each bounded by the store's timeout: Store._bounded) --
+    def _no_answer(self, what: str, timeout: float) -> NoAnswerInTime:
+        return NoAnswerInTime(f"cannot {what}: no answer from the file system at {self.root}"
+                              f" in time ({timeout:g}s without progress)")
 
     def _refresh(self, key: str) -> bool:
-        return self._bounded(f"refresh {self.root / key}", lambda: self._refresh_now(key))
-
-    def _put(self, key: str, data: bytes | memoryview) -> None:
-        self._bounded(f"write {self.root / key}", lambda: self._put_now(key, data))
-
-    def _put_if_absent(self, key: str, data: bytes) -> bool:
-        return self._bounded(f"write {self.root / key}",
-                             lambda: self._put_if_absent_now(key, data))
-
-    def _delete(self, key: str) -> None:
-        self._bounded(f"delete {self.root / key}", lambda: self._delete_now(key))
-
-    def _refresh_now(self, key: str) -> bool:
         path = self._path(key)
         try:
             os.utime(path)
@@ -323,7 +249,7 @@ class FileStore(Store):
             raise self._error(exc, key, "refresh", reading=False) from exc
         return True
 
-    def _put_now(self, key: str, data: bytes | memoryview) -> None:
+    def _put(self, key: str, data: bytes | memoryview) -> None:
         path = self._path(key)
         try:
             self._make_dirs(path.parent)
@@ -342,7 +268,7 @@ class FileStore(Store):
                                       " (a concurrent writer, or a torn write on a shared"
                                       " file system)")
 
-    def _put_if_absent_now(self, key: str, data: bytes) -> bool:
+    def _put_if_absent(self, key: str, data: bytes) -> bool:
         """Hard-link a temporary file to the key; True only if the key then
         holds ``data`` (a shared file system whose ``link(2)`` let another
         client's create win too shows here as other bytes, and this call lost)."""
@@ -363,7 +289,7 @@ class FileStore(Store):
         except OSError as exc:
             raise self._error(exc, key, "write", reading=False) from exc
 
-    def _delete_now(self, key: str) -> None:
+    def _delete(self, key: str) -> None:
         path = self._path(key)
         try:
             path.unlink()

@@ -5,7 +5,8 @@ given an endpoint (constructor argument, else ``AWS_ENDPOINT_URL_S3`` /
 ``AWS_ENDPOINT_URL``). Credentials come from the standard AWS chain. botocore
 makes one attempt per call; :class:`~layerfs.store.base.RetryPolicy` does the
 retries. One boto3 client per store, shared by all threads (clients are thread
-safe); GETs (chunk fetches, refs, manifests) go through
+safe) and made again in a forked child on its first call (a parent's pooled
+connections are not shared with its children); GETs (chunk fetches, refs, manifests) go through
 :mod:`layerfs.store.s3ranges` (presigned by that client). Errors are mapped
 to :mod:`layerfs.errors`.
 """
@@ -41,6 +42,16 @@ SESSION_ENV = (
 )  # fmt: skip
 _sessions: dict[tuple[str | None, ...], boto3.session.Session] = {}
 _sessions_lock = threading.Lock()
+_fork_lock = threading.Lock()
+
+
+def _locks_in_child() -> None:
+    """Fresh locks in a forked child (a parent's thread may hold one at the fork)."""
+    global _sessions_lock, _fork_lock  # noqa: PLW0603
+    _sessions_lock, _fork_lock = threading.Lock(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_locks_in_child)
 
 
 CONNECT_TIMEOUT, READ_TIMEOUT = 3.0, 30.0  # per attempt, and at most the store's timeout
@@ -114,11 +125,40 @@ class S3Store(Store):
 
     def _connect(self) -> None:
         """The client and range reader, their timeouts per attempt within ``timeout``."""
-        self.client = make_client(self.endpoint, self.timeout)
-        self.ranges: RangeReader | None = RangeReader(
-            self.client, self.bucket, self.where, pool_size=POOL_CONNECTIONS,
-            connect_timeout=min(CONNECT_TIMEOUT, self.timeout),
+        client = make_client(self.endpoint, self.timeout)
+        self._ranges: RangeReader | None = RangeReader(
+            client, self.bucket, self.endpoint or str(client.meta.endpoint_url),
+            pool_size=POOL_CONNECTIONS, connect_timeout=min(CONNECT_TIMEOUT, self.timeout),
             read_timeout=min(READ_TIMEOUT, self.timeout))
+        self._client = client
+        self._pid = os.getpid()  # last: other threads of a child wait for the new ones
+
+    # A forked child must not send requests on its parent's pooled connections
+    # (both processes would write to one socket and read each other's answers):
+    # its first use of the store gives it a client and a pool of its own.
+    def _own(self) -> None:
+        if self._pid == os.getpid():
+            return
+        with _fork_lock:
+            if self._pid != os.getpid():  # the parent's connections are dropped, not closed
+                presigned = self._ranges is not None
+                self._connect()
+                if not presigned:
+                    self._ranges = None
+
+    @property
+    def client(self) -> Any:
+        self._own()
+        return self._client
+
+    @property
+    def ranges(self) -> RangeReader | None:
+        self._own()
+        return self._ranges
+
+    @ranges.setter
+    def ranges(self, reader: RangeReader | None) -> None:
+        self._ranges = reader
 
     def set_timeout(self, seconds: float) -> None:
         before = min(READ_TIMEOUT, self.timeout)
@@ -341,6 +381,8 @@ class S3Store(Store):
             raise self._error(exc, "", "create bucket") from exc
 
     def close(self) -> None:
-        if self.ranges is not None:
-            self.ranges.close()
-        self.client.close()
+        if self._pid != os.getpid():  # a child: the connections are its parent's
+            return
+        if self._ranges is not None:
+            self._ranges.close()
+        self._client.close()

@@ -13,7 +13,8 @@ urllib3 connection pool. A URL is reused for ``REUSE_SECONDS`` and signed for
 expired session token) presigns again once. Status codes and connection
 failures map to the same :mod:`layerfs.errors` as the boto3 path; an endpoint
 that redirects or refuses query authentication raises :class:`Unsupported`,
-and the store goes back to boto3 calls.
+and the store goes back to boto3 calls. Each request's connect and read
+timeouts are at most what is left of its attempt (:func:`~.base.time_left`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import urllib3
 
 from ..errors import ObjectUnavailable, StoreError, StoreUnreachable
+from .base import attempt_deadline, time_left
 from .s3errors import S3Failure, classify, error_class
 
 SIGNED_SECONDS = 3600
@@ -70,6 +72,8 @@ class RangeReader:
         self.client = client
         self.bucket = bucket
         self.where = where
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
         self.pool = urllib3.PoolManager(
             maxsize=pool_size, block=False, retries=False,
             timeout=urllib3.Timeout(connect=connect_timeout, read=read_timeout))
@@ -112,13 +116,21 @@ class RangeReader:
                 break
         return self._failed(reply, key)
 
+    def _timeout_now(self) -> dict[str, Any]:
+        """The request's timeouts, if the attempt's time left is under the pool's."""
+        deadline = attempt_deadline()
+        if deadline is None or deadline - time.monotonic() >= self.read_timeout:
+            return {}
+        return {"timeout": urllib3.Timeout(connect=time_left(self.connect_timeout),
+                                           read=time_left(self.read_timeout))}
+
     def _request(self, url: str, headers: dict[str, str], key: str) -> Any:
         """The reply, its body read: a request that gets no answer is the store
         unreachable; an answer that breaks off (cut short, or the connection
         reset in the body) is that object unavailable, as through boto3."""
         try:
             reply = self.pool.request("GET", url, headers=headers, preload_content=False,
-                                      redirect=False)
+                                      redirect=False, **self._timeout_now())
         except UNREACHABLE as exc:
             raise StoreUnreachable(f"{self.where}: {exc}") from exc
         except urllib3.exceptions.HTTPError as exc:
