@@ -11,8 +11,9 @@ from collections.abc import Sequence
 
 from layerfs.errors import UsageError
 from layerfs.node.client import Client
+from layerfs.node.protocol import utc_time
 
-from .common import Output, human_bytes
+from .common import Output, human_bytes, warn
 
 
 def up(env_ref: str | None, layers: Sequence[str], sid: str, prefetch: str,
@@ -21,6 +22,8 @@ def up(env_ref: str | None, layers: Sequence[str], sid: str, prefetch: str,
         raise UsageError("give ENV_REF or --layer refs (not both)")
     record = Client(root).up(sid, env=env_ref, layers=layers, prefetch=prefetch,
                              bundle_dir=bundle_dir)
+    for used in record.offline:  # the store did not answer: the node's own resolution
+        warn(used.note())
     doc = record.to_json()
     if bundle_dir:
         doc["bundle"] = os.path.join(os.path.abspath(bundle_dir), "config.json")
@@ -39,6 +42,9 @@ def ps(root: str, as_json: bool) -> None:
         lines = [f"{'ID':20} {'STATE':8} {'UPPER':>10} {'READ':>10}  LAYERS"]
         for r in rows:
             refs = r.env or " ".join(r.layer_refs)
+            if r.offline:
+                made = utc_time(min(used.made for used in r.offline))
+                refs += f"  (resolved by the node, store unreachable; resolution of {made})"
             lines.append(f"{r.id:20} {r.state:8} {human_bytes(r.upper_bytes):>10} "
                          f"{human_bytes(r.layer_bytes_read):>10}  {refs}")
         return "\n".join(lines)

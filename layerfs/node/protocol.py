@@ -259,6 +259,27 @@ class PingAnswer(Message):
     pid: int
 
 
+def utc_time(seconds: float) -> str:
+    """``2026-01-01T12:00:00Z`` (ISO 8601, UTC) of a time in seconds since the epoch."""
+    import time
+
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+class OfflineRef(Message):
+    """A ref an ``up`` resolved through the node's last resolution of it,
+    because the store did not answer."""
+
+    ref: str  # name@version as given
+    digest: str  # what it resolved to
+    made: float  # when the store gave that resolution (seconds since the epoch)
+    reason: str = "store unreachable"
+
+    def note(self) -> str:
+        """The line the daemon logs and the CLI prints."""
+        return f"using the resolution of {self.ref} from {utc_time(self.made)}; {self.reason}"
+
+
 class SandboxRecord(Message):
     """A sandbox as the daemon keeps it (in memory and in the replica)."""
 
@@ -272,11 +293,14 @@ class SandboxRecord(Message):
     prefetch: str = "none"
     created: float = 0.0
     error: str | None = None  # why it is lost
+    offline: list[OfflineRef] = field(default_factory=list)  # refs the store did not resolve
 
     def to_json(self) -> dict[str, Any]:
         doc = super().to_json()
         if self.error is None:
             del doc["error"]
+        if not self.offline:
+            del doc["offline"]
         return doc
 
 

@@ -32,13 +32,22 @@ from ..builder.layer import BuildOptions, build_layer
 from ..builder.pipeline import DEFAULT_CHUNK_SIZE
 from ..errors import LayerfsError, UsageError
 from ..mounts import SAFE_FLAGS, Overlay, mount_erofs, mount_overlay, umount
-from ..registry import ENVS, LAYERS, Registry
+from ..registry import Registry
 from ..sizes import du
 from . import runner
 from .blobfiles import BlobDirectory, BlobFile
 from .fetcher import ChunkFetcher
-from .protocol import LAYER_ROLES, BadMessage, CommitAnswer, SandboxRecord, SandboxStatus
+from .protocol import (
+    LAYER_ROLES,
+    BadMessage,
+    CommitAnswer,
+    OfflineRef,
+    SandboxRecord,
+    SandboxStatus,
+)
+from .refs import NodeRefs
 from .replica import Replica
+from .storehealth import StoreHealth
 from .tracereplay import TraceReplay
 from .traces import merge_traces
 
@@ -180,11 +189,13 @@ class LayerMounts:
 class Sandboxes:
     """Bring sandboxes up and down; their records live in the replica."""
 
-    def __init__(self, root: Path, reg: Registry, replica: Replica, layers: LayerMounts) -> None:
+    def __init__(self, root: Path, reg: Registry, replica: Replica, layers: LayerMounts,
+                 health: StoreHealth | None = None) -> None:
         self.root = root
         self.reg = reg
         self.replica = replica
         self.layers = layers
+        self.refs = NodeRefs(reg, replica, health)
         self.records: dict[str, SandboxRecord] = {}
         self._busy: set[str] = set()
 
@@ -192,15 +203,14 @@ class Sandboxes:
         return self.root / "sandboxes" / sid
 
     def _resolve(self, env: str | None,
-                 layer_refs: list[str]) -> tuple[list[str], dict[str, Any] | None]:
+                 layer_refs: list[str]) -> tuple[list[str], dict[str, Any] | None,
+                                                 list[OfflineRef]]:
         """Worker thread: env or layer refs → layer manifest digests, top first,
-        each once (its topmost place: :func:`distinct`), and the env's image
-        config (what ``up --bundle`` and ``run`` start)."""
-        if env:
-            manifest = self.reg.env(self.reg.resolve(ENVS, env))
-            config = manifest.config.to_json() if manifest.config else None
-            return distinct([layer.digest for layer in manifest.layers]), config
-        return distinct([self.reg.resolve(LAYERS, ref) for ref in layer_refs]), None
+        each once (its topmost place: :func:`distinct`), the env's image config
+        (what ``up --bundle`` and ``run`` start), and the refs resolved by the
+        node alone, the store not answering (:mod:`.refs`)."""
+        resolved = self.refs.up_layers(env, layer_refs)
+        return distinct(resolved.layers), resolved.config, resolved.offline
 
     async def up(self, sid: str, env: str | None = None, layers: list[str] | None = None,
                  prefetch: str = "auto") -> SandboxRecord:
@@ -215,10 +225,12 @@ class Sandboxes:
         self._busy.add(sid)
         replay: TraceReplay | None = None
         try:
-            digests, config = await trio.to_thread.run_sync(self._resolve, env, layers or [])
+            digests, config, offline = await trio.to_thread.run_sync(self._resolve, env,
+                                                                     layers or [])
             record = SandboxRecord(id=sid, env=env, layer_refs=layers or [], layers=digests,
                                    config=config, prefetch=prefetch, created=time.time(),
-                                   state="starting", rootfs=str(self._dir(sid) / "rootfs"))
+                                   state="starting", rootfs=str(self._dir(sid) / "rootfs"),
+                                   offline=offline)
             replay = self._replay(record)
             await self._start(record, fresh=True, replay=replay)
             if replay is not None:
