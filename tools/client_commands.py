@@ -44,7 +44,7 @@ def ps(root: str, as_json: bool) -> None:
             refs = r.env or " ".join(r.layer_refs)
             if r.offline:
                 made = utc_time(min(used.made for used in r.offline))
-                refs += f"  (resolved by the node, store unreachable; resolution of {made})"
+                refs += f"  (resolved by the node, {r.offline[0].reason}; resolution of {made})"
             lines.append(f"{r.id:20} {r.state:8} {human_bytes(r.upper_bytes):>10} "
                          f"{human_bytes(r.layer_bytes_read):>10}  {refs}")
         return "\n".join(lines)
