@@ -74,7 +74,11 @@ class StoreHealth:
         """For the daemon's life: probe at once, then again while the store does
         not answer, with a backoff."""
         self._token = trio.lowlevel.current_trio_token()
-        probe = await trio.to_thread.run_sync(self._open_probe)
+        try:
+            probe = await trio.to_thread.run_sync(self._open_probe)
+        except Exception as exc:  # noqa: BLE001 - the daemon serves on, unprobed
+            log.error("cannot probe store %s: %s", self.url, exc)
+            return
         try:
             await self._probe_until_answered(probe)
             while True:
