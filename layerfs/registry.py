@@ -12,6 +12,11 @@ is not one ``sha256:<hex>`` line is an :class:`IntegrityError`. A meta image is
 handed out only after its digest and its structure
 (:mod:`layerfs.formats.erofscheck`) are checked.
 
+A registry may be given a ``local`` source of manifests by digest (the node's
+replica): a manifest is content-addressed, so one the node holds is read from
+there, checked against its digest, and never asked of the store; a digest ref
+whose manifest is held resolves without the store.
+
 A store-wide listing (:meth:`Registry.scan_refs`, :meth:`Registry.read_refs`)
 does not stop at a bad object: a ref or manifest it cannot read is set aside as
 an :class:`Unreadable` (what, and why) and the listing goes on.
@@ -56,6 +61,7 @@ BAD_OBJECT = (IntegrityError, ObjectNotFound)  # what a listing sets aside: corr
 # chunk size, layer) → BadMetaImage or not, or CheckerTimeout (the daemon's checker processes)
 MetaCheck = Callable[[bytes, int, int, int, str], object]
 KINDS_OF = {LAYERS: ("erofs", "lsmt"), ENVS: ("env",)}
+LocalManifests = Callable[[str], bytes | None]  # digest → the manifest's bytes, if held here
 
 
 def ref_key(kind: str, name: str, version: str) -> str:
@@ -137,8 +143,9 @@ def _decoded_meta(manifest: LayerManifest, stored: bytes) -> bytes:
 class Registry:
     """Typed access to the refs and manifests of one store."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, local: LocalManifests | None = None) -> None:
         self.store = store
+        self.local = local
         self._heads: DigestCache[ManifestHead] = DigestCache(HEADS_KEPT)
         self._manifests: DigestCache[bytes] = DigestCache(MANIFESTS_KEPT)
 
@@ -162,7 +169,7 @@ class Registry:
         """``name@version`` or ``sha256:...`` → manifest digest."""
         ref = Ref.parse(text)
         if ref.digest:
-            if not self.store.exists(blob_key(ref.digest)):
+            if self._held(ref.digest) is None and not self.store.exists(blob_key(ref.digest)):
                 raise RefNotFound("manifest", ref.digest)
             return ref.digest
         assert ref.name and ref.version
@@ -242,9 +249,18 @@ class Registry:
     def manifest_bytes(self, digest: str) -> bytes:
         """A manifest blob, checked against its digest. The last ones are kept:
         checking a ref and then reading its manifest is one store round trip."""
-        data = self._manifests.get(digest)
+        data = self._held(digest)
         if data is None:
             data = self._manifests.put(digest, self.store.get_blob(digest))
+        return data
+
+    def _held(self, digest: str) -> bytes | None:
+        """The manifest at ``digest`` if it is in memory or held locally, else None."""
+        data = self._manifests.get(digest)
+        if data is None and self.local is not None:
+            data = self.local(digest)
+            if data is not None:
+                self._manifests.put(digest, data)
         return data
 
     def _fetch_manifests(self, digests: list[str]) -> dict[str, BaseException]:
@@ -252,7 +268,7 @@ class Registry:
         ``FETCHES_AT_ONCE`` at a time (an env's layers: one store round trip
         for them all, not one each); what failed, by digest, for the caller to
         raise in its own order (each is fetched once)."""
-        missing = [d for d in dict.fromkeys(digests) if self._manifests.get(d) is None]
+        missing = [d for d in dict.fromkeys(digests) if self._held(d) is None]
         if len(missing) < 2:
             return {}
         with ThreadPoolExecutor(min(len(missing), FETCHES_AT_ONCE)) as pool:

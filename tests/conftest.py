@@ -116,7 +116,8 @@ class StoreLocation:
 @pytest.fixture(params=["file", "s3"])
 def store_location(request: pytest.FixtureRequest, tmp_path: Path) -> StoreLocation:
     """A fresh, empty store location on each backend."""
-    if request.param == "file":
+    if request.param == "file":  # an empty store's directory (a missing one is unreachable)
+        (tmp_path / "store").mkdir(exist_ok=True)
         return StoreLocation("file://" + str(tmp_path / "store"))
     server: S3Server = request.getfixturevalue("s3_server")
     prefix = f"t/{uuid.uuid4().hex[:16]}"

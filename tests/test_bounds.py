@@ -134,6 +134,7 @@ OVER = {
 @pytest.mark.parametrize("case", list(OVER))
 def test_config_over_a_bound_is_refused_at_import_and_nothing_is_published(case, tmp_path):
     config, field, limit = OVER[case]
+    (tmp_path / "store").mkdir()  # an empty store: a missing one is unreachable to readers
     store_args = ["--store", f"file://{tmp_path / 'store'}"]  # (refused before the store)
     src = crafted_layout(tmp_path / "L", 2, config)
     line = one_error_line(cli(store_args, "import", src, "--name", "over", "--version", "1"), 3)

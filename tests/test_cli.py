@@ -100,6 +100,7 @@ def test_verify_finds_a_corrupt_chunk(tmp_path, store, store_args):
 ])
 def test_bad_input_is_one_line(tmp_path, args, code, words):
     write_tree(tmp_path / "src", 1, files=1)
+    (tmp_path / "store").mkdir()  # an empty store (a missing one is unreachable to readers)
     args = [str(tmp_path / "src") if a == "SRC" else a for a in args]
     proc = layerfs(*args, "--store", f"file://{tmp_path / 'store'}", check=False)
     assert words in one_line_error(proc, code)

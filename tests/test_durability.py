@@ -270,6 +270,7 @@ def read_all(path: Path, size: int) -> bytes:
 def test_writable_disk_on_a_full_root_fails_writes_and_keeps_what_it_acknowledged(tmp_path):
     need_root()
     size = 64 * MiB  # more than ROOT can hold
+    (tmp_path / "store").mkdir()  # an empty store (a missing one is unreachable)
     with small_ext4(tmp_path) as small:
         node = NodeDaemon(small / "node", ["--store", f"file://{tmp_path}/store"])
         node.log_path = tmp_path / "daemon.log"

@@ -462,6 +462,7 @@ def test_layout_file_not_regular_beneath_it_is_refused_unread(case, secret_image
     spoil, message = HOSTILE[case]
     spoil(layout, tmp_path / "host")
     store = tmp_path / "store"
+    store.mkdir()  # an empty store (a missing one is unreachable to readers)
     proc = subprocess.run([*LAYERFS, "import", f"oci:{layout}:bad", "--name", "bad",
                            "--version", "1", "--store", f"file://{store}"],
                           capture_output=True, text=True, timeout=HOSTILE_TIMEOUT)

@@ -201,7 +201,8 @@ def test_records_behave_as_dataclasses():
     record = SandboxRecord("s1", ["sha256:ab"], "/r", "up")
     assert vars(record) == {"id": "s1", "layers": ["sha256:ab"], "rootfs": "/r", "state": "up",
                             "env": None, "layer_refs": [], "config": None, "prefetch": "none",
-                            "created": 0.0, "error": None, "limits": Limits()}
+                            "created": 0.0, "error": None, "limits": Limits(),
+                            "offline": []}
     names = [f.name for f in records.fields(SandboxStatus)]
     assert names[-2:] == ["upper_bytes", "layer_bytes_read"]
     for bad in (lambda: Down(ident="s1"), lambda: SandboxRecord("s1"),

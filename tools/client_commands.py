@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 
 from layerfs.errors import UsageError
 from layerfs.node.client import Client
+from layerfs.node.protocol import utc_time
 
-from .common import Output, human_bytes, iso_time
+from .common import Output, human_bytes, iso_time, warn
 
 TYPE_CHECKING = False  # (typing is not imported at run time)
 if TYPE_CHECKING:
@@ -40,6 +41,8 @@ def up(env_ref: str | None, layers: Sequence[str], sid: str, prefetch: str,
                              cpus=limit_value("--cpus", cpus, float),
                              pids=limit_value("--pids", pids, int),
                              disk_quota=limit_value("--disk-quota", disk_quota, size))
+    for used in record.offline:  # the store did not answer: the node's own resolution
+        warn(used.note())
     doc = sandbox_json(record)
     if bundle_dir:
         doc["bundle"] = os.path.join(os.path.abspath(bundle_dir), "config.json")
@@ -79,6 +82,9 @@ def ps(root: str, as_json: bool) -> None:
         lines = [f"{'ID':20} {'STATE':11} {'UPPER':>10} {'READ':>10}  LAYERS"]
         for r in rows:
             refs = r.env or " ".join(r.layer_refs)
+            if r.offline:
+                made = utc_time(min(used.made for used in r.offline))
+                refs += f"  (resolved by the node, {r.offline[0].reason}; resolution of {made})"
             limits = f"  (limits: {describe(r.limits)})" if r.limits.given() else ""
             lines.append(f"{r.id:20} {r.state:11} {human_bytes(r.upper_bytes):>10} "
                          f"{human_bytes(r.layer_bytes_read):>10}  {refs}{limits}")

@@ -30,11 +30,13 @@ def write_store_options(fn: Callable) -> Callable:
             reg.store.set_timeout(store_timeout)
         return fn(out, reg, **kw)
 
-    return store_options(wrapper)
+    return store_options(wrapper, writes=True)
 
 
-def store_options(fn: Callable) -> Callable:
-    """``--store URL``, ``--s3-endpoint URL`` and ``--json`` on a command."""
+def store_options(fn: Callable, writes: bool = False) -> Callable:
+    """``--store URL``, ``--s3-endpoint URL`` and ``--json`` on a command; one
+    that does not ``writes`` finds a file store whose directory is missing
+    unreachable, not empty."""
     import click
 
     @click.option("--store", "store_url", envvar="LAYERFS_STORE", metavar="URL",
@@ -50,7 +52,7 @@ def store_options(fn: Callable) -> Callable:
         from layerfs.store import open_store
 
         check_store_url(store_url)
-        store = open_store(store_url, s3_endpoint=s3_endpoint)
+        store = open_store(store_url, s3_endpoint=s3_endpoint, must_exist=not writes)
         try:
             return fn(Output(as_json), Registry(store), **kw)
         finally:

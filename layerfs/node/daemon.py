@@ -12,7 +12,9 @@ check that ROOT can host file-backed EROFS mounts at all
 ROOT's file system has, less a reserve, and the held space taken:
 :mod:`.rootspace`) and the replica, bring back the
 sandboxes that were up (adopting their mounts, or mounting them again, or
-marking them lost), then accept requests. SIGTERM/SIGINT: stop accepting
+marking them lost), then accept requests. None of this waits for the store:
+a node whose store is down starts and serves what its replica holds, and
+:class:`.storehealth.StoreHealth` probes the store in the background. SIGTERM/SIGINT: stop accepting
 work, unmount overlays, then EROFS mounts, then FUSE, end the keeper, and
 exit 0. SIGUSR2 (a successor's ``--takeover``): stop reading FUSE requests
 and exit 0 with every mount left in place; requests read and not answered
@@ -54,6 +56,7 @@ from .metacheck import MetaChecker
 from .replica import Replica
 from .rootspace import NO_SPACE, RootSpace, fs_usage, mib, no_room_for
 from .sandboxes import Sandboxes
+from .storehealth import PROBE_TIMEOUT, StoreHealth, probe_store
 from .tracereplay import pushed_trace
 from .traces import merge_traces, trace_bytes, trace_key
 
@@ -226,9 +229,12 @@ class Daemon:
             clean_stale_mounts(self.root)  # a crashed daemon's mounts (dead FUSE included)
         secure_root(self.root, cfg.fuse_group, fuse_mounted=self.conn is not None)
         probe_erofs_mounts(self.root)
-        self.store = CountingStore(open_store(cfg.store_url, s3_endpoint=cfg.s3_endpoint))
-        self.reg = Registry(self.store)
+        self.store = CountingStore(open_store(cfg.store_url, s3_endpoint=cfg.s3_endpoint,
+                                              must_exist=True))
         self.replica = Replica(self.root)
+        self.reg = Registry(self.store, local=self.replica.manifest)  # manifests held: no store
+        self.health = StoreHealth(self.store.url, lambda: probe_store(open_store(
+            cfg.store_url, s3_endpoint=cfg.s3_endpoint, timeout=PROBE_TIMEOUT, must_exist=True)))
         self.checker = MetaChecker()  # meta images are checked in processes of their own
         self.replica.check_meta = self.checker.check
         self.space = RootSpace(self.root, cfg.reserve)
@@ -244,7 +250,7 @@ class Daemon:
         self.fs = NodeFS(self.blobs, self.disks, cfg.fuse_group)
         self.layers = LayerMounts(self.root, self.reg, self.replica, self.blobs, self.fetcher,
                                   readahead=cfg.layer_readahead)
-        self.sandboxes = Sandboxes(self.root, self.reg, self.replica, self.layers)
+        self.sandboxes = Sandboxes(self.root, self.reg, self.replica, self.layers, self.health)
         if self.conn is not None:
             self.layers.kept = kept_mounts(self.root)
         self.handlers = self._handlers()
@@ -319,6 +325,7 @@ class Daemon:
             async with trio.open_nursery() as nursery:
                 self.fetcher.nursery = nursery
                 nursery.start_soon(self._serve_fuse)
+                nursery.start_soon(self.health.watch)  # never waited for: serve without it
                 if self.conn is not None and await self._keep_connection(self.conn):
                     nursery.start_soon(self._replace_dead_keepers, self.conn)
                 await self._set_readahead()

@@ -273,6 +273,27 @@ class PingAnswer(Message):
     pid: int
 
 
+def utc_time(seconds: float) -> str:
+    """``2026-01-01T12:00:00Z`` (ISO 8601, UTC) of a time in seconds since the epoch."""
+    import time
+
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+class OfflineRef(Message):
+    """A ref an ``up`` resolved through the node's last resolution of it,
+    because the store did not answer."""
+
+    ref: str  # name@version as given
+    digest: str  # what it resolved to
+    made: float  # when the store gave that resolution (seconds since the epoch)
+    reason: str = "store unreachable"
+
+    def note(self) -> str:
+        """The line the daemon logs and the CLI prints."""
+        return f"using the resolution of {self.ref} from {utc_time(self.made)}; {self.reason}"
+
+
 class SandboxRecord(Message):
     """A sandbox as the daemon keeps it (in memory and in the replica)."""
 
@@ -287,6 +308,7 @@ class SandboxRecord(Message):
     created: float = 0.0
     error: str | None = None  # why it is lost, or why its down stopped
     limits: Limits = field(default_factory=Limits)  # enforced by `run` and the upper's quota
+    offline: list[OfflineRef] = field(default_factory=list)  # refs the store did not resolve
 
     def to_json(self) -> dict[str, Any]:
         doc = super().to_json()
@@ -294,6 +316,8 @@ class SandboxRecord(Message):
             del doc["error"]
         if not self.limits.given():  # (as an earlier version wrote it)
             del doc["limits"]
+        if not self.offline:
+            del doc["offline"]
         return doc
 
 

@@ -16,6 +16,12 @@ it wrote from the verified bytes); the caller mounts that open file
 even if the name is replaced meanwhile. A mismatch is logged, the image
 fetched again from the store and checked again.
 
+It also keeps what lets the node serve while the store is away: the
+manifests it used (env manifests included), by digest, handed out only if
+their bytes still match the digest (:meth:`Replica.manifest`), and its last
+resolution of each ``name@version`` it brought up, with the time the store
+gave it (:meth:`Replica.resolution`; the rule for using it is in docs/node.md).
+
 Thread safety: LMDB transactions are used from worker threads; LMDB
 serialises writers itself and readers never block.
 """
@@ -40,9 +46,11 @@ from ..errors import IntegrityError
 from ..formats.chunktable import ChunkTable
 from ..manifest import LayerManifest
 from ..registry import MetaCheck, Registry
+from ..store.base import sha256_digest
 
 log = logging.getLogger(__name__)
-DBS = (b"layers", b"chunktables", b"sandboxes", b"traces")
+DBS = (b"layers", b"chunktables", b"sandboxes", b"traces", b"manifests", b"resolutions")
+RESOLUTION_REFRESH = 60.0  # seconds after which a resolution the store confirms is written again
 TMP_MARK = ".tmp"  # meta/<hex>.tmp<pid>-<thread>: a meta image being written
 HASH_READ = 256 << 10
 TableCallback = Callable[[ChunkTable], None]  # called with a layer's verified chunk table
@@ -58,6 +66,15 @@ class ReplicaLayer:
     @property
     def hex(self) -> str:
         return self.digest.removeprefix("sha256:")
+
+
+@dataclass(frozen=True)
+class KeptResolution:
+    """The node's last resolution of ``kind`` ref ``name@version``: the store
+    said ``digest`` at ``made`` (seconds since the epoch)."""
+
+    digest: str
+    made: float
 
 
 @dataclass(frozen=True)
@@ -160,7 +177,8 @@ class Replica:
         try:
             self._write(lambda txn: (
                 txn.put(digest.encode(), table_bytes, db=self.dbs["chunktables"]),
-                txn.put(digest.encode(), manifest.to_bytes(), db=self.dbs["layers"])))
+                txn.put(digest.encode(), manifest.to_bytes(), db=self.dbs["layers"]),
+                txn.put(digest.encode(), reg.manifest_bytes(digest), db=self.dbs["manifests"])))
         except BaseException:
             os.close(fd)
             raise
@@ -209,6 +227,49 @@ class Replica:
             txn.put(digest.encode(), manifest_bytes, db=self.dbs["layers"])))
         return table
 
+    # -- manifests and resolutions: serving while the store is away --
+    def manifest(self, digest: str) -> bytes | None:
+        """The manifest at ``digest`` as the node keeps it (a layer's from its
+        replica entry if need be), only if its bytes match the digest."""
+        key = digest.encode()
+        with self.env.begin() as txn:
+            for db in ("manifests", "layers"):
+                raw = txn.get(key, db=self.dbs[db])
+                if raw is not None and sha256_digest(bytes(raw)) == digest:
+                    return bytes(raw)
+        return None
+
+    def resolution(self, kind: str, name: str, version: str) -> KeptResolution | None:
+        with self.env.begin() as txn:
+            raw = txn.get(resolution_key(kind, name, version), db=self.dbs["resolutions"])
+        if raw is None:
+            return None
+        doc = json.loads(bytes(raw))
+        return KeptResolution(str(doc["digest"]), float(doc["made"]))
+
+    def keep_resolution(self, kind: str, name: str, version: str, digest: str, made: float,
+                        manifest: bytes) -> None:
+        """The store resolved ``name@version`` to ``digest`` (whose manifest is
+        ``manifest``) at ``made``: kept, unless the same one was kept less than
+        ``RESOLUTION_REFRESH`` seconds before (an ``up`` writes nothing then)."""
+        kept = self.resolution(kind, name, version)
+        if kept is not None and kept.digest == digest and made - kept.made < RESOLUTION_REFRESH:
+            return
+        doc = json.dumps({"digest": digest, "made": made}).encode()
+        self._write(lambda txn: (
+            txn.put(resolution_key(kind, name, version), doc, db=self.dbs["resolutions"]),
+            txn.put(digest.encode(), manifest, db=self.dbs["manifests"], overwrite=False)))
+
+    def keep_manifest(self, digest: str, manifest: bytes) -> None:
+        """A manifest the store gave for a digest ref, for resolving it without the store."""
+        if self.manifest(digest) is None:
+            self._write(lambda txn: txn.put(digest.encode(), manifest, db=self.dbs["manifests"]))
+
+    def forget_resolution(self, kind: str, name: str, version: str) -> None:
+        """The store has no such ref (any more): the node forgets it too."""
+        self._write(lambda txn: txn.delete(resolution_key(kind, name, version),
+                                           db=self.dbs["resolutions"]))
+
     # -- sandboxes --
     def put_sandbox(self, sid: str, record: dict) -> None:
         self._write(lambda txn: txn.put(sid.encode(), json.dumps(record).encode(),
@@ -237,6 +298,10 @@ def no_room(exc: lmdb.Error) -> bool:
     """Whether an LMDB error says the file system had no room for a write."""
     return isinstance(exc, lmdb.DiskError) or any(
         os.strerror(code) in str(exc) for code in (errno.ENOSPC, errno.EIO, errno.EDQUOT))
+
+
+def resolution_key(kind: str, name: str, version: str) -> bytes:
+    return f"{kind}/{name}@{version}".encode()
 
 
 def write_atomically(path: Path, data: bytes) -> int:

@@ -43,7 +43,7 @@ from ..errors import (
     UsageError,
 )
 from ..mounts import SAFE_FLAGS, Overlay, mount_overlay
-from ..registry import ENVS, LAYERS, Registry
+from ..registry import Registry
 from ..sizes import du
 from . import limits as sandbox_limits
 from . import quota, runner
@@ -54,10 +54,13 @@ from .protocol import (
     BadMessage,
     CommitAnswer,
     Limits,
+    OfflineRef,
     SandboxRecord,
     SandboxStatus,
 )
+from .refs import NodeRefs
 from .replica import Replica
+from .storehealth import StoreHealth
 from .tracereplay import TraceReplay
 
 log = logging.getLogger(__name__)
@@ -92,11 +95,13 @@ class SandboxMounts:
 class Sandboxes:
     """Bring sandboxes up and down; their records live in the replica."""
 
-    def __init__(self, root: Path, reg: Registry, replica: Replica, layers: LayerMounts) -> None:
+    def __init__(self, root: Path, reg: Registry, replica: Replica, layers: LayerMounts,
+                 health: StoreHealth | None = None) -> None:
         self.root = root
         self.reg = reg
         self.replica = replica
         self.layers = layers
+        self.refs = NodeRefs(reg, replica, health)
         self.records: dict[str, SandboxRecord] = {}
         self.mounts: dict[str, SandboxMounts] = {}  # what each sandbox holds mounted
         self._busy: set[str] = set()
@@ -109,15 +114,14 @@ class Sandboxes:
         return self.root / "sandboxes" / sid
 
     def _resolve(self, env: str | None,
-                 layer_refs: list[str]) -> tuple[list[str], dict[str, Any] | None]:
+                 layer_refs: list[str]) -> tuple[list[str], dict[str, Any] | None,
+                                                 list[OfflineRef]]:
         """Worker thread: env or layer refs → layer manifest digests, top first,
-        each once (its topmost place: :func:`distinct`), and the env's image
-        config (what ``up --bundle`` and ``run`` start)."""
-        if env:
-            manifest = self.reg.env(self.reg.resolve(ENVS, env))
-            config = manifest.config.to_json() if manifest.config else None
-            return distinct([layer.digest for layer in manifest.layers]), config
-        return distinct([self.reg.resolve(LAYERS, ref) for ref in layer_refs]), None
+        each once (its topmost place: :func:`distinct`), the env's image config
+        (what ``up --bundle`` and ``run`` start), and the refs resolved by the
+        node alone, the store not answering (:mod:`.refs`)."""
+        resolved = self.refs.up_layers(env, layer_refs)
+        return distinct(resolved.layers), resolved.config, resolved.offline
 
     async def up(self, sid: str, env: str | None = None, layers: list[str] | None = None,
                  prefetch: str = "auto", limits: Limits | None = None) -> SandboxRecord:
@@ -153,11 +157,12 @@ class Sandboxes:
         the way is rolled back completely (:meth:`_take_down`)."""
         if limits.given():
             await trio.to_thread.run_sync(self._check_limits, limits)
-        digests, config = await trio.to_thread.run_sync(self._resolve, env, layers)
+        digests, config, offline = await trio.to_thread.run_sync(self._resolve, env, layers)
         record = SandboxRecord(id=sid, env=env, layer_refs=layers, layers=digests,
                                config=config, prefetch=prefetch, created=time.time(),
                                state=SandboxState.STARTING,
-                               rootfs=str(self._dir(sid) / "rootfs"), limits=limits)
+                               rootfs=str(self._dir(sid) / "rootfs"), limits=limits,
+                               offline=offline)
         replay: TraceReplay | None = None
         try:
             self.records[sid] = record

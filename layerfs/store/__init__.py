@@ -40,30 +40,32 @@ def default_store_url() -> str:
 
 
 def open_store(url: str | None = None, s3_endpoint: str | None = None,
-               timeout: float | None = None) -> Store:
+               timeout: float | None = None, must_exist: bool = False) -> Store:
     """The store named by ``url`` (default: :func:`default_store_url`).
 
     ``s3_endpoint`` applies to ``s3://`` URLs only (default ``$AWS_ENDPOINT_URL``);
     a comma-separated list names several gateways to fail over between.
     ``timeout``: seconds without progress before calls give up (``Store.set_timeout``).
+    ``must_exist``: a file store whose directory is missing is unreachable (a reader's
+    view), not a new store that its first write creates (a writer's).
     """
-    store = _open(url, s3_endpoint)
+    store = _open(url, s3_endpoint, must_exist)
     if timeout is not None:
         store.set_timeout(timeout)
     return store
 
 
-def _open(url: str | None, s3_endpoint: str | None) -> Store:
+def _open(url: str | None, s3_endpoint: str | None, must_exist: bool) -> Store:
     url = url or default_store_url()
     scheme = urlsplit(url).scheme
     if scheme == "":
         from .file import FileStore
 
-        return FileStore(Path(url).expanduser())
+        return FileStore(Path(url).expanduser(), must_exist=must_exist)
     if scheme == "file":
         from .file import FileStore
 
-        return FileStore.from_url(url)
+        return FileStore.from_url(url, must_exist=must_exist)
     if scheme == "s3":
         from .s3failover import open_s3
 

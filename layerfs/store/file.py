@@ -13,6 +13,12 @@ network mount that lost its server (ETIMEDOUT, ENOTCONN, ...) an unreachable
 store (retried). A write that does not return within the store's timeout
 (a hung mount) is left blocked in its thread and fails as an unreachable store.
 
+A root directory that does not exist is a new store to a writer (its first
+write creates it), but to a store opened with ``must_exist`` (the node
+daemon, the commands that only read) it is an unreachable store, for every
+call: a store directory moved away, deleted or not mounted is not an empty
+store, and nothing is written at its old place.
+
 A shared file system may not keep the promises of ``link(2)`` and
 ``rename(2)`` between its clients (two clients both "create" a key, a reader
 sees a torn file), so every write reads the object back and compares:
@@ -102,15 +108,24 @@ def _holds(path: Path, data: bytes | memoryview, whole: bool) -> bool:
 class FileStore(Store):
     """A store in a local or shared POSIX directory; thread and process safe."""
 
-    def __init__(self, root: str | os.PathLike[str], retry: RetryPolicy | None = None) -> None:
+    def __init__(self, root: str | os.PathLike[str], retry: RetryPolicy | None = None,
+                 must_exist: bool = False) -> None:
         self.root = Path(os.path.abspath(root))
         self.url = "file://" + str(self.root)
+        self.must_exist = must_exist  # a missing root is unreachable, not a new store
         if retry is not None:
             self.retry = retry
 
     @classmethod
-    def from_url(cls, url: str, retry: RetryPolicy | None = None) -> FileStore:
-        return cls(path_from_url(url), retry)
+    def from_url(cls, url: str, retry: RetryPolicy | None = None,
+                 must_exist: bool = False) -> FileStore:
+        return cls(path_from_url(url), retry, must_exist)
+
+    def _check_root(self) -> None:
+        """StoreUnreachable if the store must exist and its root directory does not."""
+        if self.must_exist and not os.path.isdir(self.root):
+            raise StoreUnreachable(f"{self.root} does not exist or is not a directory "
+                                   "(moved, deleted or not mounted)")
 
     def __repr__(self) -> str:
         return f"FileStore({str(self.root)!r})"
@@ -120,6 +135,7 @@ class FileStore(Store):
         """Map an OSError met while doing ``action`` on ``key`` to a store error."""
         code = exc.errno
         if reading and code in NOT_AN_OBJECT:
+            self._check_root()
             return self.missing(key)
         where = str(self.root / key)
         detail = _describe(exc)
@@ -159,6 +175,7 @@ class FileStore(Store):
             st = os.stat(path)
         except OSError as exc:
             if exc.errno in NOT_AN_OBJECT:
+                self._check_root()
                 return None
             raise self._error(exc, key, "stat", reading=True) from exc
         if not stat.S_ISREG(st.st_mode):
@@ -167,6 +184,7 @@ class FileStore(Store):
 
     def _list(self, prefix: str) -> Iterator[ObjectInfo]:
         check_prefix(prefix)
+        self._check_root()
         folder, _, start = prefix.rpartition("/")
         base = self.root / folder if folder else self.root
         try:
@@ -200,6 +218,7 @@ class FileStore(Store):
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
     def _temporaries(self) -> Iterator[ObjectInfo]:
+        self._check_root()
         try:
             yield from self._walk_temporaries(self.root, "")
         except OSError as exc:
@@ -245,6 +264,7 @@ class FileStore(Store):
             os.utime(path)
         except OSError as exc:
             if exc.errno in NOT_AN_OBJECT:
+                self._check_root()
                 return False
             raise self._error(exc, key, "refresh", reading=False) from exc
         return True
@@ -313,9 +333,11 @@ class FileStore(Store):
         return temp
 
     def _make_dirs(self, directory: Path) -> None:
-        """Create ``directory`` and missing parents, fsyncing each new entry's parent."""
+        """Create ``directory`` and missing parents, fsyncing each new entry's parent;
+        the root only if the store need not exist."""
         if directory.is_dir():
             return
+        self._check_root()
         missing: list[Path] = []
         while not directory.exists():
             missing.append(directory)

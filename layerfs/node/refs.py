@@ -1,0 +1,111 @@
+"""The refs an ``up`` names, resolved on the node: through the store when it
+answers, else through the node's own last resolution.
+
+A digest ref never needs the store once the node holds its manifest (the
+registry reads manifests from the replica first). A ``name@version`` is asked
+of the store; its answer is kept in the replica with the time it was given
+(:meth:`Replica.keep_resolution`). When the store does not answer (a
+:class:`~layerfs.errors.TransientStoreError`, or :class:`.StoreHealth` knows
+it is away), the kept resolution is used and said on one line (INFO in the
+daemon's log, and to the caller through :class:`.protocol.OfflineRef`); a ref
+the node never resolved is :class:`~layerfs.errors.StoreUnreachable`. The
+store's own answer always wins: a ref the store says does not exist is
+forgotten by the node too (docs/node.md: the staleness rule).
+
+Runs in worker threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import RefNotFound, StoreUnreachable, TransientStoreError
+from ..names import Ref
+from ..registry import ENVS, LAYERS, Registry
+from .protocol import OfflineRef
+from .replica import Replica
+from .storehealth import StoreHealth
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Resolved:
+    """What an ``up``'s refs resolved to: layer manifest digests, top first, the
+    env's image config, and the refs resolved without the store."""
+
+    layers: list[str]
+    config: dict[str, Any] | None = None
+    offline: list[OfflineRef] = field(default_factory=list)
+
+
+class NodeRefs:
+    def __init__(self, reg: Registry, replica: Replica, health: StoreHealth | None) -> None:
+        self.reg = reg
+        self.replica = replica
+        self.health = health
+
+    def up_layers(self, env: str | None, layer_refs: list[str]) -> Resolved:
+        """An env ref or layer refs → the layers to mount (and the env's config)."""
+        offline: list[OfflineRef] = []
+        if env:
+            manifest = self.reg.env(self.resolve(ENVS, env, offline))
+            config = manifest.config.to_json() if manifest.config else None
+            return Resolved([layer.digest for layer in manifest.layers], config, offline)
+        return Resolved([self.resolve(LAYERS, ref, offline) for ref in layer_refs], None, offline)
+
+    def resolve(self, kind: str, text: str, offline: list[OfflineRef]) -> str:
+        """``text`` → manifest digest; a resolution made without the store is
+        added to ``offline`` (and logged)."""
+        ref = Ref.parse(text)
+        if ref.digest is not None:
+            digest = self.reg.resolve(kind, text)
+            self._keep_manifest(digest)
+            return digest
+        assert ref.name is not None and ref.version is not None
+        kept = self.replica.resolution(kind, ref.name, ref.version)
+        if kept is not None and self.health is not None and not self.health.reachable:
+            return self._use(kept.digest, kept.made, text, offline, "store unreachable")
+        try:
+            digest = self.reg.resolve(kind, text)
+        except RefNotFound:
+            if kept is not None:
+                self.replica.forget_resolution(kind, ref.name, ref.version)
+            raise
+        except TransientStoreError as exc:
+            if self.health is not None and isinstance(exc, StoreUnreachable):
+                self.health.lost(exc)
+            if kept is None:
+                raise never_resolved(exc, kind, text) from exc
+            reason = "store unreachable" if isinstance(exc, StoreUnreachable) \
+                else "store unavailable"
+            return self._use(kept.digest, kept.made, text, offline, reason)
+        if self.health is not None:
+            self.health.answered()
+        self.replica.keep_resolution(kind, ref.name, ref.version, digest, time.time(),
+                                     self.reg.manifest_bytes(digest))
+        return digest
+
+    def _use(self, digest: str, made: float, text: str, offline: list[OfflineRef],
+             reason: str) -> str:
+        used = OfflineRef(ref=text, digest=digest, made=made, reason=reason)
+        log.info("%s", used.note())
+        offline.append(used)
+        return digest
+
+    def _keep_manifest(self, digest: str) -> None:
+        """A digest ref's manifest, kept so that the ref resolves without the store."""
+        if self.replica.manifest(digest) is None:
+            self.replica.keep_manifest(digest, self.reg.manifest_bytes(digest))
+
+
+def never_resolved(exc: TransientStoreError, kind: str, text: str) -> TransientStoreError:
+    """The store's error for a ref this node never resolved, saying so."""
+    detail = exc.message().removeprefix("store unreachable: ")
+    if isinstance(exc, StoreUnreachable):
+        return StoreUnreachable(f"{detail} ({kind[:-1]} {text} was never resolved on this node)")
+    return exc
+

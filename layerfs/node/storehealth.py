@@ -1,0 +1,118 @@
+"""Whether the node's store answers, as the daemon last found out.
+
+The daemon starts without waiting for its store: a first probe runs in the
+background. When the store does not answer (that probe, or a request of an
+``up``), one WARNING line says so and the node serves what it has (its
+replica: :mod:`.refs`); a probe (one request, no retries) then checks again
+with a backoff (``PROBE_FIRST`` doubling up to ``PROBE_MAX``), and one INFO
+line says when the store answers again. A request that the store answers
+ends the outage too.
+
+:meth:`StoreHealth.lost` and :meth:`StoreHealth.answered` may be called from
+worker threads; :meth:`StoreHealth.watch` runs on the trio loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import trio
+
+from ..errors import TransientStoreError
+from ..store.base import RetryPolicy, Store
+
+log = logging.getLogger(__name__)
+PROBE_KEY = "refs/probe"  # HEAD of a key that is never a ref: any answer, even 404, is one
+PROBE_TIMEOUT = 5.0  # seconds one probe may take
+PROBE_FIRST, PROBE_MAX = 0.5, 10.0  # seconds between probes while the store does not answer
+
+
+class StoreHealth:
+    """The store's state as the node knows it: answering, or not since when and why."""
+
+    def __init__(self, url: str, open_probe: Callable[[], Store]) -> None:
+        self.url = url
+        self._open_probe = open_probe  # a store of its own: one attempt, a short timeout
+        self._lock = threading.Lock()
+        self.reachable = True
+        self.reason = ""
+        self._down_since = 0.0
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._wake = trio.Event()
+
+    def lost(self, exc: TransientStoreError) -> None:
+        """A request found the store not answering (one WARNING line per outage)."""
+        with self._lock:
+            if not self.reachable:
+                return
+            self.reachable, self.reason = False, exc.message()
+            self._down_since = time.monotonic()
+        log.warning("store %s unreachable (%s); serving what this node has and checking "
+                    "again in the background", self.url, self.reason)
+        if self._token is not None:
+            try:
+                self._token.run_sync_soon(self._notify)
+            except trio.RunFinishedError:
+                pass
+
+    def _notify(self) -> None:
+        self._wake.set()
+
+    def answered(self) -> None:
+        """The store answered a request: the outage, if any, is over."""
+        with self._lock:
+            if self.reachable:
+                return
+            self.reachable = True
+            down = time.monotonic() - self._down_since
+        log.info("store %s reachable again (after %.0fs)", self.url, down)
+
+    async def watch(self) -> None:
+        """For the daemon's life: probe at once, then again while the store does
+        not answer, with a backoff."""
+        self._token = trio.lowlevel.current_trio_token()
+        try:
+            probe = await trio.to_thread.run_sync(self._open_probe)
+        except Exception as exc:  # noqa: BLE001 - the daemon serves on, unprobed
+            log.error("cannot probe store %s: %s", self.url, exc)
+            return
+        try:
+            await self._probe_until_answered(probe)
+            while True:
+                self._wake = trio.Event()
+                if self.reachable:
+                    await self._wake.wait()
+                await self._probe_until_answered(probe)
+        finally:
+            probe.close()
+
+    async def _probe_until_answered(self, probe: Store) -> None:
+        delay = PROBE_FIRST
+        while True:
+            failure = await trio.to_thread.run_sync(probe_once, probe, abandon_on_cancel=True)
+            if failure is None:
+                self.answered()
+                return
+            self.lost(failure)
+            await trio.sleep(delay)
+            delay = min(PROBE_MAX, delay * 2)
+
+
+def probe_once(store: Store) -> TransientStoreError | None:
+    """Worker thread: one request; the failure if the store did not answer."""
+    try:
+        store.head(PROBE_KEY)
+    except TransientStoreError as exc:
+        return exc
+    except Exception:  # noqa: BLE001 - any other answer (denied, an error reply) is an answer
+        return None
+    return None
+
+
+def probe_store(store: Store) -> Store:
+    """``store`` set up for probing: one attempt (opened with ``PROBE_TIMEOUT``)."""
+    store.retry = RetryPolicy(attempts=1)
+    return store

@@ -1,0 +1,148 @@
+"""A node whose store is away serves what it has, on both store backends:
+``up`` of an env it replicated (by name, through its last resolution, said on
+one line and in ``ps``; by digest, without the store at all), exit 8 for an
+env it never resolved, a restart with the store away, and the store's own
+answers again once it is back. And a file store whose directory is missing
+is unreachable, not empty."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+from nodes import NodeDaemon
+from storeaway import AwayStore
+from test_node import publish_base_env
+
+from layerfs.builder.env import create_env
+from layerfs.errors import ObjectNotFound, StoreUnreachable
+from layerfs.registry import ENVS, Registry
+from layerfs.store.file import FileStore
+from layerfs.store.keys import TEMP_MARK
+
+NOTE = re.compile(r"^layerfs: warning: using the resolution of e@1 from "
+                  r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ; store unreachable$")
+LOST = r"WARNING layerfs\.node\.storehealth: store \S+ unreachable \(.*\); serving what"
+
+
+@pytest.fixture
+def away_store(store_location):
+    reachable = AwayStore(store_location.url, store_location.endpoint)
+    yield reachable
+    reachable.close()
+
+
+@pytest.fixture
+def node(tmp_path, store, away_store):
+    """Env e@1 (and f@1, never brought up here) and a daemon on them."""
+    publish_base_env(tmp_path, store)
+    create_env(Registry(store), "f", "1", ["base@1"])
+    daemon = NodeDaemon(tmp_path / "node", away_store.cli_args(), cache_size="64M",
+                        read_timeout=4.0).start()
+    try:
+        yield daemon
+    finally:
+        left = daemon.cleanup()
+        assert left == [], f"mounts left behind: {left}"
+
+
+def up(node: NodeDaemon, ref: str, sid: str, check: bool = True):
+    return node.cli("up", ref, "--id", sid, "--prefetch", "none", check=check)
+
+
+def ps(node: NodeDaemon) -> dict[str, dict]:
+    return {r["id"]: r for r in node.request("ps")["sandboxes"]}
+
+
+def wait_for_log(node: NodeDaemon, pattern: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, node.log()):
+        assert time.monotonic() < deadline, f"no {pattern!r} in:\n{node.log()[-3000:]}"
+        time.sleep(0.2)
+
+
+@pytest.mark.daemon_log(LOST)
+def test_up_with_the_store_away(node, store, away_store):
+    first = Path(up(node, "e@1", "s1").stdout.strip())
+    want = (first / "data" / "file0").read_bytes()
+    digest = Registry(store).resolve(ENVS, "e@1")
+    away_store.away()
+    try:
+        named = up(node, "e@1", "s2")
+        assert NOTE.match(named.stderr.strip()), named.stderr
+        assert (Path(named.stdout.strip()) / "data" / "file0").read_bytes() == want
+        assert re.search(r"INFO layerfs\.node\.refs: using the resolution of e@1 from "
+                         r"\S+Z; store unreachable", node.log())
+        row = ps(node)["s2"]
+        assert [(o["ref"], o["digest"]) for o in row["offline"]] == [("e@1", digest)]
+        assert "offline" not in ps(node)["s1"]
+        assert "resolved by the node" in node.cli("ps").stdout
+        by_digest = up(node, digest, "s3")  # a digest needs no store at all
+        assert by_digest.stderr == "" and "offline" not in ps(node)["s3"]
+        never = up(node, "f@1", "s4", check=False)
+        assert never.returncode == StoreUnreachable.exit_code, never.stderr
+        line, = never.stderr.strip().splitlines()
+        assert line.startswith("layerfs: error: store unreachable: ") and "f@1" in line
+    finally:
+        away_store.back()
+    wait_for_log(node, r"INFO layerfs\.node\.storehealth: store \S+ reachable again")
+    again = up(node, "e@1", "s5")
+    assert again.stderr == "" and "offline" not in ps(node)["s5"]
+    assert up(node, "f@1", "s6").returncode == 0
+    for sid in ("s1", "s2", "s3", "s5", "s6"):
+        node.cli("down", sid)
+
+
+@pytest.mark.daemon_log(LOST)
+def test_restart_with_the_store_away(node, away_store):
+    rootfs = Path(up(node, "e@1", "s1").stdout.strip())
+    want = (rootfs / "data" / "file1").read_bytes()
+    node.kill()
+    away_store.away()
+    try:
+        node.start()
+        assert ps(node)["s1"]["state"] == "up"
+        assert (rootfs / "data" / "file1").read_bytes() == want
+        named = up(node, "e@1", "s2")
+        assert NOTE.match(named.stderr.strip()), named.stderr
+        assert (Path(named.stdout.strip()) / "data" / "file1").read_bytes() == want
+        wait_for_log(node, LOST)
+    finally:
+        away_store.back()
+    wait_for_log(node, r"store \S+ reachable again")
+    assert up(node, "e@1", "s3").stderr == ""
+    for sid in ("s1", "s2", "s3"):
+        node.cli("down", sid)
+
+
+def test_missing_file_store_directory_is_unreachable(tmp_path):
+    root = tmp_path / "store"
+    FileStore(root).put("refs/envs/e/1", b"x")
+    root.rename(tmp_path / "moved")
+    reader = FileStore(root, must_exist=True)
+    for call in (lambda: reader.get("refs/envs/e/1"), lambda: reader.head("refs/envs/e/1"),
+                 lambda: reader.list("refs/"), lambda: reader.put("refs/envs/e/2", b"y"),
+                 reader.list_temporaries):
+        with pytest.raises(StoreUnreachable, match="does not exist"):
+            call()
+    assert not root.exists()  # a reader's write does not make a new, empty store
+    (tmp_path / "moved").rename(root)
+    assert reader.get("refs/envs/e/1") == b"x"
+    with pytest.raises(ObjectNotFound):  # the directory is there: a missing object
+        reader.get("refs/envs/e/2")
+    writer = FileStore(tmp_path / "new")  # a writer's new store: made by its first write
+    assert writer.list() == [] and writer.head("refs/x") is None
+    writer.put("refs/x", b"1")
+    assert not any(TEMP_MARK in p.name for p in (tmp_path / "new" / "refs").iterdir())
+
+
+def test_cli_listing_a_missing_file_store_exits_8(tmp_path):
+    from test_cli import layerfs
+
+    proc = layerfs("ls", "--store", f"file://{tmp_path}/nonexistent/dir", check=False)
+    assert proc.returncode == StoreUnreachable.exit_code
+    line, = proc.stderr.strip().splitlines()
+    assert line.startswith("layerfs: error: store unreachable: ")
+    assert f"{tmp_path}/nonexistent/dir does not exist" in line
