@@ -326,3 +326,9 @@ class NoAnswerInTime(StoreUnreachable):
     """store unreachable: {}"""
 
     exit_code = 8  # an attempt still running when the time without progress ran out
+
+
+class LayerInUse(LayerfsError):
+    """layer {} is in use by {}: remove those envs first, or rm --force"""
+
+    exit_code = 15  # busy: an env names the layer

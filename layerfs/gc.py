@@ -10,6 +10,10 @@ writes its ref (see docs/builder.md, "gc and concurrent pushes"). Temporary
 files of the file store (``.tmp~*``, left by a killed writer) older than the
 grace period are deleted too.
 
+Before the walk, refs whose expiry has passed are removed
+(:func:`layerfs.retention.expire_refs`; a layer an env names is kept), so the
+blobs only they reached are freed by the same run.
+
 A ref, manifest or chunk table gc cannot read (corrupt, missing, of an unknown
 kind) is set aside as an :class:`~layerfs.registry.Unreadable` and the walk
 goes on; but what it references cannot be known, so gc then deletes no blob at
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 from .errors import IntegrityError
 from .manifest import EnvManifest, manifest_head
 from .registry import BAD_OBJECT, ENVS, LAYERS, Registry, Unreadable
+from .retention import ExpiryReport, expire_refs
 from .store.base import BLOB_PREFIX, ObjectInfo, Store
 
 DEFAULT_GRACE = 3600.0
@@ -41,6 +46,7 @@ class GcReport:
     temporaries: list[dict] = field(default_factory=list)  # leftovers of interrupted writes
     deleted_temporaries: int = 0
     unreadable: list[Unreadable] = field(default_factory=list)  # set aside; no blob deleted
+    expiry: ExpiryReport = field(default_factory=lambda: ExpiryReport([], [], 0, []))
 
     @property
     def swept(self) -> bool:
@@ -56,13 +62,15 @@ class Reachable:
     unreadable: list[Unreadable] = field(default_factory=list)
 
 
-def reachable_blobs(reg: Registry) -> Reachable:
+def reachable_blobs(reg: Registry, leave_out: set[tuple[str, str]] | None = None) -> Reachable:
+    """The blobs the refs reach (but the refs ``leave_out``: (kind, name@version))."""
     found = Reachable()
     todo: list[tuple[str, str]] = []  # (manifest digest, the ref it was reached from)
     for kind in (LAYERS, ENVS):
         entries, bad = reg.scan_refs(kind)
         found.unreadable += bad
-        todo += [(entry.digest, f"{kind[:-1]} {entry}") for entry in entries]
+        todo += [(entry.digest, f"{kind[:-1]} {entry}") for entry in entries
+                 if (kind, str(entry)) not in (leave_out or set())]
     while todo:
         digest, via = todo.pop()
         if digest in found.blobs:
@@ -113,9 +121,11 @@ def _still_old(store: Store, key: str, cutoff: float) -> bool:
 
 def collect(reg: Registry, dry_run: bool = True, grace: float = DEFAULT_GRACE) -> GcReport:
     cutoff = time.time() - grace  # taken before the refs are read
-    found = reachable_blobs(reg)
+    expiry = expire_refs(reg, time.time(), dry_run, grace)
+    # (a dry run removed nothing: what would be reachable once it did)
+    found = reachable_blobs(reg, {(e.kind, str(e)) for e in expiry.removed} if dry_run else None)
     live = found.blobs
-    report = GcReport(reachable=len(live), unreadable=found.unreadable)
+    report = GcReport(reachable=len(live), unreadable=found.unreadable, expiry=expiry)
     now = time.time()
     for info in reg.store.list(BLOB_PREFIX):
         digest = "sha256:" + info.key[len(BLOB_PREFIX):]

@@ -7,7 +7,14 @@ import click
 from layerfs.gc import DEFAULT_GRACE, collect
 from layerfs.registry import Registry
 
-from .common import Output, exit_if_unreadable, human_bytes, report_unreadable, store_options
+from .common import (
+    Output,
+    exit_if_unreadable,
+    human_bytes,
+    report_unreadable,
+    store_options,
+    warn,
+)
 
 
 @click.command()
@@ -26,18 +33,28 @@ def gc(out: Output, reg: Registry, dry_run: bool, grace: float) -> None:
            "deleted": rep.deleted, "deleted_bytes": rep.deleted_bytes,
            "kept_young": rep.kept_young, "temporaries": rep.temporaries,
            "deleted_temporaries": rep.deleted_temporaries, "swept": rep.swept,
-           "unreadable": [{"what": u.what, "reason": u.reason} for u in rep.unreadable]}
+           "unreadable": [{"what": u.what, "reason": u.reason} for u in rep.unreadable],
+           "freed": {"objects": rep.deleted + rep.deleted_temporaries,
+                     "bytes": rep.deleted_bytes},
+           "expired": [f"{e.kind[:-1]} {e}" for e in rep.expiry.removed],
+           "expired_in_use": rep.expiry.kept_in_use,
+           "stale_expiries": rep.expiry.stale, "unreadable_expiries": rep.expiry.unreadable}
     report_unreadable(rep.unreadable)
+    for key in rep.expiry.unreadable:
+        warn(f"expiry record {key} cannot be read: left alone")
 
     def text() -> str:
-        lines = [f"{u['digest']} {human_bytes(u['size']):>10}  age {u['age_s']:.0f}s"
+        verb = "would delete" if dry_run else "deleted"
+        lines = [f"{'would remove' if dry_run else 'removed'} expired {e.kind[:-1]} {e}"
+                 for e in rep.expiry.removed]
+        lines += [f"kept expired layer {k}" for k in rep.expiry.kept_in_use]
+        lines += [f"{u['digest']} {human_bytes(u['size']):>10}  age {u['age_s']:.0f}s"
                  + ("  (kept: younger than --grace)" if u["young"] else "")
                  for u in rep.unreachable]
         lines += [f"{t['key']} {human_bytes(t['size']):>10}  age {t['age_s']:.0f}s  temporary"
                   + ("  (kept: younger than --grace)" if t["young"] else "")
                   for t in rep.temporaries]
         total = sum(u["size"] for u in rep.unreachable)
-        verb = "would delete" if dry_run else "deleted"
         count = len(rep.unreachable) - rep.kept_young if dry_run else rep.deleted
         if not rep.swept:
             count = 0
@@ -50,6 +67,9 @@ def gc(out: Output, reg: Registry, dry_run: bool, grace: float) -> None:
             gone = old if dry_run else rep.deleted_temporaries
             lines.append(f"{len(rep.temporaries)} temporary files of interrupted writes; "
                          f"{verb} {gone}")
+        if not dry_run:
+            lines.append(f"freed {rep.deleted + rep.deleted_temporaries} objects, "
+                         f"{human_bytes(rep.deleted_bytes)} ({rep.deleted_bytes} bytes)")
         return "\n".join(lines)
 
     out.emit(doc, text)

@@ -17,7 +17,7 @@ from layerfs import __version__
 # command name -> "module:attribute" under layerfs.tools
 COMMANDS = {
     "build": "layers:build", "ls": "layers:ls", "inspect": "layers:inspect",
-    "verify": "layers:verify", "env": "envs:env", "import": "images:import_cmd",
+    "verify": "layers:verify", "rm": "layers:rm", "env": "envs:env", "import": "images:import_cmd",
     "gc": "gc:gc", "export": "exports:export", "store": "store:store",
     "daemon": "node:daemon", "up": "node:up", "down": "node:down", "ps": "node:ps",
     "run": "run:run", "stats": "node:stats", "trace": "node:trace", "commit": "node:commit",

@@ -1,4 +1,4 @@
-"""Layer commands: build, ls, inspect, verify."""
+"""Layer commands: build, ls, inspect, verify, rm."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from layerfs.errors import VerifyFailed
 from layerfs.inspect import env_report, layer_report, resolve_any
 from layerfs.manifest import ROLES
 from layerfs.registry import ENVS, LAYERS, Registry
+from layerfs.retention import remove
 from layerfs.verify import EXIT_CODES, Found, VerifyReport, verify_layer, worst
 
 from .common import (
@@ -180,3 +181,21 @@ def _verify_text(r: VerifyReport) -> str:
         detail = f": {o.detail}" if o.detail else ""
         lines.append(f"  {o.found.value:11} {o.what} {o.digest}{chunks}{detail}")
     return "\n".join(lines)
+
+
+@click.command()
+@click.argument("refs", nargs=-1, required=True, metavar="REF...")
+@click.option("--force", is_flag=True,
+              help="Remove a layer even if an env names it (the env keeps its blobs "
+                   "reachable; only the layer's ref goes).")
+@write_store_options
+def rm(out: Output, reg: Registry, refs: tuple[str, ...], force: bool) -> None:
+    """Remove the layer or env refs REF... (name@version; layer:REF or env:REF when
+    both exist). A layer an env names is refused (exit 15) unless --force; envs
+    given in the same command go first. The blobs are freed by the next gc."""
+    done = remove(reg, list(refs), force=force)
+    rows = [{"ref": f"{t.name}@{t.version}", "kind": t.kind[:-1], "digest": t.digest,
+             "removed": removed} for t, removed in done]
+    out.emit(rows, lambda: "\n".join(
+        f"removed {r['kind']} {r['ref']}" if r["removed"] else
+        f"kept {r['kind']} {r['ref']}: published again meanwhile" for r in rows))
