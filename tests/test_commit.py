@@ -173,6 +173,28 @@ def test_commit_of_one_changed_byte_uploads_one_chunk(node):
     node.cli("down", "s1")
 
 
+def test_commit_expire_is_removed_by_gc_and_freed_a_commit_without_kept(node, base_env,
+                                                                       store):
+    rootfs = up(node, "e@1", "s1")
+    (rootfs / "scratch").write_bytes(os.urandom(5 * CHUNK))
+    out = node.cli("commit", "s1", "--name", "tmp", "--version", "1", "--expire", "1s").stdout
+    assert "(expires 20" in out
+    (rootfs / "scratch").write_bytes(os.urandom(5 * CHUNK))
+    node.cli("commit", "s1", "--name", "ws", "--version", "1")
+    bad = node.cli("commit", "s1", "--name", "x", "--version", "1", "--expire", "soon",
+                   check=False)
+    assert bad.returncode == 2 and "invalid duration 'soon'" in bad.stderr
+    time.sleep(1.2)
+    before = sum(i.size for i in store.list("blobs/"))
+    text = layerfs("gc", "--grace", "0", *base_env.cli_args())
+    freed = before - sum(i.size for i in store.list("blobs/"))
+    assert "removed expired layer tmp@1" in text and f"({freed} bytes)" in text
+    assert freed > 5 * CHUNK * 0.9  # the scratch file's chunks (random: stored as they are)
+    refs = layerfs("ls", *base_env.cli_args())
+    assert "tmp@1" not in refs and "ws@1" in refs and "x@1" not in refs
+    node.cli("down", "s1")
+
+
 @pytest.mark.daemon_log(r"commit of s1: /log changed while it was read")
 def test_commit_while_a_process_appends(node, tmp_path):
     """A running sandbox: the files no one writes are exact, a file appended to

@@ -15,7 +15,7 @@ import click
 from layerfs.errors import UsageError
 from layerfs.node.client import Client
 from layerfs.node.control import DEFAULT_ROOT
-from layerfs.node.protocol import LAYER_ROLES
+from layerfs.node.protocol import LAYER_ROLES, utc_time
 
 from . import client_commands
 from .common import Output, check_store_url, parse_size
@@ -164,14 +164,24 @@ def down(sid: str, keep_upper: bool, force: bool, root: str, as_json: bool) -> N
 @click.option("--version", required=True, help="Version of the new layer.")
 @click.option("--role", default="workspace", show_default=True,
               type=click.Choice(LAYER_ROLES))
+@click.option("--expire", metavar="DURATION",
+              help="The layer's ref expires after DURATION (90s, 15m, 12h, 7d, 2w): the "
+                   "first gc after that removes it (unless an env names it).")
 @root_option
 @json_option
-def commit(sid: str, name: str, version: str, role: str, root: str, as_json: bool) -> None:
+def commit(sid: str, name: str, version: str, role: str, expire: str | None, root: str,
+           as_json: bool) -> None:
     """Commit sandbox ID's changes (its overlay upper directory, whiteouts and opaque
     directories included) as layer NAME@VERSION, chunks shared with the sandbox's
     layers. The sandbox stays up; see docs/node.md for what a running one gets."""
-    res = Client(root).commit(sid, name, version, role=role)
+    seconds = None
+    if expire is not None:
+        from layerfs.retention import parse_duration  # (only then: a client command)
+        seconds = parse_duration(expire)
+    res = Client(root).commit(sid, name, version, role=role, expire=seconds)
     state = "" if res.published else "  (unchanged: already published)"
+    if res.expires is not None:
+        state += f"  (expires {utc_time(res.expires)})"
     Output(as_json).emit(res.to_json(), f"{res.ref} {res.digest}{state}")
 
 

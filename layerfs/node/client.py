@@ -123,9 +123,11 @@ class Client:
         return call(self.root, protocol.Stats(), StatsAnswer, self.timeout)
 
     def commit(self, sandbox_id: str, name: str, version: str,
-               role: str = "workspace") -> CommitAnswer:
-        """Publish a sandbox's changes as layer ``name@version``."""
-        request = protocol.Commit(id=sandbox_id, name=name, version=version, role=role)
+               role: str = "workspace", expire: float | None = None) -> CommitAnswer:
+        """Publish a sandbox's changes as layer ``name@version`` (its ref expiring
+        ``expire`` seconds after)."""
+        request = protocol.Commit(id=sandbox_id, name=name, version=version, role=role,
+                                  expire=expire)
         return call(self.root, request, CommitAnswer, self.timeout)
 
     def trace_push(self, ref: str) -> TracePushAnswer:

@@ -430,7 +430,7 @@ class Daemon:
         return protocol.PsAnswer(await self.sandboxes.ps(r.id))
 
     async def commit(self, r: protocol.Commit) -> protocol.CommitAnswer:
-        return await self.sandboxes.commit(r.id, r.name, r.version, r.role)
+        return await self.sandboxes.commit(r.id, r.name, r.version, r.role, r.expire)
 
     async def disk_create(self, r: protocol.DiskCreate) -> protocol.DiskAnswer:
         return protocol.DiskAnswer(await self.disks.create(r.id, r.size, r.base))

@@ -200,6 +200,7 @@ class Commit(Request):
     name: str = ""
     version: str = ""
     role: str = "workspace"
+    expire: float | None = None  # seconds after the commit its ref expires (None: never)
 
 
 class Stats(Request):
@@ -351,6 +352,7 @@ class CommitAnswer(Message):
     dedup_sources: list[str]
     vanished: list[str]
     changed: list[str]
+    expires: float | None = None  # when its ref expires (seconds since the epoch)
 
 
 class LayerStats(Message):

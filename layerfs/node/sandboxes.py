@@ -43,7 +43,8 @@ from ..errors import (
     UsageError,
 )
 from ..mounts import SAFE_FLAGS, Overlay, mount_overlay
-from ..registry import Registry
+from ..registry import LAYERS, Registry
+from ..retention import expires_at, set_expiry
 from ..sizes import du
 from . import limits as sandbox_limits
 from . import quota, runner
@@ -356,13 +357,17 @@ class Sandboxes:
                 raise SandboxBusy(sid, container.container_id)
             log.info("down --force of %s: killed container %s", sid, container.container_id)
 
-    async def commit(self, sid: str, name: str, version: str,
-                     role: str = "workspace") -> CommitAnswer:
+    async def commit(self, sid: str, name: str, version: str, role: str = "workspace",
+                     expire: float | None = None) -> CommitAnswer:
         """Build the sandbox's upper directory into layer ``name@version`` in a
         worker thread, chunks deduplicated against the sandbox's layers, and
-        publish it. The sandbox stays up and busy (no ``down``) meanwhile."""
+        publish it; with ``expire``, its ref expires that many seconds after
+        (recorded right after the ref, when this commit published it). The
+        sandbox stays up and busy (no ``down``) meanwhile."""
         if role not in LAYER_ROLES:
             raise UsageError(f"invalid role {role!r} (expected one of {', '.join(LAYER_ROLES)})")
+        if expire is not None and not expire > 0:
+            raise UsageError(f"invalid expiry {expire!r} (expected seconds, more than 0)")
         record = ready_record(sid, self.records.get(sid), self._busy)
         self._busy.add(sid)
         try:
@@ -372,6 +377,11 @@ class Sandboxes:
                                 dedup_with=list(record.layers))
             result = await trio.to_thread.run_sync(functools.partial(
                 build_layer, self.reg, f"sandbox {sid}", opts, source=source))
+            expires = None
+            if expire is not None and result.published:
+                expires = expires_at(expire)
+                await trio.to_thread.run_sync(set_expiry, self.reg, LAYERS, name, version,
+                                              result.digest, expires)
         finally:
             self._busy.discard(sid)
         for path in source.vanished:
@@ -385,7 +395,8 @@ class Sandboxes:
                             uploaded_bytes=result.uploaded_bytes,
                             unique_chunks=stats.unique_chunks,
                             reused_chunks=stats.reused_chunks, dedup_sources=record.layers,
-                            vanished=source.vanished, changed=source.changed)
+                            vanished=source.vanished, changed=source.changed,
+                            expires=expires)
 
     def _chunk_size(self, digests: list[str]) -> int:
         """Worker thread: the chunk size of the sandbox's top layer, so that a
