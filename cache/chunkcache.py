@@ -316,6 +316,15 @@ class ChunkCache:
             self.stats.entries -= 1
         return size
 
+    def discard(self, sha: str) -> int:
+        """Remove the chunk's file, if cached; the bytes it held."""
+        with self._lock:
+            size = self._forget_locked(sha)
+        if size is None:
+            return 0
+        self._path(sha).unlink(missing_ok=True)
+        return size
+
     def _evict(self, limit: int | None = None) -> None:
         """Evict least recently used files until the files and those being
         written fit ``limit`` bytes (default: the cache's bound)."""

@@ -50,6 +50,7 @@ from .control import DEFAULT_ROOT, DaemonNotRunning, call, socket_path
 from .controlserver import ControlServer
 from .diskmanager import DiskManager
 from .fetcher import ChunkFetcher
+from .forget import LayerForgetter
 from .fusefs import NodeFS
 from .layermounts import LayerMounts
 from .metacheck import MetaChecker
@@ -109,6 +110,7 @@ class DaemonConfig:
     live_restart: bool = True  # keep the FUSE connection in a keeper (else libfuse mounts it)
     restart_grace: float = 60.0  # seconds the keeper waits for a next daemon after this one
     reserve: int | None = None  # bytes of ROOT's file system the cache leaves free (None: 5%)
+    forget_after: float | None = None  # forget a layer no sandbox used for this long (seconds)
 
 
 def secure_root(root: Path, fuse_group: int | None, fuse_mounted: bool = False) -> None:
@@ -320,6 +322,15 @@ class Daemon:
             log.warning("the FUSE keeper exited; starting another")
             await self._start_keeper(conn)
 
+    def _forgetter(self, forget_after: float) -> LayerForgetter:
+        """Forgets the layers no sandbox, and no vm or disk, used for ``forget_after``
+        (while a vm is up, nothing)."""
+        def in_use() -> list[str]:
+            named = [d for r in self.sandboxes.records.values() for d in r.layers]
+            return named + ["sha256:" + name for name in self.blobs.users]  # (vms', disks')
+        return LayerForgetter(self.replica, self.cache, self.layers, in_use, forget_after,
+                              paused=lambda: bool(self.disks.vms))
+
     async def _main(self) -> None:
         try:
             async with trio.open_nursery() as nursery:
@@ -334,6 +345,8 @@ class Daemon:
                 await self.layers.drop_unadopted()
                 await self.disks.restore()
                 self.fs.restored.set()
+                if self.cfg.forget_after is not None:
+                    nursery.start_soon(self._forgetter(self.cfg.forget_after).run)
                 await nursery.start(ControlServer(self.root, self.handle).serve)
                 self.accepting = True
                 log.info("layerfs daemon ready at %s (store %s)", self.root, self.store.url)

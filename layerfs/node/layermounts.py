@@ -77,6 +77,10 @@ class LayerMounts:
     def _lock(self, digest: str) -> trio.Lock:
         return self._locks.setdefault(digest, trio.Lock())
 
+    def lock(self, digest: str) -> trio.Lock:
+        """The layer's lock: held while it is fetched and mounted, or unmounted."""
+        return self._lock(digest)
+
     async def acquire(self, digest: str, replay: TraceReplay | None = None) -> MountedLayer:
         """The layer, mounted (once per node); ``replay`` learns its chunk table
         as soon as it is known."""

@@ -143,6 +143,35 @@ class Replica:
         return ReplicaLayer(digest, LayerManifest.from_bytes(bytes(raw)),
                             ChunkTable.from_bytes(bytes(table)), meta)
 
+    def layer_digests(self) -> list[str]:
+        """The layers held."""
+        with self.env.begin() as txn:
+            return [bytes(k).decode() for k, _ in txn.cursor(db=self.dbs["layers"])]
+
+    def chunk_shas(self, digest: str) -> set[str]:
+        """The sha256 (hex) of each chunk of a held layer (none if not held)."""
+        with self.env.begin() as txn:
+            raw = txn.get(digest.encode(), db=self.dbs["chunktables"])
+        if raw is None:
+            return set()
+        return {e.sha256.hex() for e in ChunkTable.from_bytes(bytes(raw)).entries}
+
+    def forget_layer(self, digest: str) -> set[str]:
+        """Drop a layer: its entries, the resolutions naming it, its meta
+        image; the sha256 of its chunks (for the cache to drop)."""
+        chunks = self.chunk_shas(digest)
+        key = digest.encode()
+
+        def change(txn: lmdb.Transaction) -> None:
+            for db in ("layers", "chunktables", "manifests", "traces"):
+                txn.delete(key, db=self.dbs[db])
+            for name, raw in list(txn.cursor(db=self.dbs["resolutions"])):
+                if json.loads(bytes(raw)).get("digest") == digest:
+                    txn.delete(name, db=self.dbs["resolutions"])
+        self._write(change)
+        (self.meta_dir / (digest.removeprefix("sha256:") + ".erofs")).unlink(missing_ok=True)
+        return chunks
+
     def fetch_layer(self, reg: Registry, digest: str) -> ReplicaLayer:
         """Pull a layer's manifest, meta image and chunk table (verified) once."""
         layer, fd = self._fetch(reg, digest)
