@@ -449,3 +449,39 @@ def test_trace_recorded_pushed_and_replayed_on_another_node(node, tmp_path):
     proc = node.cli("trace", "push", "up@1", check=False)
     assert (proc.returncode, proc.stderr) == (5, "layerfs: error: no such access trace: up@1 "
                                               "(none recorded on this node)\n")
+
+
+def test_the_node_forgets_a_layer_no_sandbox_used_for_forget_after(tmp_path, store,
+                                                                   store_location):
+    publish_base_env(tmp_path, store)
+    (tmp_path / "other").mkdir()
+    want = os.urandom(6 * CHUNK)
+    (tmp_path / "other" / "data").write_bytes(want)
+    other = build(store, str(tmp_path / "other"), name="other", chunk_size=CHUNK).digest
+    create_env(Registry(store), "o", "1", ["other@1"])
+    node = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="64M")
+    node.extra_args = ["--forget-after", "1s"]
+    node.start()
+    try:
+        kept = up(node, "s1")
+        assert (kept / "data" / "file0").read_bytes()
+        assert (up(node, "s2", "o@1") / "data").read_bytes() == want
+        node.cli("down", "s2")
+        meta = node.root / "meta" / (other.removeprefix("sha256:") + ".erofs")
+        entries = node.request("stats")["cache"]["entries"]
+        deadline = time.monotonic() + 15
+        while meta.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not meta.exists(), node.log()
+        assert f"forgot layer {other}" in node.log()
+        # its six chunks left the cache; the layers s1 uses stay, however long ago it came up
+        assert node.request("stats")["cache"]["entries"] <= entries - 6
+        used = node.request("ps")["sandboxes"][0]["layers"]
+        assert len(used) == 2 and all(
+            (node.root / "meta" / (d.removeprefix("sha256:") + ".erofs")).exists() for d in used)
+        assert (kept / "data" / "file0").read_bytes()
+        assert (up(node, "s3", "o@1") / "data").read_bytes() == want  # fetched again
+        node.cli("down", "s3")
+        node.cli("down", "s1")
+    finally:
+        assert node.cleanup() == []
