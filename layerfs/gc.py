@@ -123,7 +123,8 @@ def collect(reg: Registry, dry_run: bool = True, grace: float = DEFAULT_GRACE) -
     cutoff = time.time() - grace  # taken before the refs are read
     expiry = expire_refs(reg, time.time(), dry_run, grace)
     # (a dry run removed nothing: what would be reachable once it did)
-    found = reachable_blobs(reg, {(e.kind, str(e)) for e in expiry.removed} if dry_run else None)
+    leave_out = {(e.kind, str(e)) for e in expiry.removed} if dry_run else set()
+    found = reachable_blobs(reg, leave_out) if leave_out else reachable_blobs(reg)
     live = found.blobs
     report = GcReport(reachable=len(live), unreadable=found.unreadable, expiry=expiry)
     now = time.time()

@@ -58,6 +58,9 @@ def gc(out: Output, reg: Registry, dry_run: bool, grace: float) -> None:
         count = len(rep.unreachable) - rep.kept_young if dry_run else rep.deleted
         if not rep.swept:
             count = 0
+        if not dry_run:  # (temporaries included)
+            lines.append(f"freed {rep.deleted + rep.deleted_temporaries} objects, "
+                         f"{human_bytes(rep.deleted_bytes)} ({rep.deleted_bytes} bytes)")
         lines.append(f"{rep.reachable} reachable, {len(rep.unreachable)} unreachable "
                      f"({human_bytes(total)}); {verb} {count}" + ("" if rep.swept else
                      f" ({len(rep.unreadable)} refs or manifests unreadable: no blob is "
@@ -67,9 +70,6 @@ def gc(out: Output, reg: Registry, dry_run: bool, grace: float) -> None:
             gone = old if dry_run else rep.deleted_temporaries
             lines.append(f"{len(rep.temporaries)} temporary files of interrupted writes; "
                          f"{verb} {gone}")
-        if not dry_run:
-            lines.append(f"freed {rep.deleted + rep.deleted_temporaries} objects, "
-                         f"{human_bytes(rep.deleted_bytes)} ({rep.deleted_bytes} bytes)")
         return "\n".join(lines)
 
     out.emit(doc, text)
