@@ -1,0 +1,126 @@
+"""The daemon's Prometheus metrics for real: a daemon with ``--metrics``, its
+``/metrics`` parsed with prometheus_client's text parser, moving with the
+work (a cold read, a warm one, ups and downs, live restarts)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+from nodes import NodeDaemon
+from prometheus_client.parser import text_string_to_metric_families
+from registryserver import free_port
+from support import build, need_root
+
+from layerfs.builder.env import create_env
+from layerfs.node.control import wait_ready
+from layerfs.node.process import LAYERFS
+from layerfs.registry import Registry
+
+MiB = 1 << 20
+FILE_SIZE = 6 * MiB
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def read_cold(path: Path) -> bytes:
+    """The file's bytes, its page cache dropped first (the read asks the daemon)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return b"".join(iter(lambda: os.read(fd, MiB), b""))
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def metered(tmp_path, store, store_location):
+    """Layer m@1 (one 6 MiB file), env e@1, a daemon serving /metrics."""
+    need_root()
+    src = tmp_path / "m"
+    src.mkdir()
+    (src / "data").write_bytes(os.urandom(FILE_SIZE))
+    digest = build(store, str(src), name="m", chunk_size=MiB).digest
+    create_env(Registry(store), "e", "1", ["m@1"])
+    node = NodeDaemon(tmp_path / "node", store_location.cli_args())
+    node.port = free_port()
+    node.extra_args = ["--metrics", f"127.0.0.1:{node.port}"]
+    node.digest = digest
+    node.start()
+    try:
+        yield node
+    finally:
+        left = node.cleanup()
+        assert not left, f"left mounted: {left}"
+
+
+def test_metrics_move_with_the_work(metered, tmp_path):
+    node, port = metered, metered.port
+    before = scrape(port)
+    assert value(before, "layerfs_sandboxes") == 0
+    assert value(before, "layerfs_up_seconds_count") == 0
+    assert value(before, "layerfs_restarts_total") == 0
+    node.cli("up", "e@1", "--id", "s1")
+    up = scrape(port)
+    assert value(up, "layerfs_sandboxes") == 1
+    assert value(up, "layerfs_up_seconds_count") == 1
+    data = node.root / "sandboxes" / "s1" / "rootfs" / "data"
+    assert len(read_cold(data)) == FILE_SIZE
+    cold = scrape(port)
+    assert value(cold, "layerfs_cache_misses_total") > value(up, "layerfs_cache_misses_total")
+    assert value(cold, "layerfs_store_fetched_bytes_total") >= FILE_SIZE
+    assert value(cold, "layerfs_fetch_seconds_count") > value(up, "layerfs_fetch_seconds_count")
+    assert value(cold, "layerfs_cache_bytes") > 0
+    assert value(cold, "layerfs_layer_read_bytes_total", layer=node.digest) >= FILE_SIZE
+
+    node.kill()  # kill -9; the next daemon takes the FUSE connection over
+    node.start()
+    restarted = scrape(port)
+    assert value(restarted, "layerfs_restarts_total") == 1
+    assert value(restarted, "layerfs_sandboxes") == 1  # kept through the restart
+    assert len(read_cold(data)) == FILE_SIZE  # the new daemon's memory is empty: from the cache
+    warm = scrape(port)
+    assert value(warm, "layerfs_cache_hits_total") > value(restarted, "layerfs_cache_hits_total")
+    assert value(warm, "layerfs_store_fetched_bytes_total") == value(
+        restarted, "layerfs_store_fetched_bytes_total")
+
+    old = node.proc
+    node.extra_args = ["--metrics", f"127.0.0.1:{port}", "--takeover"]
+    node.start()  # returns once a daemon answers: maybe still the old one
+    assert old.wait(60) == 0
+    proc = node.proc
+    assert wait_ready(node.root, lambda: proc.poll() is None, 60), node.log()[-4000:]
+    assert value(scrape(port), "layerfs_restarts_total") == 2
+    node.cli("down", "s1")
+    assert value(scrape(port), "layerfs_sandboxes") == 0
+
+
+def test_metrics_listen_on_the_given_host_only(metered):
+    assert value(scrape(metered.port), "layerfs_sandboxes") == 0
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", metered.port), timeout=5).close()
+
+
+@pytest.mark.parametrize("address", ["9100", "localhost:", "host:port", "127.0.0.1:70000"])
+def test_a_bad_metrics_address_is_one_error_line(address, tmp_path):
+    need_root()
+    proc = subprocess.run([*LAYERFS, "daemon", "--root", str(tmp_path / "node"),
+                           "--metrics", address], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"layerfs: error: --metrics {address!r}: expected HOST:PORT, e.g. 127.0.0.1:9100"]
