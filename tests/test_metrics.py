@@ -87,6 +87,8 @@ def test_metrics_move_with_the_work(metered, tmp_path):
     assert value(cold, "layerfs_fetch_seconds_count") > value(up, "layerfs_fetch_seconds_count")
     assert value(cold, "layerfs_cache_bytes") > 0
     assert value(cold, "layerfs_layer_read_bytes_total", layer=node.digest) >= FILE_SIZE
+    # what ps can count is the layers' bytes read (by every sandbox using them), named so
+    assert node.cli("ps").stdout.split()[:5] == ["ID", "STATE", "UPPER", "LAYERS", "READ"]
 
     node.kill()  # kill -9; the next daemon takes the FUSE connection over
     node.start()
