@@ -4,6 +4,7 @@ work (a cold read, a warm one, ups and downs, live restarts)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -126,3 +127,20 @@ def test_a_bad_metrics_address_is_one_error_line(address, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
         f"layerfs: error: --metrics {address!r}: expected HOST:PORT, e.g. 127.0.0.1:9100"]
+
+
+def test_json_logs_are_one_object_a_line(tmp_path, store_location):
+    need_root()
+    node = NodeDaemon(tmp_path / "node", store_location.cli_args())
+    node.extra_args = ["--log-format", "json"]
+    node.start()
+    try:
+        node.cli("ps")
+    finally:
+        left = node.cleanup()
+    assert not left, f"left mounted: {left}"
+    records = [json.loads(line) for line in node.log().splitlines()]
+    assert {tuple(sorted(r)) for r in records} == {("level", "logger", "message", "time")}
+    ready = [r for r in records if r["message"].startswith("layerfs daemon ready at ")]
+    assert ready and ready[0]["level"] == "INFO" and ready[0]["logger"] == "layerfs.node.daemon"
+    assert records[-1]["message"] == "layerfs daemon stopped"
