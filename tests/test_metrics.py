@@ -21,6 +21,7 @@ from layerfs.builder.env import create_env
 from layerfs.node.control import wait_ready
 from layerfs.node.process import LAYERFS
 from layerfs.registry import Registry
+from layerfs.store.base import blob_key
 
 MiB = 1 << 20
 FILE_SIZE = 6 * MiB
@@ -111,6 +112,20 @@ def test_metrics_move_with_the_work(metered, tmp_path):
     assert value(scrape(port), "layerfs_restarts_total") == 2
     node.cli("down", "s1")
     assert value(scrape(port), "layerfs_sandboxes") == 0
+
+
+@pytest.mark.daemon_log(r"ERROR layerfs\.node\.fusefs: read: cannot read chunk",
+                        r"ERROR layerfs\.node\.fetcher: chunk \S+: object not found in store")
+def test_store_errors_are_counted_by_kind(metered, store):
+    node = metered
+    node.cli("up", "e@1", "--id", "s1")
+    reg = Registry(store)
+    for pack in {e.pack for e in reg.chunk_table(reg.layer(node.digest)).entries}:
+        store.delete(blob_key(pack))
+    with pytest.raises(OSError):
+        read_cold(node.root / "sandboxes" / "s1" / "rootfs" / "data")
+    assert value(scrape(node.port), "layerfs_store_errors_total", kind="ObjectNotFound") >= 1
+    node.cli("down", "s1")
 
 
 def test_metrics_listen_on_the_given_host_only(metered):
