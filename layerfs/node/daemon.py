@@ -258,8 +258,9 @@ class Daemon:
         if self.conn is not None:
             self.layers.kept = kept_mounts(self.root)
         self.handlers = self._handlers()
-        if self.conn is not None:  # a live restart: a crashed or retired daemon's connection
-            self.replica.count(RESTARTS)
+        # live restarts so far, this one included (a crashed or retired daemon's connection)
+        self.restarts = (self.replica.count(RESTARTS) if self.conn is not None
+                         else self.replica.counter(RESTARTS))
         self.metrics = NodeMetrics()
         if cfg.metrics is not None:
             self._serve_metrics(cfg.metrics)
@@ -276,7 +277,7 @@ class Daemon:
         self.metrics.read_from(NodeReadings(
             cache=self.cache.snapshot,
             sandboxes=lambda: len(self.sandboxes.records),
-            restarts=lambda: self.replica.counter(RESTARTS),
+            restarts=lambda: self.restarts,
             layer_bytes_read=lambda: {d: m.blob.bytes_read
                                       for d, m in dict(self.layers.mounted).items()}))
         try:
