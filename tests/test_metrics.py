@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import urllib.request
@@ -16,6 +17,7 @@ from nodes import NodeDaemon
 from prometheus_client.parser import text_string_to_metric_families
 from registryserver import free_port
 from support import build, need_root
+from test_restart import wait_for
 
 from layerfs.builder.env import create_env
 from layerfs.node.control import wait_ready
@@ -144,13 +146,18 @@ def test_a_bad_metrics_address_is_one_error_line(address, tmp_path):
         f"layerfs: error: --metrics {address!r}: expected HOST:PORT, e.g. 127.0.0.1:9100"]
 
 
+@pytest.mark.parametrize("store_location", ["file"], indirect=True)
 def test_json_logs_are_one_object_a_line(tmp_path, store_location):
+    """The daemon's lines and its keeper's (a keeper letting a connection go)."""
     need_root()
     node = NodeDaemon(tmp_path / "node", store_location.cli_args())
-    node.extra_args = ["--log-format", "json"]
+    node.extra_args = ["--log-format", "json", "--restart-grace", "1"]
     node.start()
     try:
-        node.cli("ps")
+        keeper = int(re.search(r"the FUSE connection is kept by pid (\d+)", node.log())[1])
+        node.kill()
+        wait_for(lambda: not Path(f"/proc/{keeper}").exists(), "the keeper to let go", 15)
+        node.start()  # detaches the dead connection's mount (a warning)
     finally:
         left = node.cleanup()
     assert not left, f"left mounted: {left}"
@@ -158,4 +165,8 @@ def test_json_logs_are_one_object_a_line(tmp_path, store_location):
     assert {tuple(sorted(r)) for r in records} == {("level", "logger", "message", "time")}
     ready = [r for r in records if r["message"].startswith("layerfs daemon ready at ")]
     assert ready and ready[0]["level"] == "INFO" and ready[0]["logger"] == "layerfs.node.daemon"
+    assert {"logger": "layerfs.node.keeper", "level": "WARNING",
+            "message": "no daemon took the FUSE connection within 1 s: letting it go; reads "
+            "waiting on its mounts fail"} in [{k: r[k] for k in ("logger", "level", "message")}
+                                             for r in records]
     assert records[-1]["message"] == "layerfs daemon stopped"
