@@ -90,6 +90,7 @@ class ChunkFetcher:
         self.nursery: trio.Nursery | None = None
         self.fail_fast = FailFast()
         self.store_log = RateLimitedLog(log)  # a store outage fails every read: one line a minute
+        self.fetch_timed: Callable[[float], None] = lambda seconds: None  # a store read's duration
         self._reader_fetches = 0  # store reads that readers (or an eager up) wait for
         self._quiet = trio.lowlevel.ParkingLot()  # woken when they drop to QUIET
         self.policy = Prefetcher(self, miss_span)
@@ -275,6 +276,7 @@ class ChunkFetcher:
                                                            limiter=thread)
                     self.fail_fast.answered(trio.current_time())
                     self.fail_fast.pack_served(pack)
+                    self.fetch_timed(trio.current_time() - started)
                     return result
             waited = trio.current_time() - started
             self._no_answer(pack, started, f"no answer within {waited:.1f}s")

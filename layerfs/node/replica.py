@@ -49,7 +49,8 @@ from ..registry import MetaCheck, Registry
 from ..store.base import sha256_digest
 
 log = logging.getLogger(__name__)
-DBS = (b"layers", b"chunktables", b"sandboxes", b"traces", b"manifests", b"resolutions")
+DBS = (b"layers", b"chunktables", b"sandboxes", b"traces", b"manifests", b"resolutions",
+       b"counters")
 RESOLUTION_REFRESH = 60.0  # seconds after which a resolution the store confirms is written again
 TMP_MARK = ".tmp"  # meta/<hex>.tmp<pid>-<thread>: a meta image being written
 HASH_READ = 256 << 10
@@ -282,6 +283,19 @@ class Replica:
         with self.env.begin() as txn:
             return {k.decode(): json.loads(bytes(v))
                     for k, v in txn.cursor(db=self.dbs["sandboxes"])}
+
+    # -- counters that outlive a daemon --
+    def counter(self, name: str) -> int:
+        with self.env.begin() as txn:
+            raw = txn.get(name.encode(), db=self.dbs["counters"])
+        return int(bytes(raw)) if raw else 0
+
+    def count(self, name: str) -> int:
+        """Add one to the counter ``name``; its new value."""
+        value = self.counter(name) + 1
+        self._write(lambda txn: txn.put(name.encode(), str(value).encode(),
+                                        db=self.dbs["counters"]))
+        return value
 
     # -- traces: a layer's first-touch chunk order --
     def trace(self, digest: str) -> list[int]:
