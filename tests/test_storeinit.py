@@ -155,3 +155,12 @@ def test_quick_check_error_keeps_its_class_and_exit_code():
 
     result = quick_check(Fails("/nonexistent-store"))
     assert type(result.refusal()) is StoreError and "see the error above" in result.verdict()
+
+
+def test_store_check_on_a_missing_bucket_says_so_in_one_line(s3_server):
+    bucket = f"layerfs-init-{uuid.uuid4().hex[:12]}"
+    proc = layerfs("store", "check", f"s3://{bucket}/p", "--s3-endpoint", s3_server.endpoint,
+                   "--rounds", "1", "--writers", "2")
+    line = one_error_line(proc, StoreError.exit_code)
+    assert f"bucket '{bucket}' does not exist" in line, line
+    assert f"create it with `layerfs store init s3://{bucket}/p/`" in line, line

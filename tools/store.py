@@ -6,7 +6,14 @@ from __future__ import annotations
 import click
 
 from layerfs.store import open_store
-from layerfs.store.check import CheckPlan, QuickCheck, StoreNotSafe, init_store, run_check
+from layerfs.store.check import (
+    CheckPlan,
+    QuickCheck,
+    StoreNotSafe,
+    init_store,
+    quick_check,
+    run_check,
+)
 
 from .common import Output, check_store_url
 
@@ -77,13 +84,16 @@ def check(urls: tuple[str, ...], writers: int, rounds: int, payload: int,
     may win, and all must read the winner's bytes) and puts its own bytes to
     another (every read must be one writer's bytes whole). Give several URLs
     (e.g. two mounts of one shared file system) to spread the writers over them.
-    Exit 0 if safe, 13 if not.
+    The quick checks of `store init` run first. Exit 0 if safe, 13 if not.
     """
     for url in urls:
         check_store_url(url)
     plan = CheckPlan(urls, writers, rounds, payload, s3_endpoint)
     first = open_store(urls[0], s3_endpoint=s3_endpoint)
     try:
+        usable = quick_check(first)  # a missing bucket or bad credentials: one line first
+        if not usable.usable:
+            _report(usable, as_json)
         result = run_check(plan, first)
     finally:
         first.close()

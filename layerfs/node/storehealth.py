@@ -49,8 +49,6 @@ class StoreHealth:
         self._lock = threading.Lock()
         self.reachable = True
         self.reason = ""
-        self.usable = True  # the start's quick checks found nothing wrong (or have not run)
-        self.problem = ""  # else their verdict
         self._down_since = 0.0
         self._token: trio.lowlevel.TrioToken | None = None
         self._wake = trio.Event()
@@ -114,7 +112,6 @@ class StoreHealth:
 
     def report(self, result: QuickCheck) -> None:
         """The start's verdict: nothing when usable, else one WARNING line."""
-        self.usable, self.problem = result.usable, "" if result.usable else result.verdict()
         if not result.usable:
             log.warning("store %s; serving what this node has", result.verdict())
 
