@@ -1,4 +1,10 @@
-"""Whether a store is safe to share between writers: races run against it.
+"""Whether a store is usable (quick checks) and safe to share between writers
+(races run against it).
+
+:func:`quick_check` (``store init`` after :func:`create_store`, ``store
+check`` before its races, the node daemon at start): the store exists and the
+credentials list it, a conditional put refuses a second create, a put is read
+back whole and listed; one :class:`QuickCheck` verdict.
 
 ``run_check`` starts ``writers`` processes (``spawn``: each opens its own store
 from a URL; with several URLs, e.g. two mounts of one shared file system,
