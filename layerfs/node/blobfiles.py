@@ -5,9 +5,12 @@ read maps its byte range to chunks, gets each from the fetcher (in parallel)
 and answers with views of the overlapping slices, zeros for holes and
 padding: a read inside one chunk copies nothing, any other read copies its
 bytes once.
-Readahead is mostly the kernel's (EROFS and FUSE readahead windows, see the
-daemon); a read tells whether it continues a stream and asks the prefetch
-policy (layerfs/node/prefetch.py) once what to read ahead; a small random
+A blob file composes the two halves of the read path: the prefetch policy
+(layerfs/node/prefetch.py), which decides what to fetch besides what the read
+wants, and the fetch core (layerfs/node/fetcher.py), which gets the bytes and
+knows no policy. Readahead is mostly the kernel's (EROFS and FUSE readahead
+windows, see the daemon); a read tells whether it continues a stream and asks
+the policy once what to read ahead; a small random
 read of a cached chunk reads only the blocks it needs. A miss on a small
 chunk may bring the chunks after it in its pack along (the miss span); a miss
 at the start of a small file of several chunks fetches the file's other
@@ -25,6 +28,7 @@ import trio
 
 from ..formats.chunktable import FILE_START, ChunkTable
 from .fetcher import Buffer, ChunkFetcher
+from .prefetch import Prefetcher
 
 STABLE_INODE_BASE = 1 << 60  # above the fixed directories' inodes
 PART_READ_FRACTION = 4  # a random read of at most 1/4 of a cached chunk reads just that
@@ -81,6 +85,7 @@ class BlobFile:
     table: ChunkTable
     fetcher: ChunkFetcher
     inode: int
+    policy: Prefetcher | None = None  # None: a policy of its own, without a miss span
     offsets: list[int] = field(default_factory=list)
     touched: set[int] = field(default_factory=set)
     trace: list[int] = field(default_factory=list)
@@ -90,6 +95,13 @@ class BlobFile:
 
     def __post_init__(self) -> None:
         self.offsets = [e.blob_offset for e in self.table.entries]
+
+    @property
+    def prefetcher(self) -> Prefetcher:
+        """The prefetch policy the blob's reads consult."""
+        if self.policy is None:
+            self.policy = Prefetcher(self.fetcher)
+        return self.policy
 
     @property
     def name(self) -> str:
@@ -124,7 +136,7 @@ class BlobFile:
         pieces = [(i, lo, hi) for i, lo, hi in pieces if hi > lo]
         self._record([i for i, _, _ in pieces])
         self.bytes_read += end - off
-        policy = self.fetcher.policy
+        policy = self.prefetcher
         plan = policy.plan(*self._stream(off, end), self.table.chunk_size)
         if plan.streaming and pieces:
             last = pieces[-1][0]
@@ -137,11 +149,12 @@ class BlobFile:
             i, lo, hi = pieces[k]
             entry = entries[i]
             lo, hi = lo - entry.blob_offset, hi - entry.blob_offset
-            after = entries[i + 1:i + 1 + neighbours]  # a miss may bring them (miss span)
+            along = (policy.miss_run(entry, entries[i + 1:i + 1 + neighbours])[1:]
+                     if neighbours and policy.takes_neighbours(entry) else ())
             if not plan.streaming and (hi - lo) * PART_READ_FRACTION <= entry.length:
-                datas[k] = await self.fetcher.get_range(entry, lo, hi, after)
+                datas[k] = await self.fetcher.get_range(entry, lo, hi, along)
             else:
-                datas[k] = memoryview(await self.fetcher.get(entry, after))[lo:hi]
+                datas[k] = memoryview(await self.fetcher.get(entry, along))[lo:hi]
 
         if len(pieces) == 1:
             await get(0)
@@ -190,20 +203,20 @@ class BlobFile:
         file from its start (a loader opening a library, a small file read
         whole) reads the rest of it next: one round trip, not one per chunk. A
         read that starts inside a file may want only that part."""
-        fetcher, entries, ahead = self.fetcher, self.table.entries, []
+        fetcher, policy, entries, ahead = self.fetcher, self.prefetcher, self.table.entries, []
         for i, lo, _ in pieces:
             entry = entries[i]
             if (not entry.flags & FILE_START or lo != entry.blob_offset
                     or not fetcher.absent(entry.sha256)):
                 continue
             rest = [entries[j] for j in self.rest_of_file(i)]
-            if rest and fetcher.takes_neighbours(entry):
-                along = {e.sha256 for e in fetcher.policy.miss_run(
+            if rest and policy.takes_neighbours(entry):
+                along = {e.sha256 for e in policy.miss_run(
                     entry, entries[i + 1:i + 1 + MISS_NEIGHBOURS])}
                 rest = [e for e in rest if e.sha256 not in along]
             ahead += [e for e in rest if fetcher.absent(e.sha256)]
         if ahead:
-            fetcher.fetch_ahead(ahead)
+            policy.fetch_ahead(ahead)
 
     def _record(self, indexes: list[int]) -> None:
         for i in indexes:
@@ -218,16 +231,24 @@ class BlobDirectory:
     Reference counted: a blob stays while any layer mount, disk or VM uses it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, policy: Prefetcher | None = None) -> None:
+        self.policy = policy  # the node's prefetch policy, given to each blob
         self.by_name: dict[str, BlobFile] = {}
         self.by_inode: dict[int, BlobFile] = {}
         self.users: dict[str, int] = {}
+
+    @property
+    def prefetcher(self) -> Prefetcher:
+        """The node's prefetch policy (the whole-layer ones: ``--prefetch``)."""
+        if self.policy is None:
+            raise RuntimeError("no prefetch policy")
+        return self.policy
 
     def add(self, digest: str, table: ChunkTable, fetcher: ChunkFetcher) -> BlobFile:
         name = digest.removeprefix("sha256:")
         blob = self.by_name.get(name)
         if blob is None:
-            blob = BlobFile(digest, table, fetcher, stable_inode(name, BLOB_KIND))
+            blob = BlobFile(digest, table, fetcher, stable_inode(name, BLOB_KIND), self.policy)
             self.by_name[name] = blob
             self.by_inode[blob.inode] = blob
         self.users[name] = self.users.get(name, 0) + 1

@@ -109,6 +109,17 @@ class ChunkStates:
         self._written = trio.lowlevel.ParkingLot()  # woken when _unwritten empties
         self.warnings = RateLimitedLog(log)  # one per chunk otherwise, on a full ROOT
 
+    def keep(self, sha: bytes, data: Chunk, *, reader: bool = True) -> None:
+        """Keep a chunk's bytes in memory: the only way into it. A reader's
+        chunk goes in, pushing out the least recently used; any other (a
+        prefetch's: fetch-ahead's neighbours, a miss span's, a trace replay's,
+        ``--prefetch full``'s) only if that pushes out nothing, so no prefetch
+        evicts what readers use."""
+        if reader:
+            self.memory.put(sha, data)
+        else:
+            self.memory.offer(sha, data)
+
     def held(self, sha: bytes) -> Chunk | None:
         """The chunk's bytes if they are in memory (no I/O)."""
         data = self.memory.get(sha)

@@ -53,6 +53,7 @@ from .fetcher import ChunkFetcher
 from .fusefs import NodeFS
 from .layermounts import LayerMounts
 from .metacheck import MetaChecker
+from .prefetch import Prefetcher
 from .replica import Replica
 from .rootspace import NO_SPACE, RootSpace, fs_usage, mib, no_room_for
 from .sandboxes import Sandboxes
@@ -244,8 +245,9 @@ class Daemon:
         cap_cache(self.cache, self.space)
         self.space.take()
         self.fetcher = ChunkFetcher(self.store, self.cache, timeout=cfg.read_timeout,
-                                    parallel=cfg.fetch_parallel, miss_span=cfg.miss_span)
-        self.blobs = BlobDirectory()
+                                    parallel=cfg.fetch_parallel)
+        self.policy = Prefetcher(self.fetcher, cfg.miss_span)  # the core never calls it
+        self.blobs = BlobDirectory(self.policy)
         self.disks = DiskManager(self.root, self.reg, self.replica, self.blobs, self.fetcher)
         self.fs = NodeFS(self.blobs, self.disks, cfg.fuse_group)
         self.layers = LayerMounts(self.root, self.reg, self.replica, self.blobs, self.fetcher,
