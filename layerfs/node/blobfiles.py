@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ..formats.chunktable import FILE_START, ChunkTable
+from ..formats.chunktable import FILE_START, ChunkEntry, ChunkTable
+from .chunkstate import ChunkState
 from .fetcher import Buffer, ChunkFetcher
 from .prefetch import Prefetcher
 
@@ -136,25 +137,31 @@ class BlobFile:
         pieces = [(i, lo, hi) for i, lo, hi in pieces if hi > lo]
         self._record([i for i, _, _ in pieces])
         self.bytes_read += end - off
-        policy = self.prefetcher
-        plan = policy.plan(*self._stream(off, end), self.table.chunk_size)
-        if plan.streaming and pieces:
+        reads, streamed = self._stream(off, end)
+        streaming = reads > 1
+        if streaming and pieces:  # the policy's: what to read ahead
+            policy = self.prefetcher
+            plan = policy.plan(reads, streamed, self.table.chunk_size)
             last = pieces[-1][0]
             policy.read_ahead(entries[last + 1:last + 1 + plan.depth], plan)
         self._fetch_rest_of_files(pieces)
-        neighbours = MISS_NEIGHBOURS if policy.miss_span else 0
+        states = self.fetcher.states
         datas: list[Buffer] = [b""] * len(pieces)
 
         async def get(k: int) -> None:
             i, lo, hi = pieces[k]
             entry = entries[i]
             lo, hi = lo - entry.blob_offset, hi - entry.blob_offset
-            along = (policy.miss_run(entry, entries[i + 1:i + 1 + neighbours])[1:]
-                     if neighbours and policy.takes_neighbours(entry) else ())
-            if not plan.streaming and (hi - lo) * PART_READ_FRACTION <= entry.length:
-                datas[k] = await self.fetcher.get_range(entry, lo, hi, along)
-            else:
-                datas[k] = memoryview(await self.fetcher.get(entry, along))[lo:hi]
+            deadline = trio.current_time() + self.fetcher.timeout  # the whole read's
+            if not streaming and (hi - lo) * PART_READ_FRACTION <= entry.length:
+                part = await states.read_part(entry, lo, hi, deadline)
+                if part is not None:
+                    datas[k] = part
+                    return
+            data = await states.read_held(entry, deadline)  # a hit: memory or the cache
+            if data is None:  # the store's
+                data = await self.fetcher.get(entry, self._along(i), deadline)
+            datas[k] = memoryview(data)[lo:hi]
 
         if len(pieces) == 1:
             await get(0)
@@ -163,6 +170,18 @@ class BlobFile:
                 for k in range(len(pieces)):
                     nursery.start_soon(get, k)
         return laid_out(pieces, datas, off, end)
+
+    def _along(self, i: int) -> list[ChunkEntry]:
+        """The chunks the policy's miss span brings along with a miss on entry
+        ``i`` (none unless that chunk is small and no one has or fetches it)."""
+        policy, entries = self.prefetcher, self.table.entries
+        if not policy.miss_span or not policy.takes_neighbours(entries[i]):
+            return []
+        return policy.miss_run(entries[i], entries[i + 1:i + 1 + MISS_NEIGHBOURS])[1:]
+
+    def _absent(self, entry: ChunkEntry) -> bool:
+        """No one has or fetches the chunk (no I/O)."""
+        return self.fetcher.states.state(entry.sha256) is ChunkState.ABSENT
 
     def _stream(self, off: int, end: int) -> tuple[int, int]:
         """How many reads in a row, this one included, ended where the next one
@@ -203,20 +222,20 @@ class BlobFile:
         file from its start (a loader opening a library, a small file read
         whole) reads the rest of it next: one round trip, not one per chunk. A
         read that starts inside a file may want only that part."""
-        fetcher, policy, entries, ahead = self.fetcher, self.prefetcher, self.table.entries, []
+        entries, ahead = self.table.entries, []
         for i, lo, _ in pieces:
             entry = entries[i]
-            if (not entry.flags & FILE_START or lo != entry.blob_offset
-                    or not fetcher.absent(entry.sha256)):
+            if not entry.flags & FILE_START or lo != entry.blob_offset or not self._absent(entry):
                 continue
+            policy = self.prefetcher
             rest = [entries[j] for j in self.rest_of_file(i)]
             if rest and policy.takes_neighbours(entry):
                 along = {e.sha256 for e in policy.miss_run(
                     entry, entries[i + 1:i + 1 + MISS_NEIGHBOURS])}
                 rest = [e for e in rest if e.sha256 not in along]
-            ahead += [e for e in rest if fetcher.absent(e.sha256)]
+            ahead += [e for e in rest if self._absent(e)]
         if ahead:
-            policy.fetch_ahead(ahead)
+            self.prefetcher.fetch_ahead(ahead)
 
     def _record(self, indexes: list[int]) -> None:
         for i in indexes:

@@ -86,7 +86,7 @@ class ChunkFetcher:
         self.store_threads = trio.CapacityLimiter(max(40, 2 * parallel))
         self.probe_thread = trio.CapacityLimiter(1)  # the health probe's (one at a time)
         self.io_limit = trio.CapacityLimiter(io_threads)
-        self.states = ChunkStates(cache, memory, self.io_limit)
+        self.states = ChunkStates(cache, memory, self.io_limit, timeout)
         self.nursery: trio.Nursery | None = None
         self.fail_fast = FailFast()
         self.store_log = RateLimitedLog(log)  # a store outage fails every read: one line a minute
@@ -131,24 +131,14 @@ class ChunkFetcher:
                         along: Sequence[ChunkEntry] = ()) -> Buffer:
         """Bytes ``[lo, hi)`` of one chunk. From memory or a flight if there;
         else, if the chunk is cached, only the cache file's blocks that hold
-        them (a small random read: the chunk is not kept in memory); else, or
-        if its file must be read whole (zstd form), the whole chunk, as
-        :meth:`get` (which keeps it in memory for the reads that follow).
+        them (``ChunkStates.read_part``: the chunk is not kept in memory);
+        else, or if its file must be read whole (zstd form), the whole chunk,
+        as :meth:`get` (which keeps it in memory for the reads that follow).
         Within the timeout in all."""
-        sha = entry.sha256
         deadline = trio.current_time() + self.timeout
-        if self.states.state(sha) is ChunkState.CACHED and not self.cache.reads_whole(sha.hex()):
-            with trio.move_on_at(deadline):
-                part = await trio.to_thread.run_sync(self.cache.read_range, sha.hex(), lo, hi,
-                                                     limiter=self.io_limit,
-                                                     abandon_on_cancel=True)
-                if part is not None and len(part) == hi - lo:
-                    return part
-                if part is not None and len(part) == entry.length:  # a file read whole
-                    self.states.keep(sha, part)
-                    return memoryview(part)[lo:hi]
-            if trio.current_time() >= deadline:
-                raise self._cache_timeout(f"chunk {sha.hex()[:16]}")
+        part = await self.states.read_part(entry, lo, hi, deadline)
+        if part is not None:
+            return part
         return memoryview(await self.get(entry, along, deadline))[lo:hi]
 
     def absent(self, sha: bytes) -> bool:
@@ -399,16 +389,11 @@ class ChunkFetcher:
                 if data is not None and len(data) == entry.length:
                     return data, None
             if trio.current_time() >= deadline:
-                raise self._cache_timeout(where)
+                raise self.states.cache_timeout(where)
         else:
             self.cache.note_miss()
         got = await self._from_store(where, entry.pack, self._fetch, entry, deadline)
         return got.data, got
-
-    def _cache_timeout(self, where: str) -> FetchError:
-        """The local cache read did not end within the timeout: not the store's."""
-        log.error("%s: the local cache did not answer within %.0fs", where, self.timeout)
-        return FetchError(where, f"cache read timed out after {self.timeout:.0f}s")
 
     def _fetch(self, entry: ChunkEntry) -> FetchedChunk:
         """Worker thread: range-read the pack, decompress, verify."""

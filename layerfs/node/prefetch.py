@@ -82,7 +82,7 @@ class Prefetcher:
         for n, entry in enumerate(following[:plan.depth]):
             if entry.flags & FILE_START:
                 break
-            if n < plan.ahead and self.fetcher.absent(entry.sha256):
+            if n < plan.ahead and self.fetcher.states.state(entry.sha256) is ChunkState.ABSENT:
                 fetch.append(entry)
             else:
                 self.warm(entry)
@@ -115,15 +115,16 @@ class Prefetcher:
 
     def warm(self, entry: ChunkEntry) -> None:
         """Read a chunk that is in the cache into memory in the background (a
-        sequential reader's next chunk); never a store fetch for it."""
+        sequential reader's next chunk: ``ChunkStates.read_held``); never a
+        store fetch for it."""
         nursery = self.fetcher.nursery
         if nursery is not None and self.fetcher.states.state(entry.sha256) is ChunkState.CACHED:
-            nursery.start_soon(self._get_quietly, entry)
+            nursery.start_soon(self._warm_quietly, entry)
 
-    async def _get_quietly(self, entry: ChunkEntry) -> None:
-        """``get`` in the background: a failure is logged where it happened."""
+    async def _warm_quietly(self, entry: ChunkEntry) -> None:
+        """``read_held`` in the background: a failure is logged where it happened."""
         with contextlib.suppress(FetchError):  # logged; the reader that wants it tries again
-            await self.fetcher.get(entry)
+            await self.fetcher.states.read_held(entry, trio.current_time() + self.fetcher.timeout)
 
     def fetch_ahead(self, entries: list[ChunkEntry]) -> None:
         """Fetch from the store, in the background, the chunks a reader reads
