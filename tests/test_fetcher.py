@@ -647,6 +647,45 @@ def test_a_full_prefetch_leaves_a_readers_chunks_in_memory(tmp_path):
     assert all(f.cache.contains(e.sha256.hex()) for e in lone)
 
 
+def test_a_cache_hit_read_walks_neither_the_fetch_core_nor_the_policy(tmp_path):
+    """A read of cached chunks (a small part of one, and a whole one) is served
+    by ``ChunkStates`` from memory or the cache file: on the trio thread it
+    calls only blobfiles.py and chunkstate.py of the node (the cache files
+    are read in worker threads), never the fetch core nor the policy, and
+    the store is never asked."""
+    import sys
+
+    import layerfs.node.blobfiles as blobfiles
+
+    datas = [os.urandom(64 << 10) for _ in range(2)]
+    entries = [ChunkEntry(k << 16, 64 << 10, hashlib.sha256(d).digest(), "sha256:" + "9" * 64,
+                          k << 16, 64 << 10, RAW) for k, d in enumerate(datas)]
+    store = RangeStore({})
+    f = fetcher(tmp_path, store)
+    for entry, data in zip(entries, datas, strict=True):
+        f.cache.write(entry.sha256.hex(), data)
+    blob = BlobFile("sha256:" + "9" * 64, ChunkTable(entries, 128 << 10, 64 << 10), f, 16)
+    node = os.path.dirname(blobfiles.__file__) + os.sep
+    walked: set[str] = set()
+
+    def profile(frame, event, arg) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(node):
+            walked.add(os.path.basename(frame.f_code.co_filename))
+
+    async def main() -> None:
+        sys.setprofile(profile)
+        try:
+            part = await blob.read((64 << 10) + 100, 4096)  # continues no stream
+            whole = await blob.read(1000, 64 << 10)  # two chunks, neither only a small part
+        finally:
+            sys.setprofile(None)
+        assert part == datas[1][100:4196]
+        assert whole == datas[0][1000:] + datas[1][:1000]
+
+    run(main)
+    assert walked == {"blobfiles.py", "chunkstate.py"} and store.calls == []
+
+
 def test_the_fetch_core_imports_no_prefetch_policy():
     """The boundary is one-way: the policies call the fetch core, never the
     reverse (layerfs/node/fetcher.py imports neither prefetch nor tracereplay,
