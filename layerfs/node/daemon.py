@@ -55,6 +55,7 @@ from .fusefs import NodeFS
 from .layermounts import LayerMounts
 from .metacheck import MetaChecker
 from .metrics import CountingLog, MetricsAddress, NodeMetrics, NodeReadings
+from .prefetch import Prefetcher
 from .replica import Replica
 from .rootspace import NO_SPACE, RootSpace, fs_usage, mib, no_room_for
 from .sandboxes import Sandboxes
@@ -248,8 +249,9 @@ class Daemon:
         cap_cache(self.cache, self.space)
         self.space.take()
         self.fetcher = ChunkFetcher(self.store, self.cache, timeout=cfg.read_timeout,
-                                    parallel=cfg.fetch_parallel, miss_span=cfg.miss_span)
-        self.blobs = BlobDirectory()
+                                    parallel=cfg.fetch_parallel)
+        self.policy = Prefetcher(self.fetcher, cfg.miss_span)  # the core never calls it
+        self.blobs = BlobDirectory(self.policy)
         self.disks = DiskManager(self.root, self.reg, self.replica, self.blobs, self.fetcher)
         self.fs = NodeFS(self.blobs, self.disks, cfg.fuse_group)
         self.layers = LayerMounts(self.root, self.reg, self.replica, self.blobs, self.fetcher,

@@ -204,8 +204,8 @@ class Sandboxes:
         nursery = self.layers.fetcher.nursery
         if record.prefetch not in ("trace", "auto") or nursery is None:
             return None
-        replay = TraceReplay(self.reg.store, self.replica, self.layers.fetcher, record.layers,
-                             pushed_only=record.prefetch == "auto")
+        replay = TraceReplay(self.reg.store, self.replica, self.layers.blobs.prefetcher,
+                             record.layers, pushed_only=record.prefetch == "auto")
         nursery.start_soon(replay.run)
         return replay
 
@@ -285,7 +285,8 @@ class Sandboxes:
             fetcher = self.layers.fetcher
             entries = [e for d in record.layers for e in self.layers.mounted[d].blob.table.entries]
             # half the fetch slots, so that sandboxes already up still get theirs
-            await fetcher.fetch_all(entries, workers=max(1, fetcher.parallel // 2))
+            await self.layers.blobs.prefetcher.fetch_all(entries,
+                                                         workers=max(1, fetcher.parallel // 2))
 
     async def down(self, sid: str, keep_upper: bool = False,
                    force: bool = False) -> SandboxRecord:
