@@ -19,6 +19,7 @@ import errno
 import functools
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,8 +95,11 @@ class LayerMounts:
         """Mount the layer from its meta image as checked just now: the open,
         hashed file itself (``/proc/self/fd/N``), never the name again."""
         reporter = replay.reporter(digest) if replay is not None else None
+        start = time.perf_counter()
         meta = await trio.to_thread.run_sync(self.replica.checked_meta, self.reg, digest,
                                              reporter)
+        log.debug("layer %s: meta image checked in %.1f ms", digest,
+                  (time.perf_counter() - start) * 1000)
         try:
             rl = meta.layer
             blob = self.blobs.add(digest, rl.table, self.fetcher)

@@ -157,7 +157,9 @@ class Sandboxes:
         the way is rolled back completely (:meth:`_take_down`)."""
         if limits.given():
             await trio.to_thread.run_sync(self._check_limits, limits)
+        steps = StepTimes()
         digests, config, offline = await trio.to_thread.run_sync(self._resolve, env, layers)
+        steps.done("resolved")
         record = SandboxRecord(id=sid, env=env, layer_refs=layers, layers=digests,
                                config=config, prefetch=prefetch, created=time.time(),
                                state=SandboxState.STARTING,
@@ -167,13 +169,17 @@ class Sandboxes:
         try:
             self.records[sid] = record
             await self._save(record)  # from here on a crash is rolled back at the next start
+            steps.done("recorded")
             replay = self._replay(record)
             await self._start(record, fresh=True, replay=replay)
+            steps.done("mounted")
             if replay is not None:
                 replay.settle()  # every layer's table is in
             move(record, SandboxState.UP)
             await self._save(record)
+            steps.done("recorded up")
             await self._prefetch(record)
+            log.debug("up of %s: %s", sid, steps)
         except BaseException:
             if replay is not None:
                 replay.cancel()
@@ -465,6 +471,20 @@ class Sandboxes:
             out.append(SandboxStatus(**vars(record), upper_bytes=upper,
                                      layer_bytes_read=sum(b.bytes_read for b in blobs)))
         return out
+
+
+class StepTimes:
+    """Milliseconds from the start of a request to each of its steps (a debug line's)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.steps: list[tuple[str, float]] = []
+
+    def done(self, step: str) -> None:
+        self.steps.append((step, (time.perf_counter() - self.start) * 1000))
+
+    def __str__(self) -> str:
+        return ", ".join(f"{step} {ms:.1f} ms" for step, ms in self.steps)
 
 
 @contextmanager
