@@ -20,6 +20,13 @@ dir), packed as one gzip OCI layer and pushed with ``skopeo`` into a local
   auto``, after one lazy run on a node of its own pushed its trace of the
   image's layers to the store (``trace-push``): ``up`` replays it in the
   background while the workload runs (the profiled image of a lazy loader).
+* **scheduler** (lazy, and with the pushed trace): what a scheduler does,
+  from this process with a warm ``layerfs.node.Client`` (made and connected
+  before the page cache is dropped; no CLI process): timed ``Client.up`` +
+  ``Client.run`` of the workload (output captured), beside the floor below
+  (``runc run`` on the unpacked tree), the three alternating which goes first
+  rep by rep; the ratios to the floor are per rep (same rep's floor), then
+  their median. ``--scheduler-only`` runs only these.
 * **local dir** (reference): the workload in the unpacked tree
   (``unshare -m chroot``).
 * **floors** (references, each rep): a client's start (``layerfs ps``) with
@@ -39,6 +46,7 @@ node's daemon (containerd, or ``layerfs daemon``) over the timed part, and
 ps``) is timed too, warm and cold: ``up`` pays it. Needs root.
 
     python bench/image_start.py [--reps 3] [--store s3|file] [--quick] [--client LAYERFS]
+                                [--scheduler-only] [--daemon-log-level debug]
 
 Prints a table and writes bench/results/image_start.json.
 """
@@ -676,7 +684,10 @@ def main() -> None:
                "sides alternate which goes first; medians over reps, ratios are medians of "
                "per-rep ratios. Disk written: /proc/PID/io write_bytes of containerd or the "
                "layerfs daemon over the timed part (after sync); root_du_bytes: du of its "
-               "root afterwards.")}
+               "root afterwards. Scheduler: Client.up + Client.run of the workload from the "
+               "bench's process, the client connected before the page cache is dropped, "
+               "against runc run on the unpacked tree (read-only root) in the same rep; "
+               "the three alternate which goes first; ratios are per rep, then medians.")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print_table(summary, image_info)
