@@ -35,6 +35,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -163,18 +164,23 @@ class Replica:
             if on_table is not None:
                 on_table(have.table)
             return have, None
+        start = time.perf_counter()
         manifest = reg.layer(digest)
+        took = [("manifest", time.perf_counter())]
         with ThreadPoolExecutor(1) as pool:  # the two objects in one round trip
             # digest and structure (erofscheck) checked
             image_get = pool.submit(reg.meta_image, manifest, self.check_meta)
             table_bytes = reg.store.get_blob(manifest.chunk_table.digest)
             table = ChunkTable.from_bytes(table_bytes)
             reg.check_table(manifest, table)
+            took.append(("chunk table", time.perf_counter()))
             if on_table is not None:
                 on_table(table)
             image = image_get.result()
+            took.append(("meta image", time.perf_counter()))
         meta = self.meta_dir / (digest.removeprefix("sha256:") + ".erofs")
         fd = write_atomically(meta, image)
+        took.append(("written", time.perf_counter()))
         try:
             self._write(lambda txn: (
                 txn.put(digest.encode(), table_bytes, db=self.dbs["chunktables"]),
@@ -183,6 +189,9 @@ class Replica:
         except BaseException:
             os.close(fd)
             raise
+        took.append(("recorded", time.perf_counter()))
+        log.debug("layer %s fetched: %s", digest,
+                  ", ".join(f"{step} {(t - start) * 1000:.1f} ms" for step, t in took))
         return ReplicaLayer(digest, manifest, table, meta), fd
 
     def checked_meta(self, reg: Registry, digest: str,
