@@ -64,8 +64,9 @@ class DaemonRuns:
         log = self.work / "logs" / f"{len(self.logs) + 1:03d}-{tag}.log"
         log.unlink(missing_ok=True)
         self.logs.append(log)
-        node = DaemonProcess(root, [*store_args, *self.daemon_args], self.cache_size,
+        node = DaemonProcess(root, store_args, self.cache_size,
                              self.read_timeout, log, request_timeout=self.request_timeout)
+        node.extra_args = list(self.daemon_args)  # after the defaults: they win (--log-level)
         self.running.append(node)
         return node.start()
 

@@ -20,6 +20,13 @@ dir), packed as one gzip OCI layer and pushed with ``skopeo`` into a local
   auto``, after one lazy run on a node of its own pushed its trace of the
   image's layers to the store (``trace-push``): ``up`` replays it in the
   background while the workload runs (the profiled image of a lazy loader).
+* **scheduler** (lazy, and with the pushed trace): what a scheduler does,
+  from this process with a warm ``layerfs.node.Client`` (made and connected
+  before the page cache is dropped; no CLI process): timed ``Client.up`` +
+  ``Client.run`` of the workload (output captured), beside the floor below
+  (``runc run`` on the unpacked tree), the three alternating which goes first
+  rep by rep; the ratios to the floor are per rep (same rep's floor), then
+  their median. ``--scheduler-only`` runs only these.
 * **local dir** (reference): the workload in the unpacked tree
   (``unshare -m chroot``).
 * **floors** (references, each rep): a client's start (``layerfs ps``) with
@@ -39,6 +46,7 @@ node's daemon (containerd, or ``layerfs daemon``) over the timed part, and
 ps``) is timed too, warm and cold: ``up`` pays it. Needs root.
 
     python bench/image_start.py [--reps 3] [--store s3|file] [--quick] [--client LAYERFS]
+                                [--scheduler-only] [--daemon-log-level debug]
 
 Prints a table and writes bench/results/image_start.json.
 """
@@ -83,11 +91,17 @@ ENV_REF = f"{REPO}@1"
 FLOOR_FETCHES = 16  # GETs in flight for the store's floor (the daemon's default store fetches)
 FLOOR_RUN = 4 << 20  # bytes of neighbouring chunks one of its GETs takes at most
 SIDES = ("containerd", "layerfs", "layerfs_trace")
-PREFETCH = {"layerfs": "none", "layerfs_trace": "auto"}  # auto: the pushed trace, if any
+PREFETCH = {"layerfs": "none", "layerfs_trace": "auto",  # auto: the pushed trace, if any
+            "scheduler": "none", "scheduler_trace": "auto"}
+# The scheduler's path (Client.up + Client.run in this process) and its floor,
+# alternating which goes first rep by rep.
+SCHEDULER_SIDES = ("scheduler", "scheduler_trace", "runc_local")
 TARGETS = {"cold start layerfs / containerd": 1 / 8, "disk writes layerfs / containerd": 0.1,
            "cold start layerfs with a trace / containerd": 1 / 8,
            "disk writes layerfs with a trace / containerd": 0.1,
-           "cold start layerfs / local dir": 3, "cold start layerfs with a trace / local dir": 3}
+           "cold start layerfs / local dir": 3, "cold start layerfs with a trace / local dir": 3,
+           "cold start scheduler lazy / runc on the local tree": 3,
+           "cold start scheduler with a trace / runc on the local tree": 2}
 
 
 def sh(argv: list[str], **kw: Any) -> subprocess.CompletedProcess:
@@ -258,7 +272,8 @@ class Bench:
         self.base = base
         self.oddities: list[str] = []
         self.daemons = DaemonRuns(work, self.oddities, "20G", request_timeout=600,
-                                  daemon_args=DaemonRuns.options(args))
+                                  daemon_args=[*DaemonRuns.options(args),
+                                               "--log-level", args.daemon_log_level])
         self.ctrd = Containerd(work / "ctrd")
         # the timed `layerfs up`: this checkout's, or an installed one (--client)
         self.client = [args.client] if args.client else list(LAYERFS)
@@ -301,7 +316,10 @@ class Bench:
         root = clear_dir(self.work / "roots" / "node", self.oddities)
         node: DaemonProcess = self.daemons.start(root, "node", self.store_args())
         try:
-            node.request("up", id="record", env=ENV_REF, prefetch="none")
+            bundle = self.work / "bundle"  # its config.json: the floor's too (runc_local)
+            shutil.rmtree(bundle, ignore_errors=True)
+            timed_run([*LAYERFS, "up", ENV_REF, "--id", "record", "--root", str(root),
+                       "--prefetch", "none", "--bundle", str(bundle)])
             timed_run([*LAYERFS, "run", "record", "--root", str(root), "--",
                        "sh", "-c", WORKLOAD])
             refs = self.layer_refs()
@@ -351,6 +369,35 @@ class Bench:
 
     def runc_workload(self, bundle: Path, sid: str) -> None:
         runc_workload(bundle, sid, self.work / "runc")
+
+    def scheduler_start(self, rep: int, side: str) -> dict:
+        """A scheduler's cold start: ``Client.up`` + ``Client.run`` of the
+        workload from this process, the client made (and its modules imported)
+        beforehand, on a fresh daemon ROOT with the page cache dropped."""
+        from layerfs.node.client import Client
+
+        root = clear_dir(self.work / "roots" / "node", self.oddities)
+        node: DaemonProcess = self.daemons.start(root, "node", self.store_args())
+        sid = f"sched{rep}"
+        try:
+            client = Client(root, timeout=600)
+            client.ping()  # a warm client: connected once, its modules loaded
+            drop_caches()
+            t0 = time.perf_counter()
+            client.up(sid, ENV_REF, prefetch=PREFETCH[side])
+            t1 = time.perf_counter()
+            done = client.run(sid, ["sh", "-c", WORKLOAD], capture=True)
+            t2 = time.perf_counter()
+            if done.exit_code != 0:
+                raise RuntimeError(f"the workload in {sid} exited {done.exit_code}: "
+                                   f"{(done.stderr or b'').decode(errors='replace')[-2000:]}")
+            cache = node.request("stats")["cache"]
+            client.down(sid)
+        finally:
+            self.daemons.finish(node, remove_root=True)
+        return {"up_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3),
+                "cold_start_s": round(t2 - t0, 3),
+                "bytes_fetched": cache.get("bytes_fetched", 0)}
 
     def local(self) -> float:
         drop_caches()
@@ -410,9 +457,20 @@ class Bench:
         sides: dict[str, list[dict]] = {s: [] for s in SIDES}
         local: list[float] = []
         floors: dict[str, list[float]] = {"runc_local_s": [], "trace_fetch_s": []}
+        scheduler: dict[str, list[dict]] = {"scheduler": [], "scheduler_trace": [],
+                                            "runc_local": []}
         self.record_trace()
         traced = self.traced_entries()
         for rep in range(self.args.reps):
+            order = SCHEDULER_SIDES if rep % 2 == 0 else SCHEDULER_SIDES[::-1]
+            for side in order:
+                sample = ({"cold_start_s": round(self.runc_local(rep), 3)}
+                          if side == "runc_local" else self.scheduler_start(rep, side))
+                scheduler[side].append(sample)
+                print(f"  rep {rep + 1} {side:15} cold start {sample['cold_start_s']:.3f} s",
+                      flush=True)
+            if self.args.scheduler_only:
+                continue
             order = SIDES if rep % 2 == 0 else SIDES[::-1]
             for side in order:
                 sample = getattr(self, side)(rep)
@@ -422,8 +480,8 @@ class Bench:
             local.append(round(self.local(), 3))
             floors["runc_local_s"].append(round(self.runc_local(rep), 3))
             floors["trace_fetch_s"].append(round(self.fetch_floor(traced), 3))
-        return {"samples": sides, "local_dir_s": local, "floors": floors,
-                "traced_stored_bytes": sum(e.stored_length for e in traced)}
+        return {"samples": sides, "scheduler_samples": scheduler, "local_dir_s": local,
+                "floors": floors, "traced_stored_bytes": sum(e.stored_length for e in traced)}
 
 
 def median_of(samples: list[dict], key: str) -> float:
@@ -437,12 +495,31 @@ def per_rep(result: dict, side: str, key: str) -> list[float]:
             for a, b in zip(ctrd, result["samples"][side], strict=True)]
 
 
+def scheduler_ratios(result: dict) -> dict[str, Any]:
+    """The scheduler's cold starts over runc's on the local tree, rep by rep, and their medians."""
+    runs = result["scheduler_samples"]
+    ratios: dict[str, Any] = {}
+    for side, label in (("scheduler", "scheduler lazy"),
+                        ("scheduler_trace", "scheduler with a trace")):
+        per = [round(s["cold_start_s"] / max(1e-9, f["cold_start_s"]), 3)
+               for s, f in zip(runs[side], runs["runc_local"], strict=True)]
+        ratios[f"cold start {label} / runc on the local tree"] = statistics.median(per)
+        ratios[f"per_rep_cold_start {label} / runc on the local tree"] = per
+    return ratios
+
+
 def summarize(result: dict) -> dict:
-    out = {side: {k: median_of(result["samples"][side], k) for k in result["samples"][side][0]}
-           for side in SIDES}
+    out: dict[str, Any] = {
+        side: {k: median_of(samples, k) for k in samples[0]}
+        for side, samples in result["scheduler_samples"].items()}
+    ratios: dict[str, Any] = scheduler_ratios(result)
+    out["ratios"] = ratios
+    if not result["samples"]["containerd"]:  # --scheduler-only
+        return out
+    out.update({side: {k: median_of(result["samples"][side], k)
+                       for k in result["samples"][side][0]} for side in SIDES})
     out["local_dir_s"] = local = statistics.median(result["local_dir_s"])
     out["floors"] = {k: statistics.median(v) for k, v in result["floors"].items()}
-    ratios: dict[str, Any] = {}
     for side, label in (("layerfs", "layerfs"), ("layerfs_trace", "layerfs with a trace")):
         start = per_rep(result, side, "cold_start_s")
         disk = per_rep(result, side, "disk_written_bytes")
@@ -451,11 +528,29 @@ def summarize(result: dict) -> dict:
         ratios[f"cold start {label} / local dir"] = round(out[side]["cold_start_s"] / local, 3)
         ratios[f"per_rep_cold_start {label}"] = start
         ratios[f"per_rep_disk_writes {label}"] = disk
-    out["ratios"] = ratios
     return out
 
 
+def print_scheduler(summary: dict) -> None:
+    print(f"\n{'scheduler path (Client.up + Client.run)':40} {'cold start s':>12} "
+          f"{'up s':>8} {'run s':>8}")
+    for side, label in (("scheduler", "lazy"), ("scheduler_trace", "with a pushed trace")):
+        row = summary[side]
+        print(f"{'  ' + label:40} {row['cold_start_s']:12.3f} {row['up_s']:8.3f} "
+              f"{row['run_s']:8.3f}")
+    print(f"{'  floor: runc run on the local tree':40} "
+          f"{summary['runc_local']['cold_start_s']:12.3f}")
+
+
 def print_table(summary: dict, image: dict) -> None:
+    print_scheduler(summary)
+    for name in ("cold start scheduler lazy / runc on the local tree",
+                 "cold start scheduler with a trace / runc on the local tree"):
+        ratio, bound = summary["ratios"][name], TARGETS[name]
+        print(f"{name}: {ratio:.3f} (target <= {bound:.3f}: "
+              f"{'met' if ratio <= bound else 'missed'})")
+    if "containerd" not in summary:
+        return
     c, lf, tr = summary["containerd"], summary["layerfs"], summary["layerfs_trace"]
     print(f"\nimage: {image['tar_bytes'] / 1e6:.0f} MB, {image['gzip_bytes'] / 1e6:.0f} MB as "
           f"one gzip layer")
@@ -473,6 +568,8 @@ def print_table(summary: dict, image: dict) -> None:
     print(f"{'floor: runc run on the local dir':40} {floors['runc_local_s']:12.3f}")
     print(f"{'floor: the store serving the trace':40} {floors['trace_fetch_s']:12.3f}")
     for name, bound in TARGETS.items():
+        if "scheduler" in name:
+            continue
         ratio = summary["ratios"][name]
         print(f"{name}: {ratio:.3f} (target <= {bound:.3f}: "
               f"{'met' if ratio <= bound else 'missed'})")
@@ -527,10 +624,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="cold reps of each side")
     ap.add_argument("--store", choices=("s3", "file"), default="s3")
     ap.add_argument("--quick", action="store_true", help="one rep of each side")
+    ap.add_argument("--scheduler-only", action="store_true",
+                    help="only the scheduler's path and its floor (no containerd, no CLI)")
     ap.add_argument("--client", metavar="LAYERFS",
                     help="the `layerfs` whose `up` is timed, e.g. a wheel installed into a venv "
                          "(`pip install .`; default: this checkout's, as `make deps` installs it)")
     DaemonRuns.add_arguments(ap)
+    ap.add_argument("--daemon-log-level", default="info",
+                    help="the daemons' --log-level (debug: each up's steps, timed)")
     ap.add_argument("--work", default="/tmp/layerfs-bench/image-start")
     ap.add_argument("--out", default=str(HERE / "results" / "image_start.json"))
     args = ap.parse_args()
@@ -563,6 +664,7 @@ def main() -> None:
     summary = summarize(result)
     out = {"commit": git_head(),
            "params": {"reps": args.reps, "store": args.store, "quick": args.quick,
+                      "scheduler_only": args.scheduler_only,
                       "client": args.client or "this checkout (editable)",
                       "miss_span": args.miss_span, "workload": WORKLOAD},
            "machine": {"cpus": os.cpu_count(), "kernel": platform.release()},
@@ -582,7 +684,10 @@ def main() -> None:
                "sides alternate which goes first; medians over reps, ratios are medians of "
                "per-rep ratios. Disk written: /proc/PID/io write_bytes of containerd or the "
                "layerfs daemon over the timed part (after sync); root_du_bytes: du of its "
-               "root afterwards.")}
+               "root afterwards. Scheduler: Client.up + Client.run of the workload from the "
+               "bench's process, the client connected before the page cache is dropped, "
+               "against runc run on the unpacked tree (read-only root) in the same rep; "
+               "the three alternate which goes first; ratios are per rep, then medians.")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print_table(summary, image_info)

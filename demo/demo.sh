@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# make demo: build three sample layers (a busybox base rootfs, a Python
-# toolchain, this project's source as the workspace) into the default store,
+# make demo: set up a temporary store (`layerfs store init`, removed at the
+# end with the rest of the demo's files), build three sample layers (a busybox
+# base rootfs, a Python toolchain, this project's source as the workspace) into it,
 # compose env v1, build toolchain v2 and compose env v2, and show with
 # `layerfs inspect` that the unchanged layers were neither rebuilt nor
 # re-uploaded. Then start a node daemon, bring env v2 up lazily as a sandbox,
 # run a command in it, print the cache statistics (bytes fetched against the
-# env's size), take the sandbox down and stop the daemon. Rerunning it
-# publishes nothing new: every version is immutable and the same content is
-# recognised. Last, it makes a small OCI image with umoci, imports it
-# (`layerfs import`) and runs its default process through runc (`layerfs run`).
+# env's size), take the sandbox down and stop the daemon. Last, it makes a
+# small OCI image with umoci, imports it (`layerfs import`) and runs its
+# default process through runc (`layerfs run`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=$(mktemp -d /tmp/layerfs-demo.XXXXXX)
@@ -70,7 +70,9 @@ make_toolchain 1
 make_toolchain 2
 ws_version=$(git rev-parse --short=12 HEAD 2>/dev/null || echo 0)
 
-say "store: $(python3 -c 'from layerfs.store import default_store_url; print(default_store_url())')"
+export LAYERFS_STORE="file://$work/store"  # every command and the daemon use it
+say "set up the store $LAYERFS_STORE"
+layerfs store init "$LAYERFS_STORE"
 say "build layers"
 layerfs build "$work/base" --name demo/base --version 1 --role base
 layerfs build "$work/toolchain-1" --name demo/toolchain --version 1 --role toolchain

@@ -28,6 +28,7 @@ from layerfs.formats.chunktable import FILE_START, RAW, ChunkEntry, ChunkTable
 from layerfs.node.blobfiles import FILE_AHEAD, BlobFile
 from layerfs.node.failfast import OBJECT_BACKOFF, OBJECT_BACKOFF_MAX, FailFast
 from layerfs.node.fetcher import STORE_COOLDOWN, ChunkFetcher, FetchError
+from layerfs.node.prefetch import Prefetcher
 from layerfs.store.base import blob_key
 
 DATA = b"chunk bytes " * 1000
@@ -519,7 +520,7 @@ def test_sequential_reads_bring_the_next_cached_chunks_of_the_file_into_memory(t
         async with trio.open_nursery() as background:  # ends when its reads ahead have
             f.nursery = background
             assert await blob.read(9 * size, 100) == chunks[9][:100]  # starts no stream
-        assert entries[10].sha256 not in f.memory
+        assert entries[10].sha256 not in f.states.memory
         async with trio.open_nursery() as background:
             f.nursery = background
             for i in range(5):  # a stream: chunks 0-4, reading ahead 0, 1, 2, 3, 4 chunks
@@ -527,7 +528,7 @@ def test_sequential_reads_bring_the_next_cached_chunks_of_the_file_into_memory(t
         f.nursery = None
 
     run(main)
-    in_memory = [i for i, e in enumerate(entries) if e.sha256 in f.memory]
+    in_memory = [i for i, e in enumerate(entries) if e.sha256 in f.states.memory]
     # 6 is not cached, and 5 chunks read fetch 1 ahead (5); 8 starts a file; the
     # random read took a part of 9
     assert in_memory == [0, 1, 2, 3, 4, 5, 7]
@@ -550,7 +551,7 @@ def test_a_small_random_read_of_a_cached_chunk_reads_only_its_blocks(tmp_path):
 
     async def main() -> None:
         assert await blob.read(2 * BLOCK + 5, 4096) == data[2 * BLOCK + 5 : 2 * BLOCK + 4101]
-        assert entry.sha256 not in f.memory  # a part, not the chunk
+        assert entry.sha256 not in f.states.memory  # a part, not the chunk
         assert await blob.read(6 * BLOCK, 4096) == data[6 * BLOCK : 6 * BLOCK + 4096]
 
     run(main)
@@ -612,17 +613,98 @@ def test_a_full_prefetch_reads_each_run_once_and_verifies_each_chunk(tmp_path):
 
     async def main() -> None:
         with pytest.raises(FetchError, match="sha256 mismatch"):
-            await f.fetch_all(entries, workers=1)  # pack a first: its run fails
+            await Prefetcher(f).fetch_all(entries, workers=1)  # pack a first: its run fails
         assert store.calls == [(blob_key(a), 0, 5 * 5000)]
         cached = {e.sha256 for e in entries if f.cache.contains(e.sha256.hex())}
         assert cached == {e.sha256 for e in in_a} - {in_a[2].sha256}
         store.packs[blob_key(a)] = pack_a
         store.calls.clear()
-        await f.fetch_all(entries, workers=1)
+        await Prefetcher(f).fetch_all(entries, workers=1)
         assert store.calls == [(blob_key(a), 2 * 5000, 3 * 5000), (blob_key(b), 0, 3 * 3000)]
 
     run(main)
     assert all(f.cache.read(e.sha256.hex()) is not None for e in entries)
+
+
+def test_a_full_prefetch_leaves_a_readers_chunks_in_memory(tmp_path):
+    """Regression: ``--prefetch full`` read each lone chunk (a run of one) as a
+    reader's and kept it in memory, pushing out the chunks readers use. Now
+    it keeps a chunk in memory only while that pushes out nothing
+    (``ChunkStates.keep``): the reader's chunk stays, the prefetched ones
+    are in the cache."""
+    packs = ["sha256:" + c * 64 for c in "rcde"]
+    (read, *prefetched), stored = zip(*(run_entries([4096], p) for p in packs), strict=True)
+    store = RangeStore(dict(zip(packs, stored, strict=True)))
+    f = ChunkFetcher(store, ChunkCache(tmp_path / "cache", 1 << 20), memory=2 * 4096)
+    lone = [e for entries in prefetched for e in entries]  # one chunk per pack: runs of one
+
+    async def main() -> None:
+        await f.get(read[0])
+        await Prefetcher(f).fetch_all(lone, workers=1)
+
+    run(main)
+    assert read[0].sha256 in f.states.memory
+    assert all(f.cache.contains(e.sha256.hex()) for e in lone)
+
+
+def test_a_cache_hit_read_walks_neither_the_fetch_core_nor_the_policy(tmp_path):
+    """A read of cached chunks (a small part of one, and a whole one) is served
+    by ``ChunkStates`` from memory or the cache file: on the trio thread it
+    calls only blobfiles.py and chunkstate.py of the node (the cache files
+    are read in worker threads), never the fetch core nor the policy, and
+    the store is never asked."""
+    import sys
+
+    import layerfs.node.blobfiles as blobfiles
+
+    datas = [os.urandom(64 << 10) for _ in range(2)]
+    entries = [ChunkEntry(k << 16, 64 << 10, hashlib.sha256(d).digest(), "sha256:" + "9" * 64,
+                          k << 16, 64 << 10, RAW) for k, d in enumerate(datas)]
+    store = RangeStore({})
+    f = fetcher(tmp_path, store)
+    for entry, data in zip(entries, datas, strict=True):
+        f.cache.write(entry.sha256.hex(), data)
+    blob = BlobFile("sha256:" + "9" * 64, ChunkTable(entries, 128 << 10, 64 << 10), f, 16)
+    node = os.path.dirname(blobfiles.__file__) + os.sep
+    walked: set[str] = set()
+
+    def profile(frame, event, arg) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(node):
+            walked.add(os.path.basename(frame.f_code.co_filename))
+
+    async def main() -> None:
+        sys.setprofile(profile)
+        try:
+            part = await blob.read((64 << 10) + 100, 4096)  # continues no stream
+            whole = await blob.read(1000, 64 << 10)  # two chunks, neither only a small part
+        finally:
+            sys.setprofile(None)
+        assert part == datas[1][100:4196]
+        assert whole == datas[0][1000:] + datas[1][:1000]
+
+    run(main)
+    assert walked == {"blobfiles.py", "chunkstate.py"} and store.calls == []
+
+
+def test_the_fetch_core_imports_no_prefetch_policy():
+    """The boundary is one-way: the policies call the fetch core, never the
+    reverse (layerfs/node/fetcher.py imports neither prefetch nor tracereplay,
+    not even for type checking)."""
+    import ast
+    from pathlib import Path
+
+    import layerfs.node.fetcher as core
+
+    tree = ast.parse(Path(core.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            imported |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    policies = {"prefetch", "tracereplay"}
+    assert imported and not {m for m in imported if policies & set(m.lstrip(".").split("."))}
 
 
 def test_a_trace_prefetch_keeps_its_order_and_shares_its_runs_with_readers(tmp_path):
@@ -644,7 +726,7 @@ def test_a_trace_prefetch_keeps_its_order_and_shares_its_runs_with_readers(tmp_p
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(f.prefetch, [entries[i] for i in (3, 4, 5, 0, 1)])
+            nursery.start_soon(Prefetcher(f).prefetch, [entries[i] for i in (3, 4, 5, 0, 1)])
             await trio.testing.wait_all_tasks_blocked()  # its first run is in flight
             nursery.start_soon(lambda: _append(got, f.get(entries[4])))
             await trio.testing.wait_all_tasks_blocked()  # the reader waits for that run
@@ -671,8 +753,9 @@ def test_a_miss_on_a_small_chunk_brings_the_chunks_after_it_in_its_pack(tmp_path
     damaged = bytearray(pack)
     damaged[4 * 4096 + 1] ^= 1
     store = RangeStore({a: bytes(damaged)})
-    f = ChunkFetcher(store, ChunkCache(tmp_path / "cache", 1 << 20), miss_span=3 * 4096)
-    blob = BlobFile("sha256:" + "3" * 64, ChunkTable(entries, len(pack), 4096), f, 16)
+    f = ChunkFetcher(store, ChunkCache(tmp_path / "cache", 1 << 20))
+    blob = BlobFile("sha256:" + "3" * 64, ChunkTable(entries, len(pack), 4096), f, 16,
+                    Prefetcher(f, miss_span=3 * 4096))
 
     async def main() -> None:
         assert await blob.read(0, 100) == pack[:100]
@@ -796,8 +879,9 @@ def test_the_miss_span_and_the_file_fetch_ahead_split_a_file(tmp_path):
     plain, pack = run_entries([4096] * 4 + [4096], a)
     entries = files_of(plain, {0, 4})
     store = RangeStore({a: pack})
-    f = ChunkFetcher(store, ChunkCache(tmp_path / "cache", 1 << 20), miss_span=3 * 4096)
-    blob = BlobFile("sha256:" + "8" * 64, ChunkTable(entries, len(pack), 4096), f, 16)
+    f = ChunkFetcher(store, ChunkCache(tmp_path / "cache", 1 << 20))
+    blob = BlobFile("sha256:" + "8" * 64, ChunkTable(entries, len(pack), 4096), f, 16,
+                    Prefetcher(f, miss_span=3 * 4096))
     assert read_with_background(f, blob, 0, 100) == pack[:100]
     assert sorted(store.calls) == [(blob_key(a), 0, 3 * 4096), (blob_key(a), 3 * 4096, 4 * 4096)]
     assert [i for i, e in enumerate(entries) if not f.absent(e.sha256)] == [0, 1, 2, 3]
@@ -837,7 +921,7 @@ def test_a_background_run_waits_while_readers_fetch(tmp_path):
             for entry in read_set:
                 nursery.start_soon(f.get, entry)
             await trio.testing.wait_all_tasks_blocked()  # both readers' fetches go on
-            nursery.start_soon(f.prefetch, traced)
+            nursery.start_soon(Prefetcher(f).prefetch, traced)
             await trio.testing.wait_all_tasks_blocked()  # the replay waits for quiet
             assert [k for k, _, _ in store.calls] == []  # readers blocked, replay waiting
             release.set()
@@ -884,7 +968,7 @@ def test_fetch_ahead_claims_its_chunks_when_called_so_a_reader_joins_it(tmp_path
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             f.nursery = nursery
-            f.fetch_ahead(entries)  # the run's task starts at the next checkpoint
+            Prefetcher(f).fetch_ahead(entries)  # the run's task starts at the next checkpoint
             got.append(await f.get(entries[0]))
             await f.writes_done()
             f.nursery = None

@@ -15,6 +15,7 @@ from test_fetcher import RangeStore, fetcher, run, run_entries
 
 from layerfs.errors import ObjectNotFound
 from layerfs.formats.chunktable import ChunkTable
+from layerfs.node.prefetch import Prefetcher
 from layerfs.node.replica import Replica
 from layerfs.node.tracereplay import TraceReplay
 from layerfs.node.traces import trace_bytes, trace_key
@@ -49,7 +50,7 @@ def layer(n: int = 6) -> tuple[ChunkTable, bytes]:
 def replay_of(tmp_path, store, digests, pushed_only=True):
     f = fetcher(tmp_path, store)
     replica = Replica(tmp_path / "root")
-    return TraceReplay(store, replica, f, digests, pushed_only), f
+    return TraceReplay(store, replica, Prefetcher(f), digests, pushed_only), f
 
 
 def replay_whole(replay: TraceReplay, table: ChunkTable) -> None:
@@ -129,7 +130,8 @@ def test_auto_replays_nothing_without_a_pushed_trace_and_trace_uses_the_nodes_ow
     replay.replica.put_trace(LAYER, [1])
     replay_whole(replay, table)
     assert store.calls == [(trace_key(LAYER), None, None)]  # asked, none pushed: nothing fetched
-    replay_whole(TraceReplay(store, replay.replica, f, [LAYER], pushed_only=False), table)
+    replay_whole(TraceReplay(store, replay.replica, Prefetcher(f), [LAYER], pushed_only=False),
+                 table)
     assert store.calls[-1] == (blob_key(PACK), 4096, 2 * 4096)  # the node's own trace
 
 

@@ -79,7 +79,7 @@ def ps(root: str, as_json: bool) -> None:
     rows = Client(root).ps()
 
     def text() -> str:
-        lines = [f"{'ID':20} {'STATE':11} {'UPPER':>10} {'READ':>10}  LAYERS"]
+        lines = [f"{'ID':20} {'STATE':11} {'UPPER':>10} {'LAYERS READ':>11}  LAYERS"]
         for r in rows:
             refs = r.env or " ".join(r.layer_refs)
             if r.offline:
@@ -87,7 +87,7 @@ def ps(root: str, as_json: bool) -> None:
                 refs += f"  (resolved by the node, {r.offline[0].reason}; resolution of {made})"
             limits = f"  (limits: {describe(r.limits)})" if r.limits.given() else ""
             lines.append(f"{r.id:20} {r.state:11} {human_bytes(r.upper_bytes):>10} "
-                         f"{human_bytes(r.layer_bytes_read):>10}  {refs}{limits}")
+                         f"{human_bytes(r.layer_bytes_read):>11}  {refs}{limits}")
         return "\n".join(lines)
 
     Output(as_json).emit([sandbox_json(r) for r in rows], text)

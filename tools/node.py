@@ -77,20 +77,29 @@ def json_option(fn):
 @click.option("--forget-after", metavar="DURATION",
               help="Drop a layer's cache files and replica entries once no sandbox used it "
                    "for DURATION (90s, 12h, 7d); by default layers stay until evicted.")
+@click.option("--metrics", metavar="HOST:PORT",
+              help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: off).")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
+              show_default=True, help="json: one JSON object per log line.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size: str,
            reserve: str, cache_form: str, read_timeout: float, readahead: str, layer_readahead: str,
            miss_span: str, store_fetches: int, fuse_group: str | None, takeover: bool,
            live_restart: bool, restart_grace: float, forget_after: str | None,
-           log_level: str) -> None:
+           metrics: str | None, log_format: str, log_level: str) -> None:
     """Run the node daemon in the foreground (logs to stderr)."""
     import logging
 
     from layerfs.node.daemon import Daemon, DaemonConfig
+    from layerfs.node.metrics import parse_address
     from layerfs.retention import parse_duration
 
     logging.getLogger().setLevel(log_level.upper())
+    if log_format == "json":
+        from layerfs.node.jsonlog import log_json
+
+        log_json()
     if store_fetches < 1:
         raise UsageError(f"--store-fetches {store_fetches}: at least 1")
     if not 0 <= restart_grace <= 86400:
@@ -108,6 +117,7 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
                        takeover=takeover, live_restart=live_restart,
                        restart_grace=restart_grace,
                        forget_after=parse_duration(forget_after) if forget_after else None,
+                       metrics=parse_address(metrics) if metrics else None,
                        reserve=None if reserve == "auto" else parse_size(reserve))
     Daemon(cfg).run()
 

@@ -5,9 +5,12 @@ read maps its byte range to chunks, gets each from the fetcher (in parallel)
 and answers with views of the overlapping slices, zeros for holes and
 padding: a read inside one chunk copies nothing, any other read copies its
 bytes once.
-Readahead is mostly the kernel's (EROFS and FUSE readahead windows, see the
-daemon); a read tells whether it continues a stream and asks the prefetch
-policy (layerfs/node/prefetch.py) once what to read ahead; a small random
+A blob file composes the two halves of the read path: the prefetch policy
+(layerfs/node/prefetch.py), which decides what to fetch besides what the read
+wants, and the fetch core (layerfs/node/fetcher.py), which gets the bytes and
+knows no policy. Readahead is mostly the kernel's (EROFS and FUSE readahead
+windows, see the daemon); a read tells whether it continues a stream and asks
+the policy once what to read ahead; a small random
 read of a cached chunk reads only the blocks it needs. A miss on a small
 chunk may bring the chunks after it in its pack along (the miss span); a miss
 at the start of a small file of several chunks fetches the file's other
@@ -23,8 +26,10 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ..formats.chunktable import FILE_START, ChunkTable
+from ..formats.chunktable import FILE_START, ChunkEntry, ChunkTable
+from .chunkstate import ChunkState
 from .fetcher import Buffer, ChunkFetcher
+from .prefetch import Prefetcher
 
 STABLE_INODE_BASE = 1 << 60  # above the fixed directories' inodes
 PART_READ_FRACTION = 4  # a random read of at most 1/4 of a cached chunk reads just that
@@ -81,6 +86,7 @@ class BlobFile:
     table: ChunkTable
     fetcher: ChunkFetcher
     inode: int
+    policy: Prefetcher | None = None  # None: a policy of its own, without a miss span
     offsets: list[int] = field(default_factory=list)
     touched: set[int] = field(default_factory=set)
     trace: list[int] = field(default_factory=list)
@@ -90,6 +96,13 @@ class BlobFile:
 
     def __post_init__(self) -> None:
         self.offsets = [e.blob_offset for e in self.table.entries]
+
+    @property
+    def prefetcher(self) -> Prefetcher:
+        """The prefetch policy the blob's reads consult."""
+        if self.policy is None:
+            self.policy = Prefetcher(self.fetcher)
+        return self.policy
 
     @property
     def name(self) -> str:
@@ -124,24 +137,31 @@ class BlobFile:
         pieces = [(i, lo, hi) for i, lo, hi in pieces if hi > lo]
         self._record([i for i, _, _ in pieces])
         self.bytes_read += end - off
-        policy = self.fetcher.policy
-        plan = policy.plan(*self._stream(off, end), self.table.chunk_size)
-        if plan.streaming and pieces:
+        reads, streamed = self._stream(off, end)
+        streaming = reads > 1
+        if streaming and pieces:  # the policy's: what to read ahead
+            policy = self.prefetcher
+            plan = policy.plan(reads, streamed, self.table.chunk_size)
             last = pieces[-1][0]
             policy.read_ahead(entries[last + 1:last + 1 + plan.depth], plan)
         self._fetch_rest_of_files(pieces)
-        neighbours = MISS_NEIGHBOURS if policy.miss_span else 0
+        states = self.fetcher.states
         datas: list[Buffer] = [b""] * len(pieces)
 
         async def get(k: int) -> None:
             i, lo, hi = pieces[k]
             entry = entries[i]
             lo, hi = lo - entry.blob_offset, hi - entry.blob_offset
-            after = entries[i + 1:i + 1 + neighbours]  # a miss may bring them (miss span)
-            if not plan.streaming and (hi - lo) * PART_READ_FRACTION <= entry.length:
-                datas[k] = await self.fetcher.get_range(entry, lo, hi, after)
-            else:
-                datas[k] = memoryview(await self.fetcher.get(entry, after))[lo:hi]
+            deadline = trio.current_time() + self.fetcher.timeout  # the whole read's
+            if not streaming and (hi - lo) * PART_READ_FRACTION <= entry.length:
+                part = await states.read_part(entry, lo, hi, deadline)
+                if part is not None:
+                    datas[k] = part
+                    return
+            data = await states.read_held(entry, deadline)  # a hit: memory or the cache
+            if data is None:  # the store's
+                data = await self.fetcher.get(entry, self._along(i), deadline)
+            datas[k] = memoryview(data)[lo:hi]
 
         if len(pieces) == 1:
             await get(0)
@@ -150,6 +170,18 @@ class BlobFile:
                 for k in range(len(pieces)):
                     nursery.start_soon(get, k)
         return laid_out(pieces, datas, off, end)
+
+    def _along(self, i: int) -> list[ChunkEntry]:
+        """The chunks the policy's miss span brings along with a miss on entry
+        ``i`` (none unless that chunk is small and no one has or fetches it)."""
+        policy, entries = self.prefetcher, self.table.entries
+        if not policy.miss_span or not policy.takes_neighbours(entries[i]):
+            return []
+        return policy.miss_run(entries[i], entries[i + 1:i + 1 + MISS_NEIGHBOURS])[1:]
+
+    def _absent(self, entry: ChunkEntry) -> bool:
+        """No one has or fetches the chunk (no I/O)."""
+        return self.fetcher.states.state(entry.sha256) is ChunkState.ABSENT
 
     def _stream(self, off: int, end: int) -> tuple[int, int]:
         """How many reads in a row, this one included, ended where the next one
@@ -190,20 +222,20 @@ class BlobFile:
         file from its start (a loader opening a library, a small file read
         whole) reads the rest of it next: one round trip, not one per chunk. A
         read that starts inside a file may want only that part."""
-        fetcher, entries, ahead = self.fetcher, self.table.entries, []
+        entries, ahead = self.table.entries, []
         for i, lo, _ in pieces:
             entry = entries[i]
-            if (not entry.flags & FILE_START or lo != entry.blob_offset
-                    or not fetcher.absent(entry.sha256)):
+            if not entry.flags & FILE_START or lo != entry.blob_offset or not self._absent(entry):
                 continue
+            policy = self.prefetcher
             rest = [entries[j] for j in self.rest_of_file(i)]
-            if rest and fetcher.takes_neighbours(entry):
-                along = {e.sha256 for e in fetcher.policy.miss_run(
+            if rest and policy.takes_neighbours(entry):
+                along = {e.sha256 for e in policy.miss_run(
                     entry, entries[i + 1:i + 1 + MISS_NEIGHBOURS])}
                 rest = [e for e in rest if e.sha256 not in along]
-            ahead += [e for e in rest if fetcher.absent(e.sha256)]
+            ahead += [e for e in rest if self._absent(e)]
         if ahead:
-            fetcher.fetch_ahead(ahead)
+            self.prefetcher.fetch_ahead(ahead)
 
     def _record(self, indexes: list[int]) -> None:
         for i in indexes:
@@ -218,16 +250,24 @@ class BlobDirectory:
     Reference counted: a blob stays while any layer mount, disk or VM uses it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, policy: Prefetcher | None = None) -> None:
+        self.policy = policy  # the node's prefetch policy, given to each blob
         self.by_name: dict[str, BlobFile] = {}
         self.by_inode: dict[int, BlobFile] = {}
         self.users: dict[str, int] = {}
+
+    @property
+    def prefetcher(self) -> Prefetcher:
+        """The node's prefetch policy (the whole-layer ones: ``--prefetch``)."""
+        if self.policy is None:
+            raise RuntimeError("no prefetch policy")
+        return self.policy
 
     def add(self, digest: str, table: ChunkTable, fetcher: ChunkFetcher) -> BlobFile:
         name = digest.removeprefix("sha256:")
         blob = self.by_name.get(name)
         if blob is None:
-            blob = BlobFile(digest, table, fetcher, stable_inode(name, BLOB_KIND))
+            blob = BlobFile(digest, table, fetcher, stable_inode(name, BLOB_KIND), self.policy)
             self.by_name[name] = blob
             self.by_inode[blob.inode] = blob
         self.users[name] = self.users.get(name, 0) + 1

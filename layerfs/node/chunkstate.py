@@ -7,6 +7,12 @@ synchronous step, before any ``await``, that makes the caller the owner of
 the flights of the chunks no one has or fetches and names the flights of the
 chunks others fetch, so two fetches of one chunk can never start (the state
 diagram and the rule for each ``await``: docs/node.md). Trio-thread only.
+
+It also serves what the node holds: a reader's chunk from memory or its
+cache file (``read_held``, ``read_part``; one read of a file however many
+readers want it), so a cache hit never enters the fetch core
+(layerfs/node/fetcher.py), which is for the store. The memory LRU is written
+only here (``keep``).
 """
 
 from __future__ import annotations
@@ -100,14 +106,27 @@ class MemoryChunks:
 class ChunkStates:
     """The chunks' states, their flights and the pending cache writes."""
 
-    def __init__(self, cache: ChunkCache, memory: int, io_limit: trio.CapacityLimiter) -> None:
+    def __init__(self, cache: ChunkCache, memory: int, io_limit: trio.CapacityLimiter,
+                 timeout: float = 30.0) -> None:
         self.cache = cache
         self.io_limit = io_limit
+        self.timeout = timeout  # a read's (``--read-timeout``), in the cache-timeout message
         self.memory = MemoryChunks(memory)
         self._flights: dict[bytes, Flight] = {}
         self._unwritten: dict[bytes, Chunk] = {}  # fetched, cache file not written yet
         self._written = trio.lowlevel.ParkingLot()  # woken when _unwritten empties
         self.warnings = RateLimitedLog(log)  # one per chunk otherwise, on a full ROOT
+
+    def keep(self, sha: bytes, data: Chunk, *, reader: bool = True) -> None:
+        """Keep a chunk's bytes in memory: the only way into it. A reader's
+        chunk goes in, pushing out the least recently used; any other (a
+        prefetch's: fetch-ahead's neighbours, a miss span's, a trace replay's,
+        ``--prefetch full``'s) only if that pushes out nothing, so no prefetch
+        evicts what readers use."""
+        if reader:
+            self.memory.put(sha, data)
+        else:
+            self.memory.offer(sha, data)
 
     def held(self, sha: bytes) -> Chunk | None:
         """The chunk's bytes if they are in memory (no I/O)."""
@@ -123,6 +142,79 @@ class ChunkStates:
         if self.cache.contains(sha.hex()):
             return ChunkState.CACHED
         return ChunkState.ABSENT
+
+    async def read_held(self, entry: ChunkEntry, deadline: float) -> Chunk | None:
+        """A reader's chunk from memory, from the flight that fetches it, or
+        from its cache file (read once however many readers want it; then
+        kept in memory); None if the node does not have it (or its file was
+        dropped as damaged): the store's then (``ChunkFetcher.get``). Raises
+        the flight's FetchError, or FetchError if the cache does not answer
+        by ``deadline`` (a ``trio.current_time()``)."""
+        sha = entry.sha256
+        while True:
+            data = self.held(sha)
+            if data is not None:
+                return data
+            state = self.state(sha)
+            if state is ChunkState.IN_FLIGHT:
+                flight = self._flights[sha]
+                await flight.done.wait()
+                if flight.error is not None:
+                    raise flight.error
+                if flight.data is not None:
+                    return flight.data
+                continue  # abandoned by its owner: look again
+            if state is not ChunkState.CACHED:
+                return None
+            claim = self.claim([entry], cached=True)
+            try:
+                data = await self._read_file(entry, deadline)
+                claim.flights[0].data = data
+            except FetchError as exc:
+                claim.flights[0].error = exc  # its waiters' too
+                raise
+            finally:
+                self.release(claim)  # no bytes: abandoned, a waiter looks again
+            if data is not None:
+                self.keep(sha, data)
+            return data
+
+    async def read_part(self, entry: ChunkEntry, lo: int, hi: int,
+                        deadline: float) -> Chunk | memoryview | None:
+        """Bytes ``[lo, hi)`` of a chunk that is only in the cache, reading just
+        the cache file's blocks that hold them (the chunk is not kept in
+        memory); a zstd-form file is read whole (then kept). None if the chunk
+        is not only in the cache, or its file cannot serve the part: the
+        caller reads the whole chunk. FetchError if the cache does not answer
+        by ``deadline``."""
+        sha = entry.sha256
+        if self.state(sha) is not ChunkState.CACHED or self.cache.reads_whole(sha.hex()):
+            return None
+        with trio.move_on_at(deadline):
+            part = await trio.to_thread.run_sync(self.cache.read_range, sha.hex(), lo, hi,
+                                                 limiter=self.io_limit, abandon_on_cancel=True)
+            if part is not None and len(part) == hi - lo:
+                return part
+            if part is not None and len(part) == entry.length:  # a file read whole
+                self.keep(sha, part)
+                return memoryview(part)[lo:hi]
+            return None
+        raise self.cache_timeout(f"chunk {sha.hex()[:16]}")
+
+    async def _read_file(self, entry: ChunkEntry, deadline: float) -> Chunk | None:
+        """The chunk's cache file, read and checked by ``deadline``; None if
+        gone or damaged (dropped)."""
+        sha = entry.sha256.hex()
+        with trio.move_on_at(deadline):
+            data = await trio.to_thread.run_sync(self.cache.read, sha, limiter=self.io_limit,
+                                                 abandon_on_cancel=True)
+            return data if data is not None and len(data) == entry.length else None
+        raise self.cache_timeout(f"chunk {sha[:16]}")
+
+    def cache_timeout(self, where: str) -> FetchError:
+        """The local cache read did not end within the timeout: not the store's."""
+        log.error("%s: the local cache did not answer within %.0fs", where, self.timeout)
+        return FetchError(where, f"cache read timed out after {self.timeout:.0f}s")
 
     def claim(self, entries: Iterable[ChunkEntry], *, cached: bool) -> Claim:
         """Lead every chunk of ``entries`` that is absent (and, with

@@ -28,6 +28,7 @@ import logging
 import os
 import select
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,8 @@ from .forget import LayerForgetter
 from .fusefs import NodeFS
 from .layermounts import LayerMounts
 from .metacheck import MetaChecker
+from .metrics import CountingLog, MetricsAddress, NodeMetrics, NodeReadings
+from .prefetch import Prefetcher
 from .replica import Replica
 from .rootspace import NO_SPACE, RootSpace, fs_usage, mib, no_room_for
 from .sandboxes import Sandboxes
@@ -71,6 +74,7 @@ FUSE_OPTIONS = frozenset({*pyfuse3.default_options, "fsname=layerfs", "allow_oth
 HANDOVER = signal.SIGUSR2  # a successor takes the FUSE connection: exit, unmount nothing
 RETIRE_TIMEOUT = 60.0  # seconds a --takeover waits for the running daemon to exit
 KEEPER_RESTART_INTERVAL = 10.0  # a keeper dying again this soon after a restart is left dead
+RESTARTS = "restarts"  # the replica's counter of live restarts (a FUSE connection taken over)
 
 
 class RootUnsuitable(LayerfsError):
@@ -111,6 +115,7 @@ class DaemonConfig:
     restart_grace: float = 60.0  # seconds the keeper waits for a next daemon after this one
     reserve: int | None = None  # bytes of ROOT's file system the cache leaves free (None: 5%)
     forget_after: float | None = None  # forget a layer no sandbox used for this long (seconds)
+    metrics: MetricsAddress | None = None  # where /metrics is served (None: not served)
 
 
 def secure_root(root: Path, fuse_group: int | None, fuse_mounted: bool = False) -> None:
@@ -246,8 +251,9 @@ class Daemon:
         cap_cache(self.cache, self.space)
         self.space.take()
         self.fetcher = ChunkFetcher(self.store, self.cache, timeout=cfg.read_timeout,
-                                    parallel=cfg.fetch_parallel, miss_span=cfg.miss_span)
-        self.blobs = BlobDirectory()
+                                    parallel=cfg.fetch_parallel)
+        self.policy = Prefetcher(self.fetcher, cfg.miss_span)  # the core never calls it
+        self.blobs = BlobDirectory(self.policy)
         self.disks = DiskManager(self.root, self.reg, self.replica, self.blobs, self.fetcher)
         self.fs = NodeFS(self.blobs, self.disks, cfg.fuse_group)
         self.layers = LayerMounts(self.root, self.reg, self.replica, self.blobs, self.fetcher,
@@ -256,10 +262,34 @@ class Daemon:
         if self.conn is not None:
             self.layers.kept = kept_mounts(self.root)
         self.handlers = self._handlers()
+        # live restarts so far, this one included (a crashed or retired daemon's connection)
+        self.restarts = (self.replica.count(RESTARTS) if self.conn is not None
+                         else self.replica.counter(RESTARTS))
+        self.metrics = NodeMetrics()
+        if cfg.metrics is not None:
+            self._serve_metrics(cfg.metrics)
         self.accepting = False
         # a SIGTERM/SIGINT stop: FUSE unmounted and the keeper let go at the end; a
         # handover, or a daemon that fails, leaves both to the next daemon (as a crash does)
         self.stopping = False
+
+    def _serve_metrics(self, address: MetricsAddress) -> None:
+        """Observe what has no counter of its own, and serve /metrics in a thread."""
+        self.fetcher.fetch_timed = self.metrics.fetch_seconds.observe
+        self.fetcher.store_log = CountingLog(self.fetcher.store_log.logger,
+                                             self.metrics.store_errors)
+        self.metrics.read_from(NodeReadings(
+            cache=self.cache.snapshot,
+            sandboxes=lambda: len(self.sandboxes.records),
+            restarts=lambda: self.restarts,
+            layer_bytes_read=lambda: {d: m.blob.bytes_read
+                                      for d, m in dict(self.layers.mounted).items()}))
+        try:
+            self.metrics.serve(address)
+        except OSError as exc:
+            raise UsageError(f"--metrics {address.host}:{address.port}: cannot listen there "
+                             f"({exc.strerror or exc})") from None
+        log.info("metrics at http://%s:%d/metrics", address.host, address.port)
 
     def run(self) -> None:
         if not self.cfg.live_restart:  # libfuse mounts and unmounts; no keeper
@@ -422,11 +452,12 @@ class Daemon:
         }
 
     async def up(self, r: protocol.Up) -> protocol.SandboxAnswer:
-        what = f"sandbox {r.id}"
+        what, started = f"sandbox {r.id}", time.monotonic()
         await trio.to_thread.run_sync(self.space.check_room, what)
         try:
-            return protocol.SandboxAnswer(
-                await self.sandboxes.up(r.id, r.env, r.layers, r.prefetch, r.limits))
+            record = await self.sandboxes.up(r.id, r.env, r.layers, r.prefetch, r.limits)
+            self.metrics.up_seconds.observe(time.monotonic() - started)
+            return protocol.SandboxAnswer(record)
         except OSError as exc:
             if exc.errno in NO_SPACE:
                 raise await trio.to_thread.run_sync(no_room_for, self.root, what) from None

@@ -16,8 +16,11 @@ never waits several timeouts: reads of that one pack, with a backoff, and
 every uncached read only when the store as a whole stopped answering (no
 answer to any request since the failed one began, and a health probe
 unanswered too; ``STORE_COOLDOWN``). A run of chunks that lie one after another in a pack is
-fetched with one range read; each chunk of it has its own flight. The
-prefetch policies (layerfs/node/prefetch.py) only call this core.
+fetched with one range read; each chunk of it has its own flight.
+The boundary is one-way: the prefetch policies (layerfs/node/prefetch.py,
+layerfs/node/tracereplay.py) decide what to fetch and hand this core runs
+(``get``'s ``along``, ``get_run``, ``lead`` of a claim); this core knows no
+policy. Memory is written only through ``ChunkStates`` (``keep``).
 Invariants: docs/node.md.
 """
 
@@ -39,7 +42,6 @@ from ..ratelog import RateLimitedLog
 from ..store.base import Store
 from .chunkstate import ChunkState, ChunkStates, Claim, FetchError, Flight, MemoryChunks
 from .failfast import STORE_COOLDOWN, FailFast
-from .prefetch import Prefetcher
 
 __all__ = ["STORE_COOLDOWN", "Buffer", "ChunkFetcher", "FetchError", "MemoryChunks"]
 
@@ -73,8 +75,7 @@ class HeldThread:
 
 class ChunkFetcher:
     def __init__(self, store: Store, cache: ChunkCache, *, timeout: float = 30.0,
-                 parallel: int = 16, io_threads: int = 16, memory: int = 64 << 20,
-                 miss_span: int = 0) -> None:
+                 parallel: int = 16, io_threads: int = 16, memory: int = 64 << 20) -> None:
         self.store = store
         self.cache = cache
         self.timeout = timeout
@@ -85,23 +86,25 @@ class ChunkFetcher:
         self.store_threads = trio.CapacityLimiter(max(40, 2 * parallel))
         self.probe_thread = trio.CapacityLimiter(1)  # the health probe's (one at a time)
         self.io_limit = trio.CapacityLimiter(io_threads)
-        self.states = ChunkStates(cache, memory, self.io_limit)
-        self.memory = self.states.memory
+        self.states = ChunkStates(cache, memory, self.io_limit, timeout)
         self.nursery: trio.Nursery | None = None
         self.fail_fast = FailFast()
         self.store_log = RateLimitedLog(log)  # a store outage fails every read: one line a minute
+        self.fetch_timed: Callable[[float], None] = lambda seconds: None  # a store read's duration
         self._reader_fetches = 0  # store reads that readers (or an eager up) wait for
         self._quiet = trio.lowlevel.ParkingLot()  # woken when they drop to QUIET
-        self.policy = Prefetcher(self, miss_span)
 
     # -- reading one chunk -------------------------------------------------
 
-    async def get(self, entry: ChunkEntry, after: Sequence[ChunkEntry] = (),
+    async def get(self, entry: ChunkEntry, along: Sequence[ChunkEntry] = (),
                   deadline: float | None = None) -> Chunk:
-        """The verified bytes of one chunk; raises FetchError within the timeout
-        (by ``deadline``, a ``trio.current_time()``, if given). ``after``: the
-        entries that follow it in its blob; if the chunk comes from the store,
-        those that follow it in its pack come along (``Prefetcher.miss_run``)."""
+        """The verified bytes of one chunk, kept in memory as a reader's; raises
+        FetchError within the timeout (by ``deadline``, a
+        ``trio.current_time()``, if given). ``along``: the chunks right after
+        it in its pack that the caller wants fetched with it if no one has or
+        fetches it (the miss span: ``Prefetcher.miss_run``); they are claimed
+        in the same step as the chunk, and kept in memory only while it has
+        room."""
         if deadline is None:
             deadline = trio.current_time() + self.timeout
         while True:
@@ -109,13 +112,13 @@ class ChunkFetcher:
             if data is not None:
                 return data
             absent = self.states.state(entry.sha256) is ChunkState.ABSENT
-            run = self.policy.miss_run(entry, after) if after and absent else [entry]
-            claim = self.states.claim(run, cached=True)
+            claim = self.states.claim([entry, *along] if absent else [entry], cached=True)
+            along = ()  # a fetch started again after an abandoned one: the chunk alone
             if claim.lead:  # ours: the entry leads its run
                 result = (await self.lead(claim, keep=False, deadline=deadline))[0]
                 if isinstance(result, FetchError):
                     raise result
-                self.memory.put(entry.sha256, result)
+                self.states.keep(entry.sha256, result)
                 return result
             flight = claim.wait[0][1]
             await flight.done.wait()
@@ -126,28 +129,18 @@ class ChunkFetcher:
             # the fetch was abandoned (its owner was cancelled): start another
 
     async def get_range(self, entry: ChunkEntry, lo: int, hi: int,
-                        after: Sequence[ChunkEntry] = ()) -> Buffer:
+                        along: Sequence[ChunkEntry] = ()) -> Buffer:
         """Bytes ``[lo, hi)`` of one chunk. From memory or a flight if there;
         else, if the chunk is cached, only the cache file's blocks that hold
-        them (a small random read: the chunk is not kept in memory); else, or
-        if its file must be read whole (zstd form), the whole chunk, as
-        :meth:`get` (which keeps it in memory for the reads that follow).
+        them (``ChunkStates.read_part``: the chunk is not kept in memory);
+        else, or if its file must be read whole (zstd form), the whole chunk,
+        as :meth:`get` (which keeps it in memory for the reads that follow).
         Within the timeout in all."""
-        sha = entry.sha256
         deadline = trio.current_time() + self.timeout
-        if self.states.state(sha) is ChunkState.CACHED and not self.cache.reads_whole(sha.hex()):
-            with trio.move_on_at(deadline):
-                part = await trio.to_thread.run_sync(self.cache.read_range, sha.hex(), lo, hi,
-                                                     limiter=self.io_limit,
-                                                     abandon_on_cancel=True)
-                if part is not None and len(part) == hi - lo:
-                    return part
-                if part is not None and len(part) == entry.length:  # a file read whole
-                    self.memory.put(sha, part)
-                    return memoryview(part)[lo:hi]
-            if trio.current_time() >= deadline:
-                raise self._cache_timeout(f"chunk {sha.hex()[:16]}")
-        return memoryview(await self.get(entry, after, deadline))[lo:hi]
+        part = await self.states.read_part(entry, lo, hi, deadline)
+        if part is not None:
+            return part
+        return memoryview(await self.get(entry, along, deadline))[lo:hi]
 
     def absent(self, sha: bytes) -> bool:
         """No one has or fetches the chunk (no I/O)."""
@@ -163,15 +156,16 @@ class ChunkFetcher:
         """Bring the chunks of a run (see ``pack_runs``) into the cache: one range
         read for those no one has or fetches yet, a wait for those in flight;
         raises the first FetchError. A ``background`` run's reads are not
-        counted as readers' (see :meth:`quiet`)."""
+        counted as readers' (see :meth:`quiet`). Its chunks are not a reader's:
+        memory keeps them only while it has room (``ChunkStates.keep``)."""
         claim = self.states.claim(run, cached=False)
         await self.lead(claim, keep=False, for_reader=not background, split=True)
         for entry, flight in claim.wait:
             await flight.done.wait()
             if flight.error is not None:
                 raise flight.error
-            if flight.data is None:  # abandoned by its owner
-                await self.get(entry)
+            if flight.data is None:  # abandoned by its owner: fetched again, not kept
+                await self.get_run([entry], background)
 
     async def lead(self, claim: Claim, *, keep: bool, for_reader: bool = True,
                    split: bool = False, deadline: float | None = None) -> list[Chunk | FetchError]:
@@ -179,10 +173,10 @@ class ChunkFetcher:
         bytes or FetchError (raises FetchError if a read itself failed). One
         chunk a reader wants is read from the cache or the store; several with
         one range read (``split``: cut into runs of neighbours first, a lone
-        one read as a reader's and kept in memory; the first failure ends it,
-        its later runs abandoned). Fetched bytes go to the cache, and to
-        memory if ``keep``, else only while memory has room (a prefetch must
-        not push out what readers use). Each read within the timeout, or by
+        one read alone; the first failure ends it, its later runs abandoned).
+        Fetched bytes go to the cache, and to memory as a reader's if
+        ``keep``, else only while memory has room (a prefetch must not push
+        out what readers use: ``ChunkStates.keep``). Each read within the timeout, or by
         ``deadline`` if given."""
         try:
             if not split:
@@ -191,9 +185,8 @@ class ChunkFetcher:
             flights = dict(zip((e.sha256 for e in claim.lead), claim.flights, strict=True))
             results: list[Chunk | FetchError] = []
             for part in pack_runs(claim.lead):
-                lone = len(part) == 1 and for_reader
                 done = await self._lead_part(part, [flights[e.sha256] for e in part],
-                                             keep or lone, for_reader, deadline)
+                                             keep, for_reader, deadline)
                 failed = next((r for r in done if isinstance(r, FetchError)), None)
                 if failed is not None:
                     raise failed
@@ -232,9 +225,9 @@ class ChunkFetcher:
         for entry, result, frame in zip(part, results, frames, strict=True):
             if not isinstance(result, FetchError):
                 if keep:
-                    self.memory.put(entry.sha256, result)
+                    self.states.keep(entry.sha256, result)
                 elif fetched:  # a prefetch's: kept while memory has room
-                    self.memory.offer(entry.sha256, result)
+                    self.states.keep(entry.sha256, result, reader=False)
                 if fetched:
                     await self.states.write_behind(entry.sha256, result, frame, self.nursery)
         return results
@@ -275,6 +268,7 @@ class ChunkFetcher:
                                                            limiter=thread)
                     self.fail_fast.answered(trio.current_time())
                     self.fail_fast.pack_served(pack)
+                    self.fetch_timed(trio.current_time() - started)
                     return result
             waited = trio.current_time() - started
             self._no_answer(pack, started, f"no answer within {waited:.1f}s")
@@ -397,33 +391,14 @@ class ChunkFetcher:
                 if data is not None and len(data) == entry.length:
                     return data, None
             if trio.current_time() >= deadline:
-                raise self._cache_timeout(where)
+                raise self.states.cache_timeout(where)
         else:
             self.cache.note_miss()
         got = await self._from_store(where, entry.pack, self._fetch, entry, deadline)
         return got.data, got
-
-    def _cache_timeout(self, where: str) -> FetchError:
-        """The local cache read did not end within the timeout: not the store's."""
-        log.error("%s: the local cache did not answer within %.0fs", where, self.timeout)
-        return FetchError(where, f"cache read timed out after {self.timeout:.0f}s")
 
     def _fetch(self, entry: ChunkEntry) -> FetchedChunk:
         """Worker thread: range-read the pack, decompress, verify."""
         got = fetch_chunk_frame(self.store, entry)
         self.cache.note_fetched(len(got.data))
         return got
-
-    # -- the prefetch policies (layerfs/node/prefetch.py) --------------------
-
-    def takes_neighbours(self, entry: ChunkEntry) -> bool:
-        return self.policy.takes_neighbours(entry)
-
-    def fetch_ahead(self, entries: list[ChunkEntry]) -> None:
-        self.policy.fetch_ahead(entries)
-
-    async def fetch_all(self, entries: list[ChunkEntry], workers: int) -> None:
-        await self.policy.fetch_all(entries, workers)
-
-    async def prefetch(self, entries: list[ChunkEntry], workers: int = 1) -> None:
-        await self.policy.prefetch(entries, workers)

@@ -38,6 +38,7 @@ package's empty ``__init__``, no threads, nothing to upgrade but itself.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -250,9 +251,21 @@ class Keeper:
                 return f"no daemon took the FUSE connection within {self.grace:g} s"
 
 
+class JsonLines(logging.Formatter):
+    """layerfs.node.jsonlog's format (not imported: nothing of layerfs is)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        when = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        return json.dumps({"time": f"{when}.{int(record.msecs):03d}Z",
+                           "level": record.levelname, "logger": record.name,
+                           "message": record.getMessage()})
+
+
 def main(argv: list[str]) -> int:
     # records in the daemon's log format, on the stderr it shares with the daemon
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if os.environ.get("LAYERFS_LOG_FORMAT") == "json":  # the daemon's --log-format json
+        logging.getLogger().handlers[0].setFormatter(JsonLines())
     try:
         path, fd, init_hex, lease_fd, grace = argv
         fuse_fd, lease_no = parse_fd(fd), parse_fd(lease_fd)

@@ -19,6 +19,7 @@ import errno
 import functools
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,31 +82,39 @@ class LayerMounts:
         """The layer's lock: held while it is fetched and mounted, or unmounted."""
         return self._lock(digest)
 
-    async def acquire(self, digest: str, replay: TraceReplay | None = None) -> MountedLayer:
+    async def acquire(self, digest: str, replay: TraceReplay | None = None,
+                      may_mount: trio.Event | None = None) -> MountedLayer:
         """The layer, mounted (once per node); ``replay`` learns its chunk table
-        as soon as it is known."""
+        as soon as it is known; a layer not mounted yet is fetched and checked
+        at once, and mounted once ``may_mount`` is set."""
         async with self._lock(digest):
             layer = self.mounted.get(digest)
             if layer is None:
-                layer = await self._mount(digest, replay)
+                layer = await self._mount(digest, replay, may_mount)
                 self.mounted[digest] = layer
             elif replay is not None:
                 replay.table_known(digest, layer.blob.table)
             layer.users += 1
             return layer
 
-    async def _mount(self, digest: str, replay: TraceReplay | None) -> MountedLayer:
+    async def _mount(self, digest: str, replay: TraceReplay | None,
+                     may_mount: trio.Event | None = None) -> MountedLayer:
         """Mount the layer from its meta image as checked just now: the open,
         hashed file itself (``/proc/self/fd/N``), never the name again."""
         reporter = replay.reporter(digest) if replay is not None else None
+        start = time.perf_counter()
         meta = await trio.to_thread.run_sync(self.replica.checked_meta, self.reg, digest,
                                              reporter)
+        log.debug("layer %s: meta image checked in %.1f ms", digest,
+                  (time.perf_counter() - start) * 1000)
         try:
             rl = meta.layer
             blob = self.blobs.add(digest, rl.table, self.fetcher)
             target = self.root / "layers" / rl.hex
             device = self.root / "fuse" / "blobs" / rl.hex
             try:
+                if may_mount is not None:
+                    await may_mount.wait()
                 if self.adopt(target):
                     return MountedLayer(digest, blob, target)
                 await trio.to_thread.run_sync(  # one thread job: each hop waits for the loop

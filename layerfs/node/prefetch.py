@@ -1,17 +1,20 @@
 """The prefetch policies: which chunks to fetch before a reader asks, and when.
 
-Each policy only calls the fetch core (``ChunkFetcher``: ``get``, ``get_run``,
-``lead`` of a ``ChunkStates.claim``), which alone decides whether a chunk is
-fetched, waited for or already there:
+The boundary is one-way: a policy decides what to fetch and hands the fetch
+core (``ChunkFetcher``: ``get``'s ``along``, ``get_run``, ``lead`` of a
+``ChunkStates.claim``) runs; the core, which alone decides whether a chunk is
+fetched, waited for or already there, never calls a policy. Who needs both
+composes them (``BlobFile``, the daemon). The policies:
 
 * eager (``--prefetch full``): every chunk not yet cached, in pack order, a
-  run per range read, with a bounded pool of workers;
+  run per range read, with a bounded pool of workers; into the cache, and
+  into memory only while it has room (readers' chunks stay: ``ChunkStates.keep``);
 * trace (``--prefetch trace``): a recorded access order, in small runs, in
   the background, yielding to readers' fetches;
 * a stream's fetch-ahead: the next chunks of a long sequential read, claimed
   when the reader asks for them; and warming its next cached chunks into memory;
 * the miss span (``--miss-span``): a miss on a small chunk brings the chunks
-  after it in its pack along;
+  after it in its pack along (``miss_run``, handed to ``ChunkFetcher.get``);
 * a file's fetch-ahead: a miss at the start of a small file of several chunks
   fetches the file's other chunks (``BlobFile`` knows the files, ``fetch_ahead``
   fetches);
@@ -79,7 +82,7 @@ class Prefetcher:
         for n, entry in enumerate(following[:plan.depth]):
             if entry.flags & FILE_START:
                 break
-            if n < plan.ahead and self.fetcher.absent(entry.sha256):
+            if n < plan.ahead and self.fetcher.states.state(entry.sha256) is ChunkState.ABSENT:
                 fetch.append(entry)
             else:
                 self.warm(entry)
@@ -112,15 +115,16 @@ class Prefetcher:
 
     def warm(self, entry: ChunkEntry) -> None:
         """Read a chunk that is in the cache into memory in the background (a
-        sequential reader's next chunk); never a store fetch for it."""
+        sequential reader's next chunk: ``ChunkStates.read_held``); never a
+        store fetch for it."""
         nursery = self.fetcher.nursery
         if nursery is not None and self.fetcher.states.state(entry.sha256) is ChunkState.CACHED:
-            nursery.start_soon(self._get_quietly, entry)
+            nursery.start_soon(self._warm_quietly, entry)
 
-    async def _get_quietly(self, entry: ChunkEntry) -> None:
-        """``get`` in the background: a failure is logged where it happened."""
+    async def _warm_quietly(self, entry: ChunkEntry) -> None:
+        """``read_held`` in the background: a failure is logged where it happened."""
         with contextlib.suppress(FetchError):  # logged; the reader that wants it tries again
-            await self.fetcher.get(entry)
+            await self.fetcher.states.read_held(entry, trio.current_time() + self.fetcher.timeout)
 
     def fetch_ahead(self, entries: list[ChunkEntry]) -> None:
         """Fetch from the store, in the background, the chunks a reader reads

@@ -35,6 +35,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,7 +50,8 @@ from ..registry import MetaCheck, Registry
 from ..store.base import sha256_digest
 
 log = logging.getLogger(__name__)
-DBS = (b"layers", b"chunktables", b"sandboxes", b"traces", b"manifests", b"resolutions")
+DBS = (b"layers", b"chunktables", b"sandboxes", b"traces", b"manifests", b"resolutions",
+       b"counters")
 RESOLUTION_REFRESH = 60.0  # seconds after which a resolution the store confirms is written again
 TMP_MARK = ".tmp"  # meta/<hex>.tmp<pid>-<thread>: a meta image being written
 HASH_READ = 256 << 10
@@ -191,18 +193,23 @@ class Replica:
             if on_table is not None:
                 on_table(have.table)
             return have, None
+        start = time.perf_counter()
         manifest = reg.layer(digest)
+        took = [("manifest", time.perf_counter())]
         with ThreadPoolExecutor(1) as pool:  # the two objects in one round trip
             # digest and structure (erofscheck) checked
             image_get = pool.submit(reg.meta_image, manifest, self.check_meta)
             table_bytes = reg.store.get_blob(manifest.chunk_table.digest)
             table = ChunkTable.from_bytes(table_bytes)
             reg.check_table(manifest, table)
+            took.append(("chunk table", time.perf_counter()))
             if on_table is not None:
                 on_table(table)
             image = image_get.result()
+            took.append(("meta image", time.perf_counter()))
         meta = self.meta_dir / (digest.removeprefix("sha256:") + ".erofs")
         fd = write_atomically(meta, image)
+        took.append(("written", time.perf_counter()))
         try:
             self._write(lambda txn: (
                 txn.put(digest.encode(), table_bytes, db=self.dbs["chunktables"]),
@@ -211,6 +218,9 @@ class Replica:
         except BaseException:
             os.close(fd)
             raise
+        took.append(("recorded", time.perf_counter()))
+        log.debug("layer %s fetched: %s", digest,
+                  ", ".join(f"{step} {(t - start) * 1000:.1f} ms" for step, t in took))
         return ReplicaLayer(digest, manifest, table, meta), fd
 
     def checked_meta(self, reg: Registry, digest: str,
@@ -311,6 +321,19 @@ class Replica:
         with self.env.begin() as txn:
             return {k.decode(): json.loads(bytes(v))
                     for k, v in txn.cursor(db=self.dbs["sandboxes"])}
+
+    # -- counters that outlive a daemon --
+    def counter(self, name: str) -> int:
+        with self.env.begin() as txn:
+            raw = txn.get(name.encode(), db=self.dbs["counters"])
+        return int(bytes(raw)) if raw else 0
+
+    def count(self, name: str) -> int:
+        """Add one to the counter ``name``; its new value."""
+        value = self.counter(name) + 1
+        self._write(lambda txn: txn.put(name.encode(), str(value).encode(),
+                                        db=self.dbs["counters"]))
+        return value
 
     # -- traces: a layer's first-touch chunk order --
     def trace(self, digest: str) -> list[int]:

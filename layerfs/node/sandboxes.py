@@ -158,7 +158,9 @@ class Sandboxes:
         the way is rolled back completely (:meth:`_take_down`)."""
         if limits.given():
             await trio.to_thread.run_sync(self._check_limits, limits)
+        steps = StepTimes()
         digests, config, offline = await trio.to_thread.run_sync(self._resolve, env, layers)
+        steps.done("resolved")
         record = SandboxRecord(id=sid, env=env, layer_refs=layers, layers=digests,
                                config=config, prefetch=prefetch, created=time.time(),
                                state=SandboxState.STARTING,
@@ -167,14 +169,16 @@ class Sandboxes:
         replay: TraceReplay | None = None
         try:
             self.records[sid] = record
-            await self._save(record)  # from here on a crash is rolled back at the next start
             replay = self._replay(record)
-            await self._start(record, fresh=True, replay=replay)
+            await self._save_and_start(record, replay, steps)
+            steps.done("mounted")
             if replay is not None:
                 replay.settle()  # every layer's table is in
             move(record, SandboxState.UP)
             await self._save(record)
+            steps.done("recorded up")
             await self._prefetch(record)
+            log.debug("up of %s: %s", sid, steps)
         except BaseException:
             if replay is not None:
                 replay.cancel()
@@ -182,6 +186,35 @@ class Sandboxes:
                 await self._roll_back(record)
             raise
         return record
+
+    async def _save_and_start(self, record: SandboxRecord, replay: TraceReplay | None,
+                              steps: StepTimes) -> None:
+        """Record the sandbox as starting while its layers are fetched and
+        checked; nothing is mounted before the record is saved (from then on a
+        crash is rolled back at the next start). The first failure is raised
+        as itself, the other side cancelled."""
+        recorded = trio.Event()  # the record is saved: mounts may begin
+        failed: list[Exception] = []
+
+        async def start() -> None:
+            try:
+                await self._start(record, fresh=True, replay=replay, recorded=recorded)
+            except Exception as exc:  # noqa: BLE001 - raised below
+                failed.append(exc)
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(start)
+            try:
+                await self._save(record)
+            except Exception as exc:  # noqa: BLE001 - raised below
+                failed.append(exc)
+                nursery.cancel_scope.cancel()
+            else:
+                steps.done("recorded")
+                recorded.set()
+        if failed:
+            raise failed[0]
 
     def _check_limits(self, limits: Limits) -> None:
         """Worker thread: refuse limits this node cannot enforce, before anything is up."""
@@ -205,8 +238,8 @@ class Sandboxes:
         nursery = self.layers.fetcher.nursery
         if record.prefetch not in ("trace", "auto") or nursery is None:
             return None
-        replay = TraceReplay(self.reg.store, self.replica, self.layers.fetcher, record.layers,
-                             pushed_only=record.prefetch == "auto")
+        replay = TraceReplay(self.reg.store, self.replica, self.layers.blobs.prefetcher,
+                             record.layers, pushed_only=record.prefetch == "auto")
         nursery.start_soon(replay.run)
         return replay
 
@@ -214,13 +247,18 @@ class Sandboxes:
         await trio.to_thread.run_sync(self.replica.put_sandbox, record.id, record.to_json())
 
     async def _start(self, record: SandboxRecord, fresh: bool,
-                     replay: TraceReplay | None = None) -> None:
+                     replay: TraceReplay | None = None,
+                     recorded: trio.Event | None = None) -> None:
         """Mount the sandbox's layers and rootfs (``fresh``: its directories
         are new), each mount noted in :attr:`mounts` as soon as it is made;
-        on failure, what was mounted stays noted for the caller to release."""
+        on failure, what was mounted stays noted for the caller to release.
+        With ``recorded``, the layers are fetched and checked at once but
+        nothing is mounted before it is set."""
         sdir = self._dir(record.id)
         held = self.mounts.setdefault(record.id, SandboxMounts())
-        mounted = await self._acquire_all(record.layers, held.layers, replay)
+        mounted = await self._acquire_all(record.layers, held.layers, replay, recorded)
+        if recorded is not None:
+            await recorded.wait()
         overlay = Overlay(distinct([str(m.path) for m in mounted]), str(sdir / "upper"),
                           str(sdir / "work"), OVERLAY_OPTIONS)
         adopted = self.layers.adopt(sdir / "rootfs")
@@ -256,7 +294,8 @@ class Sandboxes:
         del self.mounts[sid]
 
     async def _acquire_all(self, digests: list[str], acquired: list[str],
-                           replay: TraceReplay | None) -> list[MountedLayer]:
+                           replay: TraceReplay | None,
+                           recorded: trio.Event | None = None) -> list[MountedLayer]:
         """The layers, in order, each fetched and mounted in a task of its own
         (a never-seen layer's objects cost one round trip for the lot, not one
         per layer); each acquired one is added to ``acquired``. The first
@@ -266,7 +305,7 @@ class Sandboxes:
 
         async def one(k: int) -> None:
             try:
-                mounted[k] = await self.layers.acquire(digests[k], replay)
+                mounted[k] = await self.layers.acquire(digests[k], replay, recorded)
             except Exception as exc:  # noqa: BLE001 - raised below, the first one
                 failed.append(exc)
                 return
@@ -286,7 +325,8 @@ class Sandboxes:
             fetcher = self.layers.fetcher
             entries = [e for d in record.layers for e in self.layers.mounted[d].blob.table.entries]
             # half the fetch slots, so that sandboxes already up still get theirs
-            await fetcher.fetch_all(entries, workers=max(1, fetcher.parallel // 2))
+            await self.layers.blobs.prefetcher.fetch_all(entries,
+                                                         workers=max(1, fetcher.parallel // 2))
 
     async def down(self, sid: str, keep_upper: bool = False,
                    force: bool = False) -> SandboxRecord:
@@ -476,6 +516,20 @@ class Sandboxes:
             out.append(SandboxStatus(**vars(record), upper_bytes=upper,
                                      layer_bytes_read=sum(b.bytes_read for b in blobs)))
         return out
+
+
+class StepTimes:
+    """Milliseconds from the start of a request to each of its steps (a debug line's)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.steps: list[tuple[str, float]] = []
+
+    def done(self, step: str) -> None:
+        self.steps.append((step, (time.perf_counter() - self.start) * 1000))
+
+    def __str__(self) -> str:
+        return ", ".join(f"{step} {ms:.1f} ms" for step, ms in self.steps)
 
 
 @contextmanager

@@ -8,6 +8,14 @@ with a backoff (``PROBE_FIRST`` doubling up to ``PROBE_MAX``), and one INFO
 line says when the store answers again. A request that the store answers
 ends the outage too.
 
+Once the store first answers, the quick checks of ``layerfs store init``
+(:func:`layerfs.store.check.quick_check`: the bucket exists, the credentials
+list it, a conditional put refuses a second create, a put is read back) run
+once; if one fails, one WARNING line says what is wrong and what to do (a
+missing bucket, bad credentials, a store not writable), and the node serves
+what it has. A check that finds the store not answering is an outage as above,
+and the checks run again when it answers (at most ``START_CHECKS`` times).
+
 :meth:`StoreHealth.lost` and :meth:`StoreHealth.answered` may be called from
 worker threads; :meth:`StoreHealth.watch` runs on the trio loop.
 """
@@ -21,13 +29,15 @@ from collections.abc import Callable
 
 import trio
 
-from ..errors import TransientStoreError
+from ..errors import StoreUnreachable, TransientStoreError
 from ..store.base import RetryPolicy, Store
+from ..store.check import QuickCheck, quick_check
 
 log = logging.getLogger(__name__)
 PROBE_KEY = "refs/probe"  # HEAD of a key that is never a ref: any answer, even 404, is one
 PROBE_TIMEOUT = 5.0  # seconds one probe may take
 PROBE_FIRST, PROBE_MAX = 0.5, 10.0  # seconds between probes while the store does not answer
+START_CHECKS = 3  # times the start's quick checks run again after the store stopped answering
 
 
 class StoreHealth:
@@ -80,7 +90,7 @@ class StoreHealth:
             log.error("cannot probe store %s: %s", self.url, exc)
             return
         try:
-            await self._probe_until_answered(probe)
+            await self._check_at_start(probe)
             while True:
                 self._wake = trio.Event()
                 if self.reachable:
@@ -88,6 +98,22 @@ class StoreHealth:
                 await self._probe_until_answered(probe)
         finally:
             probe.close()
+
+    async def _check_at_start(self, probe: Store) -> None:
+        """Probe until the store answers, then the quick checks (one line if one fails)."""
+        for _ in range(START_CHECKS):
+            await self._probe_until_answered(probe)
+            result = await trio.to_thread.run_sync(quick_check, probe, abandon_on_cancel=True)
+            if isinstance(result.error, StoreUnreachable):
+                self.lost(result.error)  # an outage: check again once it answers
+                continue
+            self.report(result)
+            return
+
+    def report(self, result: QuickCheck) -> None:
+        """The start's verdict: nothing when usable, else one WARNING line."""
+        if not result.usable:
+            log.warning("store %s; serving what this node has", result.verdict())
 
     async def _probe_until_answered(self, probe: Store) -> None:
         delay = PROBE_FIRST

@@ -28,7 +28,7 @@ import trio
 from ..errors import LayerfsError
 from ..formats.chunktable import ChunkTable
 from ..store.base import Store
-from .fetcher import ChunkFetcher
+from .prefetch import Prefetcher
 from .replica import Replica
 from .traces import merge_traces, parse_trace, trace_key
 
@@ -50,13 +50,15 @@ def pushed_trace(store: Store, digest: str) -> list[int] | None:
 
 class TraceReplay:
     """The trace replay of one ``up``: of each of ``digests``, the trace pushed
-    to the store (``pushed_only``) or that merged with the replica's."""
+    to the store (``pushed_only``) or that merged with the replica's, handed
+    to the prefetch policy's background ``prefetch`` (which hands the fetch
+    core its runs)."""
 
-    def __init__(self, store: Store, replica: Replica, fetcher: ChunkFetcher,
+    def __init__(self, store: Store, replica: Replica, policy: Prefetcher,
                  digests: list[str], pushed_only: bool) -> None:
         self.store = store
         self.replica = replica
-        self.fetcher = fetcher
+        self.policy = policy
         self.digests = list(dict.fromkeys(digests))
         self.pushed_only = pushed_only
         self.orders: dict[str, list[int]] = {}
@@ -121,4 +123,4 @@ class TraceReplay:
         n = len(table.entries)
         entries = [table.entries[i] for i in order if 0 <= i < n]
         if entries:
-            self._nursery.start_soon(self.fetcher.prefetch, entries, TRACE_WORKERS)
+            self._nursery.start_soon(self.policy.prefetch, entries, TRACE_WORKERS)

@@ -1,4 +1,10 @@
-"""Whether a store is safe to share between writers: races run against it.
+"""Whether a store is usable (quick checks) and safe to share between writers
+(races run against it).
+
+:func:`quick_check` (``store init`` after :func:`create_store`, ``store
+check`` before its races, the node daemon at start): the store exists and the
+credentials list it, a conditional put refuses a second create, a put is read
+back whole and listed; one :class:`QuickCheck` verdict.
 
 ``run_check`` starts ``writers`` processes (``spawn``: each opens its own store
 from a URL; with several URLs, e.g. two mounts of one shared file system,
@@ -20,6 +26,7 @@ this is a CLI tool's blocking code.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import multiprocessing
 import secrets
@@ -28,7 +35,7 @@ from dataclasses import dataclass
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
-from ..errors import LayerfsError, StoreError, TransientStoreError, UsageError
+from ..errors import StoreError, TransientStoreError, UsageError
 from .base import Store
 
 BARRIER_TIMEOUT = 120.0  # seconds one phase may take before the check gives up
@@ -84,7 +91,7 @@ class CheckResult:
         return f"{where}: NOT safe to share ({runs}: {counts}{first})"
 
 
-class StoreNotSafe(LayerfsError):
+class StoreNotSafe(StoreError):
     """{}"""
 
     exit_code = 13
@@ -215,3 +222,176 @@ def _clean(store: Store, base: str) -> None:
         for directory in (root / base, root / CHECK_PREFIX):
             with contextlib.suppress(OSError):  # another check's, or not empty
                 directory.rmdir()
+
+
+# -- the quick checks: ``store init``, and the node daemon at start --------------------------
+
+QUICK_PAYLOAD = 4096  # bytes of the read-after-write object
+
+
+@dataclass(frozen=True)
+class QuickCheck:
+    """Whether a store is usable: the quick checks that passed, and the first
+    failure (its error and what to do about it)."""
+
+    url: str
+    created: bool  # the bucket or directory was made by this check (``store init``)
+    passed: tuple[str, ...]
+    failed: str = ""  # the check that failed
+    error: StoreError | None = None
+    advice: str = ""
+
+    @property
+    def usable(self) -> bool:
+        return self.error is None
+
+    def verdict(self) -> str:
+        """One line: usable (what was checked), or what is wrong and what to do."""
+        if self.error is None:
+            made = "created; " if self.created else ""
+            return f"{self.url}: usable ({made}{', '.join(self.passed)} ok)"
+        return f"{self.url}: not usable: {self.failed}: {self.error}; {self.advice}"
+
+    def refusal(self) -> StoreError | None:
+        """The failure as the error the CLI exits with: the store error's own
+        class (its exit code), its message the verdict line."""
+        if self.error is None:
+            return None
+        cls = _one_argument_class(type(self.error))
+        return cls(f"{self.url}: {self.failed}: {_inner(self.error)}; {self.advice}")
+
+
+def _one_argument_class(cls: type[StoreError]) -> type[StoreError]:
+    """``cls`` or the nearest base whose message takes one argument (same exit code)."""
+    for base in cls.__mro__:
+        if issubclass(base, StoreError) and (base.__doc__ or "").count("{}") == 1 \
+                and base.exit_code == cls.exit_code:
+            return base
+    return StoreError
+
+
+def _inner(error: StoreError) -> str:
+    """The error's message without its class's prefix when it has a single argument."""
+    if len(error.args) == 1 and (type(error).__doc__ or "").count("{}") == 1:
+        return str(error.args[0])
+    return error.message()
+
+
+def create_store(store: Store) -> bool:
+    """Create the store's bucket (S3) or directory (a file store) unless it exists;
+    whether it was created."""
+    bucket_exists = getattr(store, "bucket_exists", None)
+    if callable(bucket_exists):
+        if bucket_exists():
+            return False
+        store.create_bucket_if_missing()  # type: ignore[attr-defined]
+        return True
+    root = getattr(store, "root", None)
+    if isinstance(root, Path):
+        if root.is_dir():
+            return False
+        try:
+            root.mkdir(parents=True)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise _directory_error(exc) from exc
+        return True
+    return False
+
+
+def _directory_error(exc: OSError) -> StoreError:
+    from ..errors import AccessDenied
+
+    reason = exc.strerror or str(exc)
+    message = f"cannot create the directory: {reason[:1].lower()}{reason[1:]}"
+    if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
+        return AccessDenied(message)
+    return StoreError(message)
+
+
+def advice_for(error: StoreError, url: str) -> str:
+    """What to do about ``error`` met on the store at ``url``."""
+    from ..errors import AccessDenied, ObjectUnavailable, StoreUnreachable
+
+    s3 = url.startswith("s3://")
+    if isinstance(error, AccessDenied):
+        if s3:
+            return ("check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE)"
+                    " and that they may list, read, write and delete under the prefix")
+        return "make the directory (or, for a new one, its parent) writable, or choose another"
+    if isinstance(error, StoreNotSafe):
+        return "use a store that honours conditional puts and reads its own writes"
+    if isinstance(error, StoreUnreachable):
+        if s3:
+            return "check the endpoint (--s3-endpoint / AWS_ENDPOINT_URL) and that the server runs"
+        return (f"create the directory with `layerfs store init {url}`, or mount its"
+                " file system")
+    if isinstance(error, ObjectUnavailable):
+        return "the store answers but fails: check its servers' health and logs, then try again"
+    if "does not exist" in str(error):
+        return f"create it with `layerfs store init {url}`"
+    return "see the error above"
+
+
+def quick_check(store: Store, created: bool = False) -> QuickCheck:
+    """The quick checks, in order, stopping at the first that fails: the store
+    exists and the credentials list it, a conditional put creates a new key and
+    refuses a second create of it, and a put is read back whole and listed.
+    Its keys (under ``check/<random>/``) are deleted afterwards. Blocking."""
+    passed: list[str] = []
+    base = f"{CHECK_PREFIX}{secrets.token_hex(8)}/"
+    steps: list[tuple[str, Callable[[], None]]] = [
+        ("credentials", lambda: _exists_and_lists(store, base)),
+        ("conditional put", lambda: _conditional_put(store, base + "create")),
+        ("read-after-write", lambda: _read_after_write(store, base + "object")),
+    ]
+    try:
+        for name, step in steps:
+            try:
+                step()
+            except StoreError as exc:
+                return QuickCheck(store.url, created, tuple(passed), name, exc,
+                                  advice_for(exc, store.url))
+            passed.append(name)
+    finally:
+        with contextlib.suppress(StoreError):
+            _clean(store, base)
+    return QuickCheck(store.url, created, tuple(passed))
+
+
+def _exists_and_lists(store: Store, base: str) -> None:
+    bucket_exists = getattr(store, "bucket_exists", None)
+    if callable(bucket_exists) and not bucket_exists():
+        bucket, where = getattr(store, "bucket", ""), getattr(store, "where", "")
+        raise StoreError(f"bucket {bucket!r} does not exist at {where}")
+    store.list(base)
+
+
+def _conditional_put(store: Store, key: str) -> None:
+    first, second = b"layerfs store check: first create\n", b"layerfs store check: second\n"
+    if not store.put_if_absent(key, first):
+        raise StoreNotSafe(f"put_if_absent of a new key {key} did not create it")
+    if store.put_if_absent(key, second):
+        raise StoreNotSafe(f"a second put_if_absent of {key} was not refused"
+                           " (If-None-Match ignored)")
+    if store.get(key) != first:
+        raise StoreNotSafe(f"{key} does not hold the first create's bytes after a second create")
+
+
+def _read_after_write(store: Store, key: str) -> None:
+    data = token(0, 0, QUICK_PAYLOAD)
+    store.put(key, data)
+    if store.get(key) != data:
+        raise StoreNotSafe(f"a get of {key} right after its put returned other bytes")
+    if key not in {info.key for info in store.list(key.rpartition("/")[0] + "/")}:
+        raise StoreNotSafe(f"a list right after the put of {key} does not show it")
+
+
+def init_store(store: Store) -> QuickCheck:
+    """``store init``: create the bucket or directory, then the quick checks."""
+    try:
+        created = create_store(store)
+    except StoreError as exc:
+        return QuickCheck(store.url, False, (), "create", exc, advice_for(exc, store.url))
+    return quick_check(store, created)

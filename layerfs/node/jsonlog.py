@@ -1,0 +1,35 @@
+"""One JSON object per log line (``layerfs daemon --log-format json``), for a
+log pipeline: ``time`` (UTC, ISO 8601 with milliseconds), ``level``,
+``logger``, ``message``, and ``exception`` (the traceback) when there is one.
+The daemon's keeper (started by it, sharing its stderr) logs the same way: the
+format is passed on in ``LAYERFS_LOG_FORMAT`` (the keeper formats its lines
+itself, as it imports nothing of layerfs)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from datetime import UTC, datetime
+
+LOG_FORMAT_ENV = "LAYERFS_LOG_FORMAT"  # "json" in the environment of the daemon's children
+
+
+class JsonLogFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {"time": datetime.fromtimestamp(record.created, UTC).isoformat(
+                   timespec="milliseconds").replace("+00:00", "Z"),
+               "level": record.levelname, "logger": record.name,
+               "message": record.getMessage()}
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc, ensure_ascii=False)
+
+
+def log_json() -> None:
+    """Every handler of the root logger writes JSON lines from now on (the
+    processes started from now on too, see LOG_FORMAT_ENV)."""
+    os.environ[LOG_FORMAT_ENV] = "json"
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(JsonLogFormatter())
+

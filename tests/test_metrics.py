@@ -1,0 +1,172 @@
+"""The daemon's Prometheus metrics for real: a daemon with ``--metrics``, its
+``/metrics`` parsed with prometheus_client's text parser, moving with the
+work (a cold read, a warm one, ups and downs, live restarts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+from nodes import NodeDaemon
+from prometheus_client.parser import text_string_to_metric_families
+from registryserver import free_port
+from support import build, need_root
+from test_restart import wait_for
+
+from layerfs.builder.env import create_env
+from layerfs.node.control import wait_ready
+from layerfs.node.process import LAYERFS
+from layerfs.registry import Registry
+from layerfs.store.base import blob_key
+
+MiB = 1 << 20
+FILE_SIZE = 6 * MiB
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def read_cold(path: Path) -> bytes:
+    """The file's bytes, its page cache dropped first (the read asks the daemon)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return b"".join(iter(lambda: os.read(fd, MiB), b""))
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def metered(tmp_path, store, store_location):
+    """Layer m@1 (one 6 MiB file), env e@1, a daemon serving /metrics."""
+    need_root()
+    src = tmp_path / "m"
+    src.mkdir()
+    (src / "data").write_bytes(os.urandom(FILE_SIZE))
+    digest = build(store, str(src), name="m", chunk_size=MiB).digest
+    create_env(Registry(store), "e", "1", ["m@1"])
+    node = NodeDaemon(tmp_path / "node", store_location.cli_args())
+    node.port = free_port()
+    node.extra_args = ["--metrics", f"127.0.0.1:{node.port}"]
+    node.digest = digest
+    node.start()
+    try:
+        yield node
+    finally:
+        left = node.cleanup()
+        assert not left, f"left mounted: {left}"
+
+
+def test_metrics_move_with_the_work(metered, tmp_path):
+    node, port = metered, metered.port
+    before = scrape(port)
+    assert value(before, "layerfs_sandboxes") == 0
+    assert value(before, "layerfs_up_seconds_count") == 0
+    assert value(before, "layerfs_restarts_total") == 0
+    node.cli("up", "e@1", "--id", "s1")
+    up = scrape(port)
+    assert value(up, "layerfs_sandboxes") == 1
+    assert value(up, "layerfs_up_seconds_count") == 1
+    data = node.root / "sandboxes" / "s1" / "rootfs" / "data"
+    assert len(read_cold(data)) == FILE_SIZE
+    cold = scrape(port)
+    assert value(cold, "layerfs_cache_misses_total") > value(up, "layerfs_cache_misses_total")
+    assert value(cold, "layerfs_store_fetched_bytes_total") >= FILE_SIZE
+    assert value(cold, "layerfs_fetch_seconds_count") > value(up, "layerfs_fetch_seconds_count")
+    assert value(cold, "layerfs_cache_bytes") > 0
+    assert value(cold, "layerfs_layer_read_bytes_total", layer=node.digest) >= FILE_SIZE
+    # what ps can count is the layers' bytes read (by every sandbox using them), named so
+    assert node.cli("ps").stdout.split()[:5] == ["ID", "STATE", "UPPER", "LAYERS", "READ"]
+
+    node.kill()  # kill -9; the next daemon takes the FUSE connection over
+    node.start()
+    restarted = scrape(port)
+    assert value(restarted, "layerfs_restarts_total") == 1
+    assert value(restarted, "layerfs_sandboxes") == 1  # kept through the restart
+    assert len(read_cold(data)) == FILE_SIZE  # the new daemon's memory is empty: from the cache
+    warm = scrape(port)
+    assert value(warm, "layerfs_cache_hits_total") > value(restarted, "layerfs_cache_hits_total")
+    assert value(warm, "layerfs_store_fetched_bytes_total") == value(
+        restarted, "layerfs_store_fetched_bytes_total")
+
+    old = node.proc
+    node.extra_args = ["--metrics", f"127.0.0.1:{port}", "--takeover"]
+    node.start()  # returns once a daemon answers: maybe still the old one
+    assert old.wait(60) == 0
+    proc = node.proc
+    assert wait_ready(node.root, lambda: proc.poll() is None, 60), node.log()[-4000:]
+    assert value(scrape(port), "layerfs_restarts_total") == 2
+    node.cli("down", "s1")
+    assert value(scrape(port), "layerfs_sandboxes") == 0
+
+
+@pytest.mark.daemon_log(r"ERROR layerfs\.node\.fusefs: read: cannot read chunk",
+                        r"ERROR layerfs\.node\.fetcher: chunk \S+: object not found in store")
+def test_store_errors_are_counted_by_kind(metered, store):
+    node = metered
+    node.cli("up", "e@1", "--id", "s1")
+    reg = Registry(store)
+    for pack in {e.pack for e in reg.chunk_table(reg.layer(node.digest)).entries}:
+        store.delete(blob_key(pack))
+    with pytest.raises(OSError):
+        read_cold(node.root / "sandboxes" / "s1" / "rootfs" / "data")
+    assert value(scrape(node.port), "layerfs_store_errors_total", kind="ObjectNotFound") >= 1
+    node.cli("down", "s1")
+
+
+def test_metrics_listen_on_the_given_host_only(metered):
+    assert value(scrape(metered.port), "layerfs_sandboxes") == 0
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", metered.port), timeout=5).close()
+
+
+@pytest.mark.parametrize("address", ["9100", "localhost:", "host:port", "127.0.0.1:70000"])
+def test_a_bad_metrics_address_is_one_error_line(address, tmp_path):
+    need_root()
+    proc = subprocess.run([*LAYERFS, "daemon", "--root", str(tmp_path / "node"),
+                           "--metrics", address], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"layerfs: error: --metrics {address!r}: expected HOST:PORT, e.g. 127.0.0.1:9100"]
+
+
+@pytest.mark.parametrize("store_location", ["file"], indirect=True)
+def test_json_logs_are_one_object_a_line(tmp_path, store_location):
+    """The daemon's lines and its keeper's (a keeper letting a connection go)."""
+    need_root()
+    node = NodeDaemon(tmp_path / "node", store_location.cli_args())
+    node.extra_args = ["--log-format", "json", "--restart-grace", "1"]
+    node.start()
+    try:
+        keeper = int(re.search(r"the FUSE connection is kept by pid (\d+)", node.log())[1])
+        node.kill()
+        wait_for(lambda: not Path(f"/proc/{keeper}").exists(), "the keeper to let go", 15)
+        node.start()  # detaches the dead connection's mount (a warning)
+    finally:
+        left = node.cleanup()
+    assert not left, f"left mounted: {left}"
+    records = [json.loads(line) for line in node.log().splitlines()]
+    assert {tuple(sorted(r)) for r in records} == {("level", "logger", "message", "time")}
+    ready = [r for r in records if r["message"].startswith("layerfs daemon ready at ")]
+    assert ready and ready[0]["level"] == "INFO" and ready[0]["logger"] == "layerfs.node.daemon"
+    assert {"logger": "layerfs.node.keeper", "level": "WARNING",
+            "message": "no daemon took the FUSE connection within 1 s: letting it go; reads "
+            "waiting on its mounts fail"} in [{k: r[k] for k in ("logger", "level", "message")}
+                                             for r in records]
+    assert records[-1]["message"] == "layerfs daemon stopped"
