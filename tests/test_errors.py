@@ -141,6 +141,7 @@ def test_a_malformed_s3_endpoint_is_one_line(endpoint):
 
 
 def test_errors_under_json_are_one_json_document(tmp_path):
+    (tmp_path / "store").mkdir()  # an empty store (a missing one is unreachable)
     store = ["--store", f"file://{tmp_path / 'store'}"]
     cases = [(("inspect", "nothere@1", *store), 5, "RefNotFound", "no such layer or env"),
              (("ls", "--store", "layerfs/prod"), 2, "UsageError", "needs a scheme"),
