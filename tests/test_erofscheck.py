@@ -395,6 +395,7 @@ def test_compiled_check_is_clean_under_sanitizers(sample, tmp_path):
     (tmp_path / "cases.json").write_text(json.dumps([[len(image), blob, chunk]
                                                     for image, blob, chunk in cases]))
     env = dict(os.environ, LD_PRELOAD=f"{gcc_runtime('libasan.so')} {gcc_runtime('libubsan.so')}",
+               PYTHONMALLOC="malloc",  # every buffer where ASan sees it
                ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=97",
                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=98")
     proc = subprocess.run([sys.executable, "-c", SANITIZED_RUN, str(sanitized_module(tmp_path)),
