@@ -7,6 +7,13 @@ and the log checks every test gets.
 After each test, every node daemon's log (tests/nodes.py) and the test's own
 log records are checked: a WARNING or ERROR the test does not declare with
 ``@pytest.mark.daemon_log("regex", ...)`` fails it.
+
+The fast tier (``pytest -m fast``, ``make test-fast``): every test is marked
+``fast`` unless it is a ``cluster`` test, runs on the ``s3`` store, uses a
+fixture (directly or through others) of :data:`SERVER_FIXTURES`, or is in one
+of the :data:`END_TO_END_MODULES`; in that tier
+:func:`support.need_root` skips, so root-only work (mounts, device nodes)
+stays in the full suite.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from pathlib import Path
 import nodes
 import pytest
 from s3server import S3Server, dummy_aws_env, start_server, weed_or_skip
+from support import FAST_TIER
 from users import local_user  # noqa: F401  (a fixture for every test module)
 
 from layerfs.errors import StoreError
@@ -30,6 +38,18 @@ from layerfs.store.s3 import S3Store
 
 TEST_BUCKET = "layerfs-test"
 BUCKET_TIMEOUT = 30.0
+# the fixtures that start a server or a node daemon (SeaweedFS, registry,
+# containerd, layerfs daemons): a test using one is not in the fast tier
+SERVER_FIXTURES = frozenset({
+    "s3_server", "own_s3_server", "unavailable_endpoint", "cluster", "registries", "registry",
+    "containerd", "node", "node2", "layer_node", "hostile_node", "hostile", "node_parent",
+    "live", "odd_programs"})
+# the modules that drive the command line, registries and outside tools (skopeo,
+# umoci, tar programs) end to end, a process per step: not in the fast tier
+END_TO_END_MODULES = frozenset({
+    "test_bounds", "test_cli", "test_client", "test_durability", "test_errors", "test_export",
+    "test_import", "test_input", "test_keeper", "test_offline", "test_registry",
+    "test_remotetrust", "test_storefaults"})
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -38,6 +58,27 @@ def pytest_configure(config: pytest.Config) -> None:
         "expects from its daemons or in-process")
     config.addinivalue_line(
         "markers", "cluster: runs on the real SeaweedFS cluster of tests/cluster.py")
+    config.addinivalue_line(
+        "markers", "fast: the unit tier, no server, daemon or root (set by the conftest)")
+    if config.getoption("markexpr") == "fast":
+        os.environ[FAST_TIER] = "1"  # support.need_root skips (subprocesses see it too)
+
+
+def in_fast_tier(item: pytest.Item) -> bool:
+    """No cluster, no S3 store, no fixture that starts a server or a daemon,
+    not an end-to-end module."""
+    if item.get_closest_marker("cluster") or item.path.stem in END_TO_END_MODULES:
+        return False
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and callspec.params.get("store_location") == "s3":
+        return False
+    return not SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if in_fast_tier(item):
+            item.add_marker(pytest.mark.fast)
 
 
 def declared_patterns(item: pytest.Item) -> list[re.Pattern[str]]:

@@ -4,10 +4,13 @@ fsck.erofs too (a sample also mounted by the kernel, watching dmesg)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import struct
 import subprocess
+import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import pytest
 from gentree import make_tree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import build, need_root
+from support import IN_CI, build, need_root
 
 from layerfs.chunks import materialize_blob
 from layerfs.errors import BadMetaImage
@@ -311,38 +314,136 @@ def test_fuzzed_mutants_are_refused_or_sound(sample, tmp_path):
     assert counts["refused"] + counts["accepted"] == len(seen) and counts["refused"]
 
 
-def _verdicts(image: bytes, blob_size: int, chunk_size: int) -> tuple[object, object]:
-    """(compiled, reference): each an ImageShape's fields, or None for a refusal."""
-    compiled = _erofscheck.check(image, blob_size, chunk_size)
-    try:
-        shape = erofscheck.reference_check(image, blob_size, chunk_size)
-        reference: object = (shape.inodes, shape.dirs, shape.regular, shape.chunk_indexes,
-                             shape.blocks)
-    except (erofscheck._Bad, struct.error):
-        reference = None
-    return compiled, reference
-
-
-def test_compiled_and_reference_checks_agree(sample):
-    """The compiled check and the Python one give the same verdict and shape on
-    fuzzed mutants, one to four mutations each, under the layer's sizes and others."""
+def mixed_mutants(sample: Sample, count: int, seed: int) -> list[tuple[bytes, int, int]]:
+    """``count`` (image, blob size, chunk size): one to four mutations each
+    (:func:`drawn_mutations`), mostly under the layer's sizes, some under others."""
     seen = drawn_mutations(sample, 400)
-    rnd = random.Random(11)
+    rnd = random.Random(seed)
     sizes = [(sample.blob_size, sample.chunk_size), (sample.blob_size, 4096),
              (0, sample.chunk_size), (sample.blob_size, 0)]
-    wrong, accepted = [], 0
-    for i in range(1500):
+    out = []
+    for i in range(count):
         image = sample.image
         for _ in range(1 + i % 4):
             if len(image) == len(sample.image):
                 image = apply(image, rnd.choice(seen))
         blob_size, chunk_size = sizes[0] if i % 3 else rnd.choice(sizes)
-        compiled, reference = _verdicts(image, blob_size, chunk_size)
+        out.append((image, blob_size, chunk_size))
+    return out
+
+
+def reference_verdict(image: bytes, blob_size: int, chunk_size: int) -> object:
+    """The reference check's ImageShape fields, or None for a refusal."""
+    try:
+        shape = erofscheck.reference_check(image, blob_size, chunk_size)
+    except (erofscheck._Bad, struct.error):
+        return None
+    return (shape.inodes, shape.dirs, shape.regular, shape.chunk_indexes, shape.blocks)
+
+
+def test_compiled_and_reference_checks_agree(sample):
+    """The compiled check and the Python one give the same verdict and shape on
+    fuzzed mutants, one to four mutations each, under the layer's sizes and others."""
+    wrong, accepted = [], 0
+    for i, (image, blob_size, chunk_size) in enumerate(mixed_mutants(sample, 1500, 11)):
+        compiled = _erofscheck.check(image, blob_size, chunk_size)
+        reference = reference_verdict(image, blob_size, chunk_size)
         accepted += reference is not None
         if compiled != reference:
             wrong.append((i, compiled, reference))
     assert wrong == []
     assert 100 < accepted < 1400  # both verdicts were exercised
+
+
+SANITIZED_RUN = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("_erofscheck", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+blob = open(sys.argv[2], "rb").read()
+verdicts, at = [], 0
+for length, blob_size, chunk_size in json.load(open(sys.argv[3])):
+    verdicts.append(module.check(blob[at:at + length], blob_size, chunk_size))
+    at += length
+print(json.dumps(verdicts))
+"""
+
+
+def sanitized_module(work: Path) -> Path:
+    """The compiled check built with ASan and UBSan (any UBSan report aborts)."""
+    out = work / ("_erofscheck" + sysconfig.get_config_var("EXT_SUFFIX"))
+    source = Path(erofscheck.__file__).with_name("_erofscheck.c")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-g", "-fno-omit-frame-pointer",
+                    "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                    "-Wall", "-Wextra", "-Werror", "-I", sysconfig.get_paths()["include"],
+                    str(source), "-o", str(out)], check=True, capture_output=True, timeout=120)
+    return out
+
+
+def gcc_runtime(name: str) -> str:
+    return subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_compiled_check_is_clean_under_sanitizers(sample, tmp_path):
+    """In CI: the compiled check built with -fsanitize=address,undefined gives the
+    reference's verdicts on a few hundred fuzzed mutants, without one sanitizer report."""
+    if not IN_CI:
+        pytest.skip("the sanitizer build runs in CI (CI=true)")
+    cases = mixed_mutants(sample, 400, 23)
+    (tmp_path / "images").write_bytes(b"".join(image for image, _, _ in cases))
+    (tmp_path / "cases.json").write_text(json.dumps([[len(image), blob, chunk]
+                                                    for image, blob, chunk in cases]))
+    env = dict(os.environ, LD_PRELOAD=f"{gcc_runtime('libasan.so')} {gcc_runtime('libubsan.so')}",
+               PYTHONMALLOC="malloc",  # every buffer where ASan sees it
+               ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=97",
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=98")
+    proc = subprocess.run([sys.executable, "-c", SANITIZED_RUN, str(sanitized_module(tmp_path)),
+                           str(tmp_path / "images"), str(tmp_path / "cases.json")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and "runtime error" not in proc.stderr \
+        and "Sanitizer" not in proc.stderr, proc.stderr[-4000:]
+    compiled = [tuple(v) if v is not None else None for v in json.loads(proc.stdout)]
+    reference = [reference_verdict(*case) for case in cases]
+    assert compiled == reference
+    assert 0 < sum(v is not None for v in reference) < len(cases)  # both verdicts exercised
+
+
+FALLBACK_RUN = """
+import logging, sys
+sys.modules["layerfs.formats._erofscheck"] = None  # as if it was never built
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+from layerfs.errors import BadMetaImage
+from layerfs.formats import erofscheck
+import layerfs.registry  # imports the check
+image = open(sys.argv[1], "rb").read()
+blob_size, chunk_size = int(sys.argv[2]), int(sys.argv[3])
+print(erofscheck.check_meta_image(image, blob_size, chunk_size, "s@1").inodes)
+print(erofscheck.check_meta_image(bytearray(image), blob_size, chunk_size, "s@1").inodes)
+for bad in (image[:-4096], image[:5000], image[:1024] + bytes(len(image) - 1024)):
+    try:
+        erofscheck.check_meta_image(bad, blob_size, chunk_size, "s@1")
+    except BadMetaImage as exc:
+        print("refused:", exc)
+"""
+
+
+def test_without_the_compiled_module_the_reference_checks_with_one_warning(sample, tmp_path):
+    """A checkout without the built module still imports and checks meta
+    images: the reference check's verdicts, one warning for the process."""
+    (tmp_path / "meta.img").write_bytes(sample.image)
+    proc = subprocess.run([sys.executable, "-c", FALLBACK_RUN, str(tmp_path / "meta.img"),
+                           str(sample.blob_size), str(sample.chunk_size)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    inodes = str(len(sample.layout.inodes))
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == [inodes, inodes]
+    assert len(lines) == 5 and all(line.startswith("refused: integrity check failed for the "
+                                                   "meta image of s@1: ") for line in lines[2:])
+    warnings = proc.stderr.splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "WARNING layerfs.formats.erofscheck: the compiled check of meta images"), proc.stderr
 
 
 def test_checks_that_disagree_refuse(sample, monkeypatch):

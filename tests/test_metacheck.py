@@ -338,9 +338,9 @@ def test_a_timeout_keeps_nothing_of_the_layer_and_the_next_fetch_checks_it(
         checker.start()
         os.kill(worker_pid(checker), signal.SIGSTOP)
         with pytest.raises(CheckerTimeout, match="a@1 was not checked"):
-            replica.fetch_layer(Registry(store), a)
+            replica.verified_layer(Registry(store), a)
         assert replica.layer(a) is None and list(replica.meta_dir.iterdir()) == []
-        assert replica.fetch_layer(Registry(store), a).meta_path.exists()
+        assert replica.verified_layer(Registry(store), a).meta_path.exists()
     finally:
         replica.close()
         checker.close()

@@ -104,11 +104,6 @@ class BundleError(LayerfsError):
     exit_code = 2
 
 
-def default_env(term: str | None) -> dict[str, str]:
-    """PATH, HOME and TERM for a root process without an image config."""
-    return {"PATH": DEFAULT_PATH, "HOME": "/root", "TERM": term or "dumb"}
-
-
 def image_config_from(data: Mapping[str, Any] | None) -> ImageConfig | None:
     """The ImageConfig of a sandbox record (the daemon's answer), or None."""
     if not data:

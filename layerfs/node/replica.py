@@ -174,13 +174,6 @@ class Replica:
         (self.meta_dir / (digest.removeprefix("sha256:") + ".erofs")).unlink(missing_ok=True)
         return chunks
 
-    def fetch_layer(self, reg: Registry, digest: str) -> ReplicaLayer:
-        """Pull a layer's manifest, meta image and chunk table (verified) once."""
-        layer, fd = self._fetch(reg, digest)
-        if fd is not None:
-            os.close(fd)
-        return layer
-
     def _fetch(self, reg: Registry, digest: str,
                on_table: TableCallback | None = None) -> tuple[ReplicaLayer, int | None]:
         """The layer, from the replica or else from the store; when its meta

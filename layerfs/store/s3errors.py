@@ -29,7 +29,6 @@ class S3Failure(enum.Enum):
     MISSING_BUCKET = "missing bucket"
     DENIED = "denied"  # AccessDenied
     UNAVAILABLE = "unavailable"  # ObjectUnavailable: worth retrying
-    TRANSIENT = "unavailable"  # the old name of UNAVAILABLE
     OTHER = "other"  # StoreError
 
 
