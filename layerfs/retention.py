@@ -35,7 +35,7 @@ from .errors import (
     UsageError,
 )
 from .names import Ref
-from .registry import ENVS, LAYERS, Registry, ref_key
+from .registry import ENVS, LAYERS, RefEntry, Registry, ref_key
 
 EXPIRY_PREFIX = "expiry/"
 MAX_EXPIRY_BYTES = 1024
@@ -56,17 +56,10 @@ def expiry_key(kind: str, name: str, version: str) -> str:
 
 
 @dataclass(frozen=True)
-class Expiry:
-    """When the ref ``name@version`` holding ``digest`` expires."""
+class Expiry(RefEntry):
+    """When the ref ``name@version`` expires, while it holds ``digest``."""
 
-    kind: str
-    name: str
-    version: str
-    digest: str
     expires: float
-
-    def __str__(self) -> str:
-        return f"{self.name}@{self.version}"
 
 
 def set_expiry(reg: Registry, kind: str, name: str, version: str, digest: str,
@@ -127,20 +120,7 @@ def remove_ref(reg: Registry, kind: str, name: str, version: str, digest: str) -
     return True
 
 
-@dataclass(frozen=True)
-class Target:
-    """A ref to remove, resolved: its kind, name@version and digest."""
-
-    kind: str
-    name: str
-    version: str
-    digest: str
-
-    def __str__(self) -> str:
-        return f"{self.kind[:-1]} {self.name}@{self.version}"
-
-
-def resolve_target(reg: Registry, text: str) -> Target:
+def resolve_target(reg: Registry, text: str) -> RefEntry:
     """``name@version`` (a layer or an env; ``layer:`` or ``env:`` in front says
     which when both exist) → its ref."""
     kinds = [LAYERS, ENVS]
@@ -157,10 +137,10 @@ def resolve_target(reg: Registry, text: str) -> Target:
     if len(found) > 1:
         raise UsageError(f"{text} is both a layer and an env: say layer:{text} or env:{text}")
     kind, digest = found[0]
-    return Target(kind, ref.name, ref.version, digest)
+    return RefEntry(kind, ref.name, ref.version, digest)
 
 
-def remove(reg: Registry, texts: list[str], force: bool = False) -> list[tuple[Target, bool]]:
+def remove(reg: Registry, texts: list[str], force: bool = False) -> list[tuple[RefEntry, bool]]:
     """Remove the refs ``texts`` name; envs first, so that a layer only envs
     removed here name goes too. Each layer an env still names is refused
     (before anything is removed) unless ``force``. Each target and whether
