@@ -1,8 +1,8 @@
 """A store that a test can take away and bring back.
 
 file:// — the store directory is renamed away (and back). s3:// — the daemon
-talks to the session's SeaweedFS through :class:`Relay`, a TCP relay on
-127.0.0.1 that, taken away, closes its port and every connection (a dead
+talks to the suite's shared SeaweedFS (a session fixture) through
+:class:`Relay`, a TCP relay on 127.0.0.1 that, taken away, closes its port and every connection (a dead
 port: connection refused) and, brought back, listens on the same port again.
 """
 
