@@ -2,8 +2,9 @@
 
 file:// — the store directory is renamed away (and back). s3:// — the daemon
 talks to the suite's shared SeaweedFS (a session fixture) through
-:class:`Relay`, a TCP relay on 127.0.0.1 that, taken away, closes its port and every connection (a dead
-port: connection refused) and, brought back, listens on the same port again.
+:class:`Relay`, a TCP relay on 127.0.0.1 that, taken away, closes its port
+and every connection (a dead port: connection refused) and, brought back,
+listens on the same port again.
 """
 
 from __future__ import annotations
