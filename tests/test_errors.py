@@ -9,16 +9,13 @@ import importlib
 import json
 import pkgutil
 import re
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
-from support import build, need_root
 from test_builder import write_tree
+from test_client import node  # noqa: F401  (a daemon with layer base@1)
 
 import layerfs
 from layerfs import errors
@@ -26,7 +23,6 @@ from layerfs.errors import LayerfsError
 from layerfs.node import Client, control
 from layerfs.node.control import RemoteError
 from layerfs.node.process import LAYERFS
-from layerfs.store import open_store
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE_ROW = re.compile(r"^\| (\d+)(?:-(\d+))? \| (.+) \|$")
@@ -175,30 +171,7 @@ def test_build_json_uploaded_bytes_is_this_push(tmp_path):
 
 # -- the node: its errors cross the control socket with their kind --
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
-    """A daemon on a file:// store with layer base@1."""
-    need_root()
-    work = tmp_path_factory.mktemp("errors")
-    url = "file://" + str(work / "store")
-    root = work / "base"
-    for sub in ("bin", "etc", "tmp"):
-        (root / sub).mkdir(parents=True)
-    shutil.copy("/bin/busybox", root / "bin" / "busybox")
-    (root / "bin" / "true").symlink_to("busybox")
-    store = open_store(url, None)
-    try:
-        build(store, str(root), name="base")
-    finally:
-        store.close()
-    daemon = NodeDaemon(work / "node", ["--store", url], cache_size="64M").start()
-    try:
-        yield daemon
-    finally:
-        assert daemon.cleanup() == []
-
-
-def test_no_such_sandbox_is_5_and_a_taken_id_9_in_every_command(node):
+def test_no_such_sandbox_is_5_and_a_taken_id_9_in_every_command(node):  # noqa: F811
     for args in (("run", "nosuch", "--", "true"), ("down", "nosuch"),
                  ("commit", "nosuch", "--name", "ws", "--version", "1")):
         assert one_line(node.cli(*args, check=False), 5) == (
@@ -221,7 +194,7 @@ def test_no_such_sandbox_is_5_and_a_taken_id_9_in_every_command(node):
     assert (doc["exit"], doc["kind"]) == (5, "RefNotFound"), doc
 
 
-def test_the_api_raises_the_daemons_error_class(node):
+def test_the_api_raises_the_daemons_error_class(node):  # noqa: F811
     client = Client(node.root)
     with pytest.raises(errors.SandboxNotFound) as missing:
         client.down("nosuch")
@@ -239,7 +212,7 @@ def test_the_api_raises_the_daemons_error_class(node):
         client.down("api")
 
 
-def test_created_is_iso_utc_in_every_json_output(node):
+def test_created_is_iso_utc_in_every_json_output(node):  # noqa: F811
     up = json.loads(node.cli("up", "--layer", "base@1", "--id", "t", "--json").stdout)
     try:
         rows = json.loads(node.cli("ps", "--json").stdout)
@@ -257,7 +230,7 @@ AS_USER_CLI = ("import site, sys; site.addsitedir(sys.argv.pop(1)); "
                "from layerfs.tools.main import main; main()")
 
 
-def test_a_non_root_caller_gets_one_line_saying_what_to_do(node, local_user):
+def test_a_non_root_caller_gets_one_line_saying_what_to_do(node, local_user):  # noqa: F811
     site_dir = next(p for p in sys.path if p.endswith("site-packages"))  # (the editable
     # install's finder is there)
     for args in (("ps",), ("up", "--layer", "base@1", "--id", "x"), ("down", "x")):
