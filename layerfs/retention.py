@@ -22,6 +22,7 @@ digest line, as every reader expects.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -78,7 +79,10 @@ def _parse_expiry(kind: str, rest: str, data: bytes) -> Expiry:
         Ref.parse(f"{name}@{version}")
         doc = json.loads(data)
         digest, expires = doc["digest"], float(doc["expires"])
-        Ref.parse(digest)
+        if not math.isfinite(expires):
+            raise ValueError(f"expires {expires!r}")
+        if Ref.parse(digest).digest is None:
+            raise ValueError(f"digest {str(digest)[:80]!r}")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise IntegrityError(what, f"not an expiry record ({exc})") from None
     except LayerfsError as exc:  # an invalid name, version or digest
@@ -91,6 +95,9 @@ def read_expiries(reg: Registry, kind: str) -> tuple[list[Expiry], list[str]]:
     prefix = f"{EXPIRY_PREFIX}{kind}/"
     found, bad = [], []
     for info in reg.store.list(prefix):
+        if info.size > MAX_EXPIRY_BYTES:  # (not read: it cannot be one)
+            bad.append(info.key)
+            continue
         try:
             found.append(_parse_expiry(kind, info.key[len(prefix):], reg.store.get(info.key)))
         except IntegrityError:

@@ -263,6 +263,8 @@ def test_a_limit_the_node_cannot_enforce_is_refused_with_exit_17(hostile_node, l
     (("--cpus", "0"), "--cpus 0.0: from 0.01 to"),
     (("--pids", "0"), "--pids 0: at least 1"),
     (("--memory", "1K"), "--memory 1024: at least 4 MiB"),
+    (("--pids", str(2**64)), f"--pids {2**64}: at most {2**63 - 1}"),
+    (("--disk-quota", str(2**64)), f"--disk-quota {2**64}: at most {2**63 - 1}"),
 ])
 def test_a_bad_limit_is_one_usage_error(node, args, message):
     proc = node.cli("up", "--layer", "base@1", "--id", "bad", *args, check=False)

@@ -10,7 +10,7 @@ from test_builder import write_tree
 from test_cli import layerfs, one_line_error
 
 from layerfs.registry import LAYERS, Registry
-from layerfs.retention import expires_at, set_expiry
+from layerfs.retention import expires_at, read_expiries, set_expiry
 from layerfs.store.base import BLOB_PREFIX, Store
 
 
@@ -100,3 +100,24 @@ def test_a_stale_expiry_never_removes_a_later_publication(tmp_path, store, store
     gc = json.loads(layerfs("gc", "--grace", "0", "--json", *store_args).stdout)
     assert gc["expired"] == [] and gc["stale_expiries"] == 1
     assert "v@1" in layerfs("ls", *store_args).stdout
+
+
+def test_an_expiry_record_that_names_no_time_or_no_digest_is_set_aside(tmp_path):
+    """NaN and infinite times, a non-digest and an oversized record are
+    unreadable expiries (left alone), never a ref removed at once."""
+    from layerfs.store.file import FileStore
+
+    store = FileStore(tmp_path / "store")
+    reg = Registry(store)
+    digest = "sha256:" + "ab" * 32
+    records = {
+        "nan": b'{"digest": "%s", "expires": NaN}' % digest.encode(),
+        "minf": b'{"digest": "%s", "expires": -Infinity}' % digest.encode(),
+        "name": b'{"digest": "x@1", "expires": 1.0}',
+        "big": b'{"digest": "%s", "expires": 1.0, "pad": "%s"}' % (digest.encode(), b"x" * 4096),
+    }
+    for name, data in records.items():
+        store.put(f"expiry/layers/{name}/1", data)
+    found, bad = read_expiries(reg, LAYERS)
+    assert found == [] and sorted(bad) == sorted(f"expiry/layers/{n}/1" for n in records)
+

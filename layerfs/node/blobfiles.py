@@ -148,11 +148,12 @@ class BlobFile:
         states = self.fetcher.states
         datas: list[Buffer] = [b""] * len(pieces)
 
+        deadline = trio.current_time() + self.fetcher.timeout  # the whole read's
+
         async def get(k: int) -> None:
             i, lo, hi = pieces[k]
             entry = entries[i]
             lo, hi = lo - entry.blob_offset, hi - entry.blob_offset
-            deadline = trio.current_time() + self.fetcher.timeout  # the whole read's
             if not streaming and (hi - lo) * PART_READ_FRACTION <= entry.length:
                 part = await states.read_part(entry, lo, hi, deadline)
                 if part is not None:

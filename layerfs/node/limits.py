@@ -27,13 +27,19 @@ CPU_PERIOD = 100_000  # µs: the CFS period (Docker's), quota = cpus × period
 MIN_MEMORY = 4 << 20  # below this a runtime's own init does not start
 MIN_DISK_QUOTA = 1 << 20
 # the cgroup controller each limit needs
+MAX_LIMIT = 2**63 - 1  # what an int64 in config.json holds
 CONTROLLERS = {"memory": "memory", "cpus": "cpu", "pids": "pids"}
 OPTIONS = {"memory": "--memory", "cpus": "--cpus", "pids": "--pids",
            "disk_quota": "--disk-quota"}
 
 
 def validate(limits: Limits) -> None:
-    """One usage error for a limit no sandbox could have."""
+    """One usage error for a limit no sandbox could have (or no cgroup file,
+    int64, and no quota ioctl, u64, could hold)."""
+    for name in ("memory", "pids", "disk_quota"):
+        value = getattr(limits, name)
+        if value is not None and value > MAX_LIMIT:
+            raise UsageError(f"{OPTIONS[name]} {value}: at most {MAX_LIMIT}")
     if limits.memory is not None and limits.memory < MIN_MEMORY:
         raise UsageError(f"--memory {limits.memory}: at least {MIN_MEMORY >> 20} MiB")
     if limits.cpus is not None:

@@ -32,6 +32,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import stat
 import threading
@@ -46,6 +47,7 @@ import lmdb
 from ..errors import IntegrityError
 from ..formats.chunktable import ChunkTable
 from ..manifest import LayerManifest
+from ..names import DIGEST_RE
 from ..registry import MetaCheck, Registry
 from ..store.base import sha256_digest
 
@@ -276,8 +278,15 @@ class Replica:
             raw = txn.get(resolution_key(kind, name, version), db=self.dbs["resolutions"])
         if raw is None:
             return None
-        doc = json.loads(bytes(raw))
-        return KeptResolution(str(doc["digest"]), float(doc["made"]))
+        try:  # a damaged record is no resolution (the store is asked, or exit 8)
+            doc = json.loads(bytes(raw))
+            kept = KeptResolution(str(doc["digest"]), float(doc["made"]))
+            if not DIGEST_RE.fullmatch(kept.digest) or not math.isfinite(kept.made):
+                raise ValueError(kept)
+        except (ValueError, KeyError, TypeError):
+            log.warning("resolution of %s@%s in the replica is damaged; ignored", name, version)
+            return None
+        return kept
 
     def keep_resolution(self, kind: str, name: str, version: str, digest: str, made: float,
                         manifest: bytes) -> None:
