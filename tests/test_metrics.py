@@ -136,7 +136,8 @@ def test_metrics_listen_on_the_given_host_only(metered):
         socket.create_connection(("127.0.0.2", metered.port), timeout=5).close()
 
 
-@pytest.mark.parametrize("address", ["9100", "localhost:", "host:port", "127.0.0.1:70000"])
+@pytest.mark.parametrize("address", ["9100", "localhost:", "host:port", "127.0.0.1:70000",
+                                     "node1:9100", "127.0.0.1:\u0669\u0661"])
 def test_a_bad_metrics_address_is_one_error_line(address, tmp_path):
     need_root()
     proc = subprocess.run([*LAYERFS, "daemon", "--root", str(tmp_path / "node"),

@@ -42,12 +42,25 @@ class MetricsAddress:
 
 
 def parse_address(text: str) -> MetricsAddress:
-    """``HOST:PORT`` (an IPv6 host in brackets: ``[::1]:9100``)."""
+    """``HOST:PORT``, HOST an IP address (an IPv6 one in brackets:
+    ``[::1]:9100``): the metrics listen where the operator says, never where a
+    name happens to resolve."""
     host, sep, port = text.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not _is_ip(host) or not (port.isascii() and port.isdigit()) \
+            or not 0 < int(port) < 65536:
         raise UsageError(f"--metrics {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9100")
     return MetricsAddress(host, int(port))
+
+
+def _is_ip(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
