@@ -41,7 +41,7 @@ from nodes import NodeDaemon  # noqa: E402
 
 from layerfs.builder.disk import build_disk  # noqa: E402
 from layerfs.node.daemon import mounts_under  # noqa: E402
-from layerfs.registry import Registry  # noqa: E402
+from layerfs.refstore import RefStore  # noqa: E402
 from layerfs.store import open_store  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -139,7 +139,7 @@ def main() -> None:
         shutil.rmtree(work / d, ignore_errors=True)
     store_url = f"file://{work / 'store'}"
     store = open_store(store_url)
-    base = build_disk(Registry(store), str(image), "bench/disk", "1")
+    base = build_disk(RefStore(store), str(image), "bench/disk", "1")
     daemons: list[NodeDaemon] = []
     result: dict = {"disk_bytes": size, "data_bytes": base.manifest.stats.file_bytes,
                     "stored_bytes": base.manifest.stats.stored_bytes}

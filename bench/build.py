@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from layerfs.builder.layer import BuildOptions, build_layer
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 from layerfs.store.file import FileStore
 
 HERE = Path(__file__).resolve().parent
@@ -146,7 +146,7 @@ def main() -> None:
 
     def build_v1() -> None:
         nonlocal res1
-        res1 = build_layer(Registry(store), str(tree), BuildOptions("bench/tree", "1"))
+        res1 = build_layer(RefStore(store), str(tree), BuildOptions("bench/tree", "1"))
 
     t_lfs = timed(build_v1)
     stored = store_bytes(work / "store")
@@ -157,7 +157,7 @@ def main() -> None:
 
     def build_v2() -> None:
         nonlocal res2
-        res2 = build_layer(Registry(store), str(tree), BuildOptions("bench/tree", "2"))
+        res2 = build_layer(RefStore(store), str(tree), BuildOptions("bench/tree", "2"))
 
     t_v2 = timed(build_v2)
     restore(undo)

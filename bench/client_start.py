@@ -50,7 +50,7 @@ from daemons import clear_dir, git_head  # noqa: E402
 from layerfs.builder.layer import BuildOptions, build_layer  # noqa: E402
 from layerfs.node.client import Client  # noqa: E402
 from layerfs.node.process import DaemonProcess  # noqa: E402
-from layerfs.registry import Registry  # noqa: E402
+from layerfs.refstore import RefStore  # noqa: E402
 from layerfs.store.file import FileStore  # noqa: E402
 
 COMMANDS = ("up", "ps", "stats", "run", "down")
@@ -67,7 +67,7 @@ def make_store(work: Path) -> str:
     url = "file://" + str(work / "store")
     store = FileStore(str(work / "store"))
     try:
-        build_layer(Registry(store), str(rootfs), BuildOptions(name="base", version="1"))
+        build_layer(RefStore(store), str(rootfs), BuildOptions(name="base", version="1"))
     finally:
         store.close()
     return url

@@ -53,7 +53,7 @@ from s3server import DUMMY_AWS_ENV, find_weed  # noqa: E402
 from layerfs.cache.chunkcache import ChunkCache  # noqa: E402
 from layerfs.formats.chunktable import ChunkEntry  # noqa: E402
 from layerfs.node.fetcher import ChunkFetcher, FetchError  # noqa: E402
-from layerfs.registry import Registry  # noqa: E402
+from layerfs.refstore import RefStore  # noqa: E402
 from layerfs.store import Store, open_store  # noqa: E402
 from layerfs.store.base import blob_key  # noqa: E402
 
@@ -78,9 +78,9 @@ def build_layer(cluster: Cluster, work: Path, size: int,
                    check=True, capture_output=True)
     store = open_store(url, endpoints)
     try:
-        reg = Registry(store)
-        manifest = reg.layer(reg.resolve("layers", "bench/cold@1"))
-        return url, reg.chunk_table(manifest).entries
+        refstore = RefStore(store)
+        manifest = refstore.layer(refstore.resolve("layers", "bench/cold@1"))
+        return url, refstore.chunk_table(manifest).entries
     finally:
         store.close()
 

@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer
-from layerfs.registry import LAYERS, Registry
+from layerfs.refstore import LAYERS, RefStore
 from layerfs.store import Store, open_store
 
 HERE = Path(__file__).resolve().parent
@@ -441,20 +441,20 @@ def seaweedfs(data_dir: Path = SEAWEED_DIR) -> Iterator[Any]:
 def push(store: Store, layers: list[dict], srcdir: Path,
          chunk_size: int) -> dict[str, float]:
     """Build and publish every layer whose ref is missing; seconds per built layer."""
-    reg = Registry(store)
+    refstore = RefStore(store)
     took = {}
     for lay in layers:
-        digest = reg.read_ref(LAYERS, lay["name"], lay["version"])
+        digest = refstore.read_ref(LAYERS, lay["name"], lay["version"])
         if digest is None:
             print(f"pushing {lay['name']}@{lay['version']}...", flush=True)
             start = time.perf_counter()
-            res = build_layer(reg, str(srcdir / lay["name"].rsplit("/", 1)[1]),
+            res = build_layer(refstore, str(srcdir / lay["name"].rsplit("/", 1)[1]),
                               BuildOptions(lay["name"], lay["version"], role=lay["role"],
                                            chunk_size=chunk_size))
             digest = res.digest
             took[lay["name"]] = round(time.perf_counter() - start, 2)
         lay["digest"] = digest
-        table = reg.chunk_table(reg.layer(digest))
+        table = refstore.chunk_table(refstore.layer(digest))
         lay["blob_bytes"] = table.blob_size
         lay["stored_bytes"] = table.stored_bytes()
         lay["chunks"] = len(table)
@@ -478,14 +478,14 @@ def build_corpus(p: Params, work: Path, store: Store, store_info: dict) -> dict:
     bases = [lay for lay in layers if lay["role"] == "base"]
     tcs = [lay for lay in layers if lay["role"] == "toolchain"]
     envs = []
-    reg = Registry(store)
+    refstore = RefStore(store)
     for i, ws in enumerate(lay for lay in layers if lay["role"] == "workspace"):
         base = bases[i % len(bases)] if i < len(bases) else rng.choice(bases)
         tc = tcs[i % len(tcs)] if i < len(tcs) else rng.choice(tcs)
         refs = [f"{x['name']}@{x['version']}" for x in (ws, tc, base)]
         name = f"bench/corpus/env-{i:02d}"
         version = f"g{GEN}-{hashlib.sha256(json.dumps(refs).encode()).hexdigest()[:12]}"
-        create_env(reg, name, version, refs)
+        create_env(refstore, name, version, refs)
         envs.append({"ref": f"{name}@{version}", "layers": [ws["name"], tc["name"], base["name"]],
                      "bytes": ws["bytes"] + tc["bytes"] + base["bytes"]})
     tasks = make_tasks(p, layers, envs)

@@ -417,17 +417,17 @@ class Bench:
     def traced_entries(self) -> list[ChunkEntry]:
         """The chunk table entries the pushed traces of the env's layers list."""
         from layerfs.node.traces import parse_trace, trace_key
-        from layerfs.registry import Registry
+        from layerfs.refstore import RefStore
         from layerfs.store import open_store
 
         store = open_store(self.store_env["LAYERFS_STORE"],
                            self.store_env.get("AWS_ENDPOINT_URL"))
         try:
-            reg = Registry(store)
+            refstore = RefStore(store)
             entries: list[ChunkEntry] = []
             for ref in self.layer_refs():
-                digest, manifest = reg.layer_by_ref(ref)
-                table = reg.chunk_table(manifest)
+                digest, manifest = refstore.layer_by_ref(ref)
+                table = refstore.chunk_table(manifest)
                 order = parse_trace(store.get(trace_key(digest))) or []
                 entries += [table.entries[i] for i in order if i < len(table.entries)]
             return entries

@@ -775,15 +775,15 @@ def print_tables(results: dict[str, dict], rows: list[dict]) -> None:
 def link_check(url: str, direct: str | None, linked: str, doc: dict) -> dict:
     """What the link gives boto3: 4-thread GET of whole packs (MB/s) and the latency of
     a 100-byte ranged GET, through the link and (latency) directly."""
-    from layerfs.registry import Registry
+    from layerfs.refstore import RefStore
     from layerfs.store.base import blob_key
 
     out: dict[str, Any] = {}
     store = open_store(url, s3_endpoint=linked)
     try:
-        reg = Registry(store)
+        refstore = RefStore(store)
         lay = max(doc["layers"].values(), key=lambda x: x["bytes"])
-        packs = reg.chunk_table(reg.layer(lay["digest"])).packs()[:8]
+        packs = refstore.chunk_table(refstore.layer(lay["digest"])).packs()[:8]
         start = time.perf_counter()
         with ThreadPoolExecutor(4) as pool:
             total = sum(pool.map(lambda d: len(store.get(blob_key(d))), packs))

@@ -67,7 +67,7 @@ from layerfs.chunks import materialize_blob
 from layerfs.mounts import mount_erofs, umount
 from layerfs.node.process import DaemonProcess, detach_mounts
 from layerfs.node.replica import fd_sha256
-from layerfs.registry import LAYERS, Registry
+from layerfs.refstore import LAYERS, RefStore
 from layerfs.sizes import parse_size
 from layerfs.store.base import Store, blob_key
 from layerfs.store.file import FileStore
@@ -189,13 +189,13 @@ def generate_tree(root: Path, files: int, dirs: int, seed: int = SEED) -> dict:
 
 def ensure_layer(store: Store, src: Path, name: str, version: str) -> tuple[str, float]:
     """The layer's manifest digest; builds and publishes it unless the ref exists."""
-    reg = Registry(store)
-    digest = reg.read_ref(LAYERS, name, version)
+    refstore = RefStore(store)
+    digest = refstore.read_ref(LAYERS, name, version)
     if digest is not None:
         return digest, 0.0
     print(f"building {name}@{version}...", flush=True)
     start = time.perf_counter()
-    res = build_layer(Registry(store), str(src), BuildOptions(name, version))
+    res = build_layer(RefStore(store), str(src), BuildOptions(name, version))
     return res.digest, time.perf_counter() - start
 
 
@@ -208,10 +208,10 @@ def ensure_local_copy(store: FileStore, digest: str, out: Path) -> tuple[Path, P
     print(f"materializing a local copy of {digest[:19]}...", flush=True)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    reg = Registry(store)
-    manifest = reg.layer(digest)
-    meta.write_bytes(reg.meta_image(manifest))
-    materialize_blob(store, reg.chunk_table(manifest), str(blob))
+    refstore = RefStore(store)
+    manifest = refstore.layer(digest)
+    meta.write_bytes(refstore.meta_image(manifest))
+    materialize_blob(store, refstore.chunk_table(manifest), str(blob))
     marker.write_text(digest)
     return meta, blob
 
@@ -221,7 +221,7 @@ def ensure_local_copy(store: FileStore, digest: str, out: Path) -> tuple[Path, P
 # is opened, not hashed, before a mount). Only this benchmark starts it.
 UNCHECKED_DAEMON = [sys.executable, "-c", """
 import os, sys
-import layerfs.registry as registry
+import layerfs.refstore as registry
 import layerfs.node.replica as replica
 registry.check_meta_image = lambda *args: None
 replica.open_matching = lambda layer: os.open(layer.meta_path, os.O_RDONLY | os.O_CLOEXEC)
@@ -331,10 +331,10 @@ class Bench:
         remount after a restart), in this process; median of 5 / 3."""
         out = {}
         for label, layer in layers.items():
-            reg = Registry(self.store)
+            refstore = RefStore(self.store)
             image = self.work / "trust" / f"meta-{label.lower()}.erofs"
             image.parent.mkdir(parents=True, exist_ok=True)
-            image.write_bytes(reg.meta_image(reg.layer(layer["digest"])))
+            image.write_bytes(refstore.meta_image(refstore.layer(layer["digest"])))
             fd = os.open(image, os.O_RDONLY)
             try:
                 cold, warm = [], []
@@ -564,8 +564,8 @@ class Bench:
         caches: list[dict] = []
         cpu: list[float] = []
         single: list[tuple[int, float]] = []
-        reg = Registry(open_it())
-        packs = reg.chunk_table(reg.layer(layer["digest"])).packs()
+        refstore = RefStore(open_it())
+        packs = refstore.chunk_table(refstore.layer(layer["digest"])).packs()
 
         def sandbox() -> None:
             node = self.node(tag, store_args)
@@ -680,8 +680,8 @@ def cold_read_s3(bench: Bench, work: Path, layer: dict) -> dict:
 
 
 def layer_info(store: FileStore, digest: str) -> dict:
-    reg = Registry(store)
-    table = reg.chunk_table(reg.layer(digest))
+    refstore = RefStore(store)
+    table = refstore.chunk_table(refstore.layer(digest))
     return {"digest": digest, "ref": digest, "blob_bytes": table.blob_size,
             "chunks": len(table), "packs": len(table.packs()),
             "stored_bytes": table.stored_bytes()}

@@ -70,7 +70,7 @@ from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.node.daemon import mounts_under
 from layerfs.node.process import LAYERFS, DaemonProcess, detach_mounts
-from layerfs.registry import LAYERS, Registry
+from layerfs.refstore import LAYERS, RefStore
 from layerfs.store import open_store
 
 HERE = Path(__file__).resolve().parent
@@ -229,20 +229,20 @@ def ensure_workspace(work: Path, project: str) -> dict:
 
 def push(store: Any, work: Path, parts: dict[str, dict]) -> tuple[str, dict]:
     """Build and publish the three layers (unless their refs exist) and the env."""
-    reg = Registry(store)
+    refstore = RefStore(store)
     refs, layers = [], {}
     for role in ("workspace", "toolchain", "base"):
         name, version = f"bench/real/{role}", f"g{GEN}-{parts[role]['id']}"
-        digest = reg.read_ref(LAYERS, name, version)
+        digest = refstore.read_ref(LAYERS, name, version)
         built = 0.0
         if digest is None:
             print(f"pushing {name}@{version}...", flush=True)
             start = time.perf_counter()
-            digest = build_layer(reg, str(work / role),
+            digest = build_layer(refstore, str(work / role),
                                  BuildOptions(name, version, role=role)).digest
             built = time.perf_counter() - start
-        manifest = reg.layer(digest)
-        table = reg.chunk_table(manifest)
+        manifest = refstore.layer(digest)
+        table = refstore.chunk_table(manifest)
         layers[role] = {"ref": f"{name}@{version}", "digest": digest,
                         "files": parts[role]["files"], "file_bytes": parts[role]["bytes"],
                         "blob_bytes": table.blob_size, "chunks": len(table),
@@ -250,7 +250,7 @@ def push(store: Any, work: Path, parts: dict[str, dict]) -> tuple[str, dict]:
                         "meta_bytes": manifest.meta.size, "build_s": round(built, 1)}
         refs.append(f"{name}@{version}")
     version = f"g{GEN}-{hashlib.sha256(json.dumps(refs).encode()).hexdigest()[:12]}"
-    create_env(reg, "bench/real/env", version, refs)
+    create_env(refstore, "bench/real/env", version, refs)
     return f"bench/real/env@{version}", layers
 
 
@@ -353,17 +353,17 @@ def ensure_minbase(work: Path) -> dict:
 
 def push_minbase(store: Any, work: Path, info: dict, chunk_size: int) -> dict:
     """The minbase as one layer of ``chunk_size`` chunks, and an env of it."""
-    reg = Registry(store)
+    refstore = RefStore(store)
     name, version = "bench/debian/base", f"g{GEN}-{info['id']}-c{chunk_size >> 10}k"
-    digest = reg.read_ref(LAYERS, name, version)
+    digest = refstore.read_ref(LAYERS, name, version)
     if digest is None:
         print(f"pushing {name}@{version}...", flush=True)
-        digest = build_layer(reg, str(work / "minbase"),
+        digest = build_layer(refstore, str(work / "minbase"),
                              BuildOptions(name, version, role="base",
                                           chunk_size=chunk_size)).digest
-    manifest = reg.layer(digest)
-    table = reg.chunk_table(manifest)
-    create_env(Registry(store), "bench/debian/env", version, [f"{name}@{version}"])
+    manifest = refstore.layer(digest)
+    table = refstore.chunk_table(manifest)
+    create_env(RefStore(store), "bench/debian/env", version, [f"{name}@{version}"])
     return {"env": f"bench/debian/env@{version}", "chunk_size": chunk_size,
             "blob_bytes": table.blob_size, "stored_bytes": table.stored_bytes(),
             "chunks": len(table), "meta_bytes": manifest.meta.size,

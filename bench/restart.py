@@ -43,7 +43,7 @@ from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.node.control import wait_ready
 from layerfs.node.process import DaemonProcess
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 from layerfs.sizes import parse_size
 from layerfs.store.file import FileStore
 
@@ -129,8 +129,8 @@ class Bench:
                     for _ in range(parse_size(self.args.file_size) // MiB):
                         f.write(os.urandom(MiB))
             store = FileStore(str(self.work / "store"))
-            build_layer(Registry(store), str(src), BuildOptions("big", "1", chunk_size=MiB))
-            create_env(Registry(store), "e", "1", ["big@1"])
+            build_layer(RefStore(store), str(src), BuildOptions("big", "1", chunk_size=MiB))
+            create_env(RefStore(store), "e", "1", ["big@1"])
             marker.write_text(key)
         return [f"data/f{i}" for i in range(self.args.files)]
 

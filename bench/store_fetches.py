@@ -53,7 +53,7 @@ from daemons import DaemonRuns, clear_dir, drop_caches, git_head, print_footer
 
 from layerfs.formats.chunktable import ChunkEntry
 from layerfs.node.process import detach_mounts
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 from layerfs.sizes import parse_size
 from layerfs.store.base import Store, blob_key
 from layerfs.store.file import FileStore
@@ -223,8 +223,8 @@ class Bench:
 
 def large_entries(store: Store, digest: str, chunk_size: int = MiB) -> list[ChunkEntry]:
     """The chunk table's whole-size chunks (the large files'), by blob offset."""
-    reg = Registry(store)
-    table = reg.chunk_table(reg.layer(digest))
+    refstore = RefStore(store)
+    table = refstore.chunk_table(refstore.layer(digest))
     return [e for e in table.entries if e.length == chunk_size]
 
 

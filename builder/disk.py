@@ -19,7 +19,7 @@ from layerfs.errors import SourceError, UsageError, VersionExists
 from layerfs.formats import lsmt
 from layerfs.manifest import BlobRef, DiskManifest, LayerStats
 from layerfs.names import check_name, check_version
-from layerfs.registry import LAYERS, Registry
+from layerfs.refstore import LAYERS, RefStore
 
 from .layer import check_chunk_size, now_utc, publish_verified
 from .pipeline import DEFAULT_CHUNK_SIZE, ChunkPipeline, DedupIndex
@@ -129,30 +129,30 @@ def _data_windows(src: DiskSource, maps: list[lsmt.Mapping], chunk_size: int,
         yield start, bytes(buf[:end]) if end < chunk_size else bytes(buf)
 
 
-def publish_disk(reg: Registry, src: DiskSource, name: str, version: str,
+def publish_disk(refstore: RefStore, src: DiskSource, name: str, version: str,
                  parent_ref: str | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  dedup_with: Iterable[str] = ()) -> DiskResult:
     check_name(name)
     check_version(version)
     check_chunk_size(chunk_size)
-    store = reg.store
+    store = refstore.store
     parent, parent_uuid, index, sources = None, "", DedupIndex(), []
     if parent_ref:
-        parent = reg.resolve(LAYERS, parent_ref)
-        chain = reg.disk_chain(parent)
+        parent = refstore.resolve(LAYERS, parent_ref)
+        chain = refstore.disk_chain(parent)
         if len(chain) >= lsmt.MAX_LAYERS:
             raise UsageError(f"{parent_ref} already has {len(chain)} layers; "
                              f"the limit is {lsmt.MAX_LAYERS}")
         parent_uuid = chain[0][1].uuid
         for _, m in chain:
-            index.add_table(reg.chunk_table(m))
+            index.add_table(refstore.chunk_table(m))
         sources.append(parent_ref)
-    existing = reg.read_ref(LAYERS, name, version)
+    existing = refstore.read_ref(LAYERS, name, version)
     for ref in dedup_with:
-        index.add_table(reg.chunk_table(reg.any_layer(reg.resolve(LAYERS, ref))))
+        index.add_table(refstore.chunk_table(refstore.any_layer(refstore.resolve(LAYERS, ref))))
         sources.append(ref)
     if existing:
-        index.add_table(reg.chunk_table(reg.disk(existing)))
+        index.add_table(refstore.chunk_table(refstore.disk(existing)))
     uid = deterministic_uuid(name, version)
     windows, layout, entries = sealed_windows(src, chunk_size, uid, parent_uuid)
     pipeline = ChunkPipeline(store, index, chunk_size, upload=existing is None)
@@ -164,9 +164,9 @@ def publish_disk(reg: Registry, src: DiskSource, name: str, version: str,
         pipeline.close()
     ref = f"{name}@{version}"
     if existing:
-        old = reg.disk(existing)
+        old = refstore.disk(existing)
         same = (old.parent == parent and old.virtual_size == src.virtual_size
-                and reg.chunk_table(old).content_key() == result.table.content_key())
+                and refstore.chunk_table(old).content_key() == result.table.content_key())
         if not same:
             raise VersionExists(ref)
         return DiskResult(ref, existing, old, published=False)
@@ -184,11 +184,12 @@ def publish_disk(reg: Registry, src: DiskSource, name: str, version: str,
     manifest_bytes = manifest.checked_bytes()
     digest, _ = store.put_blob(manifest_bytes)
     held = {table_digest: table, digest: manifest_bytes}
-    publish_verified(reg, name, version, digest, result.reused, held)
+    publish_verified(refstore, name, version, digest, result.reused, held)
     return DiskResult(ref, digest, manifest, published=True, uploaded_bytes=stats.uploaded_bytes)
 
 
-def build_disk(reg: Registry, image: str, name: str, version: str, parent_ref: str | None = None,
+def build_disk(refstore: RefStore, image: str, name: str, version: str,
+               parent_ref: str | None = None,
                chunk_size: int = DEFAULT_CHUNK_SIZE,
                dedup_with: Iterable[str] = ()) -> DiskResult:
     """Import a raw disk image as a sealed LSMT layer."""
@@ -196,4 +197,4 @@ def build_disk(reg: Registry, image: str, name: str, version: str, parent_ref: s
         raise SourceError(image, "not a regular file" if os.path.exists(image) else
                           "no such file or directory")
     src = scan_image(image, parent=parent_ref is not None)
-    return publish_disk(reg, src, name, version, parent_ref, chunk_size, dedup_with)
+    return publish_disk(refstore, src, name, version, parent_ref, chunk_size, dedup_with)

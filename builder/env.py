@@ -8,7 +8,7 @@ from layerfs.errors import TooManyLayers, UsageError, VersionExists
 from layerfs.manifest import EnvLayer, EnvManifest, ImageConfig
 from layerfs.mounts import MAX_LOWER_LAYERS
 from layerfs.names import check_name, check_version
-from layerfs.registry import ENVS, LAYERS, Registry
+from layerfs.refstore import ENVS, LAYERS, RefStore
 
 from .layer import now_utc
 
@@ -28,37 +28,37 @@ class EnvResult:
     published: bool
 
 
-def create_env(reg: Registry, name: str, version: str, layer_refs: list[str],
+def create_env(refstore: RefStore, name: str, version: str, layer_refs: list[str],
                config: ImageConfig | None = None, on: str | None = None) -> EnvResult:
     """Publish env ``name@version`` of ``layer_refs`` (top first), with an image
-    config, in ``reg``'s store (the caller's registry, one per command). With
+    config, in ``refstore``'s store (the caller's ref store, one per command). With
     ``on`` (an env ref), the layers go on top of that env's layers and the new
     env keeps its image config unless ``config`` is given."""
     check_name(name)
     check_version(version)
     if not layer_refs:
         raise UsageError("an env needs at least one --layer")
-    layers = [EnvLayer(ref, reg.resolve(LAYERS, ref)) for ref in layer_refs]
+    layers = [EnvLayer(ref, refstore.resolve(LAYERS, ref)) for ref in layer_refs]
     for layer in layers:
-        reg.layer(layer.digest)  # must be a readable layer manifest
+        refstore.layer(layer.digest)  # must be a readable layer manifest
     if on is not None:
-        below = reg.env(reg.resolve(ENVS, on))
+        below = refstore.env(refstore.resolve(ENVS, on))
         layers += below.layers
         config = config if config is not None else below.config
     ref = f"{name}@{version}"
     check_layer_count(f"env {ref}", len({layer.digest for layer in layers}))
     manifest = EnvManifest(name=name, version=version, layers=layers, created=now_utc(),
                            config=config)
-    existing = reg.read_ref(ENVS, name, version)
+    existing = refstore.read_ref(ENVS, name, version)
     if existing is not None:
-        old = reg.env(existing)
+        old = refstore.env(existing)
         if old.content_key() != manifest.content_key():
             raise VersionExists(ref)
         return EnvResult(ref, existing, old, published=False)
-    digest, _ = reg.store.put_blob(manifest.checked_bytes())
+    digest, _ = refstore.store.put_blob(manifest.checked_bytes())
     key = manifest.content_key()
-    if not reg.publish(ENVS, name, version, digest,
-                       same=lambda other: reg.env(other).content_key() == key):
-        winner = reg.read_ref(ENVS, name, version) or digest  # a concurrent create won
-        return EnvResult(ref, winner, reg.env(winner), published=False)
+    if not refstore.publish(ENVS, name, version, digest,
+                       same=lambda other: refstore.env(other).content_key() == key):
+        winner = refstore.read_ref(ENVS, name, version) or digest  # a concurrent create won
+        return EnvResult(ref, winner, refstore.env(winner), published=False)
     return EnvResult(ref, digest, manifest, published=True)

@@ -37,7 +37,7 @@ from layerfs.manifest import (
     valid_chunk_size,
 )
 from layerfs.names import check_name, check_version
-from layerfs.registry import LAYERS, Registry, ref_key
+from layerfs.refstore import LAYERS, RefStore, ref_key
 from layerfs.store.base import blob_key, sha256_digest
 from layerfs.tree import FileTree
 
@@ -110,7 +110,7 @@ def now_utc() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def build_layer(reg: Registry, src: str, opts: BuildOptions,
+def build_layer(refstore: RefStore, src: str, opts: BuildOptions,
                 progress: Progress | None = None,
                 source: DirectorySource | TarSource | UpperSource | LayerSource | None = None,
                 origin: str = "", assembler: type[LayerAssembler] = LayerAssembler,
@@ -124,9 +124,9 @@ def build_layer(reg: Registry, src: str, opts: BuildOptions,
     whose chunks it reuses join the manifest's ``dedup_sources``."""
     opts.check()
     source = source or open_source(src)
-    store = reg.store
-    existing = reg.read_ref(LAYERS, opts.name, opts.version)
-    index, sources, old = _dedup_index(reg, opts, existing, shared)
+    store = refstore.store
+    existing = refstore.read_ref(LAYERS, opts.name, opts.version)
+    index, sources, old = _dedup_index(refstore, opts, existing, shared)
     progress = progress or Progress()
     pipeline = ChunkPipeline(store, index, opts.chunk_size, upload=existing is None,
                              pack_size=opts.pack_size, workers=opts.workers,
@@ -175,21 +175,22 @@ def build_layer(reg: Registry, src: str, opts: BuildOptions,
     manifest_bytes = manifest.checked_bytes()
     digest, _ = store.put_blob(manifest_bytes)
     held[digest] = manifest_bytes
-    named, created = publish_verified(reg, opts.name, opts.version, digest, result.reused,
-                                      held, same=lambda other: _same_layer(reg, other, identity))
+    named, created = publish_verified(refstore, opts.name, opts.version, digest, result.reused,
+                                      held,
+                                      same=lambda other: _same_layer(refstore, other, identity))
     if not created:  # a concurrent build of the same source published first
-        return BuildResult(ref, named, reg.layer(named) if named != digest else manifest,
+        return BuildResult(ref, named, refstore.layer(named) if named != digest else manifest,
                            False, stats.uploaded_bytes, stats.uploaded_packs)
     return BuildResult(ref, digest, manifest, True, stats.uploaded_bytes, stats.uploaded_packs)
 
 
-def _same_layer(reg: Registry, digest: str, identity: LayerIdentity) -> bool:
+def _same_layer(refstore: RefStore, digest: str, identity: LayerIdentity) -> bool:
     """Whether the layer manifest at ``digest`` has this content."""
-    manifest = reg.layer(digest)
-    return manifest.identity(reg.chunk_table(manifest)) == identity
+    manifest = refstore.layer(digest)
+    return manifest.identity(refstore.chunk_table(manifest)) == identity
 
 
-def publish_verified(reg: Registry, name: str, version: str, digest: str,
+def publish_verified(refstore: RefStore, name: str, version: str, digest: str,
                      reused: set[str], held: dict[str, bytes],
                      same: Callable[[str], bool] | None = None) -> tuple[str, bool]:
     """Write the layer ref, then check that the blobs a concurrent gc could have
@@ -200,40 +201,40 @@ def publish_verified(reg: Registry, name: str, version: str, digest: str,
     digest is ``digest`` or that of another push's manifest that got there
     first and that ``same`` (given its digest) accepts (that push checks its
     own blobs)."""
-    created = reg.publish(LAYERS, name, version, digest, same)
+    created = refstore.publish(LAYERS, name, version, digest, same)
     if not created:
-        winner = reg.read_ref(LAYERS, name, version)
+        winner = refstore.read_ref(LAYERS, name, version)
         if winner is not None and winner != digest:
             return winner, False
     digests = sorted(reused | held.keys())
     with ThreadPoolExecutor(VERIFY_WORKERS, thread_name_prefix="verify") as pool:
-        present = list(pool.map(lambda d: reg.store.exists(blob_key(d)), digests))
+        present = list(pool.map(lambda d: refstore.store.exists(blob_key(d)), digests))
     missing = [d for d, ok in zip(digests, present, strict=True) if not ok]
     lost = [d for d in missing if d not in held]
     for d in missing:
         if d in held:
-            reg.store.put_blob(held[d], d)
+            refstore.store.put_blob(held[d], d)
     if lost:
         if created:
-            reg.store.delete(ref_key(LAYERS, name, version))
+            refstore.store.delete(ref_key(LAYERS, name, version))
         raise BlobVanished(f"pack {lost[0]}", f"{name}@{version} was published")
     return digest, created
 
 
-def _dedup_index(reg: Registry, opts: BuildOptions, existing: str | None,
+def _dedup_index(refstore: RefStore, opts: BuildOptions, existing: str | None,
                  shared: DedupIndex | None):
     """Chunks already stored that this build may reference instead of uploading."""
     index = DedupIndex(below=shared)
     sources: list[str] = []
     old = None
     if existing is not None:
-        manifest = reg.layer(existing)
-        old = (manifest, reg.chunk_table(manifest))
+        manifest = refstore.layer(existing)
+        old = (manifest, refstore.chunk_table(manifest))
         index.add_table(old[1])
-    prev = reg.previous_version(opts.name, opts.version)
+    prev = refstore.previous_version(opts.name, opts.version)
     refs = ([f"{opts.name}@{prev}"] if prev else []) + list(opts.dedup_with)
     for ref in refs:
-        _, manifest = reg.layer_by_ref(ref)
-        index.add_table(reg.chunk_table(manifest))
+        _, manifest = refstore.layer_by_ref(ref)
+        index.add_table(refstore.chunk_table(manifest))
         sources.append(ref)
     return index, sources, old

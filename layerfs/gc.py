@@ -15,7 +15,7 @@ Before the walk, refs whose expiry has passed are removed
 blobs only they reached are freed by the same run.
 
 A ref, manifest or chunk table gc cannot read (corrupt, missing, of an unknown
-kind) is set aside as an :class:`~layerfs.registry.Unreadable` and the walk
+kind) is set aside as an :class:`~layerfs.refstore.Unreadable` and the walk
 goes on; but what it references cannot be known, so gc then deletes no blob at
 all (a sweep could take what the bad object's repaired copy needs): it still
 reports what is unreachable and still deletes old temporaries (no manifest
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from .errors import IntegrityError
 from .manifest import EnvManifest, manifest_head
-from .registry import BAD_OBJECT, ENVS, LAYERS, Registry, Unreadable
+from .refstore import BAD_OBJECT, ENVS, LAYERS, RefStore, Unreadable
 from .retention import ExpiryReport, expire_refs
 from .store.base import BLOB_PREFIX, ObjectInfo, Store
 
@@ -62,12 +62,12 @@ class Reachable:
     unreadable: list[Unreadable] = field(default_factory=list)
 
 
-def reachable_blobs(reg: Registry, leave_out: set[tuple[str, str]] | None = None) -> Reachable:
+def reachable_blobs(refstore: RefStore, leave_out: set[tuple[str, str]] | None = None) -> Reachable:
     """The blobs the refs reach (but the refs ``leave_out``: (kind, name@version))."""
     found = Reachable()
     todo: list[tuple[str, str]] = []  # (manifest digest, the ref it was reached from)
     for kind in (LAYERS, ENVS):
-        entries, bad = reg.scan_refs(kind)
+        entries, bad = refstore.scan_refs(kind)
         found.unreadable += bad
         todo += [(entry.digest, f"{kind[:-1]} {entry}") for entry in entries
                  if (kind, str(entry)) not in (leave_out or set())]
@@ -77,30 +77,30 @@ def reachable_blobs(reg: Registry, leave_out: set[tuple[str, str]] | None = None
             continue
         found.blobs.add(digest)
         try:
-            _reach(reg, digest, via, found.blobs, todo)
+            _reach(refstore, digest, via, found.blobs, todo)
         except BAD_OBJECT as exc:
             found.unreadable.append(Unreadable(f"manifest {digest} of {via}", exc.message()))
     return found
 
 
-def _reach(reg: Registry, digest: str, via: str, seen: set[str],
+def _reach(refstore: RefStore, digest: str, via: str, seen: set[str],
            todo: list[tuple[str, str]]) -> None:
     """Add what the manifest at ``digest`` references: blobs to ``seen``,
     manifests to ``todo``."""
-    data = reg.store.get_blob(digest)
+    data = refstore.store.get_blob(digest)
     kind = manifest_head(data, digest).kind
     if kind == "env":  # (its layers' manifests are each walked, read or set aside)
         todo.extend((layer.digest, via) for layer in EnvManifest.from_bytes(data, digest).layers)
     elif kind == "erofs":
-        manifest = reg.layer(digest)
+        manifest = refstore.layer(digest)
         seen.update((manifest.meta.digest, manifest.chunk_table.digest))
         if manifest.tar_split is not None:
             seen.add(manifest.tar_split.digest)
-        seen.update(reg.chunk_table(manifest).packs())
+        seen.update(refstore.chunk_table(manifest).packs())
     elif kind == "lsmt":
-        disk = reg.disk(digest)
+        disk = refstore.disk(digest)
         seen.add(disk.chunk_table.digest)
-        seen.update(reg.chunk_table(disk).packs())
+        seen.update(refstore.chunk_table(disk).packs())
         if disk.parent:
             todo.append((disk.parent, via))
     else:  # (manifest_head checked it against KINDS)
@@ -119,16 +119,16 @@ def _still_old(store: Store, key: str, cutoff: float) -> bool:
     return info is not None and info.mtime < cutoff
 
 
-def collect(reg: Registry, dry_run: bool = True, grace: float = DEFAULT_GRACE) -> GcReport:
+def collect(refstore: RefStore, dry_run: bool = True, grace: float = DEFAULT_GRACE) -> GcReport:
     cutoff = time.time() - grace  # taken before the refs are read
-    expiry = expire_refs(reg, time.time(), dry_run, grace)
+    expiry = expire_refs(refstore, time.time(), dry_run, grace)
     # (a dry run removed nothing: what would be reachable once it did)
     leave_out = {(e.kind, str(e)) for e in expiry.removed} if dry_run else set()
-    found = reachable_blobs(reg, leave_out) if leave_out else reachable_blobs(reg)
+    found = reachable_blobs(refstore, leave_out) if leave_out else reachable_blobs(refstore)
     live = found.blobs
     report = GcReport(reachable=len(live), unreadable=found.unreadable, expiry=expiry)
     now = time.time()
-    for info in reg.store.list(BLOB_PREFIX):
+    for info in refstore.store.list(BLOB_PREFIX):
         digest = "sha256:" + info.key[len(BLOB_PREFIX):]
         if digest in live:
             continue
@@ -137,14 +137,14 @@ def collect(reg: Registry, dry_run: bool = True, grace: float = DEFAULT_GRACE) -
         if entry["young"]:
             report.kept_young += 1
         elif not dry_run and report.swept:
-            if not _still_old(reg.store, info.key, cutoff):
+            if not _still_old(refstore.store, info.key, cutoff):
                 entry["young"] = True
                 report.kept_young += 1
                 continue
-            reg.store.delete(info.key)
+            refstore.store.delete(info.key)
             report.deleted += 1
             report.deleted_bytes += info.size
-    _collect_temporaries(reg.store, report, dry_run, now, cutoff)
+    _collect_temporaries(refstore.store, report, dry_run, now, cutoff)
     return report
 
 

@@ -6,25 +6,25 @@ from dataclasses import asdict
 from typing import Any
 
 from .manifest import manifest_kind
-from .registry import ENVS, LAYERS, Registry
+from .refstore import ENVS, LAYERS, RefStore
 
 
-def shared_locations(reg: Registry, exclude: str) -> set[tuple[str, int]]:
+def shared_locations(refstore: RefStore, exclude: str) -> set[tuple[str, int]]:
     """Chunk locations referenced by every layer version other than ``exclude``."""
     seen: set[tuple[str, int]] = set()
-    for entry in reg.list_refs(LAYERS):
+    for entry in refstore.list_refs(LAYERS):
         if entry.digest == exclude:
             continue
-        table = reg.chunk_table(reg.any_layer(entry.digest))
+        table = refstore.chunk_table(refstore.any_layer(entry.digest))
         seen.update(e.location for e in table.entries)
     return seen
 
 
-def disk_report(reg: Registry, digest: str) -> dict[str, Any]:
-    manifest = reg.disk(digest)
-    table = reg.chunk_table(manifest)
+def disk_report(refstore: RefStore, digest: str) -> dict[str, Any]:
+    manifest = refstore.disk(digest)
+    table = refstore.chunk_table(manifest)
     stored = table.stored_bytes()
-    others = shared_locations(reg, digest)
+    others = shared_locations(refstore, digest)
     return {
         "kind": "lsmt",
         "ref": f"{manifest.name}@{manifest.version}",
@@ -34,7 +34,7 @@ def disk_report(reg: Registry, digest: str) -> dict[str, Any]:
         "virtual_size": manifest.virtual_size,
         "data_bytes": manifest.stats.file_bytes,
         "parent": manifest.parent_ref,
-        "chain_depth": len(reg.disk_chain(digest)),
+        "chain_depth": len(refstore.disk_chain(digest)),
         "blob_bytes": manifest.blob_size,
         "chunks": len(table),
         "stored_bytes": stored,
@@ -43,11 +43,11 @@ def disk_report(reg: Registry, digest: str) -> dict[str, Any]:
     }
 
 
-def layer_report(reg: Registry, digest: str, shared: bool = True) -> dict[str, Any]:
-    if manifest_kind(reg.store.get_blob(digest)) == "lsmt":
-        return disk_report(reg, digest)
-    manifest = reg.layer(digest)
-    table = reg.chunk_table(manifest)
+def layer_report(refstore: RefStore, digest: str, shared: bool = True) -> dict[str, Any]:
+    if manifest_kind(refstore.store.get_blob(digest)) == "lsmt":
+        return disk_report(refstore, digest)
+    manifest = refstore.layer(digest)
+    table = refstore.chunk_table(manifest)
     stored = table.stored_bytes()
     logical = sum(e.length for e in table.entries)
     report: dict[str, Any] = {
@@ -68,17 +68,17 @@ def layer_report(reg: Registry, digest: str, shared: bool = True) -> dict[str, A
         "dedup_sources": manifest.dedup_sources,
     }
     if shared:
-        others = shared_locations(reg, digest)
+        others = shared_locations(refstore, digest)
         report["shared_bytes"] = sum(e.stored_length for e in table.entries
                                      if e.location in others)
     return report
 
 
-def env_report(reg: Registry, digest: str) -> dict[str, Any]:
-    manifest = reg.env(digest)
+def env_report(refstore: RefStore, digest: str) -> dict[str, Any]:
+    manifest = refstore.env(digest)
     layers = []
     for layer in manifest.layers:
-        lm = reg.layer(layer.digest)
+        lm = refstore.layer(layer.digest)
         layers.append({
             "ref": layer.ref,
             "digest": layer.digest,
@@ -96,19 +96,19 @@ def env_report(reg: Registry, digest: str) -> dict[str, Any]:
     }
 
 
-def resolve_any(reg: Registry, text: str) -> tuple[str, str]:
+def resolve_any(refstore: RefStore, text: str) -> tuple[str, str]:
     """(kind, digest) for a layer or env reference; layers are tried first."""
     from .errors import RefNotFound
 
     if text.startswith("sha256:"):
-        digest = reg.resolve(LAYERS, text)
-        kind = manifest_kind(reg.store.get_blob(digest))
+        digest = refstore.resolve(LAYERS, text)
+        kind = manifest_kind(refstore.store.get_blob(digest))
         return (ENVS if kind == "env" else LAYERS), digest
     try:
-        return LAYERS, reg.resolve(LAYERS, text)
+        return LAYERS, refstore.resolve(LAYERS, text)
     except RefNotFound:
         pass
     try:
-        return ENVS, reg.resolve(ENVS, text)
+        return ENVS, refstore.resolve(ENVS, text)
     except RefNotFound:
         raise RefNotFound("layer or env", text) from None

@@ -36,7 +36,7 @@ from .errors import (
     UsageError,
 )
 from .names import Ref
-from .registry import ENVS, LAYERS, RefEntry, Registry, ref_key
+from .refstore import ENVS, LAYERS, RefEntry, RefStore, ref_key
 
 EXPIRY_PREFIX = "expiry/"
 MAX_EXPIRY_BYTES = 1024
@@ -63,11 +63,11 @@ class Expiry(RefEntry):
     expires: float
 
 
-def set_expiry(reg: Registry, kind: str, name: str, version: str, digest: str,
+def set_expiry(refstore: RefStore, kind: str, name: str, version: str, digest: str,
                expires: float) -> None:
     """Record that the ref, while it holds ``digest``, expires at ``expires``."""
     doc = {"digest": digest, "expires": round(expires, 3)}
-    reg.store.put(expiry_key(kind, name, version), json.dumps(doc).encode() + b"\n")
+    refstore.store.put(expiry_key(kind, name, version), json.dumps(doc).encode() + b"\n")
 
 
 def _parse_expiry(kind: str, rest: str, data: bytes) -> Expiry:
@@ -90,16 +90,16 @@ def _parse_expiry(kind: str, rest: str, data: bytes) -> Expiry:
     return Expiry(kind, name, version, digest, expires)
 
 
-def read_expiries(reg: Registry, kind: str) -> tuple[list[Expiry], list[str]]:
+def read_expiries(refstore: RefStore, kind: str) -> tuple[list[Expiry], list[str]]:
     """Every expiry of ``kind``, and the keys of those that do not parse."""
     prefix = f"{EXPIRY_PREFIX}{kind}/"
     found, bad = [], []
-    for info in reg.store.list(prefix):
+    for info in refstore.store.list(prefix):
         if info.size > MAX_EXPIRY_BYTES:  # (not read: it cannot be one)
             bad.append(info.key)
             continue
         try:
-            found.append(_parse_expiry(kind, info.key[len(prefix):], reg.store.get(info.key)))
+            found.append(_parse_expiry(kind, info.key[len(prefix):], refstore.store.get(info.key)))
         except IntegrityError:
             bad.append(info.key)
         except ObjectNotFound:
@@ -107,27 +107,27 @@ def read_expiries(reg: Registry, kind: str) -> tuple[list[Expiry], list[str]]:
     return found, bad
 
 
-def envs_naming(reg: Registry, digest: str, besides: frozenset[str] = frozenset()
+def envs_naming(refstore: RefStore, digest: str, besides: frozenset[str] = frozenset()
                 ) -> list[str]:
     """The envs (``env name@version``) that name the layer manifest ``digest``,
     and those that cannot be read (they may); ``besides`` (env refs) left out."""
-    rows, unreadable = reg.read_refs(ENVS, None, reg.env)
+    rows, unreadable = refstore.read_refs(ENVS, None, refstore.env)
     users = [f"env {entry}" for entry, manifest in rows if str(entry) not in besides
              and any(layer.digest == digest for layer in manifest.layers)]
     return users + [f"{u.what} (unreadable)" for u in unreadable]
 
 
-def remove_ref(reg: Registry, kind: str, name: str, version: str, digest: str) -> bool:
+def remove_ref(refstore: RefStore, kind: str, name: str, version: str, digest: str) -> bool:
     """Delete the ref if it still holds ``digest`` (True), else leave it (False);
     then its expiry, which applied to that digest only."""
-    if reg.read_ref(kind, name, version) != digest:
+    if refstore.read_ref(kind, name, version) != digest:
         return False
-    reg.store.delete(ref_key(kind, name, version))
-    reg.store.delete(expiry_key(kind, name, version))  # (a missing key is no error)
+    refstore.store.delete(ref_key(kind, name, version))
+    refstore.store.delete(expiry_key(kind, name, version))  # (a missing key is no error)
     return True
 
 
-def resolve_target(reg: Registry, text: str) -> RefEntry:
+def resolve_target(refstore: RefStore, text: str) -> RefEntry:
     """``name@version`` (a layer or an env; ``layer:`` or ``env:`` in front says
     which when both exist) → its ref."""
     kinds = [LAYERS, ENVS]
@@ -138,7 +138,7 @@ def resolve_target(reg: Registry, text: str) -> RefEntry:
     if ref.digest or ref.name is None or ref.version is None:
         raise UsageError(f"rm takes name@version, not a digest: {text}")
     found = [(kind, d) for kind in kinds
-             if (d := reg.read_ref(kind, ref.name, ref.version)) is not None]
+             if (d := refstore.read_ref(kind, ref.name, ref.version)) is not None]
     if not found:
         raise RefNotFound(" or ".join(k[:-1] for k in kinds), text)
     if len(found) > 1:
@@ -147,19 +147,20 @@ def resolve_target(reg: Registry, text: str) -> RefEntry:
     return RefEntry(kind, ref.name, ref.version, digest)
 
 
-def remove(reg: Registry, texts: list[str], force: bool = False) -> list[tuple[RefEntry, bool]]:
+def remove(refstore: RefStore, texts: list[str],
+           force: bool = False) -> list[tuple[RefEntry, bool]]:
     """Remove the refs ``texts`` name; envs first, so that a layer only envs
     removed here name goes too. Each layer an env still names is refused
     (before anything is removed) unless ``force``. Each target and whether
     it was removed (False: published again meanwhile, left alone)."""
-    targets = list(dict.fromkeys(resolve_target(reg, t) for t in texts))
+    targets = list(dict.fromkeys(resolve_target(refstore, t) for t in texts))
     targets.sort(key=lambda t: t.kind != ENVS)
     gone_envs = frozenset(f"{t.name}@{t.version}" for t in targets if t.kind == ENVS)
     if not force:
         for target in targets:
-            if target.kind == LAYERS and (users := envs_naming(reg, target.digest, gone_envs)):
+            if target.kind == LAYERS and (users := envs_naming(refstore, target.digest, gone_envs)):
                 raise LayerInUse(f"{target.name}@{target.version}", ", ".join(users))
-    return [(t, remove_ref(reg, t.kind, t.name, t.version, t.digest)) for t in targets]
+    return [(t, remove_ref(refstore, t.kind, t.name, t.version, t.digest)) for t in targets]
 
 
 @dataclass
@@ -172,34 +173,34 @@ class ExpiryReport:
     unreadable: list[str]  # expiry keys that do not parse (left alone)
 
 
-def expire_refs(reg: Registry, now: float, dry_run: bool, grace: float) -> ExpiryReport:
+def expire_refs(refstore: RefStore, now: float, dry_run: bool, grace: float) -> ExpiryReport:
     """Remove each ref whose expiry has passed (envs first; a layer an env
     still names is kept), and expiries that no longer apply (older than
     ``grace``: a writer records its expiry right after its ref)."""
     report = ExpiryReport([], [], 0, [])
     for kind in (ENVS, LAYERS):
-        expiries, bad = read_expiries(reg, kind)
+        expiries, bad = read_expiries(refstore, kind)
         report.unreadable += bad
         for exp in expiries:
-            current = reg.read_ref(kind, exp.name, exp.version)
+            current = refstore.read_ref(kind, exp.name, exp.version)
             if current != exp.digest:
-                if not dry_run and _stale_long_enough(reg, exp, now, grace):
+                if not dry_run and _stale_long_enough(refstore, exp, now, grace):
                     report.stale += 1
-                    reg.store.delete(expiry_key(kind, exp.name, exp.version))
+                    refstore.store.delete(expiry_key(kind, exp.name, exp.version))
                 continue
             if exp.expires > now:
                 continue
             gone_envs = frozenset(str(e) for e in report.removed)  # (envs are done first)
-            users = envs_naming(reg, exp.digest, gone_envs) if kind == LAYERS else []
+            users = envs_naming(refstore, exp.digest, gone_envs) if kind == LAYERS else []
             if users:
                 report.kept_in_use.append(f"{exp} (by {', '.join(users)})")
-            elif dry_run or remove_ref(reg, kind, exp.name, exp.version, exp.digest):
+            elif dry_run or remove_ref(refstore, kind, exp.name, exp.version, exp.digest):
                 report.removed.append(exp)
     return report
 
 
-def _stale_long_enough(reg: Registry, exp: Expiry, now: float, grace: float) -> bool:
-    info = reg.store.head(expiry_key(exp.kind, exp.name, exp.version))
+def _stale_long_enough(refstore: RefStore, exp: Expiry, now: float, grace: float) -> bool:
+    info = refstore.store.head(expiry_key(exp.kind, exp.name, exp.version))
     return info is not None and info.mtime < now - grace
 
 

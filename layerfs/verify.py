@@ -29,7 +29,7 @@ from .errors import (
 )
 from .formats.chunktable import ChunkEntry
 from .manifest import LayerManifest
-from .registry import Registry
+from .refstore import RefStore
 
 
 class Found(enum.Enum):
@@ -120,26 +120,26 @@ def _check_object(report: VerifyReport, what: str, digest: str,
     return True
 
 
-def verify_layer(reg: Registry, digest: str, workers: int = 8) -> VerifyReport:
+def verify_layer(refstore: RefStore, digest: str, workers: int = 8) -> VerifyReport:
     """Read back the meta image, the chunk table and every chunk (a run of
     neighbouring chunks per range read); one :class:`ObjectCheck` per object."""
-    manifest = reg.any_layer(digest)
+    manifest = refstore.any_layer(digest)
     report = VerifyReport(f"{manifest.name}@{manifest.version}")
     if isinstance(manifest, LayerManifest):
         _check_object(report, "meta image", manifest.meta.digest,
-                      lambda: reg.meta_image(manifest))
+                      lambda: refstore.meta_image(manifest))
         split = manifest.tar_split
         if split is not None:
             _check_object(report, "tar-split record", split.digest,
-                          lambda: reg.store.get_blob(split.digest))
+                          lambda: refstore.store.get_blob(split.digest))
     tables = []
     if not _check_object(report, "chunk table", manifest.chunk_table.digest,
-                         lambda: tables.append(reg.chunk_table(manifest))):
+                         lambda: tables.append(refstore.chunk_table(manifest))):
         return report
 
     def check(run: list[ChunkEntry]) -> list[tuple[ChunkEntry, LayerfsError | None]]:
         try:
-            results = fetch_run(reg.store, run)
+            results = fetch_run(refstore.store, run)
         except LayerfsError as exc:  # the read itself failed: every chunk of the run
             return [(entry, exc) for entry in run]
         return [(entry, r if isinstance(r, LayerfsError) else None)

@@ -14,7 +14,7 @@ from layerfs.builder.layer import BuildOptions, BuildResult, build_layer
 from layerfs.chunks import materialize_blob
 from layerfs.errors import StoreError
 from layerfs.mounts import mount_erofs, umount
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 from layerfs.store.base import Store
 
 IN_CI = os.environ.get("CI") == "true"
@@ -34,20 +34,20 @@ def need_root() -> None:
 
 
 def build(store: Store, src: str, name: str = "t", version: str = "1", **kw) -> BuildResult:
-    return build_layer(Registry(store), src, BuildOptions(name, version, **kw))
+    return build_layer(RefStore(store), src, BuildOptions(name, version, **kw))
 
 
 @contextmanager
 def mounted_layer(store: Store, digest: str, workdir: str) -> Iterator[str]:
     """Fetch a layer's meta image and whole blob, mount them, yield the mount point."""
     need_root()
-    reg = Registry(store)
-    manifest = reg.layer(digest)
+    refstore = RefStore(store)
+    manifest = refstore.layer(digest)
     os.makedirs(workdir, exist_ok=True)
     meta, blob, mnt = (os.path.join(workdir, n) for n in ("meta.img", "blob.img", "mnt"))
     with open(meta, "wb") as f:
-        f.write(reg.meta_image(manifest))
-    materialize_blob(store, reg.chunk_table(manifest), blob)
+        f.write(refstore.meta_image(manifest))
+    materialize_blob(store, refstore.chunk_table(manifest), blob)
     fsck = subprocess.run(["fsck.erofs", f"--device={blob}", meta], capture_output=True,
                           text=True)
     assert fsck.returncode == 0, f"fsck.erofs rejected the image: {fsck.stdout}{fsck.stderr}"

@@ -24,7 +24,7 @@ from layerfs.builder.pipeline import ChunkPipeline, DedupIndex
 from layerfs.chunks import materialize_blob
 from layerfs.formats import lsmt
 from layerfs.manifest import BlobRef, DiskManifest
-from layerfs.registry import LAYERS, Registry
+from layerfs.refstore import LAYERS, RefStore
 from layerfs.store.base import blob_key
 
 MiB = 1 << 20
@@ -98,10 +98,10 @@ def disk_path(node: NodeDaemon, sid: str) -> Path:
 
 def test_sealed_layer_fields_match_the_lsmt_layout(tmp_path, store):
     img = make_image(tmp_path / "img", 8 * MiB + 512 * 3, seed=1)
-    res = build_disk(Registry(store), str(img), "disk/a", "1", chunk_size=MiB)
-    reg = Registry(store)
+    res = build_disk(RefStore(store), str(img), "disk/a", "1", chunk_size=MiB)
+    refstore = RefStore(store)
     sealed = tmp_path / "sealed"
-    materialize_blob(store, reg.chunk_table(res.manifest), str(sealed))
+    materialize_blob(store, refstore.chunk_table(res.manifest), str(sealed))
     raw = sealed.read_bytes()
     head, tail = raw[:4096], raw[-4096:]
     magic1 = bytes.fromhex("657E63D29444084CA2D2C8EC4FCFAE8A")
@@ -163,8 +163,8 @@ def test_parent_chain_reads_as_one_disk(node, store, tmp_path):
         f.write(os.urandom(300_000 // 512 * 512))
         f.seek(0)
         f.write(bytes(2 * MiB // 3 // 512 * 512))
-    build_disk(Registry(store), str(a), "chain/x", "1")
-    child = build_disk(Registry(store), str(b), "chain/x", "2", parent_ref="chain/x@1")
+    build_disk(RefStore(store), str(a), "chain/x", "1")
+    child = build_disk(RefStore(store), str(b), "chain/x", "2", parent_ref="chain/x@1")
     assert child.manifest.parent_ref == "chain/x@1"
     node.cli("disk", "create", "d", "--base", "chain/x@2")
     assert sha256_file(disk_path(node, "d")) == sha256_file(b)
@@ -266,7 +266,7 @@ def test_qemu_img_reads_the_disk(node, store, tmp_path):
     if not shutil.which("qemu-img"):
         pytest.fail("qemu-img (Debian qemu-utils) is required")
     img = make_image(tmp_path / "img", 16 * MiB, seed=4)
-    build_disk(Registry(store), str(img), "q/base", "1")
+    build_disk(RefStore(store), str(img), "q/base", "1")
     node.cli("disk", "create", "q", "--base", "q/base@1")
     expect = bytearray(img.read_bytes())
     with open(disk_path(node, "q"), "r+b") as f:
@@ -321,15 +321,15 @@ def publish_raw_sealed(store, raw: bytes, name: str, virtual_size: int,
                             virtual_size=virtual_size, uuid=lsmt.new_uuid(), parent=parent,
                             parent_ref=None, index_offset=0, index_entries=0, created="now")
     mdigest, _ = store.put_blob(manifest.to_bytes())
-    Registry(store).publish(LAYERS, name, "1", mdigest)
+    RefStore(store).publish(LAYERS, name, "1", mdigest)
 
 
 def test_bad_lsmt_input_is_a_clear_error(node, store, tmp_path):
     img = make_image(tmp_path / "img", 2 * MiB, seed=6)
-    good = build_disk(Registry(store), str(img), "good", "1")
+    good = build_disk(RefStore(store), str(img), "good", "1")
     node.cli("disk", "create", "ok", "--base", "good@1")
     sealed = tmp_path / "sealed"
-    materialize_blob(store, Registry(store).chunk_table(good.manifest), str(sealed))
+    materialize_blob(store, RefStore(store).chunk_table(good.manifest), str(sealed))
     raw = bytearray(sealed.read_bytes())
     size = good.manifest.virtual_size
 
@@ -343,8 +343,8 @@ def test_bad_lsmt_input_is_a_clear_error(node, store, tmp_path):
     struct.pack_into("<QQ", past, ioff, lo, hi + (1 << 40))  # moffset far past the data
     publish_raw_sealed(store, bytes(past), "bad/index", size)
     # a parent the daemon has not read yet (it keeps manifests it verified: they are immutable)
-    lost = build_disk(Registry(store), str(img), "lost", "1")
-    child = build_disk(Registry(store), str(img), "orphan", "1", parent_ref="lost@1")
+    lost = build_disk(RefStore(store), str(img), "lost", "1")
+    child = build_disk(RefStore(store), str(img), "orphan", "1", parent_ref="lost@1")
     cases = [("bad/trailer@1", "bad magic"), ("bad/truncated@1", "bad"),
              ("bad/index@1", "past the data")]
     for ref, words in cases:

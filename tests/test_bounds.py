@@ -26,7 +26,7 @@ from layerfs.builder.oci.fold import fold_source
 from layerfs.errors import OverLimit
 from layerfs.imageconfig import ImageConfig
 from layerfs.node.process import LAYERFS
-from layerfs.registry import ENVS, LAYERS, Registry, ref_key
+from layerfs.refstore import ENVS, LAYERS, RefStore, ref_key
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -156,7 +156,7 @@ def test_fold_of_61_layers_imports_with_a_bounded_source(tmp_path, store, store_
     assert proc.returncode == 0, proc.stderr
     (layer,) = json.loads(proc.stdout)["layers"]
     assert len(layer["diff_ids"]) == 61
-    manifest = Registry(store).layer(layer["digest"])
+    manifest = RefStore(store).layer(layer["digest"])
     assert manifest.source == "oci:" + ",".join(layer["diff_ids"])
     assert len(manifest.source) <= MAX_STRING
     for args in (["ls"], ["env", "ls"], ["gc", "--dry-run"]):
@@ -173,15 +173,15 @@ def test_fold_source_of_a_list_longer_than_a_string_is_summed_up():
 
 
 def test_a_layer_whose_manifest_is_over_a_bound_is_refused_before_its_ref(tmp_path, store):
-    reg = Registry(store)
+    refstore = RefStore(store)
     with pytest.raises(OverLimit, match=r"field source is over the limit: a string of 65537"):
-        build_layer(reg, small_tree(tmp_path), BuildOptions("long", "1"),
+        build_layer(refstore, small_tree(tmp_path), BuildOptions("long", "1"),
                     origin="o" * (MAX_STRING + 1))
-    assert reg.list_refs(LAYERS) == []
+    assert refstore.list_refs(LAYERS) == []
     with pytest.raises(OverLimit, match=r"env e@1: field config.labels\['k'\]"):
-        create_env(reg, "e", "1", [build(store, small_tree(tmp_path)).ref],
+        create_env(refstore, "e", "1", [build(store, small_tree(tmp_path)).ref],
                    config=ImageConfig(labels={"k": "v" * (MAX_STRING + 1)}))
-    assert reg.list_refs(ENVS) == []
+    assert refstore.list_refs(ENVS) == []
 
 
 # --- a bad object in the store: named, skipped; gc deletes no blob ----------------------
@@ -196,9 +196,9 @@ def small_tree(tmp_path: Path) -> str:
 def craft_bad_objects(store, tmp_path: Path) -> list[str]:
     """Two good envs; an env ref whose manifest does not parse, a layer ref that is
     not a digest, an env naming a layer manifest that is missing. The names to see."""
-    reg = Registry(store)
+    refstore = RefStore(store)
     good = build(store, small_tree(tmp_path), name="good", version="1")
-    create_env(reg, "e", "1", ["good@1"])
+    create_env(refstore, "e", "1", ["good@1"])
     bad_env = json.dumps({"schema": 1, "kind": "env", "name": "bad", "version": "1",
                           "layers": [], "created": ""}).encode()
     digest, _ = store.put_blob(bad_env)

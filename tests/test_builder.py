@@ -13,7 +13,7 @@ from layerfs.builder.env import create_env
 from layerfs.errors import RefNotFound, StoreError, UsageError, VersionExists
 from layerfs.formats.chunktable import FILE_START
 from layerfs.gc import collect
-from layerfs.registry import ENVS, LAYERS, Registry
+from layerfs.refstore import ENVS, LAYERS, RefStore
 from layerfs.store.base import BLOB_PREFIX
 
 
@@ -46,7 +46,7 @@ def test_other_content_under_same_version_fails(tmp_path, store):
     with pytest.raises(VersionExists):
         build(store, str(tmp_path / "b"), chunk_size=16384)
     assert blobs(store) == before
-    assert Registry(store).resolve(LAYERS, "t@1") == first.digest
+    assert RefStore(store).resolve(LAYERS, "t@1") == first.digest
 
 
 def test_new_version_uploads_only_changed_chunks(tmp_path, store):
@@ -98,8 +98,8 @@ def test_each_file_flags_its_first_chunk_in_the_blob(tmp_path, store):
     with open(src / "c", "wb") as f:  # a hole, then a chunk
         f.truncate(c)
         f.write(random.Random(4).randbytes(100))
-    reg = Registry(store)
-    table = reg.chunk_table(reg.layer(build(store, str(src), chunk_size=c).digest))
+    refstore = RefStore(store)
+    table = refstore.chunk_table(refstore.layer(build(store, str(src), chunk_size=c).digest))
     flagged = [bool(e.flags & FILE_START) for e in table.entries]
     assert len(flagged) == 4 and flagged == [True, False, True, True]  # a, a, b's 2nd, c's 2nd
 
@@ -110,18 +110,18 @@ def test_failed_push_publishes_nothing_and_gc_sees_leftovers(tmp_path, store):
     write_tree(tmp_path / "a", 4)
     with pytest.raises(StoreError):
         build(ManifestPutFails(store), str(tmp_path / "a"), name="broken", chunk_size=16384)
-    reg = Registry(store)
+    refstore = RefStore(store)
     with pytest.raises(RefNotFound):
-        reg.resolve(LAYERS, "broken@1")
-    dry = collect(reg, dry_run=True, grace=3600)
+        refstore.resolve(LAYERS, "broken@1")
+    dry = collect(refstore, dry_run=True, grace=3600)
     assert len(dry.unreachable) >= 3  # packs, chunk table and meta image of the failed push
     assert all(u["young"] for u in dry.unreachable) and dry.deleted == 0
-    done = collect(reg, dry_run=False, grace=0)
+    done = collect(refstore, dry_run=False, grace=0)
     assert done.deleted == len(dry.unreachable)
-    assert collect(reg, dry_run=True).unreachable == []
-    assert reg.resolve(LAYERS, "keep@1") == kept.digest  # reachable data untouched
+    assert collect(refstore, dry_run=True).unreachable == []
+    assert refstore.resolve(LAYERS, "keep@1") == kept.digest  # reachable data untouched
     from layerfs.verify import verify_layer
-    assert verify_layer(reg, kept.digest).ok
+    assert verify_layer(refstore, kept.digest).ok
 
 
 @pytest.mark.parametrize("kw,err", [
@@ -143,12 +143,12 @@ def test_envs(tmp_path, store):
     for i, name in enumerate(["base", "tool", "ws"]):
         write_tree(tmp_path / name, i, files=3)
         build(store, str(tmp_path / name), name=name, chunk_size=16384)
-    reg = Registry(store)
-    env = create_env(reg, "e", "1", ["ws@1", "tool@1", "base@1"])
+    refstore = RefStore(store)
+    env = create_env(refstore, "e", "1", ["ws@1", "tool@1", "base@1"])
     assert env.published and [x.ref for x in env.manifest.layers] == ["ws@1", "tool@1", "base@1"]
-    assert create_env(reg, "e", "1", ["ws@1", "tool@1", "base@1"]).published is False
+    assert create_env(refstore, "e", "1", ["ws@1", "tool@1", "base@1"]).published is False
     with pytest.raises(VersionExists):
-        create_env(reg, "e", "1", ["tool@1", "base@1"])
+        create_env(refstore, "e", "1", ["tool@1", "base@1"])
     with pytest.raises(RefNotFound):
-        create_env(reg, "e", "2", ["missing@1"])
-    assert [str(r) for r in reg.list_refs(ENVS)] == ["e@1"]
+        create_env(refstore, "e", "2", ["missing@1"])
+    assert [str(r) for r in refstore.list_refs(ENVS)] == ["e@1"]

@@ -38,7 +38,7 @@ from layerfs.node.bundle import (
 )
 from layerfs.node.imageuser import ImageFileError, ImageUserError, resolve_user
 from layerfs.node.process import LAYERFS
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 from layerfs.store import open_store
 
 APPLETS = ("sh", "cat", "echo", "id", "pwd", "sleep", "true")
@@ -125,25 +125,25 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
     host_file.write_text(HOST_PASSWD)
     url = "file://" + str(work / "store")
     store = open_store(url, None)
-    reg = Registry(store)
+    refstore = RefStore(store)
     try:
         build(store, str(make_rootfs(work / "base")), name="base")
-        create_env(reg, "img", "1", ["base@1"], config=IMAGE)
-        create_env(reg, "numeric", "1", ["base@1"], config=ImageConfig(
+        create_env(refstore, "img", "1", ["base@1"], config=IMAGE)
+        create_env(refstore, "numeric", "1", ["base@1"], config=ImageConfig(
             user="4321:4322", cmd=["/bin/sh", "-c", "id -u; id -g; pwd; echo $HOME $PATH"]))
-        create_env(reg, "bare", "1", ["base@1"])
-        create_env(reg, "ghost", "1", ["base@1"], config=ImageConfig(user="ghost",
+        create_env(refstore, "bare", "1", ["base@1"])
+        create_env(refstore, "ghost", "1", ["base@1"], config=ImageConfig(user="ghost",
                                                                       cmd=["true"]))
         for variant in mount_point_variants():
             build(store, str(hostile_mount_points(work / variant, work, variant)),
                   name=f"mp-{variant}")
             for who, user in (("root", ""), ("user", "1234:2345")):
-                create_env(reg, f"mp-{variant}-{who}", "1", [f"mp-{variant}@1", "base@1"],
+                create_env(refstore, f"mp-{variant}-{who}", "1", [f"mp-{variant}@1", "base@1"],
                            config=ImageConfig(user=user, working_dir="/work",
                                               cmd=["/bin/sh", "-c", "echo ran $(id -u)"]))
         for kind in ("symlink", "fifo", "huge"):
             build(store, str(hostile_etc(work / kind, kind, host_file)), name=f"etc-{kind}")
-            create_env(reg, f"hostile-{kind}", "1", [f"etc-{kind}@1", "base@1"],
+            create_env(refstore, f"hostile-{kind}", "1", [f"etc-{kind}@1", "base@1"],
                        config=ImageConfig(cmd=["/bin/sh", "-c", "echo $HOME"]))
     finally:
         store.close()

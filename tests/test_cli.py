@@ -76,9 +76,9 @@ def test_verify_finds_a_corrupt_chunk(tmp_path, store, store_args):
     write_tree(tmp_path / "a", 9, files=3)
     out = json.loads(layerfs("build", str(tmp_path / "a"), "--name", "c", "--version", "1",
                              "--chunk-size", "16K", "--json", *store_args).stdout)
-    from layerfs.registry import Registry
-    reg = Registry(store)
-    table = reg.chunk_table(reg.layer(out["digest"]))
+    from layerfs.refstore import RefStore
+    refstore = RefStore(store)
+    table = refstore.chunk_table(refstore.layer(out["digest"]))
     pack = table.entries[0].pack
     data = bytearray(store.get(blob_key(pack)))
     data[table.entries[0].pack_offset + 3] ^= 0xFF

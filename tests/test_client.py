@@ -26,7 +26,7 @@ from layerfs.store import open_store
 
 # What only the daemon, the store clients and the builder need.
 HEAVY = frozenset({"trio", "pyfuse3", "lmdb", "boto3", "botocore", "zstandard"})
-HEAVY_OURS = frozenset({"layerfs.node.daemon", "layerfs.registry", "layerfs.store"})
+HEAVY_OURS = frozenset({"layerfs.node.daemon", "layerfs.refstore", "layerfs.store"})
 
 
 def make_rootfs(root: Path) -> Path:

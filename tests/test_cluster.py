@@ -31,7 +31,7 @@ from layerfs.cache.chunkcache import ChunkCache
 from layerfs.errors import ObjectUnavailable, StoreUnreachable
 from layerfs.formats.chunktable import ChunkEntry
 from layerfs.node.fetcher import ChunkFetcher, FetchError
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 from layerfs.store import Store, open_store
 from layerfs.store.base import blob_key
 from layerfs.store.counting import CountingStore
@@ -78,14 +78,14 @@ def build(tmp_path: Path, url: str, endpoints: str, name: str, seed: int,
     assert proc.returncode == 0, proc.stderr
     store = open_store(url, endpoints)
     try:
-        return Registry(store).resolve("layers", f"c/{name}@1")
+        return RefStore(store).resolve("layers", f"c/{name}@1")
     finally:
         store.close()
 
 
 def entries(store: Store, digest: str) -> list[ChunkEntry]:
-    reg = Registry(store)
-    return reg.chunk_table(reg.layer(digest)).entries
+    refstore = RefStore(store)
+    return refstore.chunk_table(refstore.layer(digest)).entries
 
 
 def read_chunks(store: Store, tmp_path: Path, wanted: list[ChunkEntry]) -> list[bytes | str]:
@@ -225,7 +225,7 @@ def test_two_daemons_read_a_build_while_a_gateway_and_a_volume_server_die(
     digest = build(tmp_path, url, endpoints, "two", seed=3)
     store = open_store(url, endpoints)
     try:
-        create_env(Registry(store), "e", "1", ["c/two@1"])
+        create_env(RefStore(store), "e", "1", ["c/two@1"])
         first_pack = entries(store, digest)[0].pack
         prefix = store.prefix  # type: ignore[attr-defined]
     finally:

@@ -11,7 +11,7 @@ from nodes import NodeDaemon
 from test_node import CHUNK, publish_base_env, settle, up
 
 from layerfs.node.traces import MAX_TRACE, merge_traces, parse_trace, trace_key
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 
 
 def test_traces_merge_as_a_union_in_first_touch_order():
@@ -100,7 +100,7 @@ def test_up_replays_a_pushed_trace_by_default_and_traces_of_runs_merge(node, tmp
         other.cli("down", "t2")
         merged = pushed_chunks(other)  # merged with what the store held
         assert merged > both
-        digest = Registry(store).resolve("layers", "base@1")
+        digest = RefStore(store).resolve("layers", "base@1")
         stored = parse_trace(store.get(trace_key(digest)))
         assert stored is not None and len(stored) == merged
     finally:

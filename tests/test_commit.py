@@ -22,7 +22,7 @@ from layerfs.errors import SourceError
 from layerfs.manifest import ImageConfig
 from layerfs.node.control import RemoteError
 from layerfs.node.process import LAYERFS
-from layerfs.registry import ENVS, LAYERS, Registry
+from layerfs.refstore import ENVS, LAYERS, RefStore
 from layerfs.store import open_store
 
 CHUNK = 65536
@@ -55,7 +55,7 @@ def base_env(tmp_path, store, store_location):
     need_root()
     build(store, str(make_base(tmp_path / "base")), name="base", chunk_size=CHUNK)
     config = ImageConfig(env=["PATH=/bin", "LANG=C"], cmd=["/bin/sh"], working_dir="/data")
-    create_env(Registry(store), "e", "1", ["base@1"], config=config)
+    create_env(RefStore(store), "e", "1", ["base@1"], config=config)
     return store_location
 
 
@@ -136,10 +136,11 @@ def test_commit_recreates_the_sandbox_on_another_node(node, base_env, store, tmp
     made = layerfs("env", "create", "new@1", "--layer", "ws@1", "--on", "e@1",
                    *base_env.cli_args())
     assert made.startswith("new@1 sha256:")
-    reg = Registry(store)
-    env = reg.env(reg.resolve(ENVS, "new@1"))
+    refstore = RefStore(store)
+    env = refstore.env(refstore.resolve(ENVS, "new@1"))
     assert [layer.ref for layer in env.layers] == ["ws@1", "base@1"]
-    assert env.config == reg.env(reg.resolve(ENVS, "e@1")).config  # the image config is kept
+    kept = refstore.env(refstore.resolve(ENVS, "e@1")).config
+    assert env.config == kept  # the image config is kept
     other = NodeDaemon(tmp_path / "other", base_env.cli_args(), cache_size="64M").start()
     try:
         copy = up(other, "new@1", "s2")
@@ -289,9 +290,9 @@ def test_commit_never_follows_a_directory_swapped_for_a_symlink(tmp_path):
     (outside / "shadow").write_text("host secret")
     source = SwappingSource(str(upper_with(tmp_path)), outside)
     with pytest.raises(SourceError) as err:
-        build_layer(Registry(store), "sandbox s1", BuildOptions("ws", "1"), source=source)
+        build_layer(RefStore(store), "sandbox s1", BuildOptions("ws", "1"), source=source)
     assert str(err.value) == "source /victim: changed type during the commit"
-    assert Registry(store).read_ref(LAYERS, "ws", "1") is None
+    assert RefStore(store).read_ref(LAYERS, "ws", "1") is None
 
 
 def test_commit_skips_what_vanishes_during_the_walk(tmp_path):
@@ -299,7 +300,7 @@ def test_commit_skips_what_vanishes_during_the_walk(tmp_path):
     upper = upper_with(tmp_path, "doomed", "kept")
     source = SwappingSource(str(upper), tmp_path)
     os.rename(upper / "victim", upper / "plain")  # no swap this time
-    result = build_layer(Registry(store), "sandbox s1", BuildOptions("ws", "1"), source=source)
+    result = build_layer(RefStore(store), "sandbox s1", BuildOptions("ws", "1"), source=source)
     assert result.published and source.vanished == ["/doomed"]
     assert result.manifest.stats.files == 2  # kept, plain/inside
 
@@ -312,7 +313,7 @@ def test_commit_of_a_huge_sparse_file_stores_no_holes(tmp_path):
         f.truncate(1 << 30)
         f.seek((1 << 30) - 1)
         f.write(b"x")
-    result = build_layer(Registry(store), "sandbox s1", BuildOptions("ws", "1"),
+    result = build_layer(RefStore(store), "sandbox s1", BuildOptions("ws", "1"),
                          source=UpperSource(str(upper)))
     stats = result.manifest.stats
     assert stats.file_bytes == 1 << 30 and stats.unique_chunks == 1

@@ -32,7 +32,7 @@ from layerfs.errors import BlobVanished, StoreError
 from layerfs.gc import collect
 from layerfs.node.disks import DiskState, WritableDisk
 from layerfs.node.process import LAYERFS
-from layerfs.registry import LAYERS, Registry, ref_key
+from layerfs.refstore import LAYERS, RefStore, ref_key
 from layerfs.store.base import BLOB_PREFIX, blob_key
 from layerfs.store.file import FileStore
 from layerfs.store.keys import TEMP_MARK
@@ -64,7 +64,7 @@ def failed_push(store, src) -> set[str]:
 
 
 def assert_complete(store, digest: str) -> None:
-    report = verify_layer(Registry(store), digest)
+    report = verify_layer(RefStore(store), digest)
     assert report.ok, report.problems
 
 
@@ -76,14 +76,14 @@ def test_retry_survives_gc_between_reachability_and_delete(tmp_path, store, monk
     retried = {}
     real_reachable = gcmod.reachable_blobs
 
-    def reachable_then_retry(reg):
-        live = real_reachable(reg)
+    def reachable_then_retry(refstore):
+        live = real_reachable(refstore)
         retried["result"] = build(store, str(tmp_path / "src"), name="app", chunk_size=16384,
                                   pack_size=65536)
         return live
 
     monkeypatch.setattr(gcmod, "reachable_blobs", reachable_then_retry)
-    report = collect(Registry(store), dry_run=False, grace=GRACE)
+    report = collect(RefStore(store), dry_run=False, grace=GRACE)
     assert retried["result"].manifest.stats.uploaded_packs == 0  # every pack was reused
     assert_complete(store, retried["result"].digest)
     assert report.deleted == 0 and report.kept_young >= len(left)
@@ -95,13 +95,13 @@ def test_retry_survives_gc_between_reuse_and_ref(tmp_path, store, monkeypatch):
     write_tree(tmp_path / "src", 2)
     failed_push(store, tmp_path / "src")
     reports = []
-    real_publish = Registry.publish
+    real_publish = RefStore.publish
 
     def gc_then_publish(self, kind, name, version, digest, same=None):
-        reports.append(collect(Registry(store), dry_run=False, grace=GRACE))
+        reports.append(collect(RefStore(store), dry_run=False, grace=GRACE))
         return real_publish(self, kind, name, version, digest, same)
 
-    monkeypatch.setattr(Registry, "publish", gc_then_publish)
+    monkeypatch.setattr(RefStore, "publish", gc_then_publish)
     result = build(store, str(tmp_path / "src"), name="app", chunk_size=16384, pack_size=65536)
     assert_complete(store, result.digest)
     assert reports and reports[0].deleted == 0
@@ -115,15 +115,15 @@ def test_dedup_with_a_layer_whose_ref_is_deleted_during_the_push(tmp_path, store
     write_tree(tmp_path / "app", 3, files=14)  # base's 12 files and two more
     time.sleep(AGE_WAIT)
     reports = []
-    real_publish = Registry.publish
+    real_publish = RefStore.publish
 
     def drop_base_gc_then_publish(self, kind, name, version, digest, same=None):
         if name == "app":
             store.delete(ref_key(LAYERS, "base", "1"))
-            reports.append(collect(Registry(store), dry_run=False, grace=GRACE))
+            reports.append(collect(RefStore(store), dry_run=False, grace=GRACE))
         return real_publish(self, kind, name, version, digest, same)
 
-    monkeypatch.setattr(Registry, "publish", drop_base_gc_then_publish)
+    monkeypatch.setattr(RefStore, "publish", drop_base_gc_then_publish)
     result = build(store, str(tmp_path / "app"), name="app", chunk_size=16384, pack_size=65536,
                    dedup_with=["base@1"])
     assert result.manifest.stats.reused_chunks > 0
@@ -139,8 +139,8 @@ def test_reused_pack_lost_after_the_ref_fails_the_push_and_takes_the_ref_back(
     base = build(store, str(tmp_path / "base"), name="base", chunk_size=16384,
                  pack_size=65536)
     write_tree(tmp_path / "app", 4, files=14)
-    real_publish = Registry.publish
-    pack = Registry(store).chunk_table(base.manifest).packs()[0]
+    real_publish = RefStore.publish
+    pack = RefStore(store).chunk_table(base.manifest).packs()[0]
 
     def publish_then_lose_pack(self, kind, name, version, digest, same=None):
         written = real_publish(self, kind, name, version, digest, same)
@@ -148,12 +148,12 @@ def test_reused_pack_lost_after_the_ref_fails_the_push_and_takes_the_ref_back(
             store.delete(blob_key(pack))  # what a gc in its head-to-delete window does
         return written
 
-    monkeypatch.setattr(Registry, "publish", publish_then_lose_pack)
+    monkeypatch.setattr(RefStore, "publish", publish_then_lose_pack)
     with pytest.raises(BlobVanished) as info:
         build(store, str(tmp_path / "app"), name="app", chunk_size=16384, pack_size=65536,
               dedup_with=["base@1"])
     assert pack in str(info.value) and "nothing was published" in str(info.value)
-    assert Registry(store).read_ref(LAYERS, "app", "1") is None
+    assert RefStore(store).read_ref(LAYERS, "app", "1") is None
 
 
 def test_retry_puts_back_its_own_blobs_lost_after_the_ref(tmp_path, store, monkeypatch):
@@ -161,7 +161,7 @@ def test_retry_puts_back_its_own_blobs_lost_after_the_ref(tmp_path, store, monke
     a gc took them between the push's reuse and its check."""
     write_tree(tmp_path / "src", 5)
     failed_push(store, tmp_path / "src")
-    real_publish = Registry.publish
+    real_publish = RefStore.publish
 
     def publish_then_lose_table(self, kind, name, version, digest, same=None):
         written = real_publish(self, kind, name, version, digest, same)
@@ -170,7 +170,7 @@ def test_retry_puts_back_its_own_blobs_lost_after_the_ref(tmp_path, store, monke
         store.delete(blob_key(manifest.meta.digest))
         return written
 
-    monkeypatch.setattr(Registry, "publish", publish_then_lose_table)
+    monkeypatch.setattr(RefStore, "publish", publish_then_lose_table)
     result = build(store, str(tmp_path / "src"), name="app", chunk_size=16384, pack_size=65536)
     assert_complete(store, result.digest)
 

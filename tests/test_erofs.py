@@ -17,7 +17,7 @@ from treecmp import diff_trees
 from layerfs.formats.chunktable import HEADER
 from layerfs.formats.erofs import write_meta_image
 from layerfs.mounts import mount_erofs, umount
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 from layerfs.store.file import FileStore
 from layerfs.tree import FileTree, FsNode
 
@@ -45,7 +45,7 @@ def test_output_is_deterministic(tmp_path):
     for i in range(2):
         store = FileStore(str(tmp_path / f"store{i}"))
         res = build(store, src, chunk_size=65536)
-        metas.append(Registry(store).meta_image(res.manifest))
+        metas.append(RefStore(store).meta_image(res.manifest))
         tables.append(store.get_blob(res.manifest.chunk_table.digest))
     assert metas[0] == metas[1]
     assert len(tables[0]) > HEADER.size

@@ -27,7 +27,7 @@ from layerfs.formats.crc32c import crc32c
 from layerfs.formats.erofs import BLOCK, SB_OFFSET
 from layerfs.formats.erofscheck import check_meta_image
 from layerfs.mounts import mount_erofs, umount
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 from layerfs.store import open_store
 
 CHUNK = 65536
@@ -109,11 +109,11 @@ def sample(tmp_path_factory: pytest.TempPathFactory) -> Sample:
                     long_names=True)
     store = open_store("file://" + str(work / "store"))
     result = build(store, src, name="s", chunk_size=CHUNK)
-    reg = Registry(store)
-    manifest = reg.layer(result.digest)
-    image = reg.meta_image(manifest)
+    refstore = RefStore(store)
+    manifest = refstore.layer(result.digest)
+    image = refstore.meta_image(manifest)
     blob = work / "blob.img"
-    materialize_blob(store, reg.chunk_table(manifest), str(blob))
+    materialize_blob(store, refstore.chunk_table(manifest), str(blob))
     store.close()
     return Sample(image, blob, manifest.blob_size, manifest.chunk_size,
                   layout_of(image, manifest.blob_size, manifest.chunk_size))
@@ -415,7 +415,7 @@ sys.modules["layerfs.formats._erofscheck"] = None  # as if it was never built
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 from layerfs.errors import BadMetaImage
 from layerfs.formats import erofscheck
-import layerfs.registry  # imports the check
+import layerfs.refstore  # imports the check
 image = open(sys.argv[1], "rb").read()
 blob_size, chunk_size = int(sys.argv[2]), int(sys.argv[3])
 print(erofscheck.check_meta_image(image, blob_size, chunk_size, "s@1").inodes)
@@ -484,9 +484,9 @@ def test_big_meta_image_passes(tmp_path):
     need_root()
     src = make_tree(str(tmp_path / "src"), seed=5, chunk_size=CHUNK, big_dir=10_000)
     store = open_store("file://" + str(tmp_path / "store"))
-    reg = Registry(store)
-    manifest = reg.layer(build(store, src, name="big", chunk_size=CHUNK).digest)
-    shape = check_meta_image(reg.meta_image(manifest), manifest.blob_size, manifest.chunk_size,
+    refstore = RefStore(store)
+    manifest = refstore.layer(build(store, src, name="big", chunk_size=CHUNK).digest)
+    shape = check_meta_image(refstore.meta_image(manifest), manifest.blob_size, manifest.chunk_size,
                              "big@1")
     assert shape.inodes > 10_000
     store.close()
@@ -504,7 +504,7 @@ if __name__ == "__main__":  # a long fuzz run, outside the suite: python test_er
         work = Path(tmp)
         src = make_tree(str(work / "src"), seed=3, chunk_size=CHUNK, big_dir=300)
         fstore = open_store("file://" + str(work / "store"))
-        freg = Registry(fstore)
+        freg = RefStore(fstore)
         m = freg.layer(build(fstore, src, name="s", chunk_size=CHUNK).digest)
         img = freg.meta_image(m)
         materialize_blob(fstore, freg.chunk_table(m), str(work / "blob.img"))

@@ -56,7 +56,7 @@ from layerfs.manifest import (
     MetaRef,
     TarSplitRef,
 )
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 from layerfs.store import open_store
 from layerfs.store.base import blob_key
 from layerfs.store.file import FileStore
@@ -111,9 +111,9 @@ def env(tmp_path, store):
     build(store, str(upper_tar(tmp_path / "up.tar")), name="up", chunk_size=CHUNK)
     build(store, str(top_tar(tmp_path / "top.tar")), name="top", chunk_size=CHUNK)
     layers = ["top@1", "up@1", "gen@1", "base@1"]
-    reg = Registry(store)
-    create_env(reg, "e", "1", layers, config=CONFIG)
-    create_env(reg, "e", "2", layers)
+    refstore = RefStore(store)
+    create_env(refstore, "e", "1", layers, config=CONFIG)
+    create_env(refstore, "e", "2", layers)
     return store
 
 
@@ -289,9 +289,9 @@ def test_bad_input_is_one_line_and_writes_nothing(env, tmp_path, store_args):
     assert snapshot(str(dest / "img"), dir_mtime=False) == before
 
     # a damaged chunk: integrity error, nothing at DEST, no temporaries beside it
-    reg = Registry(env)
-    manifest = reg.layer(reg.resolve("layers", "gen@1"))
-    victim = max(reg.chunk_table(manifest).entries, key=lambda e: e.length)
+    refstore = RefStore(env)
+    manifest = refstore.layer(refstore.resolve("layers", "gen@1"))
+    victim = max(refstore.chunk_table(manifest).entries, key=lambda e: e.length)
     data = bytearray(env.get(blob_key(victim.pack)))
     data[victim.pack_offset + 10] ^= 0x55
     env.put(blob_key(victim.pack), bytes(data))
@@ -332,9 +332,9 @@ def test_layer_meta_image_reads_back(tmp_path, store):
     """A built layer (chunked files, holes, hard links, shared xattrs, devices)."""
     need_root()
     src = make_tree(str(tmp_path / "src"), seed=3, chunk_size=CHUNK, big_dir=300)
-    reg = Registry(store)
-    manifest = reg.layer(build(store, src, chunk_size=CHUNK).digest)
-    image = reg.meta_image(manifest)
+    refstore = RefStore(store)
+    manifest = refstore.layer(build(store, src, chunk_size=CHUNK).digest)
+    image = refstore.meta_image(manifest)
     meta = read_meta_image(image)
     assert meta.chunk_size == CHUNK
     assert write_meta_image(meta.tree, meta.blob_blocks, CHUNK.bit_length() - 1) == image
@@ -381,7 +381,7 @@ def small_env(tmp_path) -> list[str]:
     (src / "data").write_bytes(os.urandom(3 * CHUNK))
     store = FileStore(str(tmp_path / "store"))
     build(store, str(src), name="small", chunk_size=CHUNK)
-    create_env(Registry(store), "s", "1", ["small@1"], config=CONFIG)
+    create_env(RefStore(store), "s", "1", ["small@1"], config=CONFIG)
     return ["--store", f"file://{tmp_path / 'store'}"]
 
 
@@ -483,8 +483,9 @@ def test_next_export_removes_what_a_killed_one_left(kind, small_env, tmp_path):
     if kind == "existing layout":
         layerfs("export", "s@1", f"oci:{dest}:first", *small_env)
     store = FileStore(small_env[1].removeprefix("file://"))
-    reg = Registry(store)
-    pack = reg.chunk_table(reg.layer(reg.resolve("layers", "small@1"))).entries[0].pack
+    refstore = RefStore(store)
+    small = refstore.layer(refstore.resolve("layers", "small@1"))
+    pack = refstore.chunk_table(small).entries[0].pack
     pack_path = Path(store.root) / blob_key(pack)
     data = pack_path.read_bytes()
     pack_path.unlink()
@@ -679,9 +680,9 @@ def test_changed_layers_are_rebuilt_as_before(source_images, tmp_path, store, st
     layerfs("import", src, "--name", "img", "--version", "1", *store_args)
     layerfs("import", src, "--name", "folded", "--version", "1", "--fold", "1G", *store_args)
     build(store, str(top_tar(tmp_path / "top.tar")), name="mine", chunk_size=CHUNK)
-    reg = Registry(store)
-    imported = [layer.ref for layer in reg.env(reg.resolve("envs", "img@1")).layers]
-    create_env(reg, "mix", "1", ["mine@1", *imported])
+    refstore = RefStore(store)
+    imported = [layer.ref for layer in refstore.env(refstore.resolve("envs", "img@1")).layers]
+    create_env(refstore, "mix", "1", ["mine@1", *imported])
     for env_name, extra, kept in (("folded@1", [], 0), ("img@1", ["--fold"], 0),
                                   ("mix@1", [], 3)):
         dest = tmp_path / env_name
@@ -698,18 +699,18 @@ def test_changed_layers_are_rebuilt_as_before(source_images, tmp_path, store, st
 
 def layer_with_record(store, env_name: str = "img@1"):
     """The bottom layer of the env: its ref, its manifest (which has a record)."""
-    reg = Registry(store)
-    layer = reg.env(reg.resolve("envs", env_name)).layers[-1]
-    manifest = reg.layer(layer.digest)
+    refstore = RefStore(store)
+    layer = refstore.env(refstore.resolve("envs", env_name)).layers[-1]
+    manifest = refstore.layer(layer.digest)
     assert manifest.tar_split is not None
-    return reg, layer, manifest
+    return refstore, layer, manifest
 
 
 def test_damaged_record_fails_the_export_and_writes_nothing(source_images, tmp_path, store,
                                                             store_args):
     src, _ = source_images["python-pax"]
     layerfs("import", src, "--name", "img", "--version", "1", *store_args)
-    reg, layer, manifest = layer_with_record(store)
+    refstore, layer, manifest = layer_with_record(store)
     key = blob_key(manifest.tar_split.digest)
     data = bytearray(store.get(key))
     data[len(data) // 2] ^= 0x01
@@ -737,7 +738,7 @@ def test_unprivileged_export_writes_the_recorded_tars(source_images, store_args,
                       ["export", "img@1", f"oci:{image}:t", *args]) == 0
         assert layer_tars(image, "t") == layer_tars(layout, "t")
         store = open_store(args[1], args[3] if len(args) > 3 else None)
-        reg, _, manifest = layer_with_record(store)
+        refstore, _, manifest = layer_with_record(store)
         assert manifest.tar_split is not None
         key = blob_key(manifest.tar_split.digest)
         store.put(key, store.get(key)[:-1])
@@ -763,15 +764,15 @@ def test_record_that_writes_another_tar_fails_the_export(source_images, tmp_path
     manifest naming a forged record) fails that layer, naming it."""
     src, _ = source_images["python-pax"]
     layerfs("import", src, "--name", "img", "--version", "1", *store_args)
-    reg, _, manifest = layer_with_record(store)
+    refstore, _, manifest = layer_with_record(store)
     assert manifest.tar_split is not None
     forged = forged_record(store.get_blob(manifest.tar_split.digest))
     digest, _ = store.put_blob(forged)
     copy = dataclasses.replace(manifest, name="forged", tar_split=dataclasses.replace(
         manifest.tar_split, digest=digest, size=len(forged)))
     layer_digest, _ = store.put_blob(copy.to_bytes())
-    reg.publish("layers", "forged", "1", layer_digest)
-    create_env(reg, "forged", "1", ["forged@1"])
+    refstore.publish("layers", "forged", "1", layer_digest)
+    create_env(refstore, "forged", "1", ["forged@1"])
     dest = tmp_path / "out"
     line = one_line_error(layerfs("export", "forged@1", f"oci:{dest}", *store_args,
                                   check=False), 6)
@@ -921,10 +922,10 @@ def test_record_past_its_bound_is_not_made(tmp_path, store, monkeypatch):
         padded.size = 3 << 20
         tar.addfile(padded, io.BytesIO(os.urandom(padded.size)))
     layout = python_image(tmp_path / "L", [buf.getvalue()])
-    reg = Registry(store)
-    result = import_image(reg, open_oci_source(f"oci:{layout}:t"), ImportOptions("big", "1"))
-    assert reg.layer(result.layers[0].digest).tar_split is None
-    export_env(reg, "big@1", parse_destination(f"oci:{tmp_path / 'out'}:t"))
+    refstore = RefStore(store)
+    result = import_image(refstore, open_oci_source(f"oci:{layout}:t"), ImportOptions("big", "1"))
+    assert refstore.layer(result.layers[0].digest).tar_split is None
+    export_env(refstore, "big@1", parse_destination(f"oci:{tmp_path / 'out'}:t"))
     (diff_id,), _ = layer_tars(layout, "t")
     got, _ = layer_tars(tmp_path / "out", "t")
     assert got != [diff_id]

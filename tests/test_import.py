@@ -40,7 +40,7 @@ from treecmp import diff_trees
 from layerfs.builder.oci.resolve import host_platform
 from layerfs.mounts import mount, umount
 from layerfs.node.process import LAYERFS
-from layerfs.registry import ENVS, LAYERS, Registry
+from layerfs.refstore import ENVS, LAYERS, RefStore
 from layerfs.store.file import FileStore
 
 REF = "org.opencontainers.image.ref.name"
@@ -105,8 +105,8 @@ def test_layout_import_makes_one_layer_per_diff_id_and_keeps_the_config(images, 
     assert [x["diff_ids"] for x in out["layers"]] == [[d] for d in reversed(diff_ids)]
     assert [x["ref"] for x in out["layers"]] == [
         f"oci/sha256/{d.removeprefix('sha256:')}@1" for d in reversed(diff_ids)]
-    reg = Registry(store)
-    env = reg.env(reg.resolve(ENVS, "img@1"))
+    refstore = RefStore(store)
+    env = refstore.env(refstore.resolve(ENVS, "img@1"))
     assert [layer.ref for layer in env.layers] == [x["ref"] for x in out["layers"]]
     c = env.config
     assert c is not None
@@ -116,7 +116,7 @@ def test_layout_import_makes_one_layer_per_diff_id_and_keeps_the_config(images, 
         {"org.example.kind": "test"}, ["8080/tcp"], "SIGTERM")
     assert c.architecture == config["architecture"] and c.os == "linux"
     for x in out["layers"]:
-        assert reg.layer(x["digest"]).source == "oci:" + x["diff_ids"][0]
+        assert refstore.layer(x["digest"]).source == "oci:" + x["diff_ids"][0]
 
 
 def test_second_tag_sharing_the_base_uploads_only_its_new_layer(images, store_args):
@@ -727,7 +727,7 @@ def test_an_image_of_300_layers_imports_comes_up_and_runs(tmp_path, store, store
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "env big@1 has 501 distinct layers" in lines[0] and "--fold" in lines[0]
-    assert Registry(store).read_ref(ENVS, "big", "1") is None
+    assert RefStore(store).read_ref(ENVS, "big", "1") is None
     node = NodeDaemon(tmp_path / "node", store_args, cache_size="64M").start()
     try:
         rootfs = Path(node.cli("up", "many@1", "--id", "s1").stdout.strip())
@@ -767,6 +767,6 @@ def test_an_image_of_more_layers_than_an_overlay_stacks_is_refused_naming_fold(
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "501 distinct layers" in lines[0] and "500" in lines[0] and "--fold" in lines[0]
-    reg = Registry(store)
-    assert reg.list_refs(ENVS) == [] and reg.list_refs(LAYERS) == []  # nothing published
+    refstore = RefStore(store)
+    assert refstore.list_refs(ENVS) == [] and refstore.list_refs(LAYERS) == []  # nothing published
     assert list(store.list("")) == []

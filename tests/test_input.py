@@ -26,7 +26,7 @@ import pytest
 import zstandard
 from support import mounted_layer
 
-from layerfs.registry import LAYERS, Registry
+from layerfs.refstore import LAYERS, RefStore
 from layerfs.store.file import FileStore
 
 COMPRESSIONS = ["plain", "gzip", "xz", "bzip2", "zstd"]
@@ -103,16 +103,16 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, store: Path, *words
     for word in words:
         assert word in lines[0], proc.stderr
     if store.exists():
-        assert Registry(FileStore(str(store))).list_refs(LAYERS) == []
+        assert RefStore(FileStore(str(store))).list_refs(LAYERS) == []
 
 
 def layer_digest(store: Path, ref: str = "t@1") -> str:
-    return Registry(FileStore(str(store))).resolve(LAYERS, ref)
+    return RefStore(FileStore(str(store))).resolve(LAYERS, ref)
 
 
 def meta_digest(store: Path, ref: str = "t@1") -> str:
-    reg = Registry(FileStore(str(store)))
-    return reg.layer(reg.resolve(LAYERS, ref)).meta.raw_digest
+    refstore = RefStore(FileStore(str(store)))
+    return refstore.layer(refstore.resolve(LAYERS, ref)).meta.raw_digest
 
 
 def build_file(tmp_path: Path, data: bytes,
@@ -135,8 +135,8 @@ def test_process_substitution_gives_the_tar_content(tmp_path, how):
     proc = subprocess.run(["bash", "-c", f"{sys.executable} -m layerfs.tools.main {args}"],
                           cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    reg = Registry(FileStore(str(from_pipe)))
-    manifest = reg.layer(reg.resolve(LAYERS, "t@1"))
+    refstore = RefStore(FileStore(str(from_pipe)))
+    manifest = refstore.layer(refstore.resolve(LAYERS, "t@1"))
     assert (manifest.stats.files, manifest.stats.dirs, manifest.stats.symlinks) == (2, 1, 1)
     assert meta_digest(from_pipe) == meta_digest(from_file)
 
@@ -273,8 +273,8 @@ def test_gnu_tar_sparse_file_builds_with_its_holes(tmp_path, fmt):
     store = tmp_path / "store"
     proc = layerfs(*build_cmd(str(archive), store))
     assert proc.returncode == 0, proc.stderr
-    reg = Registry(FileStore(str(store)))
-    assert reg.layer(layer_digest(store)).stats.holes == 10
+    refstore = RefStore(FileStore(str(store)))
+    assert refstore.layer(layer_digest(store)).stats.holes == 10
     with mounted_layer(FileStore(str(store)), layer_digest(store), str(tmp_path / "m")) as mnt:
         assert Path(mnt, "holey").read_bytes() == (src / "holey").read_bytes()
 

@@ -18,7 +18,7 @@ from nodes import NodeDaemon
 from support import build, need_root
 
 from layerfs.errors import NodeFull
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 
 CHUNK = 65536
 
@@ -89,8 +89,8 @@ def test_a_cache_file_of_another_chunk_is_never_served(node, store, two_layers):
     other = (rootfs / "data" / "f1").read_bytes()
     node.cli("down", "s1")
     assert node.stop() == 0  # drop the daemon's memory and the kernel's page cache
-    reg = Registry(store)
-    table = {e.sha256.hex() for e in reg.chunk_table(reg.layer(two_layers["a"])).entries}
+    refstore = RefStore(store)
+    table = {e.sha256.hex() for e in refstore.chunk_table(refstore.layer(two_layers["a"])).entries}
     victim_sha, donor_sha = chunk_sha(want, 1), chunk_sha(other, 1)
     assert {victim_sha, donor_sha} <= table
     cache = node.root / "cache"
@@ -171,7 +171,7 @@ def test_vm_up_hands_out_only_a_checked_meta_image(node, store, two_layers):
                              "--disk-size", "16M").stdout)
     drives = {d["drive_id"]: d for d in vm["drives"]}
     meta = Path(drives[vm["layers"][0]["meta_drive"]]["path_on_host"])
-    reg = Registry(store)
-    want = reg.layer(two_layers["a"]).meta.raw_digest
+    refstore = RefStore(store)
+    want = refstore.layer(two_layers["a"]).meta.raw_digest
     assert "sha256:" + hashlib.sha256(meta.read_bytes()).hexdigest() == want
     node.cli("vm", "down", "v1")

@@ -26,7 +26,7 @@ from layerfs.errors import BadMetaImage, CheckerTimeout, IntegrityError
 from layerfs.formats.erofscheck import check_meta_image
 from layerfs.node.metacheck import CHECKER_IDS, LOCK_DIR, MetaChecker, named
 from layerfs.node.replica import Replica
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 
 
 def stored(image: bytes) -> tuple[bytes, int]:
@@ -338,9 +338,9 @@ def test_a_timeout_keeps_nothing_of_the_layer_and_the_next_fetch_checks_it(
         checker.start()
         os.kill(worker_pid(checker), signal.SIGSTOP)
         with pytest.raises(CheckerTimeout, match="a@1 was not checked"):
-            replica.verified_layer(Registry(store), a)
+            replica.verified_layer(RefStore(store), a)
         assert replica.layer(a) is None and list(replica.meta_dir.iterdir()) == []
-        assert replica.verified_layer(Registry(store), a).meta_path.exists()
+        assert replica.verified_layer(RefStore(store), a).meta_path.exists()
     finally:
         replica.close()
         checker.close()

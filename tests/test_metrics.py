@@ -22,7 +22,7 @@ from test_restart import wait_for
 from layerfs.builder.env import create_env
 from layerfs.node.control import wait_ready
 from layerfs.node.process import LAYERFS
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 from layerfs.store.base import blob_key
 
 MiB = 1 << 20
@@ -60,7 +60,7 @@ def metered(tmp_path, store, store_location):
     src.mkdir()
     (src / "data").write_bytes(os.urandom(FILE_SIZE))
     digest = build(store, str(src), name="m", chunk_size=MiB).digest
-    create_env(Registry(store), "e", "1", ["m@1"])
+    create_env(RefStore(store), "e", "1", ["m@1"])
     node = NodeDaemon(tmp_path / "node", store_location.cli_args())
     node.port = free_port()
     node.extra_args = ["--metrics", f"127.0.0.1:{node.port}"]
@@ -121,8 +121,8 @@ def test_metrics_move_with_the_work(metered, tmp_path):
 def test_store_errors_are_counted_by_kind(metered, store):
     node = metered
     node.cli("up", "e@1", "--id", "s1")
-    reg = Registry(store)
-    for pack in {e.pack for e in reg.chunk_table(reg.layer(node.digest)).entries}:
+    refstore = RefStore(store)
+    for pack in {e.pack for e in refstore.chunk_table(refstore.layer(node.digest)).entries}:
         store.delete(blob_key(pack))
     with pytest.raises(OSError):
         read_cold(node.root / "sandboxes" / "s1" / "rootfs" / "data")

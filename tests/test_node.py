@@ -23,7 +23,7 @@ from support import build, need_root
 
 from layerfs.builder.env import create_env
 from layerfs.node.daemon import mounts_under
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 from layerfs.store.base import blob_key
 
 CHUNK = 65536
@@ -69,7 +69,7 @@ def publish_base_env(tmp_path: Path, store) -> None:
     need_root()
     build(store, str(make_base(tmp_path / "base")), name="base", chunk_size=CHUNK)
     build(store, str(upper_tar(tmp_path / "up.tar")), name="up", chunk_size=CHUNK)
-    create_env(Registry(store), "e", "1", ["up@1", "base@1"])
+    create_env(RefStore(store), "e", "1", ["up@1", "base@1"])
 
 
 @pytest.fixture
@@ -193,9 +193,9 @@ def test_store_outage_gives_eio_in_bounded_time(node, request):
 
 @pytest.mark.daemon_log(r"integrity check failed for chunk")
 def test_corrupt_chunk_in_store_is_eio_and_logged(node, store):
-    reg = Registry(store)
-    manifest = reg.layer(reg.resolve("layers", "base@1"))
-    table = reg.chunk_table(manifest)
+    refstore = RefStore(store)
+    manifest = refstore.layer(refstore.resolve("layers", "base@1"))
+    table = refstore.chunk_table(manifest)
     victim = max(table.entries, key=lambda e: e.length)
     data = bytearray(store.get(blob_key(victim.pack)))
     data[victim.pack_offset + 10] ^= 0x55
@@ -338,8 +338,8 @@ def test_prefetch_full_with_a_corrupt_chunk_fails_and_leaves_nothing_up(node, st
     """The damaged chunk sits in the middle of a run of neighbours: `up` fails
     with one line naming it and exit 6, no sandbox stays up or mounted; once the pack is
     repaired `up` succeeds without fetching the run's good chunks again."""
-    reg = Registry(store)
-    table = reg.chunk_table(reg.layer(reg.resolve("layers", "base@1")))
+    refstore = RefStore(store)
+    table = refstore.chunk_table(refstore.layer(refstore.resolve("layers", "base@1")))
     by_pack = sorted(table.entries, key=lambda e: e.location)
     victim = by_pack[len(by_pack) // 2]
     good = bytes(store.get(blob_key(victim.pack)))
@@ -392,9 +392,9 @@ def test_bad_requests_are_one_line_errors(node):
 
 def test_blob_file_is_read_only_and_exact(node, store):
     up(node, "s1")
-    reg = Registry(store)
-    digest = reg.resolve("layers", "base@1")
-    table = reg.chunk_table(reg.layer(digest))
+    refstore = RefStore(store)
+    digest = refstore.resolve("layers", "base@1")
+    table = refstore.chunk_table(refstore.layer(digest))
     blob = node.root / "fuse" / "blobs" / digest.removeprefix("sha256:")
     assert stat.S_ISREG(blob.stat().st_mode) and blob.stat().st_size == table.blob_size
     with pytest.raises(OSError) as err:
@@ -458,7 +458,7 @@ def test_the_node_forgets_a_layer_no_sandbox_used_for_forget_after(tmp_path, sto
     want = os.urandom(6 * CHUNK)
     (tmp_path / "other" / "data").write_bytes(want)
     other = build(store, str(tmp_path / "other"), name="other", chunk_size=CHUNK).digest
-    create_env(Registry(store), "o", "1", ["other@1"])
+    create_env(RefStore(store), "o", "1", ["other@1"])
     node = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="64M")
     node.extra_args = ["--forget-after", "1s"]
     node.start()

@@ -18,7 +18,7 @@ from test_node import publish_base_env
 
 from layerfs.builder.env import create_env
 from layerfs.errors import ObjectNotFound, StoreUnreachable
-from layerfs.registry import ENVS, Registry
+from layerfs.refstore import ENVS, RefStore
 from layerfs.store.file import FileStore
 from layerfs.store.keys import TEMP_MARK
 
@@ -38,7 +38,7 @@ def away_store(store_location):
 def node(tmp_path, store, away_store):
     """Env e@1 (and f@1, never brought up here) and a daemon on them."""
     publish_base_env(tmp_path, store)
-    create_env(Registry(store), "f", "1", ["base@1"])
+    create_env(RefStore(store), "f", "1", ["base@1"])
     daemon = NodeDaemon(tmp_path / "node", away_store.cli_args(), cache_size="64M",
                         read_timeout=4.0).start()
     try:
@@ -67,7 +67,7 @@ def wait_for_log(node: NodeDaemon, pattern: str, timeout: float = 30.0) -> None:
 def test_up_with_the_store_away(node, store, away_store):
     first = Path(up(node, "e@1", "s1").stdout.strip())
     want = (first / "data" / "file0").read_bytes()
-    digest = Registry(store).resolve(ENVS, "e@1")
+    digest = RefStore(store).resolve(ENVS, "e@1")
     away_store.away()
     try:
         named = up(node, "e@1", "s2")

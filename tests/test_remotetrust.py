@@ -39,7 +39,7 @@ from layerfs.manifest import (
 )
 from layerfs.node.metacheck import MetaChecker
 from layerfs.node.traces import trace_bytes, trace_key
-from layerfs.registry import ENVS, LAYERS, Registry, ref_key
+from layerfs.refstore import ENVS, LAYERS, RefStore, ref_key
 from layerfs.store.base import Store, blob_key, sha256_digest
 
 
@@ -55,7 +55,7 @@ def two_layers(tmp_path: Path, store: Store) -> tuple[str, str]:
     """Layers a@1 and b@1 (different trees) and env e@1 = [a@1]; their digests."""
     a = build(store, small_tree(tmp_path / "a", "a"), name="a", chunk_size=65536)
     b = build(store, small_tree(tmp_path / "b", "b"), name="b", chunk_size=65536)
-    create_env(Registry(store), "e", "1", ["a@1"])
+    create_env(RefStore(store), "e", "1", ["a@1"])
     return a.digest, b.digest
 
 
@@ -79,7 +79,7 @@ def test_ref_rewritten_to_another_layers_manifest_is_refused(store, store_args, 
         line = one_line_error(layerfs(*args, *store_args, check=False), code=6)
         assert "a@1" in line and "b@1" in line, line
     with pytest.raises(RefMismatch):
-        Registry(store).resolve(LAYERS, "a@1")
+        RefStore(store).resolve(LAYERS, "a@1")
     assert layerfs("verify", "b@1", *store_args).returncode == 0  # b itself is fine
     # e@1 pinned a's manifest by digest when it was made: it still names a@1's tree
     assert layerfs("verify", "e@1", *store_args).stdout.startswith("a@1: ")
@@ -88,10 +88,10 @@ def test_ref_rewritten_to_another_layers_manifest_is_refused(store, store_args, 
 def test_env_ref_rewritten_or_env_naming_other_layers_is_refused(store, store_args,
                                                                  two_layers):
     a, b = two_layers
-    reg = Registry(store)
-    create_env(reg, "f", "1", ["b@1"])
-    e_digest = reg.read_ref(ENVS, "e", "1").encode()
-    point_ref(store, ENVS, "e@1", reg.read_ref(ENVS, "f", "1").encode())
+    refstore = RefStore(store)
+    create_env(refstore, "f", "1", ["b@1"])
+    e_digest = refstore.read_ref(ENVS, "e", "1").encode()
+    point_ref(store, ENVS, "e@1", refstore.read_ref(ENVS, "f", "1").encode())
     for args in (["verify", "e@1"], ["env", "ls"]):
         line = one_line_error(layerfs(*args, *store_args, check=False), code=6)
         assert "e@1" in line and "f@1" in line, line
@@ -105,7 +105,7 @@ def test_env_ref_rewritten_or_env_naming_other_layers_is_refused(store, store_ar
     pinned = EnvManifest("h", "1", [EnvLayer(a, b)], created="now")  # by digest, other digest
     publish_manifest(store, ENVS, "h@1", pinned.to_bytes())
     with pytest.raises(RefMismatch):
-        reg.env(reg.resolve(ENVS, "h@1"))
+        refstore.env(refstore.resolve(ENVS, "h@1"))
 
 
 class GatedManifests:
@@ -130,17 +130,17 @@ def test_an_envs_layer_manifests_are_fetched_at_once(store, two_layers):
     """Resolving an env reads its layers' manifests in parallel: one store round
     trip for all of them; each is still checked against its ref."""
     a, b = two_layers
-    create_env(Registry(store), "both", "1", ["a@1", "b@1"])
-    reg = Registry(store)
-    digest = reg.resolve(ENVS, "both@1")
-    gated = Registry(GatedManifests(store, {a, b}))  # type: ignore[arg-type]
+    create_env(RefStore(store), "both", "1", ["a@1", "b@1"])
+    refstore = RefStore(store)
+    digest = refstore.resolve(ENVS, "both@1")
+    gated = RefStore(GatedManifests(store, {a, b}))  # type: ignore[arg-type]
     assert [layer.digest for layer in gated.env(digest).layers] == [a, b]
 
 
 def test_a_missing_layer_manifest_of_an_env_is_read_once_and_one_error(store, two_layers):
     a, b = two_layers
-    create_env(Registry(store), "both", "1", ["a@1", "b@1"])
-    digest = Registry(store).resolve(ENVS, "both@1")
+    create_env(RefStore(store), "both", "1", ["a@1", "b@1"])
+    digest = RefStore(store).resolve(ENVS, "both@1")
     store.delete(blob_key(b))
     reads: list[str] = []
 
@@ -150,7 +150,7 @@ def test_a_missing_layer_manifest_of_an_env_is_read_once_and_one_error(store, tw
             return self.store.get_blob(digest)
 
     with pytest.raises(ObjectNotFound):
-        Registry(Counting(store, {a, b})).env(digest)  # type: ignore[arg-type]
+        RefStore(Counting(store, {a, b})).env(digest)  # type: ignore[arg-type]
     assert reads.count(b) == 1 and reads.count(a) == 1
 
 
@@ -264,8 +264,8 @@ def test_mutated_manifests_through_the_cli_are_one_line(tmp_path, sample_manifes
     from layerfs.store import open_store
 
     store = open_store(store_args[1])
-    reg = Registry(store)
-    good = json.loads(store.get_blob(reg.read_ref(LAYERS, "m", "1")))
+    refstore = RefStore(store)
+    good = json.loads(store.get_blob(refstore.read_ref(LAYERS, "m", "1")))
     mutants = [{"chunk_size": "65536"}, {"meta": [good["meta"]]},
                {"stats": {**good["stats"], "files": -1}}, {"role": 7},
                {"meta": {**good["meta"], "raw_size": 2.5}}, {"blob_size": None},
@@ -287,8 +287,8 @@ def test_mutated_manifests_through_the_cli_are_one_line(tmp_path, sample_manifes
 
 def republish_with_meta(store: Store, digest: str, image: bytes, ref: str) -> str:
     """A copy of layer ``digest`` as ``ref`` whose meta image is ``image`` (digests right)."""
-    reg = Registry(store)
-    manifest = reg.layer(digest)
+    refstore = RefStore(store)
+    manifest = refstore.layer(digest)
     stored = zstandard.ZstdCompressor().compress(image)
     meta_digest, _ = store.put_blob(stored)
     name, _, version = ref.rpartition("@")
@@ -299,9 +299,9 @@ def republish_with_meta(store: Store, digest: str, image: bytes, ref: str) -> st
 
 def chunk_past_blob(store: Store, digest: str) -> bytes:
     """The layer's meta image with its first chunk index pointing past the blob."""
-    reg = Registry(store)
-    manifest = reg.layer(digest)
-    image = bytearray(reg.meta_image(manifest))
+    refstore = RefStore(store)
+    manifest = refstore.layer(digest)
+    image = bytearray(refstore.meta_image(manifest))
     at = layout_of(bytes(image), manifest.blob_size, manifest.chunk_size).chunk_indexes[0]
     image[at + 4 : at + 8] = (1 << 20).to_bytes(4, "little")
     return reseal(image)
@@ -339,9 +339,9 @@ def test_daemon_up_refuses_bad_refs_and_bad_meta_images(node, store, two_layers)
     bad = republish_with_meta(store, a, chunk_past_blob(store, a), "bad@1")
     # a pushed trace: the replay starts once the (sound) chunk table is in, and the
     # up that then fails on the meta image stops it
-    chunks = len(Registry(store).chunk_table(Registry(store).layer(bad)).entries)
+    chunks = len(RefStore(store).chunk_table(RefStore(store).layer(bad)).entries)
     store.put(trace_key(bad), trace_bytes(list(range(chunks))))
-    create_env(Registry(store), "badenv", "1", ["bad@1"])
+    create_env(RefStore(store), "badenv", "1", ["bad@1"])
     point_ref(store, LAYERS, "c@1", b.encode() + b"\n")  # c@1 points at b's manifest
     point_ref(store, LAYERS, "g@1", b"\xff\xfe garbage")
     cases = [(["--layer", "c@1"], "b@1"), (["--layer", "g@1"], "not ASCII"),
@@ -351,7 +351,7 @@ def test_daemon_up_refuses_bad_refs_and_bad_meta_images(node, store, two_layers)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 6 and len(lines) == 1 and words in lines[0], proc.stderr
         assert "internal error" not in proc.stderr
-    bad_hex = Registry(store).read_ref(LAYERS, "bad", "1").removeprefix("sha256:")
+    bad_hex = RefStore(store).read_ref(LAYERS, "bad", "1").removeprefix("sha256:")
     assert bad_hex not in _mounts()  # never mounted
     assert not (node.root / "meta" / f"{bad_hex}.erofs").exists()
     rootfs = Path(node.cli("up", "e@1", "--id", "ok").stdout.strip())
@@ -360,21 +360,22 @@ def test_daemon_up_refuses_bad_refs_and_bad_meta_images(node, store, two_layers)
 
 
 def test_the_daemons_checker_gives_the_same_image_and_verdicts(store, two_layers):
-    """Registry.meta_image through the checker processes (the stored bytes sent,
+    """RefStore.meta_image through the checker processes (the stored bytes sent,
     decompressed and checked there while this side hashes its own copy): the
     same image as in-process, the same refusal, and a digest that does not
     match is said before the structure."""
     a, _ = two_layers
-    reg = Registry(store)
+    refstore = RefStore(store)
     checker = MetaChecker()
     try:
-        assert reg.meta_image(reg.layer(a), checker.check) == reg.meta_image(reg.layer(a))
-        bad = reg.layer(republish_with_meta(store, a, chunk_past_blob(store, a), "bad@1"))
+        layer_a = refstore.layer(a)
+        assert refstore.meta_image(layer_a, checker.check) == refstore.meta_image(layer_a)
+        bad = refstore.layer(republish_with_meta(store, a, chunk_past_blob(store, a), "bad@1"))
         with pytest.raises(BadMetaImage, match="outside the blob"):
-            reg.meta_image(bad, checker.check)
+            refstore.meta_image(bad, checker.check)
         lying = replace(bad, meta=replace(bad.meta, raw_digest=sha256_digest(b"other")))
         with pytest.raises(IntegrityError, match="does not match its digest") as info:
-            reg.meta_image(lying, checker.check)
+            refstore.meta_image(lying, checker.check)
         assert not isinstance(info.value, BadMetaImage)
     finally:
         checker.close()

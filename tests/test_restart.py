@@ -31,7 +31,7 @@ from layerfs.builder.env import create_env
 from layerfs.node.control import wait_ready
 from layerfs.node.daemon import mounts_under
 from layerfs.node.process import LAYERFS
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 
 MiB = 1 << 20
 FILES = 4  # per sandbox
@@ -120,7 +120,7 @@ def live(tmp_path, store, store_location):
     for i in range(2 * FILES):
         (src / "data" / f"f{i}").write_bytes(os.urandom(FILE_SIZE))
     build(store, str(src), name="big", chunk_size=MiB)
-    create_env(Registry(store), "e", "1", ["big@1"])
+    create_env(RefStore(store), "e", "1", ["big@1"])
     node = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="1G").start()
     node.src = src
     try:

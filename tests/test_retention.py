@@ -9,7 +9,7 @@ import time
 from test_builder import write_tree
 from test_cli import layerfs, one_line_error
 
-from layerfs.registry import LAYERS, Registry
+from layerfs.refstore import LAYERS, RefStore
 from layerfs.retention import expires_at, read_expiries, set_expiry
 from layerfs.store.base import BLOB_PREFIX, Store
 
@@ -60,9 +60,9 @@ def test_rm_of_a_layer_an_env_names_is_refused_and_rm_gc_frees_its_bytes(
 def test_rm_leaves_a_ref_published_again_meanwhile(tmp_path, store, store_args):
     from layerfs.retention import remove_ref
     build(tmp_path, store_args, "a", 1)
-    reg = Registry(store)
-    assert not remove_ref(reg, LAYERS, "a", "1", "sha256:" + "0" * 64)  # another digest
-    assert reg.read_ref(LAYERS, "a", "1") is not None
+    refstore = RefStore(store)
+    assert not remove_ref(refstore, LAYERS, "a", "1", "sha256:" + "0" * 64)  # another digest
+    assert refstore.read_ref(LAYERS, "a", "1") is not None
 
 
 def test_an_expired_ref_is_removed_by_gc_and_freed_a_never_expiring_one_kept(
@@ -70,9 +70,9 @@ def test_an_expired_ref_is_removed_by_gc_and_freed_a_never_expiring_one_kept(
     short = build(tmp_path, store_args, "short", 3)
     build(tmp_path, store_args, "long", 4)
     named = build(tmp_path, store_args, "named", 5)
-    reg = Registry(store)
-    set_expiry(reg, LAYERS, "short", "1", short["digest"], expires_at(1))
-    set_expiry(reg, LAYERS, "named", "1", named["digest"], expires_at(1))
+    refstore = RefStore(store)
+    set_expiry(refstore, LAYERS, "short", "1", short["digest"], expires_at(1))
+    set_expiry(refstore, LAYERS, "named", "1", named["digest"], expires_at(1))
     layerfs("env", "create", "keep@1", "--layer", "named@1", *store_args)
     time.sleep(1.2)
     before = blob_bytes(store)
@@ -90,10 +90,10 @@ def test_an_expired_ref_is_removed_by_gc_and_freed_a_never_expiring_one_kept(
 
 def test_a_stale_expiry_never_removes_a_later_publication(tmp_path, store, store_args):
     first = build(tmp_path, store_args, "v", 6)
-    reg = Registry(store)
-    set_expiry(reg, LAYERS, "v", "1", first["digest"], expires_at(0.1))
+    refstore = RefStore(store)
+    set_expiry(refstore, LAYERS, "v", "1", first["digest"], expires_at(0.1))
     layerfs("rm", "v@1", *store_args)
-    set_expiry(reg, LAYERS, "v", "1", first["digest"], expires_at(0.1))  # left behind
+    set_expiry(refstore, LAYERS, "v", "1", first["digest"], expires_at(0.1))  # left behind
     write_tree(tmp_path / "v", 7, files=2)
     layerfs("build", str(tmp_path / "v"), "--name", "v", "--version", "1", *store_args)
     time.sleep(0.3)
@@ -108,7 +108,7 @@ def test_an_expiry_record_that_names_no_time_or_no_digest_is_set_aside(tmp_path)
     from layerfs.store.file import FileStore
 
     store = FileStore(tmp_path / "store")
-    reg = Registry(store)
+    refstore = RefStore(store)
     digest = "sha256:" + "ab" * 32
     records = {
         "nan": b'{"digest": "%s", "expires": NaN}' % digest.encode(),
@@ -118,6 +118,6 @@ def test_an_expiry_record_that_names_no_time_or_no_digest_is_set_aside(tmp_path)
     }
     for name, data in records.items():
         store.put(f"expiry/layers/{name}/1", data)
-    found, bad = read_expiries(reg, LAYERS)
+    found, bad = read_expiries(refstore, LAYERS)
     assert found == [] and sorted(bad) == sorted(f"expiry/layers/{n}/1" for n in records)
 

@@ -38,7 +38,7 @@ from layerfs.errors import (
 )
 from layerfs.node.controlserver import exit_code_of
 from layerfs.node.fetcher import ChunkFetcher, FetchError
-from layerfs.registry import ENVS, LAYERS, Registry
+from layerfs.refstore import ENVS, LAYERS, RefStore
 from layerfs.store.base import RetryPolicy, blob_key
 from layerfs.store.file import FileStore
 from layerfs.store.s3 import S3Store
@@ -72,7 +72,7 @@ def test_identical_builds_at_once_both_succeed(tmp_path, store):
     results = build_both(racing_refs(store), [str(tmp_path / "a")] * 2)
     assert not [r for r in results if isinstance(r, Exception)], results
     assert sorted(r.published for r in results) == [False, True]
-    named = Registry(store).resolve(LAYERS, "t@1")
+    named = RefStore(store).resolve(LAYERS, "t@1")
     assert [r.digest for r in results] == [named, named]  # the loser reports the winner's layer
 
 
@@ -83,7 +83,7 @@ def test_different_builds_at_once_one_fails(tmp_path, store):
     failed = [r for r in results if isinstance(r, VersionExists)]
     assert len(failed) == 1 and failed[0].exit_code == 4
     won = next(r for r in results if not isinstance(r, Exception))
-    assert Registry(store).resolve(LAYERS, "t@1") == won.digest
+    assert RefStore(store).resolve(LAYERS, "t@1") == won.digest
 
 
 def test_identical_env_creates_at_once_both_succeed(tmp_path, store):
@@ -91,10 +91,10 @@ def test_identical_env_creates_at_once_both_succeed(tmp_path, store):
     build(store, str(tmp_path / "a"), name="base", chunk_size=16384)
     faulty = racing_refs(store)
     with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda _: create_env(Registry(faulty), "e", "1", ["base@1"]),
+        results = list(pool.map(lambda _: create_env(RefStore(faulty), "e", "1", ["base@1"]),
                                 range(2)))
     assert sorted(r.published for r in results) == [False, True]
-    assert {r.digest for r in results} == {Registry(store).resolve(ENVS, "e@1")}
+    assert {r.digest for r in results} == {RefStore(store).resolve(ENVS, "e@1")}
 
 
 # ------------------------------------------------ one error class per kind of failure
@@ -104,8 +104,8 @@ def built_layer(tmp_path, store, files: int = 12):
     """A layer t@1 with several packs; its registry and chunk table."""
     write_tree(tmp_path / "src", 3, files=files)
     result = build(store, str(tmp_path / "src"), chunk_size=16384, pack_size=65536)
-    reg = Registry(store)
-    return reg, result, reg.chunk_table(result.manifest)
+    refstore = RefStore(store)
+    return refstore, result, refstore.chunk_table(result.manifest)
 
 
 def test_store_errors_have_their_own_classes_and_codes():
@@ -118,7 +118,7 @@ def test_store_errors_have_their_own_classes_and_codes():
 
 
 def test_verify_lists_what_it_found_per_object(tmp_path, store):
-    reg, result, table = built_layer(tmp_path, store)
+    refstore, result, table = built_layer(tmp_path, store)
     packs = sorted(table.packs())
     assert len(packs) >= 4
     unavailable, missing, corrupt = packs[0], packs[1], packs[2]
@@ -131,7 +131,7 @@ def test_verify_lists_what_it_found_per_object(tmp_path, store):
     data[entry.pack_offset] ^= 0xFF
     store.put(blob_key(corrupt), bytes(data))
 
-    report = verify_layer(Registry(faulty), result.digest)
+    report = verify_layer(RefStore(faulty), result.digest)
     found = {o.digest: o.found for o in report.objects if o.what == "pack"}
     assert found[unavailable] is Found.UNAVAILABLE
     assert found[missing] is Found.MISSING

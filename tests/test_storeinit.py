@@ -20,7 +20,7 @@ from test_node import publish_base_env
 from test_offline import wait_for_log
 
 from layerfs.errors import AccessDenied, StoreError
-from layerfs.registry import ENVS, Registry
+from layerfs.refstore import ENVS, RefStore
 from layerfs.store.check import StoreNotSafe, quick_check
 from layerfs.store.file import FileStore
 from layerfs.store.s3 import S3Store
@@ -126,7 +126,7 @@ MISSING = (r"WARNING layerfs\.node\.storehealth: store s3://layerfs-gone-\w+/: n
 def test_a_daemon_on_a_missing_bucket_says_so_and_serves_what_it_has(tmp_path, s3_server):
     store = S3Store("layerfs-test", f"t/{uuid.uuid4().hex[:16]}", s3_server.endpoint)
     publish_base_env(tmp_path, store)
-    digest = Registry(store).resolve(ENVS, "e@1")
+    digest = RefStore(store).resolve(ENVS, "e@1")
     node = NodeDaemon(tmp_path / "node", ["--store", store.url, "--s3-endpoint",
                                           s3_server.endpoint], cache_size="64M").start()
     try:

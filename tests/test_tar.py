@@ -27,7 +27,7 @@ from treecmp import diff_trees
 
 from layerfs.errors import SourceError, UnsafeTarEntry
 from layerfs.mounts import mount, umount
-from layerfs.registry import LAYERS, Registry
+from layerfs.refstore import LAYERS, RefStore
 from layerfs.store.file import FileStore
 
 
@@ -80,8 +80,8 @@ def test_stdin_gives_the_same_layer(tmp_path, src_tree):
             subprocess.run([sys.executable, "-m", "layerfs.tools.main", "build", src,
                             "--name", "t", "--version", "1", "--store", f"file://{store}"],
                            stdin=stdin, check=True, capture_output=True)
-        reg = Registry(FileStore(str(store)))
-        metas.append(reg.layer(reg.resolve(LAYERS, "t@1")).meta.digest)
+        refstore = RefStore(FileStore(str(store)))
+        metas.append(refstore.layer(refstore.resolve(LAYERS, "t@1")).meta.digest)
     assert metas[0] == metas[1]
 
 
@@ -129,7 +129,7 @@ def test_unsafe_entries_are_refused(tmp_path, fstore, entries, why):
     path.write_bytes(tar_of(entries))
     with pytest.raises(UnsafeTarEntry, match=why.split()[0]):
         build(fstore, str(path))
-    assert Registry(fstore).list_refs(LAYERS) == []
+    assert RefStore(fstore).list_refs(LAYERS) == []
 
 
 def test_hard_link_to_missing_target(tmp_path, fstore):
@@ -145,7 +145,7 @@ def test_truncated_archive(tmp_path, fstore):
     path.write_bytes(data[:100_000])
     with pytest.raises(SourceError):
         build(fstore, str(path))
-    assert Registry(fstore).list_refs(LAYERS) == []
+    assert RefStore(fstore).list_refs(LAYERS) == []
 
 
 
@@ -210,4 +210,4 @@ def test_member_cut_short_is_refused(tmp_path, fstore):
         except SourceError as exc:
             got[case] = next((m for m in REFUSED.values() if m in str(exc)), str(exc))
     assert got == REFUSED
-    assert Registry(fstore).list_refs(LAYERS) == []
+    assert RefStore(fstore).list_refs(LAYERS) == []

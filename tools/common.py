@@ -25,10 +25,10 @@ def write_store_options(fn: Callable) -> Callable:
                   help="Give up when the store (or, importing, the registry) has made "
                        "no progress for this long [env: LAYERFS_TIMEOUT; default: 60].")
     @functools.wraps(fn)
-    def wrapper(out: Output, reg: Any, store_timeout: float | None, **kw: Any):
+    def wrapper(out: Output, refstore: Any, store_timeout: float | None, **kw: Any):
         if store_timeout is not None:  # else the store's DEFAULT_TIMEOUT
-            reg.store.set_timeout(store_timeout)
-        return fn(out, reg, **kw)
+            refstore.store.set_timeout(store_timeout)
+        return fn(out, refstore, **kw)
 
     return store_options(wrapper, writes=True)
 
@@ -48,13 +48,13 @@ def store_options(fn: Callable, writes: bool = False) -> Callable:
     @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
     @functools.wraps(fn)
     def wrapper(store_url: str | None, s3_endpoint: str | None, as_json: bool, **kw: Any):
-        from layerfs.registry import Registry
+        from layerfs.refstore import RefStore
         from layerfs.store import open_store
 
         check_store_url(store_url)
         store = open_store(store_url, s3_endpoint=s3_endpoint, must_exist=not writes)
         try:
-            return fn(Output(as_json), Registry(store), **kw)
+            return fn(Output(as_json), RefStore(store), **kw)
         finally:
             store.close()
 

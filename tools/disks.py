@@ -8,7 +8,7 @@ from layerfs.builder.disk import build_disk
 from layerfs.errors import UsageError
 from layerfs.node import protocol
 from layerfs.node.control import call
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 
 from .common import Output, human_bytes, parse_size, write_store_options
 from .node import json_option, root_option
@@ -21,11 +21,11 @@ from .node import json_option, root_option
 @click.option("--parent", metavar="REF", help="The sealed layer this one sits on.")
 @click.option("--chunk-size", default="1M", show_default=True)
 @write_store_options
-def build_disk_cmd(out: Output, reg: Registry, image: str, name: str, version: str,
+def build_disk_cmd(out: Output, refstore: RefStore, image: str, name: str, version: str,
                    parent: str | None, chunk_size: str) -> None:
     """Import the raw disk IMAGE (a multiple of 512 bytes) as a sealed LSMT layer;
     zero ranges are not stored."""
-    res = build_disk(reg, image, name, version, parent, parse_size(chunk_size))
+    res = build_disk(refstore, image, name, version, parent, parse_size(chunk_size))
     s = res.manifest.stats
     doc = {"ref": res.ref, "digest": res.digest, "published": res.published,
            "virtual_size": res.manifest.virtual_size,

@@ -6,7 +6,7 @@ import click
 
 from layerfs.builder.env import create_env
 from layerfs.names import Ref
-from layerfs.registry import ENVS, Registry
+from layerfs.refstore import ENVS, RefStore
 
 from .common import (
     Output,
@@ -29,14 +29,14 @@ def env() -> None:
 @click.option("--on", "on", metavar="ENV",
               help="Put the layers on top of env ENV's layers and keep its image config.")
 @write_store_options
-def create(out: Output, reg: Registry, ref: str, layers: tuple[str, ...],
+def create(out: Output, refstore: RefStore, ref: str, layers: tuple[str, ...],
            on: str | None) -> None:
     """Create the env REF (name@version) from layers, top first (on top of ENV with --on)."""
     parsed = Ref.parse(ref)
     if parsed.digest:
         raise click.BadParameter("an env is created as name@version", param_hint="REF")
     assert parsed.name and parsed.version
-    result = create_env(reg, parsed.name, parsed.version, list(layers), on=on)
+    result = create_env(refstore, parsed.name, parsed.version, list(layers), on=on)
     doc = {"ref": result.ref, "digest": result.digest, "published": result.published,
            "layers": [layer.__dict__ for layer in result.manifest.layers]}
     state = "" if result.published else "  (unchanged: already published)"
@@ -46,11 +46,11 @@ def create(out: Output, reg: Registry, ref: str, layers: tuple[str, ...],
 @env.command("ls")
 @click.argument("name", required=False)
 @store_options
-def ls(out: Output, reg: Registry, name: str | None) -> None:
+def ls(out: Output, refstore: RefStore, name: str | None) -> None:
     """List envs (all, or the versions of NAME); one that cannot be read is
     named on an error line and skipped (exit 6 after the list)."""
     rows = []
-    envs, unreadable = reg.read_refs(ENVS, name, reg.env)
+    envs, unreadable = refstore.read_refs(ENVS, name, refstore.env)
     report_unreadable(unreadable)
     for entry, m in envs:
         rows.append({"ref": str(entry), "digest": entry.digest, "created": m.created,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from layerfs.builder.oci.export import LAYER_TYPES, export_env, parse_destination
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 
 from .common import Output, human_bytes, store_options
 
@@ -18,12 +18,12 @@ from .common import Output, human_bytes, store_options
 @click.option("--compression", type=click.Choice(sorted(LAYER_TYPES)), default="gzip",
               show_default=True, help="How the layer tars are compressed.")
 @store_options
-def export(out: Output, reg: Registry, env_ref: str, dest: str, fold: bool,
+def export(out: Output, refstore: RefStore, env_ref: str, dest: str, fold: bool,
            compression: str) -> None:
     """Export the env ENV as an OCI image to DEST: oci:DIR[:TAG] (an image
     layout; an existing layout gets the tag added) or oci-archive:FILE[:TAG]
     (a tar of a layout). TAG defaults to latest."""
-    result = export_env(reg, env_ref, parse_destination(dest), fold=fold,
+    result = export_env(refstore, env_ref, parse_destination(dest), fold=fold,
                         compression=compression)
     doc = {
         "env": result.env,

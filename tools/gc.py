@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from layerfs.gc import DEFAULT_GRACE, collect
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 
 from .common import (
     Output,
@@ -24,11 +24,11 @@ from .common import (
                    "(a push refreshes what it reuses and writes its ref last; keep it "
                    "above a minute).")
 @store_options
-def gc(out: Output, reg: Registry, dry_run: bool, grace: float) -> None:
+def gc(out: Output, refstore: RefStore, dry_run: bool, grace: float) -> None:
     """Delete blobs no layer or env ref reaches, and temporary files of interrupted writes.
     A ref or manifest that cannot be read is named on an error line; gc then deletes
     no blob (only old temporaries) and exits 6."""
-    rep = collect(reg, dry_run=dry_run, grace=grace)
+    rep = collect(refstore, dry_run=dry_run, grace=grace)
     doc = {"dry_run": dry_run, "reachable": rep.reachable, "unreachable": rep.unreachable,
            "deleted": rep.deleted, "deleted_bytes": rep.deleted_bytes,
            "kept_young": rep.kept_young, "temporaries": rep.temporaries,

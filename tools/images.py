@@ -10,7 +10,7 @@ import click
 from layerfs.builder.oci.importer import ImportOptions, ImportProgress, ImportResult, import_image
 from layerfs.builder.oci.resolve import parse_platform
 from layerfs.builder.oci.sources import open_source
-from layerfs.registry import Registry
+from layerfs.refstore import RefStore
 
 from .common import (
     Output,
@@ -73,7 +73,7 @@ class ImportBar:
 @click.option("--chunk-size", default="1M", show_default=True,
               help="Chunk size, a power of two from 4K to 16M.")
 @write_store_options
-def import_cmd(out: Output, reg: Registry, src: str, name: str, version: str, plain_http: bool,
+def import_cmd(out: Output, refstore: RefStore, src: str, name: str, version: str, plain_http: bool,
                platform: str | None, fold: str | None, chunk_size: str) -> None:
     """Import the image SRC as the env NAME@VERSION: each image layer becomes
     the layer oci/sha256/<diff_id> (built once, shared by every image), the
@@ -85,9 +85,9 @@ def import_cmd(out: Output, reg: Registry, src: str, name: str, version: str, pl
                          parse_size(fold) if fold else 0, parse_size(chunk_size))
     opts.check()
     bar = ImportBar(f"import {name}@{version}", enabled=stderr_is_tty() and not out.as_json)
-    source = open_source(src, plain_http=plain_http, timeout=reg.store.timeout)
+    source = open_source(src, plain_http=plain_http, timeout=refstore.store.timeout)
     try:
-        result = import_image(reg, source, opts, ImportProgress(bar.on_layer, bar.on_bytes))
+        result = import_image(refstore, source, opts, ImportProgress(bar.on_layer, bar.on_bytes))
     finally:
         bar.close()
         source.close()

@@ -11,7 +11,7 @@ from layerfs.builder.layer import BuildOptions, Progress, build_layer
 from layerfs.errors import VerifyFailed
 from layerfs.inspect import env_report, layer_report, resolve_any
 from layerfs.manifest import ROLES
-from layerfs.registry import ENVS, LAYERS, Registry
+from layerfs.refstore import ENVS, LAYERS, RefStore
 from layerfs.retention import remove
 from layerfs.verify import EXIT_CODES, Found, VerifyReport, verify_layer, worst
 
@@ -39,7 +39,7 @@ from .progress import ProgressLine
 @click.option("--dedup-with", multiple=True, metavar="REF",
               help="Also reuse chunks stored by this layer (repeatable).")
 @write_store_options
-def build(out: Output, reg: Registry, src: str, name: str, version: str, role: str,
+def build(out: Output, refstore: RefStore, src: str, name: str, version: str, role: str,
           chunk_size: str, dedup_with: tuple[str, ...]) -> None:
     """Build SRC (a directory, a tar/tar.gz/tar.zst file, or - for stdin) into
     the layer NAME@VERSION and publish it."""
@@ -47,7 +47,7 @@ def build(out: Output, reg: Registry, src: str, name: str, version: str, role: s
     line = ProgressLine(f"build {name}@{version}", enabled=stderr_is_tty() and not out.as_json)
     warnings: list[str] = []
     try:
-        result = build_layer(reg, src, opts,
+        result = build_layer(refstore, src, opts,
                              Progress(line.on_file, line.on_bytes, warnings.append))
     finally:
         line.close()
@@ -70,11 +70,11 @@ def build(out: Output, reg: Registry, src: str, name: str, version: str, role: s
 @click.command("ls")
 @click.argument("name", required=False)
 @store_options
-def ls(out: Output, reg: Registry, name: str | None) -> None:
+def ls(out: Output, refstore: RefStore, name: str | None) -> None:
     """List layers (all, or the versions of NAME); one that cannot be read is
     named on an error line and skipped (exit 6 after the list)."""
     rows: list[dict[str, Any]] = []
-    layers, unreadable = reg.read_refs(LAYERS, name, reg.any_layer)
+    layers, unreadable = refstore.read_refs(LAYERS, name, refstore.any_layer)
     report_unreadable(unreadable)
     for entry, m in layers:
         rows.append({"ref": str(entry), "digest": entry.digest, "role": m.role,
@@ -88,14 +88,14 @@ def ls(out: Output, reg: Registry, name: str | None) -> None:
 @click.command()
 @click.argument("ref")
 @store_options
-def inspect(out: Output, reg: Registry, ref: str) -> None:
+def inspect(out: Output, refstore: RefStore, ref: str) -> None:
     """Show what the layer or env REF holds: sizes, chunks, stored and shared bytes."""
-    kind, digest = resolve_any(reg, ref)
+    kind, digest = resolve_any(refstore, ref)
     if kind == ENVS:
-        rep = env_report(reg, digest)
+        rep = env_report(refstore, digest)
         out.emit(rep, lambda: _env_text(rep))
     else:
-        rep = layer_report(reg, digest)
+        rep = layer_report(refstore, digest)
         out.emit(rep, lambda: _disk_text(rep) if rep["kind"] == "lsmt" else _layer_text(rep))
 
 
@@ -145,14 +145,14 @@ def _env_text(r: dict) -> str:
 @click.command()
 @click.argument("ref")
 @store_options
-def verify(out: Output, reg: Registry, ref: str) -> None:
+def verify(out: Output, refstore: RefStore, ref: str) -> None:
     """Check that every object of the layer (or of every layer of the env) REF
     is there and matches its sha256: its meta image, chunk table and each pack
     it uses. Lists per object what it found (ok, missing, unavailable,
     unreachable, denied, corrupt, error) and exits as the worst."""
-    kind, digest = resolve_any(reg, ref)
-    digests = [x.digest for x in reg.env(digest).layers] if kind == ENVS else [digest]
-    reports = [verify_layer(reg, d) for d in digests]
+    kind, digest = resolve_any(refstore, ref)
+    digests = [x.digest for x in refstore.env(digest).layers] if kind == ENVS else [digest]
+    reports = [verify_layer(refstore, d) for d in digests]
     out.emit([_verify_doc(r) for r in reports], lambda: "\n".join(map(_verify_text, reports)))
     bad = [r for r in reports if not r.ok]
     if bad:
@@ -189,11 +189,11 @@ def _verify_text(r: VerifyReport) -> str:
               help="Remove a layer even if an env names it (the env keeps its blobs "
                    "reachable; only the layer's ref goes).")
 @write_store_options
-def rm(out: Output, reg: Registry, refs: tuple[str, ...], force: bool) -> None:
+def rm(out: Output, refstore: RefStore, refs: tuple[str, ...], force: bool) -> None:
     """Remove the layer or env refs REF... (name@version; layer:REF or env:REF when
     both exist). A layer an env names is refused (exit 15) unless --force; envs
     given in the same command go first. The blobs are freed by the next gc."""
-    done = remove(reg, list(refs), force=force)
+    done = remove(refstore, list(refs), force=force)
     rows = [{"ref": f"{t.name}@{t.version}", "kind": t.kind[:-1], "digest": t.digest,
              "removed": removed} for t, removed in done]
     out.emit(rows, lambda: "\n".join(

@@ -52,7 +52,7 @@ import zstandard
 from layerfs.errors import DestinationExists, IntegrityError, UsageError
 from layerfs.formats.erofsread import read_meta_image
 from layerfs.manifest import EnvManifest, ImageConfig, TarSplitRef
-from layerfs.registry import ENVS, Registry
+from layerfs.refstore import ENVS, RefStore
 from layerfs.safeopen import open_error, open_regular
 from layerfs.store.base import Store
 from layerfs.tree import FileTree, FsNode
@@ -269,13 +269,13 @@ class _OutputLayer:
     kept: _SourceLayer | None = None
 
 
-def _load_layers(reg: Registry, env: EnvManifest) -> list[_SourceLayer]:
+def _load_layers(refstore: RefStore, env: EnvManifest) -> list[_SourceLayer]:
     """The env's layers bottom first, each tree read from its checked meta image."""
     out = []
     for layer in reversed(env.layers):
-        manifest = reg.layer(layer.digest)
-        meta = read_meta_image(reg.meta_image(manifest))
-        table = reg.chunk_table(manifest)
+        manifest = refstore.layer(layer.digest)
+        meta = read_meta_image(refstore.meta_image(manifest))
+        table = refstore.chunk_table(manifest)
         out.append(_SourceLayer(layer.ref, meta.tree, BlobRanges(table), manifest.chunk_size,
                                 manifest.tar_split))
     return out
@@ -433,16 +433,16 @@ def check_destination(dest: Destination) -> None:
             raise DestinationExists(dest.path, "exists and is not an OCI image layout")
 
 
-def export_env(reg: Registry, env_ref: str, dest: Destination, fold: bool = False,
+def export_env(refstore: RefStore, env_ref: str, dest: Destination, fold: bool = False,
                compression: str = "gzip") -> ExportResult:
-    """Export env ``env_ref`` of ``reg``'s store to ``dest`` (see the module docstring)."""
+    """Export env ``env_ref`` of ``refstore``'s store to ``dest`` (see the module docstring)."""
     if compression not in LAYER_TYPES:
         raise UsageError(f"compression {compression!r}: expected gzip or zstd")
-    store = reg.store
-    env_digest = reg.resolve(ENVS, env_ref)
-    env = reg.env(env_digest)
+    store = refstore.store
+    env_digest = refstore.resolve(ENVS, env_ref)
+    env = refstore.env(env_digest)
     check_destination(dest)
-    layers = _load_layers(reg, env)
+    layers = _load_layers(refstore, env)
     parent_fd = os.open(os.path.dirname(os.path.abspath(dest.path)),
                         os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:

@@ -28,7 +28,7 @@ import zstandard
 from layerfs.errors import IntegrityError, UsageError, VersionExists
 from layerfs.manifest import TarSplitRef
 from layerfs.names import check_name, check_version
-from layerfs.registry import ENVS, LAYERS, Registry
+from layerfs.refstore import ENVS, LAYERS, RefStore
 from layerfs.tree import FileTree
 
 from ..assembler import LayerAssembler
@@ -186,7 +186,7 @@ def _record_maker(recorder: TarSplitRecorder, diff_id: str
     return make
 
 
-def import_image(reg: Registry, source: ImageSource, opts: ImportOptions,
+def import_image(refstore: RefStore, source: ImageSource, opts: ImportOptions,
                  progress: ImportProgress | None = None) -> ImportResult:
     """Import what ``source`` names as the env ``opts.name@opts.version``."""
     opts.check()
@@ -194,8 +194,8 @@ def import_image(reg: Registry, source: ImageSource, opts: ImportOptions,
     image = resolve_image(source, opts.platform)
     config = image_config(image)
     env_ref = f"{opts.name}@{opts.version}"
-    if reg.read_ref(ENVS, opts.name, opts.version) is not None:
-        existing = reg.env(reg.resolve(ENVS, env_ref))
+    if refstore.read_ref(ENVS, opts.name, opts.version) is not None:
+        existing = refstore.env(refstore.resolve(ENVS, env_ref))
         if existing.config != config:
             raise VersionExists(env_ref)
     groups = fold_groups(image.layers, opts.fold_size)
@@ -206,15 +206,15 @@ def import_image(reg: Registry, source: ImageSource, opts: ImportOptions,
     for i, group in enumerate(groups):
         if progress.on_layer:
             progress.on_layer(i, len(groups))
-        done.append(_import_group(reg, source, group, i == 0, opts, progress, below))
+        done.append(_import_group(refstore, source, group, i == 0, opts, progress, below))
     if progress.on_layer:
         progress.on_layer(len(groups), len(groups))
     done.reverse()
-    env = create_env(reg, opts.name, opts.version, [x.ref for x in done], config=config)
+    env = create_env(refstore, opts.name, opts.version, [x.ref for x in done], config=config)
     return ImportResult(env, image, done)
 
 
-def _import_group(reg: Registry, source: ImageSource, group: list[ImageLayer],
+def _import_group(refstore: RefStore, source: ImageSource, group: list[ImageLayer],
                   at_bottom: bool, opts: ImportOptions, progress: ImportProgress,
                   below: DedupIndex) -> ImportedLayer:
     """Reuse the group's layer if it is stored, else build it (deduplicating
@@ -223,21 +223,21 @@ def _import_group(reg: Registry, source: ImageSource, group: list[ImageLayer],
     name, origin = layer_name(group)
     ref = f"{name}@{LAYER_VERSION}"
     diff_ids = [layer.diff_id for layer in group]
-    existing = reg.read_ref(LAYERS, name, LAYER_VERSION)
+    existing = refstore.read_ref(LAYERS, name, LAYER_VERSION)
     if existing is not None:
-        manifest = reg.layer(existing)
+        manifest = refstore.layer(existing)
         if manifest.source != origin:
             raise IntegrityError(ref, f"it records {manifest.source[:80]!r}, not {origin[:80]!r}")
         if ref not in below.refs:
-            below.add_table(reg.chunk_table(manifest), ref)
+            below.add_table(refstore.chunk_table(manifest), ref)
         return ImportedLayer(diff_ids, ref, existing, built=False, uploaded_bytes=0)
     build_opts = BuildOptions(name, LAYER_VERSION, chunk_size=opts.chunk_size)
     recorder = TarSplitRecorder() if len(group) == 1 else None
     layer_source = ImageLayerSource(source, group, at_bottom, progress.on_bytes, recorder)
     assembler = FoldingAssembler if len(group) > 1 else LayerAssembler
-    result = build_layer(reg, source.describe(), build_opts, Progress(), source=layer_source,
+    result = build_layer(refstore, source.describe(), build_opts, Progress(), source=layer_source,
                          origin=origin, assembler=assembler, shared=below,
                          tar_split=_record_maker(recorder, diff_ids[0]) if recorder else None)
-    below.add_table(reg.chunk_table(result.manifest), ref)
+    below.add_table(refstore.chunk_table(result.manifest), ref)
     return ImportedLayer(diff_ids, ref, result.digest, built=result.published,
                          uploaded_bytes=result.uploaded_bytes)

@@ -8,7 +8,7 @@ hard-linked inode is one node under all of its names. Nothing is mounted, so
 this works without privileges.
 
 The image must already have passed :func:`layerfs.formats.erofscheck.check_meta_image`
-(as :meth:`layerfs.registry.Registry.meta_image` does): the reader trusts its
+(as :meth:`layerfs.refstore.RefStore.meta_image` does): the reader trusts its
 structure and only asserts what the checker guarantees.
 """
 

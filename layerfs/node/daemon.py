@@ -41,7 +41,7 @@ from ..cache.chunkcache import ChunkCache
 from ..errors import LayerfsError, RefNotFound, UsageError
 from ..formats.erofs import write_meta_image
 from ..mounts import fs_type, mount_erofs, mounts_under, set_readahead, umount
-from ..registry import LAYERS, Registry
+from ..refstore import LAYERS, RefStore
 from ..store import open_store
 from ..store.counting import CountingStore
 from ..tree import FileTree
@@ -239,7 +239,7 @@ class Daemon:
         self.store = CountingStore(open_store(cfg.store_url, s3_endpoint=cfg.s3_endpoint,
                                               must_exist=True))
         self.replica = Replica(self.root)
-        self.reg = Registry(self.store, local=self.replica.manifest)  # manifests held: no store
+        self.reg = RefStore(self.store, local=self.replica.manifest)  # manifests held: no store
         self.health = StoreHealth(self.store.url, lambda: probe_store(open_store(
             cfg.store_url, s3_endpoint=cfg.s3_endpoint, timeout=PROBE_TIMEOUT, must_exist=True)))
         self.checker = MetaChecker()  # meta images are checked in processes of their own

@@ -37,7 +37,7 @@ from ..errors import (
 )
 from ..formats import lsmt
 from ..formats.chunktable import ChunkTable
-from ..registry import ENVS, LAYERS, Registry
+from ..refstore import ENVS, LAYERS, RefStore
 from .blobfiles import DISK_KIND, BlobDirectory, BlobFile, stable_inode
 from .disks import DATA_START, SECTOR, DiskState, SealedChain, SealedLayer, WritableDisk
 from .fetcher import ChunkFetcher
@@ -49,11 +49,11 @@ log = logging.getLogger(__name__)
 
 
 class DiskManager:
-    def __init__(self, root: Path, reg: Registry, replica: Replica, blobs: BlobDirectory,
+    def __init__(self, root: Path, refstore: RefStore, replica: Replica, blobs: BlobDirectory,
                  fetcher: ChunkFetcher) -> None:
         self.root = root
         self.dir = root / "disks"
-        self.reg = reg
+        self.reg = refstore
         self.replica = replica
         self.blobs = blobs
         self.fetcher = fetcher

@@ -26,7 +26,7 @@ from pathlib import Path
 import trio
 
 from ..mounts import mount_erofs, umount
-from ..registry import Registry
+from ..refstore import RefStore
 from .blobfiles import BlobDirectory, BlobFile
 from .fetcher import ChunkFetcher
 from .replica import Replica
@@ -47,10 +47,10 @@ class MountedLayer:
 class LayerMounts:
     """Reference-counted EROFS mounts of layers, one per layer per node."""
 
-    def __init__(self, root: Path, reg: Registry, replica: Replica, blobs: BlobDirectory,
+    def __init__(self, root: Path, refstore: RefStore, replica: Replica, blobs: BlobDirectory,
                  fetcher: ChunkFetcher, readahead: int = 0) -> None:
         self.root = root
-        self.reg = reg
+        self.reg = refstore
         self.replica = replica
         self.blobs = blobs
         self.fetcher = fetcher

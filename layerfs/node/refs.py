@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import RefNotFound, StoreUnreachable, TransientStoreError
 from ..names import Ref
-from ..registry import ENVS, LAYERS, Registry
+from ..refstore import ENVS, LAYERS, RefStore
 from .protocol import OfflineRef
 from .replica import Replica
 from .storehealth import StoreHealth
@@ -43,8 +43,8 @@ class Resolved:
 
 
 class NodeRefs:
-    def __init__(self, reg: Registry, replica: Replica, health: StoreHealth | None) -> None:
-        self.reg = reg
+    def __init__(self, refstore: RefStore, replica: Replica, health: StoreHealth | None) -> None:
+        self.reg = refstore
         self.replica = replica
         self.health = health
 

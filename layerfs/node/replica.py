@@ -48,7 +48,7 @@ from ..errors import IntegrityError
 from ..formats.chunktable import ChunkTable
 from ..manifest import LayerManifest
 from ..names import DIGEST_RE
-from ..registry import MetaCheck, Registry
+from ..refstore import MetaCheck, RefStore
 from ..store.base import sha256_digest
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ class Replica:
         (self.meta_dir / (digest.removeprefix("sha256:") + ".erofs")).unlink(missing_ok=True)
         return chunks
 
-    def _fetch(self, reg: Registry, digest: str,
+    def _fetch(self, refstore: RefStore, digest: str,
                on_table: TableCallback | None = None) -> tuple[ReplicaLayer, int | None]:
         """The layer, from the replica or else from the store; when its meta
         image was written just now, also an fd of the file written, which
@@ -189,14 +189,14 @@ class Replica:
                 on_table(have.table)
             return have, None
         start = time.perf_counter()
-        manifest = reg.layer(digest)
+        manifest = refstore.layer(digest)
         took = [("manifest", time.perf_counter())]
         with ThreadPoolExecutor(1) as pool:  # the two objects in one round trip
             # digest and structure (erofscheck) checked
-            image_get = pool.submit(reg.meta_image, manifest, self.check_meta)
-            table_bytes = reg.store.get_blob(manifest.chunk_table.digest)
+            image_get = pool.submit(refstore.meta_image, manifest, self.check_meta)
+            table_bytes = refstore.store.get_blob(manifest.chunk_table.digest)
             table = ChunkTable.from_bytes(table_bytes)
-            reg.check_table(manifest, table)
+            refstore.check_table(manifest, table)
             took.append(("chunk table", time.perf_counter()))
             if on_table is not None:
                 on_table(table)
@@ -209,7 +209,8 @@ class Replica:
             self._write(lambda txn: (
                 txn.put(digest.encode(), table_bytes, db=self.dbs["chunktables"]),
                 txn.put(digest.encode(), manifest.to_bytes(), db=self.dbs["layers"]),
-                txn.put(digest.encode(), reg.manifest_bytes(digest), db=self.dbs["manifests"])))
+                txn.put(digest.encode(), refstore.manifest_bytes(digest),
+                        db=self.dbs["manifests"])))
         except BaseException:
             os.close(fd)
             raise
@@ -218,21 +219,21 @@ class Replica:
                   ", ".join(f"{step} {(t - start) * 1000:.1f} ms" for step, t in took))
         return ReplicaLayer(digest, manifest, table, meta), fd
 
-    def checked_meta(self, reg: Registry, digest: str,
+    def checked_meta(self, refstore: RefStore, digest: str,
                      on_table: TableCallback | None = None) -> CheckedMeta:
         """The layer (fetched once) with its meta image open and checked: the
         file just written from the verified image, or the local file hashed
         now against the manifest's digest. A local image that does not match
         is fetched again (one warning line); IntegrityError if even that
         copy does not match. ``on_table``: as for :meth:`_fetch`."""
-        layer, fd = self._fetch(reg, digest, on_table)
+        layer, fd = self._fetch(refstore, digest, on_table)
         if fd is None:
             fd = open_matching(layer)
         if fd is None:
             log.warning("local meta image %s does not match its manifest's digest; "
                         "fetching it again", layer.meta_path)
             layer.meta_path.unlink(missing_ok=True)
-            layer, fd = self._fetch(reg, digest)
+            layer, fd = self._fetch(refstore, digest)
             if fd is None:
                 fd = open_matching(layer)
             if fd is None:
@@ -240,21 +241,21 @@ class Replica:
                                      "does not match the manifest's digest")
         return CheckedMeta(layer, fd)
 
-    def verified_layer(self, reg: Registry, digest: str) -> ReplicaLayer:
+    def verified_layer(self, refstore: RefStore, digest: str) -> ReplicaLayer:
         """The layer, its local meta image checked (and fetched again if it
         does not match) but not kept open: for handing its path to a VMM."""
-        checked = self.checked_meta(reg, digest)
+        checked = self.checked_meta(refstore, digest)
         checked.close()
         return checked.layer
 
-    def fetch_table(self, reg: Registry, digest: str, manifest_bytes: bytes,
+    def fetch_table(self, refstore: RefStore, digest: str, manifest_bytes: bytes,
                     table_digest: str) -> ChunkTable:
         """A sealed LSMT layer's chunk table (verified), kept in the replica."""
         with self.env.begin() as txn:
             have = txn.get(digest.encode(), db=self.dbs["chunktables"])
         if have is not None:
             return ChunkTable.from_bytes(bytes(have))
-        table_bytes = reg.store.get_blob(table_digest)
+        table_bytes = refstore.store.get_blob(table_digest)
         table = ChunkTable.from_bytes(table_bytes)
         self._write(lambda txn: (
             txn.put(digest.encode(), table_bytes, db=self.dbs["chunktables"]),

@@ -43,7 +43,7 @@ from ..errors import (
     UsageError,
 )
 from ..mounts import SAFE_FLAGS, Overlay, mount_overlay
-from ..registry import LAYERS, Registry
+from ..refstore import LAYERS, RefStore
 from ..retention import expires_at, set_expiry
 from ..sizes import du
 from . import limits as sandbox_limits
@@ -96,13 +96,13 @@ class SandboxMounts:
 class Sandboxes:
     """Bring sandboxes up and down; their records live in the replica."""
 
-    def __init__(self, root: Path, reg: Registry, replica: Replica, layers: LayerMounts,
+    def __init__(self, root: Path, refstore: RefStore, replica: Replica, layers: LayerMounts,
                  health: StoreHealth | None = None) -> None:
         self.root = root
-        self.reg = reg
+        self.reg = refstore
         self.replica = replica
         self.layers = layers
-        self.refs = NodeRefs(reg, replica, health)
+        self.refs = NodeRefs(refstore, replica, health)
         self.records: dict[str, SandboxRecord] = {}
         self.mounts: dict[str, SandboxMounts] = {}  # what each sandbox holds mounted
         self._busy: set[str] = set()

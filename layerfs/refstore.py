@@ -12,12 +12,12 @@ is not one ``sha256:<hex>`` line is an :class:`IntegrityError`. A meta image is
 handed out only after its digest and its structure
 (:mod:`layerfs.formats.erofscheck`) are checked.
 
-A registry may be given a ``local`` source of manifests by digest (the node's
+A ref store may be given a ``local`` source of manifests by digest (the node's
 replica): a manifest is content-addressed, so one the node holds is read from
 there, checked against its digest, and never asked of the store; a digest ref
 whose manifest is held resolves without the store.
 
-A store-wide listing (:meth:`Registry.scan_refs`, :meth:`Registry.read_refs`)
+A store-wide listing (:meth:`RefStore.scan_refs`, :meth:`RefStore.read_refs`)
 does not stop at a bad object: a ref or manifest it cannot read is set aside as
 an :class:`Unreadable` (what, and why) and the listing goes on.
 """
@@ -140,7 +140,7 @@ def _decoded_meta(manifest: LayerManifest, stored: bytes) -> bytes:
     return image
 
 
-class Registry:
+class RefStore:
     """Typed access to the refs and manifests of one store."""
 
     def __init__(self, store: Store, local: LocalManifests | None = None) -> None:
