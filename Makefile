@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 APT_PKGS := fuse3 libfuse3-dev pkg-config erofs-utils busybox-static attr zstd tar \
             qemu-utils e2fsprogs util-linux runc crun passwd gcc libc6-dev python3-dev \
             docker-registry apache2-utils skopeo umoci containerd debootstrap \
-            btrfs-progs
+            btrfs-progs qemu-system-x86
 
 .PHONY: all deps apt-deps test test-fast demo lint bench-build clean
 

@@ -281,6 +281,12 @@ class DiskBroken(DiskError):
     exit_code = 6  # what an earlier run left does not load: see the daemon's log
 
 
+class DiskInUse(DiskError):
+    """disk {}: the writable disk of vm {}: take the vm down first (`layerfs vm down`)"""
+
+    exit_code = 15
+
+
 class VmNotFound(VmError):
     """vm {}: no such vm"""
 
@@ -291,6 +297,12 @@ class VmExists(VmError):
     """vm {}: already exists"""
 
     exit_code = 9
+
+
+class VmBusy(VmError):
+    """vm {}: busy (another request is bringing it up or taking it down)"""
+
+    exit_code = 15
 
 
 class ControlSocketDenied(LayerfsError):

@@ -287,7 +287,7 @@ def test_vm_drives_mount_as_the_container_view(node, store, tmp_path):
     write_tree(src, 3)
     build(store, str(src), name="vmbase", chunk_size=65536)
     drives = json.loads(node.cli("vm", "up", "--layer", "vmbase@1", "--id", "v1",
-                                 "--disk-size", "64M").stdout)
+                                 "--disk-size", "64M", "--json").stdout)
     by_id = {d["drive_id"]: d for d in drives["drives"]}
     layer = drives["layers"][0]
     meta = by_id[layer["meta_drive"]]["path_on_host"]

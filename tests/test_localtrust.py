@@ -168,7 +168,7 @@ def test_vm_up_hands_out_only_a_checked_meta_image(node, store, two_layers):
     victim = meta_path(node, two_layers["a"])
     victim.write_bytes(meta_path(node, two_layers["b"]).read_bytes())
     vm = json.loads(node.cli("vm", "up", "--layer", "a@1", "--id", "v1",
-                             "--disk-size", "16M").stdout)
+                             "--disk-size", "16M", "--json").stdout)
     drives = {d["drive_id"]: d for d in vm["drives"]}
     meta = Path(drives[vm["layers"][0]["meta_drive"]]["path_on_host"])
     refstore = RefStore(store)

@@ -27,6 +27,8 @@ from layerfs.node.protocol import (
     SandboxStatus,
     Up,
     VmAnswer,
+    VmList,
+    VmRecord,
     VmUp,
     parse_request,
 )
@@ -119,10 +121,15 @@ def test_disk_and_vm_answers_are_typed_records_on_both_ends():
                                "meta_drive": "layer0-meta", "device_drives": ["layer0-blob"]}],
                    "drives": [{"drive_id": "rw", "path_on_host": "/r/fuse/disks/v1-rw",
                                "is_read_only": False, "is_root_device": False}]}}
-    vm = VmAnswer.from_json(wire).vm
+    vm = VmAnswer.from_json(wire).vm  # (as an earlier daemon answered: no role, no state)
     assert vm.drives[0].path_on_host == "/r/fuse/disks/v1-rw" and not vm.drives[0].is_read_only
     assert vm.layers[0].device_drives == ["layer0-blob"]
-    assert VmAnswer(vm).to_json() == wire
+    assert (vm.state, vm.drives[0].role, vm.error) == ("up", "", None)
+    wire["vm"]["drives"][0]["role"] = "disk"
+    wire["vm"].update(state="up", created=0.0)
+    assert VmAnswer(VmAnswer.from_json(wire).vm).to_json() == wire  # no error: none written
+    broken = VmRecord.from_json({**wire["vm"], "state": "broken", "error": "disk gone"})
+    assert VmList([broken]).to_json()["vms"][0]["error"] == "disk gone"
     wire["vm"]["drives"][0]["is_read_only"] = "no"
     with pytest.raises(BadMessage, match="is_read_only must be bool"):
         VmAnswer.from_json(wire)

@@ -239,7 +239,7 @@ def test_the_fuse_group_opens_a_vms_drives_and_nothing_else(node_parent, hostile
     node = start_daemon(node_parent / "node", hostile, "--fuse-group", local_user.name)
     try:
         drives = json.loads(node.cli("vm", "up", "--layer", "hostile@1", "--id", "v1",
-                                     "--disk-size", "1M").stdout)["drives"]
+                                     "--disk-size", "1M", "--json").stdout)["drives"]
         for drive in drives:
             got = attempt(local_user, Path(drive["path_on_host"]),
                           "r" if drive["is_read_only"] else "rw")
@@ -384,7 +384,7 @@ def test_zero_negative_and_garbage_disk_sizes_are_refused(node):
             node.request(request.pop("op"), **request)
     assert json.loads(node.cli("disk", "ls", "--json").stdout) == []
     drives = json.loads(node.cli("vm", "up", "--layer", "hostile@1", "--id", "v1",
-                                 "--disk-size", "1M").stdout)["drives"]
+                                 "--disk-size", "1M", "--json").stdout)["drives"]
     assert os.stat(drives[-1]["path_on_host"]).st_size == 1 << 20
     node.cli("vm", "down", "v1")
 

@@ -1,4 +1,4 @@
-"""Block commands: build-disk, disk create/ls/rm/commit, vm up/down."""
+"""Block commands: build-disk, disk create/ls/rm/commit, vm up/ps/down."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from layerfs.node import protocol
 from layerfs.node.control import call
 from layerfs.refstore import RefStore
 
-from .common import Output, human_bytes, parse_size, write_store_options
+from .common import Output, human_bytes, iso_time, parse_size, write_store_options
 from .node import json_option, root_option
 
 
@@ -128,19 +128,66 @@ def vm() -> None:
 @click.option("--disk-size", default="10G", show_default=True)
 @click.option("--base-disk", metavar="REF", help="Start the writable disk from this snapshot.")
 @root_option
+@json_option
 def vm_up(env_ref: str | None, layers: tuple[str, ...], vid: str, disk_size: str,
-          base_disk: str | None, root: str) -> None:
-    """Prepare VM ID's drives and print them as JSON: for each layer its meta image
-    and lazy blob file (read-only; the blob is the EROFS device= the guest passes),
-    plus one writable disk."""
-    import json
-
+          base_disk: str | None, root: str, as_json: bool) -> None:
+    """Prepare VM ID's drives: for each layer its meta image and lazy blob file
+    (read-only; the blob is the EROFS device= the guest passes), plus one
+    writable disk. Prints the drives and QEMU's arguments for them (--json:
+    the drive set with each drive's path, read-only flag and role)."""
     disk_size_bytes = disk_size_of(disk_size, "--disk-size")
-    vmd = call(root, protocol.VmUp(id=vid, env=env_ref, layers=list(layers),
-                                   disk_size=disk_size_bytes, base_disk=base_disk),
-               protocol.VmAnswer).vm
-    doc = vmd.to_json()
-    click.echo(json.dumps({"drives": doc["drives"], "layers": doc["layers"]}, indent=2))
+    record = call(root, protocol.VmUp(id=vid, env=env_ref, layers=list(layers),
+                                      disk_size=disk_size_bytes, base_disk=base_disk),
+                  protocol.VmAnswer).vm
+    Output(as_json).emit(vm_doc(record), lambda: vm_text(record))
+
+
+@vm.command("ps")
+@root_option
+@json_option
+def vm_ps(root: str, as_json: bool) -> None:
+    """List the VMs' drive sets on the node (kept across daemon restarts)."""
+    rows = call(root, protocol.VmPs(), protocol.VmList).vms
+
+    def text() -> str:
+        lines = [f"{'ID':20} {'STATE':8} {'DRIVES':>6}  {'DISK':24} LAYERS"]
+        for r in rows:
+            lines.append(f"{r.id:20} {r.state:8} {len(r.drives):>6}  {r.disk:24} "
+                         f"{' '.join(x.ref for x in r.layers) or '-'}")
+            if r.error:
+                lines.append(f"{'':20} {r.error}")
+        return "\n".join(lines) if rows else "(no vms)"
+
+    Output(as_json).emit([vm_doc(r) for r in rows], text)
+
+
+def vm_doc(record: protocol.VmRecord) -> dict:
+    """A vm as the JSON output shows it: its record (``created`` in ISO 8601
+    UTC) and QEMU's arguments for its drives."""
+    from layerfs.node.vmm import qemu_drive_args
+
+    doc = record.to_json()
+    doc["created"] = iso_time(record.created)
+    doc["qemu"] = qemu_drive_args(record.drives)
+    return doc
+
+
+def vm_text(record: protocol.VmRecord) -> str:
+    import shlex
+
+    from layerfs.node.vmm import guest_device, qemu_drive_args
+
+    lines = [f"{record.id}: {len(record.drives)} drives"]
+    names = {}
+    for i, d in enumerate(record.drives):
+        names[d.drive_id] = guest_device(i)
+        lines.append(f"  {guest_device(i):9} {d.drive_id:14} {d.role:7} "
+                     f"{'ro' if d.is_read_only else 'rw'}  {d.path_on_host}")
+    for layer in record.layers:
+        devices = ",".join(f"device={names[x]}" for x in layer.device_drives)
+        lines.append(f"  {layer.ref}: mount -t erofs -o ro,{devices} {names[layer.meta_drive]} DIR")
+    lines.append("qemu: " + shlex.join(qemu_drive_args(record.drives)))
+    return "\n".join(lines)
 
 
 @vm.command("down")

@@ -27,6 +27,7 @@ from .protocol import (
     SandboxStatus,
     StatsAnswer,
     TracePushAnswer,
+    VmRecord,
 )
 
 TYPE_CHECKING = False  # (typing is not imported at run time)
@@ -133,6 +134,26 @@ class Client:
     def trace_push(self, ref: str) -> TracePushAnswer:
         """Store this node's access trace of layer ``ref`` beside the layer."""
         return call(self.root, protocol.TracePush(ref=ref), TracePushAnswer, self.timeout)
+
+    def vm_up(self, vm_id: str, env: str | None = None, layers: Sequence[str] = (),
+              disk_size: int = protocol.DEFAULT_VM_DISK,
+              base_disk: str | None = None) -> VmRecord:
+        """A microVM's drive set: each layer's meta image and lazy blob file,
+        read-only, and a writable disk of ``disk_size`` bytes (or over the
+        snapshot ``base_disk``); :func:`.vmm.qemu_drive_args` makes QEMU's
+        arguments of its ``drives``. Kept across daemon restarts."""
+        request = protocol.VmUp(id=vm_id, env=env, layers=list(layers), disk_size=disk_size,
+                                base_disk=base_disk)
+        return call(self.root, request, protocol.VmAnswer, self.timeout).vm
+
+    def vm_ps(self) -> list[VmRecord]:
+        """Every vm's drive set (state ``up``, or ``broken`` with its error)."""
+        return call(self.root, protocol.VmPs(), protocol.VmList, self.timeout).vms
+
+    def vm_down(self, vm_id: str, keep_disk: bool = False) -> VmRecord:
+        """Release a vm's drives, and delete its writable disk unless ``keep_disk``."""
+        request = protocol.VmDown(id=vm_id, keep=keep_disk)
+        return call(self.root, request, protocol.VmAnswer, self.timeout).vm
 
     def run(self, sandbox_id: str, command: Sequence[str] = (), *,
             env: Mapping[str, str] | None = None, cwd: str | None = None,

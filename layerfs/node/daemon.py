@@ -12,7 +12,8 @@ check that ROOT can host file-backed EROFS mounts at all
 ROOT's file system has, less a reserve, and the held space taken:
 :mod:`.rootspace`) and the replica, bring back the
 sandboxes that were up (adopting their mounts, or mounting them again, or
-marking them lost), then accept requests. None of this waits for the store:
+marking them lost), the writable disks and the microVM drive sets, then
+accept requests. None of this waits for the store:
 a node whose store is down starts and serves what its replica holds, and
 :class:`.storehealth.StoreHealth` probes the store in the background. SIGTERM/SIGINT: stop accepting
 work, unmount overlays, then EROFS mounts, then FUSE, end the keeper, and
@@ -63,6 +64,7 @@ from .sandboxes import Sandboxes
 from .storehealth import PROBE_TIMEOUT, StoreHealth, probe_store
 from .tracereplay import pushed_trace
 from .traces import merge_traces, trace_bytes, trace_key
+from .vms import Vms
 
 log = logging.getLogger(__name__)
 ROOT_ONLY_DIRS = ("cache", "fuse", "layers", "sandboxes", "disks", "replica.lmdb")
@@ -255,6 +257,7 @@ class Daemon:
         self.policy = Prefetcher(self.fetcher, cfg.miss_span)  # the core never calls it
         self.blobs = BlobDirectory(self.policy)
         self.disks = DiskManager(self.root, self.reg, self.replica, self.blobs, self.fetcher)
+        self.vms = Vms(self.root, self.reg, self.replica, self.blobs, self.fetcher, self.disks)
         self.fs = NodeFS(self.blobs, self.disks, cfg.fuse_group)
         self.layers = LayerMounts(self.root, self.reg, self.replica, self.blobs, self.fetcher,
                                   readahead=cfg.layer_readahead)
@@ -359,7 +362,7 @@ class Daemon:
             named = [d for r in self.sandboxes.records.values() for d in r.layers]
             return named + ["sha256:" + name for name in self.blobs.users]  # (vms', disks')
         return LayerForgetter(self.replica, self.cache, self.layers, in_use, forget_after,
-                              paused=lambda: bool(self.disks.vms))
+                              paused=lambda: bool(self.vms.records))
 
     async def _main(self) -> None:
         try:
@@ -374,6 +377,7 @@ class Daemon:
                 await self.sandboxes.restore()
                 await self.layers.drop_unadopted()
                 await self.disks.restore()
+                await self.vms.restore()  # after the disks: a vm's writable disk is one
                 self.fs.restored.set()
                 if self.cfg.forget_after is not None:
                     nursery.start_soon(self._forgetter(self.cfg.forget_after).run)
@@ -449,6 +453,7 @@ class Daemon:
             protocol.DiskCommit: self.disk_commit,
             protocol.VmUp: self.vm_up,
             protocol.VmDown: self.vm_down,
+            protocol.VmPs: self.vm_ps,
         }
 
     async def up(self, r: protocol.Up) -> protocol.SandboxAnswer:
@@ -480,7 +485,7 @@ class Daemon:
         return protocol.DiskAnswer(await self.disks.create(r.id, r.size, r.base))
 
     async def disk_ls(self, _: protocol.DiskLs) -> protocol.DiskList:
-        return protocol.DiskList(self.disks.ls(), sorted(self.disks.vms))
+        return protocol.DiskList(self.disks.ls(), sorted(self.vms.records))
 
     async def disk_rm(self, r: protocol.DiskRm) -> protocol.DiskRemoved:
         await self.disks.remove(r.id)
@@ -490,11 +495,14 @@ class Daemon:
         return await self.disks.commit(r.id, r.name, r.version)
 
     async def vm_up(self, r: protocol.VmUp) -> protocol.VmAnswer:
-        return protocol.VmAnswer(await self.disks.vm_up(r.id, r.env, r.layers, r.disk_size,
-                                                        r.base_disk))
+        return protocol.VmAnswer(await self.vms.up(r.id, r.env, r.layers, r.disk_size,
+                                                   r.base_disk))
 
     async def vm_down(self, r: protocol.VmDown) -> protocol.VmAnswer:
-        return protocol.VmAnswer(await self.disks.vm_down(r.id, r.keep))
+        return protocol.VmAnswer(await self.vms.down(r.id, r.keep))
+
+    async def vm_ps(self, _: protocol.VmPs) -> protocol.VmList:
+        return protocol.VmList(self.vms.ps())
 
     async def ping(self, _: protocol.Ping) -> protocol.PingAnswer:
         return protocol.PingAnswer(str(self.root), self.store.url, os.getpid())

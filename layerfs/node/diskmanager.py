@@ -1,11 +1,11 @@
-"""Writable disks and microVM drive sets on the node.
+"""Writable disks on the node.
 
 ``disk create`` makes an LSMT writable disk over an optional sealed chain
 (fetched lazily, like EROFS layers); ``disk commit`` seals the writes made
 since the last commit into a new layer whose parent is the previous one and
-publishes it; ``vm up`` hands a VM each env layer's meta image and lazy blob
-file as read-only drives plus one writable disk. A disk whose chain cannot be
-loaded fails alone, with a clear error; the others keep serving.
+publishes it. A microVM's writable disk is one of these, owned by its vm
+(:mod:`.vms`) while the vm is up: ``disk rm`` refuses it. A disk whose chain
+cannot be loaded fails alone, with a clear error; the others keep serving.
 
 What a command sets up before it can fail (blob files held open, a disk's
 directory) is undone in one place: each step registers its undo on the
@@ -29,19 +29,18 @@ from ..errors import (
     DiskBroken,
     DiskBusy,
     DiskExists,
+    DiskInUse,
     DiskNotFound,
     LayerfsError,
     UsageError,
-    VmExists,
-    VmNotFound,
 )
 from ..formats import lsmt
 from ..formats.chunktable import ChunkTable
-from ..refstore import ENVS, LAYERS, RefStore
+from ..refstore import LAYERS, RefStore
 from .blobfiles import DISK_KIND, BlobDirectory, BlobFile, stable_inode
 from .disks import DATA_START, SECTOR, DiskState, SealedChain, SealedLayer, WritableDisk
 from .fetcher import ChunkFetcher
-from .protocol import BrokenDisk, DiskCommitAnswer, DiskRecord, VmDrive, VmLayer, VmRecord
+from .protocol import BrokenDisk, DiskCommitAnswer, DiskRecord
 from .replica import Replica
 from .sandboxes import SANDBOX_ID
 
@@ -60,7 +59,7 @@ class DiskManager:
         self.disks: dict[str, WritableDisk] = {}
         self.chain_digests: dict[str, list[str]] = {}
         self.by_inode: dict[int, WritableDisk] = {}
-        self.vms: dict[str, VmRecord] = {}
+        self.owners: dict[str, str] = {}  # disk id -> the vm whose writable disk it is
         self.broken: dict[str, str] = {}
         self._busy: set[str] = set()
 
@@ -107,11 +106,15 @@ class DiskManager:
         disk.inode = inode
 
     # -- commands --
+    def check_free(self, sid: str) -> None:
+        """DiskExists unless no disk ``sid`` is there or being made."""
+        if sid in self.disks or sid in self._busy or (self.dir / sid).exists():
+            raise DiskExists(sid)
+
     async def create(self, sid: str, size: int | None, base: str | None) -> DiskRecord:
         if not SANDBOX_ID.fullmatch(sid or ""):
             raise UsageError(f"invalid disk id {sid!r} (expected [A-Za-z0-9][A-Za-z0-9._-]*)")
-        if sid in self.disks or sid in self._busy or (self.dir / sid).exists():
-            raise DiskExists(sid)
+        self.check_free(sid)
         if size is not None:
             check_disk_size(size)
         self._busy.add(sid)
@@ -162,6 +165,8 @@ class DiskManager:
 
     async def remove(self, sid: str) -> None:
         disk = self._get(sid)
+        if sid in self.owners:
+            raise DiskInUse(sid, self.owners[sid])
         self._busy.add(sid)
         try:
             del self.disks[sid]
@@ -172,6 +177,15 @@ class DiskManager:
             await trio.to_thread.run_sync(shutil.rmtree, disk.path, True)
         finally:
             self._busy.discard(sid)
+
+    async def discard(self, sid: str) -> None:
+        """Delete disk ``sid`` whatever it is: a disk served (as :meth:`remove`
+        does), a broken one's directory, or nothing if there is none."""
+        if sid in self.disks:
+            await self.remove(sid)
+        elif sid in self.broken:
+            await self._delete_dir(self.dir / sid)
+            del self.broken[sid]
 
     def _get(self, sid: str) -> WritableDisk:
         disk = self.disks.get(sid)
@@ -216,51 +230,6 @@ class DiskManager:
         rows: list[DiskRecord | BrokenDisk] = [self.describe(sid) for sid in sorted(self.disks)]
         rows += [BrokenDisk(sid, err) for sid, err in sorted(self.broken.items())]
         return rows
-
-    # -- microVMs --
-    async def vm_up(self, vid: str, env: str | None, layer_refs: list[str], disk_size: int,
-                    base_disk: str | None) -> VmRecord:
-        if vid in self.vms:
-            raise VmExists(vid)
-        if bool(env) == bool(layer_refs):
-            raise UsageError("give an env or --layer refs, not both or neither")
-        check_disk_size(disk_size)
-
-        def resolve() -> list[str]:
-            if env:
-                return [x.digest for x in self.reg.env(self.reg.resolve(ENVS, env)).layers]
-            return [self.reg.resolve(LAYERS, r) for r in layer_refs]
-
-        digests = await trio.to_thread.run_sync(resolve)
-        drives: list[VmDrive] = []
-        layers: list[VmLayer] = []
-        used: list[str] = []
-        async with self._rollback() as undo:
-            for i, digest in enumerate(digests):
-                rl = await trio.to_thread.run_sync(self.replica.verified_layer, self.reg, digest)
-                self._hold_blob(undo, digest, rl.table)
-                used.append(digest)
-                meta_id, blob_id = f"layer{i}-meta", f"layer{i}-blob"
-                drives.append(VmDrive(meta_id, str(rl.meta_path), is_read_only=True))
-                drives.append(VmDrive(blob_id, str(self.root / "fuse" / "blobs" / rl.hex),
-                                      is_read_only=True))
-                layers.append(VmLayer(f"{rl.manifest.name}@{rl.manifest.version}", digest,
-                                      meta_drive=meta_id, device_drives=[blob_id]))
-            disk = await self.create(f"{vid}-rw", None if base_disk else disk_size, base_disk)
-        drives.append(VmDrive("rw", disk.path, is_read_only=False))
-        vm = VmRecord(vid, drives, layers, disk=disk.id, blobs=used)
-        self.vms[vid] = vm
-        return vm
-
-    async def vm_down(self, vid: str, keep: bool) -> VmRecord:
-        vm = self.vms.pop(vid, None)
-        if vm is None:
-            raise VmNotFound(vid)
-        for d in vm.blobs:
-            self.blobs.remove(d)
-        if not keep:
-            await self.remove(vm.disk)
-        return vm
 
     async def close_all(self) -> None:
         for disk in list(self.disks.values()):

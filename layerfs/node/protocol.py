@@ -250,9 +250,13 @@ class VmDown(Request):
     keep: bool = False
 
 
+class VmPs(Request):
+    op = "vm-ps"
+
+
 REQUESTS: dict[str, type[Request]] = {cls.op: cls for cls in (
     Ping, Up, Down, Ps, Commit, Stats, TracePush,
-    DiskCreate, DiskLs, DiskRm, DiskCommit, VmUp, VmDown)}
+    DiskCreate, DiskLs, DiskRm, DiskCommit, VmUp, VmDown, VmPs)}
 
 
 def parse_request(data: object) -> Request:
@@ -420,13 +424,20 @@ class DiskCommitAnswer(Message):
     parent: str | None
 
 
+VM_DRIVE_ROLES = ("meta", "device", "disk")
+
+
 class VmDrive(Message):
-    """One drive of a microVM, as Firecracker's drive API names its fields."""
+    """One drive of a microVM, as Firecracker's drive API names its fields,
+    and its role (:data:`VM_DRIVE_ROLES`): ``meta``, a layer's EROFS meta
+    image (the guest's mount source); ``device``, a layer's lazy blob file
+    (the mount's ``device=``); ``disk``, the writable disk."""
 
     drive_id: str
     path_on_host: str
     is_read_only: bool
     is_root_device: bool = False
+    role: str = ""
 
 
 class VmLayer(Message):
@@ -439,14 +450,28 @@ class VmLayer(Message):
 
 
 class VmRecord(Message):
-    """A microVM's drive set: the layers' drives, then its writable disk's."""
+    """A microVM's drive set: the layers' drives, then its writable disk's.
+    Also what ``replica.lmdb`` keeps of it (``state`` starting or up)."""
 
     id: str
     drives: list[VmDrive]
     layers: list[VmLayer]
     disk: str  # the writable disk's id
     blobs: list[str]  # layer digests whose blob files it holds open
+    state: str = "up"  # starting (an up under way), up; broken: not all restored
+    created: float = 0.0
+    error: str | None = None  # why it is broken
+
+    def to_json(self) -> dict[str, Any]:
+        doc = super().to_json()
+        if self.error is None:
+            del doc["error"]
+        return doc
 
 
 class VmAnswer(Message):
     vm: VmRecord
+
+
+class VmList(Message):
+    vms: list[VmRecord]

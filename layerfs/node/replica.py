@@ -16,6 +16,9 @@ it wrote from the verified bytes); the caller mounts that open file
 even if the name is replaced meanwhile. A mismatch is logged, the image
 fetched again from the store and checked again.
 
+Sandbox records and microVM drive sets (``vms``) are node state: a
+restarted daemon brings them back from here.
+
 It also keeps what lets the node serve while the store is away: the
 manifests it used (env manifests included), by digest, handed out only if
 their bytes still match the digest (:meth:`Replica.manifest`), and its last
@@ -53,7 +56,8 @@ from ..store.base import sha256_digest
 
 log = logging.getLogger(__name__)
 DBS = (b"layers", b"chunktables", b"sandboxes", b"traces", b"manifests", b"resolutions",
-       b"counters")
+       b"counters", b"vms")
+MAX_DBS = 16  # room for more named databases: an existing replica opens with more
 RESOLUTION_REFRESH = 60.0  # seconds after which a resolution the store confirms is written again
 TMP_MARK = ".tmp"  # meta/<hex>.tmp<pid>-<thread>: a meta image being written
 HASH_READ = 256 << 10
@@ -103,7 +107,7 @@ class Replica:
         self.meta_dir = self.root / "meta"
         self.meta_dir.mkdir(parents=True, exist_ok=True)
         self._remove_temporaries()
-        self.env = lmdb.open(str(self.root / "replica.lmdb"), max_dbs=8, map_size=1 << 34,
+        self.env = lmdb.open(str(self.root / "replica.lmdb"), max_dbs=MAX_DBS, map_size=1 << 34,
                              subdir=True, lock=True)
         self.check_meta: MetaCheck | None = None  # the daemon's checker processes (else in-process)
         # gives room back when a commit finds ROOT full (the daemon's held space); True if it did
@@ -324,6 +328,27 @@ class Replica:
         with self.env.begin() as txn:
             return {k.decode(): json.loads(bytes(v))
                     for k, v in txn.cursor(db=self.dbs["sandboxes"])}
+
+    # -- microVM drive sets --
+    def put_vm(self, vid: str, record: dict) -> None:
+        self._write(lambda txn: txn.put(vid.encode(), json.dumps(record).encode(),
+                                        db=self.dbs["vms"]))
+
+    def delete_vm(self, vid: str) -> None:
+        self._write(lambda txn: txn.delete(vid.encode(), db=self.dbs["vms"]))
+
+    def vms(self) -> dict[str, object]:
+        """Each recorded vm's JSON (a record that is not JSON: its text, for
+        the caller to report)."""
+        out: dict[str, object] = {}
+        with self.env.begin() as txn:
+            for k, v in txn.cursor(db=self.dbs["vms"]):
+                try:
+                    out[bytes(k).decode("utf-8", "replace")] = json.loads(bytes(v))
+                except ValueError:
+                    out[bytes(k).decode("utf-8", "replace")] = bytes(v).decode("utf-8",
+                                                                               "replace")
+        return out
 
     # -- counters that outlive a daemon --
     def counter(self, name: str) -> int:

@@ -1,0 +1,220 @@
+"""microVM drive sets on the node: node state, like sandboxes.
+
+``vm up`` hands a VM, for each env layer, its local meta image and its lazy
+blob file as read-only drives, plus one writable disk (``ID-rw``, a disk of
+:mod:`.diskmanager`). The drive set is recorded in the replica before
+anything is set up (state ``starting``) and again once it all is (``up``);
+a failed or cancelled ``up`` undoes every step and deletes the record.
+``vm down`` releases the blob files, deletes the writable disk (unless
+``--keep``) and deletes the record last.
+
+A restarted daemon (a crash or ``kill -9``, a ``--takeover``, a stop and a
+start) brings every ``up`` record back before it answers a FUSE request for
+an inode it does not know yet (:attr:`.fusefs.NodeFS.restored`): the blob
+files under the same names and inodes, the writable disk (restored by the
+disk manager first). A VMM that kept its drive files open across a live
+restart reads on, and the reads the dead daemon had taken are answered by the
+next one (docs/node.md, Live restart). An up the last daemon did not finish
+is rolled back; a vm whose blob files or disk cannot be brought back, or
+whose record does not parse, is ``broken``, listed by ``vm ps`` with the
+reason (its record is kept, so the next start tries again), and ``vm down``
+releases what it holds and deletes the record.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from pathlib import Path
+
+import trio
+
+from ..errors import LayerfsError, UsageError, VmBusy, VmExists, VmNotFound
+from ..formats.chunktable import ChunkTable
+from ..refstore import ENVS, LAYERS, RefStore
+from .blobfiles import BlobDirectory
+from .diskmanager import DiskManager, check_disk_size
+from .fetcher import ChunkFetcher
+from .protocol import BadMessage, VmDrive, VmLayer, VmRecord
+from .replica import Replica
+
+log = logging.getLogger(__name__)
+VM_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,124}")  # ID-rw is still a disk id
+STARTING, UP, BROKEN = "starting", "up", "broken"
+
+
+def disk_of(vid: str) -> str:
+    """The id of vm ``vid``'s writable disk."""
+    return f"{vid}-rw"
+
+
+class Vms:
+    """Bring microVM drive sets up and down; their records live in the replica."""
+
+    def __init__(self, root: Path, refstore: RefStore, replica: Replica, blobs: BlobDirectory,
+                 fetcher: ChunkFetcher, disks: DiskManager) -> None:
+        self.root = root
+        self.reg = refstore
+        self.replica = replica
+        self.blobs = blobs
+        self.fetcher = fetcher
+        self.disks = disks
+        self.records: dict[str, VmRecord] = {}
+        self.held: dict[str, list[str]] = {}  # the blob files each vm holds served
+        self._busy: set[str] = set()  # an up or a down under way
+
+    async def _save(self, record: VmRecord) -> None:
+        await trio.to_thread.run_sync(self.replica.put_vm, record.id, record.to_json())
+
+    async def _release(self, vid: str, disk: str | None) -> None:
+        """Let go of the blob files vm ``vid`` holds and, if ``disk``, delete
+        that writable disk (registered or broken)."""
+        for digest in self.held.pop(vid, []):
+            self.blobs.remove(digest)
+        if disk:  # (a damaged record names none)
+            self.disks.owners.pop(disk, None)
+            await self.disks.discard(disk)
+
+    # -- commands --
+    async def up(self, vid: str, env: str | None, layer_refs: list[str], disk_size: int,
+                 base_disk: str | None) -> VmRecord:
+        if not VM_ID.fullmatch(vid or ""):
+            raise UsageError(f"invalid vm id {vid!r} (expected [A-Za-z0-9][A-Za-z0-9._-]*, "
+                             "at most 125 characters)")
+        if vid in self.records or vid in self._busy:
+            raise VmExists(vid)
+        if env and layer_refs or not (env or layer_refs or base_disk):
+            raise UsageError("give an env or --layer refs (not both), or --base-disk alone")
+        check_disk_size(disk_size)
+        self.disks.check_free(disk_of(vid))
+        self._busy.add(vid)
+        try:
+            return await self._up(vid, env, layer_refs, disk_size, base_disk)
+        finally:
+            self._busy.discard(vid)
+
+    async def _up(self, vid: str, env: str | None, layer_refs: list[str], disk_size: int,
+                  base_disk: str | None) -> VmRecord:
+        """Record the vm as starting, hold its layers' blob files, make its
+        disk, record it as up; anything that fails or is cancelled on the
+        way is undone and the record deleted."""
+        def resolve() -> list[str]:  # (none: a vm of its writable disk alone)
+            if env:
+                return [x.digest for x in self.reg.env(self.reg.resolve(ENVS, env)).layers]
+            return [self.reg.resolve(LAYERS, r) for r in layer_refs]
+
+        digests = await trio.to_thread.run_sync(resolve)
+        record = VmRecord(vid, [], [], disk=disk_of(vid), blobs=digests, state=STARTING,
+                          created=time.time())
+        held: list[str] = []
+        self.held[vid] = held
+        made_disk = False
+        try:
+            await self._save(record)  # from here a crash is rolled back at the next start
+            drives: list[VmDrive] = []
+            layers: list[VmLayer] = []
+            for i, digest in enumerate(digests):
+                rl = await trio.to_thread.run_sync(self.replica.verified_layer, self.reg, digest)
+                self.blobs.add(digest, rl.table, self.fetcher)
+                held.append(digest)
+                meta_id, blob_id = f"layer{i}-meta", f"layer{i}-blob"
+                drives.append(VmDrive(meta_id, str(rl.meta_path), is_read_only=True,
+                                      role="meta"))
+                drives.append(VmDrive(blob_id, str(self.root / "fuse" / "blobs" / rl.hex),
+                                      is_read_only=True, role="device"))
+                layers.append(VmLayer(f"{rl.manifest.name}@{rl.manifest.version}", digest,
+                                      meta_drive=meta_id, device_drives=[blob_id]))
+            disk = await self.disks.create(record.disk, None if base_disk else disk_size,
+                                           base_disk)
+            made_disk = True
+            self.disks.owners[record.disk] = vid
+            drives.append(VmDrive("rw", disk.path, is_read_only=False, role="disk"))
+            record.drives, record.layers, record.state = drives, layers, UP
+            await self._save(record)
+        except BaseException:
+            with trio.CancelScope(shield=True):  # a failed up leaves nothing behind
+                await self._release(vid, record.disk if made_disk else None)
+                try:
+                    await trio.to_thread.run_sync(self.replica.delete_vm, vid)
+                except Exception as exc:  # rolled back at the next start instead
+                    log.error("vm %s: cannot delete its record: %s", vid, exc)
+            raise
+        self.records[vid] = record
+        return record
+
+    async def down(self, vid: str, keep: bool) -> VmRecord:
+        record = self.records.get(vid)
+        if record is None:
+            raise VmNotFound(vid)
+        if vid in self._busy:
+            raise VmBusy(vid)
+        self._busy.add(vid)
+        try:
+            await self._release(vid, None if keep else record.disk)
+            if keep:
+                self.disks.owners.pop(record.disk, None)
+            await trio.to_thread.run_sync(self.replica.delete_vm, vid)
+            del self.records[vid]
+        finally:
+            self._busy.discard(vid)
+        return record
+
+    def ps(self) -> list[VmRecord]:
+        return [self.records[vid] for vid in sorted(self.records)]
+
+    # -- a restart --
+    async def restore(self) -> None:
+        """The records an earlier daemon left, each by its state: an up it
+        did not finish is rolled back; an up vm gets its blob files served
+        again and its disk's owner set, or is marked broken. Run after the
+        disks' restore, before the FUSE requests for unknown inodes are let
+        through. A record that does not parse is logged and listed broken."""
+        stored = await trio.to_thread.run_sync(self.replica.vms)
+        for vid, data in sorted(stored.items()):
+            try:
+                record = VmRecord.from_json(data, f"vm record {vid}", extra_fields=True)
+                if record.id != vid or record.state not in (STARTING, UP):
+                    raise ValueError(f"id {record.id!r}, state {record.state!r}")
+            except (BadMessage, ValueError) as exc:
+                log.error("vm %s not restored: its record is damaged: %s", vid, exc)
+                self.records[vid] = VmRecord(vid, [], [], disk="", blobs=[], state=BROKEN,
+                                             error=f"its record is damaged: {exc}")
+                continue
+            if record.state == STARTING:
+                log.info("vm %s: rolling back its unfinished up", vid)
+                await self._release(vid, record.disk)
+                await trio.to_thread.run_sync(self.replica.delete_vm, vid)
+                continue
+            await self._bring_back(record)
+
+    async def _bring_back(self, record: VmRecord) -> None:
+        vid, problems = record.id, []
+        held: list[str] = []
+        self.held[vid] = held
+        for digest in record.blobs:
+            try:
+                table = await trio.to_thread.run_sync(self._table, digest)
+            except (LayerfsError, OSError, ValueError) as exc:
+                problems.append(f"layer {digest}: {exc}")
+                continue
+            self.blobs.add(digest, table, self.fetcher)
+            held.append(digest)
+        if record.disk in self.disks.disks:
+            self.disks.owners[record.disk] = vid
+        else:
+            why = self.disks.broken.get(record.disk, "it is gone")
+            problems.append(f"disk {record.disk}: {why}")
+        if problems:
+            record.state, record.error = BROKEN, "; ".join(problems)
+            log.error("vm %s restored broken: %s", vid, record.error)
+        self.records[vid] = record
+
+    def _table(self, digest: str) -> ChunkTable:
+        """Worker thread: a held layer's chunk table from the replica (its
+        meta image was checked when ``vm up`` handed it out, and the VMM
+        holds it open), else the layer fetched and checked again."""
+        layer = self.replica.layer(digest)
+        if layer is None:
+            layer = self.replica.verified_layer(self.reg, digest)
+        return layer.table

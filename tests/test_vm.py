@@ -1,0 +1,381 @@
+"""microVMs for real: QEMU guests (TCG) boot on the drives ``vm up`` hands
+out, and a vm's drive set outlives a daemon restart like a sandbox.
+
+Guests (layerfs.node.guest): Debian's cloud kernel, fetched once into
+/var/cache/layerfs-tests, and a busybox initramfs made by the test. A guest
+boots from a writable disk over a ``build-disk`` base, writes, and its
+commit boots on a second node root with the write in it; a guest mounts a
+layer's EROFS drives and reads its blob drive in a loop while the daemon is
+killed (``kill -9``) and started again, then replaced (``--takeover``):
+every read right, none failed. Without QEMU (Debian qemu-system-x86) or a
+kernel the guest tests skip; in CI they must run. Each boot takes 5-15 s on
+the shared 2-core VM (TCG), 60-90 s allowed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from nodes import NodeDaemon
+from support import IN_CI, build, need_root
+from test_restart import take_over, wait_for
+
+from layerfs.builder.disk import build_disk
+from layerfs.chunks import materialize_blob
+from layerfs.node import guest
+from layerfs.node.protocol import VmRecord
+from layerfs.node.replica import Replica
+from layerfs.node.vmm import guest_device, qemu_drive_args
+from layerfs.refstore import RefStore
+
+MiB = 1 << 20
+FILE_STORE = pytest.mark.parametrize("store_location", ["file"], indirect=True)
+FILE_LINE = re.compile(r"^FILE (\w{64})  \./(.+)$")  # sha256sum's line of a file in the guest
+PASS_TIMEOUT = 90.0  # one pass of the guest's read loop, a daemon switch included
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(4 * MiB):
+            h.update(block)
+    return h.hexdigest()
+
+
+@pytest.fixture
+def node(tmp_path, store, store_location):
+    need_root()
+    daemon = NodeDaemon(tmp_path / "node1", store_location.cli_args()).start()
+    try:
+        yield daemon
+    finally:
+        assert daemon.cleanup() == []
+
+
+@pytest.fixture
+def node2(tmp_path, store_location):
+    """A second node root on the same store."""
+    daemon = NodeDaemon(tmp_path / "node2", store_location.cli_args()).start()
+    try:
+        yield daemon
+    finally:
+        assert daemon.cleanup() == []
+
+
+def unavailable(why: str) -> None:
+    if IN_CI:
+        pytest.fail(f"CI boots real guests: {why}")
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> guest.GuestKernel:
+    """The guest kernel (fetched once into the cache), where QEMU runs."""
+    need_root()
+    if guest.qemu_or_none() is None:
+        unavailable(f"no {guest.QEMU} (Debian qemu-system-x86: make apt-deps)")
+    try:
+        return guest.guest_kernel()
+    except guest.GuestUnavailable as exc:
+        unavailable(str(exc))
+        raise
+
+
+def vm_up(node: NodeDaemon, *args: str) -> dict:
+    return json.loads(node.cli("vm", "up", *args, "--json").stdout)
+
+
+def layer_tree(root: Path, seed: int) -> dict[str, str]:
+    """A layer's files (a large one for the read loop); their sha256 by path."""
+    rng = random.Random(seed)
+    files = {"data/big.bin": rng.randbytes(12 * MiB), "data/small.txt": b"small file\n" * 30,
+             "etc/motd": b"hello from a layerfs layer\n", "empty": b""}
+    for i in range(6):
+        files[f"lib/part{i}.bin"] = rng.randbytes(rng.randrange(1, 300_000))
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+
+
+# -- drive sets across a restart (no guest) --
+
+# holds a vm's blob file and disk open: writes the disk and syncs, then on
+# each line "check" reads the whole blob (page cache dropped) and the bytes
+# written, through the descriptors opened before, and prints them
+HOLDER = textwrap.dedent("""
+    import hashlib, os, sys
+    blob = os.open(sys.argv[1], os.O_RDONLY)
+    disk = os.open(sys.argv[2], os.O_RDWR)
+    os.pwrite(disk, b"written-before-the-restarts", 4096)
+    os.fsync(disk)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        os.posix_fadvise(blob, 0, 0, os.POSIX_FADV_DONTNEED)
+        h = hashlib.sha256(os.pread(blob, os.fstat(blob).st_size, 0)).hexdigest()
+        print(h, os.pread(disk, 27, 4096).decode(), flush=True)
+""")
+
+
+def ask(proc: subprocess.Popen, line: str) -> str:
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+    return proc.stdout.readline()
+
+
+def test_vm_up_hands_out_roles_and_qemu_arguments_and_survives_restarts(node, store,
+                                                                        tmp_path):
+    """``vm up --json``: each drive's path, read-only flag and role, and QEMU's
+    arguments; the drive set is recorded: after ``kill -9`` and a start, and
+    after a ``--takeover``, a process that opened the files before reads
+    them right through the same descriptors, and ``vm ps`` lists it; its disk cannot be removed
+    under it; ``vm down`` releases all of it."""
+    src = tmp_path / "src"
+    want = layer_tree(src, 1)
+    build(store, str(src), name="vmdata", chunk_size=MiB)
+    doc = vm_up(node, "--layer", "vmdata@1", "--id", "v1", "--disk-size", "8M")
+    roles = [(d["drive_id"], d["role"], d["is_read_only"]) for d in doc["drives"]]
+    assert roles == [("layer0-meta", "meta", True), ("layer0-blob", "device", True),
+                     ("rw", "disk", False)]
+    assert doc["state"] == "up" and doc["disk"] == "v1-rw"
+    assert doc["qemu"] == qemu_drive_args(VmRecord.from_json(
+        {k: v for k, v in doc.items() if k not in ("qemu", "created")}).drives)
+    assert doc["qemu"][:4] == [
+        "-drive", f"file={doc['drives'][0]['path_on_host']},format=raw,if=none,"
+        "id=layer0-meta,cache=none,aio=threads,readonly=on",
+        "-device", "virtio-blk-device,drive=layer0-meta,serial=layer0-meta"]
+    assert "readonly" not in doc["qemu"][-3]
+    text = node.cli("vm", "up", "--layer", "vmdata@1", "--id", "v2").stdout
+    assert "mount -t erofs -o ro,device=/dev/vdb /dev/vda" in text and "\nqemu: -drive " in text
+    node.cli("vm", "down", "v2")
+
+    expected_blob = tmp_path / "blob"
+    materialize_blob(store, RefStore(store).chunk_table(RefStore(store).layer(
+        doc["layers"][0]["digest"])), str(expected_blob))
+    # the files are held by another process: one the test forks while the
+    # daemon is dead would block closing them (FUSE's flush)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, doc["drives"][1]["path_on_host"],
+                               doc["drives"][2]["path_on_host"]], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "ready\n"
+        for switch in ("kill", "takeover"):
+            if switch == "kill":
+                node.kill()
+                node.start()
+            else:
+                take_over(node)
+            out, _ = holder.communicate("check\n", timeout=60) if switch == "takeover" else (
+                ask(holder, "check"), None)
+            assert out.split() == [sha256_file(expected_blob), "written-before-the-restarts"]
+            rows = json.loads(node.cli("vm", "ps", "--json").stdout)
+            assert [(r["id"], r["state"], r["disk"]) for r in rows] == [("v1", "up", "v1-rw")]
+            assert rows[0]["drives"] == doc["drives"]
+        assert holder.returncode == 0
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(30)
+    assert "took over the FUSE connection" in node.log()
+    proc = node.cli("disk", "rm", "v1-rw", check=False)
+    assert (proc.returncode, proc.stderr.strip()) == (
+        15, "layerfs: error: disk v1-rw: the writable disk of vm v1: take the vm down first "
+        "(`layerfs vm down`)")
+    assert "v1  " in node.cli("vm", "ps").stdout
+    node.cli("vm", "down", "v1")
+    assert json.loads(node.cli("vm", "ps", "--json").stdout) == []
+    assert json.loads(node.cli("disk", "ls", "--json").stdout) == []
+    assert os.listdir(node.root / "fuse" / "blobs") == []
+    assert want  # (the layer's files: the guest test reads them)
+
+
+@FILE_STORE
+@pytest.mark.daemon_log(r"ERROR layerfs\.node\.vms: vm v-damaged not restored: its record "
+                        r"is damaged", r"ERROR layerfs\.node\.vms: vm v-lost restored broken: "
+                        r"layer sha256:0{64}: .*; disk v-lost-rw: it is gone")
+def test_restore_rolls_back_an_unfinished_up_and_reports_what_it_cannot_bring_back(
+        node, store, tmp_path):
+    """Records a crash can leave: an up that did not finish (its disk made) is
+    rolled back; a damaged record, and a vm whose layer and disk are gone,
+    are broken, listed with the reason, and ``vm down`` removes them."""
+    src = tmp_path / "src"
+    layer_tree(src, 2)
+    build(store, str(src), name="vmdata", chunk_size=MiB)
+    vm_up(node, "--layer", "vmdata@1", "--id", "v-ok", "--disk-size", "1M")
+    node.cli("disk", "create", "v-half-rw", "--size", "1M")
+    node.stop()
+    replica = Replica(node.root)
+    try:
+        half = VmRecord("v-half", [], [], disk="v-half-rw", blobs=[], state="starting")
+        replica.put_vm("v-half", half.to_json())
+        replica.put_vm("v-damaged", {"id": "v-damaged", "drives": "not a list"})
+        lost = VmRecord("v-lost", [], [], disk="v-lost-rw", blobs=["sha256:" + "0" * 64])
+        replica.put_vm("v-lost", lost.to_json())
+    finally:
+        replica.close()
+    node.start()
+    assert "vm v-half: rolling back its unfinished up" in node.log()
+    rows = {r["id"]: r for r in json.loads(node.cli("vm", "ps", "--json").stdout)}
+    assert sorted(rows) == ["v-damaged", "v-lost", "v-ok"]
+    assert [rows[v]["state"] for v in sorted(rows)] == ["broken", "broken", "up"]
+    assert "disk v-lost-rw: it is gone" in rows["v-lost"]["error"]
+    assert rows["v-damaged"]["error"].startswith("its record is damaged: ")
+    assert [d["id"] for d in json.loads(node.cli("disk", "ls", "--json").stdout)] == ["v-ok-rw"]
+    for vid in ("v-damaged", "v-lost", "v-ok"):
+        node.cli("vm", "down", vid)
+    assert json.loads(node.cli("vm", "ps", "--json").stdout) == []
+
+
+# -- real guests --
+
+DISK_INIT = """#!/bin/sh
+set -e
+export PATH=/bin
+mount -t proc proc /proc
+mount -t devtmpfs devtmpfs /dev
+echo "BASE $(sha256sum /data/base.bin)"
+if [ -f /data/new.bin ]; then
+    echo "SEEN $(sha256sum /data/new.bin)"
+else
+    dd if=/dev/urandom of=/data/new.bin bs=1M count=4 status=none
+    sync
+    echo "WROTE $(sha256sum /data/new.bin)"
+fi
+umount /dev
+umount /proc
+"""
+
+BOOT_FROM_DISK = """mount -t ext4 /dev/vda /newroot || exit 1
+chroot /newroot /bin/sh /init
+rc=$?
+umount /newroot || exit 1
+exit $rc
+"""
+
+
+def base_disk_image(tmp_path: Path) -> tuple[Path, str]:
+    """An ext4 image with busybox, an /init and a 3 MiB file; its sha256."""
+    tree = tmp_path / "disk-tree"
+    for d in ("bin", "proc", "dev", "data"):
+        (tree / d).mkdir(parents=True)
+    shutil.copy(guest.busybox(), tree / "bin" / "busybox")
+    for tool in ("sh", "sha256sum", "dd", "mount", "umount", "sync", "cat"):
+        (tree / "bin" / tool).symlink_to("busybox")
+    (tree / "init").write_text(DISK_INIT)
+    data = random.Random(3).randbytes(3 * MiB)
+    (tree / "data" / "base.bin").write_bytes(data)
+    image = tmp_path / "base.img"
+    subprocess.run(["mkfs.ext4", "-q", "-d", str(tree), str(image), "32M"], check=True)
+    return image, hashlib.sha256(data).hexdigest()
+
+
+@FILE_STORE
+def test_a_guest_boots_from_a_writable_disk_and_its_commit_on_another_node(
+        kernel, node, node2, store, tmp_path):
+    """Boot 1: ext4 root on the vm's writable disk over a ``build-disk`` base;
+    the guest reads the base's file and writes a new one. The disk is
+    committed; boot 2, on a second node root from that snapshot, reads both."""
+    image, base_sha = base_disk_image(tmp_path)
+    build_disk(RefStore(store), str(image), "guest/base", "1")
+    first = vm_up(node, "--base-disk", "guest/base@1", "--id", "b1")
+    assert [d["role"] for d in first["drives"]] == ["disk"]
+    with guest.running_guest(kernel, BOOT_FROM_DISK, first["qemu"], tmp_path, "boot1") as g:
+        _, base = g.wait_for(r"^BASE (\w+) ")
+        _, wrote = g.wait_for(r"^WROTE (\w+) ")
+        assert g.finish() == 0
+    assert base.group(1) == base_sha
+    commit = json.loads(node.cli("disk", "commit", "b1-rw", "--name", "guest/snap",
+                                 "--version", "1", "--json").stdout)
+    assert 4 * MiB <= commit["changed_bytes"] < 16 * MiB
+    node.cli("vm", "down", "b1")
+    second = vm_up(node2, "--base-disk", "guest/snap@1", "--id", "b2")
+    with guest.running_guest(kernel, BOOT_FROM_DISK, second["qemu"], tmp_path, "boot2") as g:
+        _, base = g.wait_for(r"^BASE (\w+) ")
+        _, seen = g.wait_for(r"^SEEN (\w+) ")
+        assert g.finish() == 0
+    assert (base.group(1), seen.group(1)) == (base_sha, wrote.group(1))
+    node2.cli("vm", "down", "b2")
+
+
+READ_LOOP = """set -o pipefail
+for d in /sys/block/vd*; do echo "DRIVE /dev/${d##*/} $(cat "$d/serial")"; done
+mount -t erofs -o ro,device=/dev/vdb /dev/vda /mnt || echo "GUEST-ERROR mount"
+cd /mnt
+find . -type f | sort | while read -r f; do echo "FILE $(sha256sum "$f")"; done
+cd /
+umount /mnt
+n=0
+while true; do
+    n=$((n + 1))
+    sum=$(dd if=/dev/vdb bs=1M iflag=direct status=none 2>/tmp/err | sha256sum)
+    rc=$?
+    echo "pass $n" | dd of=/dev/vdc bs=512 seek=$n conv=sync,fsync oflag=direct status=none \
+        2>>/tmp/err
+    wrc=$?
+    [ -s /tmp/err ] && echo "GUEST-ERROR $(cat /tmp/err)" && : > /tmp/err
+    echo "PASS $n ${sum%% *} $rc $wrc"
+    if read -r -t 1 line && [ "$line" = stop ]; then break; fi
+done
+"""
+
+
+@FILE_STORE
+def test_a_guest_reads_a_layer_through_kill_9_and_takeover(kernel, node, store, tmp_path):
+    """The guest sees the drives in the drive set's order, their ids as
+    serials; it mounts the layer's EROFS drives (meta image, ``device=`` the
+    blob drive) and checks every file; then it reads the whole blob drive in
+    a loop and writes a sector of its writable disk per pass while the daemon
+    is killed (its reads wait in the kernel) and started again, and then
+    replaced with ``--takeover``: every pass reads the blob's exact bytes,
+    no read or write fails, and every sector written is there."""
+    src = tmp_path / "src"
+    files = layer_tree(src, 4)
+    build(store, str(src), name="guestdata", chunk_size=MiB)
+    doc = vm_up(node, "--layer", "guestdata@1", "--id", "g1", "--disk-size", "4M")
+    expected_blob = tmp_path / "blob"
+    refstore = RefStore(store)
+    materialize_blob(store, refstore.chunk_table(refstore.layer(doc["layers"][0]["digest"])),
+                     str(expected_blob))
+    blob_sha = sha256_file(expected_blob)
+    with guest.running_guest(kernel, READ_LOOP, doc["qemu"], tmp_path, "reader") as g:
+        g.wait_for(r"^GUEST-START")
+        at, _ = g.wait_for(r"^PASS 1 ", PASS_TIMEOUT)
+        seen = {m.group(2): m.group(1) for line in g.lines[:at]
+                if (m := FILE_LINE.match(line))}
+        assert seen == files
+        drives = dict(line.split()[1:] for line in g.lines[:at] if line.startswith("DRIVE "))
+        assert drives == {guest_device(i): d["drive_id"] for i, d in enumerate(doc["drives"])}
+        node.kill()
+        wait_for(g.waiting_on_fuse, "the guest's reads to wait", 30)
+        node.start()
+        at, _ = g.wait_for(r"^PASS \d+ ", PASS_TIMEOUT, at + 1)
+        at, _ = g.wait_for(r"^PASS \d+ ", PASS_TIMEOUT, at + 1)
+        take_over(node)
+        at, _ = g.wait_for(r"^PASS \d+ ", PASS_TIMEOUT, at + 1)
+        at, _ = g.wait_for(r"^PASS \d+ ", PASS_TIMEOUT, at + 1)
+        g.send("stop")
+        assert g.finish() == 0
+    problems = [line for line in g.lines if "GUEST-ERROR" in line or "I/O error" in line]
+    assert problems == []
+    passes = [line.split() for line in g.lines if line.startswith("PASS ")]
+    assert len(passes) >= 5
+    assert all(p[2:] == [blob_sha, "0", "0"] for p in passes), passes
+    assert [int(p[1]) for p in passes] == list(range(1, len(passes) + 1))
+    with open(node.root / "fuse" / "disks" / "g1-rw", "rb") as disk:
+        for n in range(1, len(passes) + 1):
+            assert os.pread(disk.fileno(), 512, 512 * n) == (
+                f"pass {n}\n".encode().ljust(512, b"\0")), n
+    assert json.loads(node.cli("vm", "ps", "--json").stdout)[0]["state"] == "up"
+    node.cli("vm", "down", "g1")
+
