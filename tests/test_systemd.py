@@ -189,7 +189,12 @@ def restart_and_crash_under_reads_then_stop(box: Container, io: Path) -> None:
     assert state["StatusText"] == f"serving 0 sandboxes (store file://{STORE})", state
     [keeper] = keepers(box)
     cgroup = box.run("cat", f"/proc/{keeper}/cgroup").stdout
-    assert re.search(r"/layerfs-keeper-\d+-1\.scope$", cgroup, re.M), cgroup
+    scope = re.search(r"/(layerfs-keeper-\d+-1\.scope)$", cgroup, re.M)
+    assert scope, cgroup
+    props = box.run("systemctl", "show", "--property=Before,Description,ActiveState",
+                    scope[1]).stdout
+    assert "ActiveState=active" in props, props
+    assert re.search(r"^Before=.*\blayerfs\.service\b", props, re.M), props
 
     rootfs = box.run("layerfs", "up", "e@1", "--id", "s1").stdout.strip()
     assert rootfs == f"{ROOT}/sandboxes/s1/rootfs"
@@ -269,6 +274,7 @@ def restart_and_crash_under_reads_then_stop(box: Container, io: Path) -> None:
     assert any("STATUS=serving 1 sandbox " in n for n in notes), notes
     assert any("STOPPING=1" in n for n in notes), notes
     assert "systemd restarts the daemon" in log
+    assert "left-over process" not in log  # KillMode=mixed: nothing stays behind a daemon
     assert "took over the FUSE connection" in log
     assert problem_records(log) == []  # the daemons' own lines: no warning, error, traceback
     print(f"container booted in {box.boot_seconds:.1f} s")
