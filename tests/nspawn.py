@@ -79,7 +79,9 @@ class Container:
     def boot(self, timeout: float = 60.0) -> None:
         """Boot it and wait until its manager has started everything it was asked to."""
         argv = [NSPAWN, "--quiet", "--boot", f"--directory={self.root}",
-                f"--machine=lfs{os.getpid()}", "--register=no", "--keep-unit",
+                f"--machine=lfs{os.getpid()}", "--register=no",
+                # no unit of its own where the host has no systemd to make one
+                *([] if Path("/run/systemd/system").is_dir() else ["--keep-unit"]),
                 "--private-network", "--capability=all", "--resolv-conf=off",
                 "--timezone=off", "--link-journal=no", "--console=read-only",
                 "--bind=/dev/fuse", "--bind=/dev/loop-control"]
