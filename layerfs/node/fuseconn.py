@@ -167,7 +167,7 @@ def start_keeper(root: Path, conn: FuseConnection, grace: float) -> subprocess.P
             return _start_keeper(root, conn, grace, systemd.keeper_command)
         except OSError as exc:
             log.warning("cannot start the FUSE keeper in a scope of its own (%s): it runs in "
-                        "the daemon's unit, and a restart of the unit ends it", exc)
+                        "the daemon's unit, which ends it at a restart or a crash", exc)
     return _start_keeper(root, conn, grace, lambda command: command)
 
 
