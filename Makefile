@@ -9,7 +9,8 @@ PYTHON  ?= $(firstword $(wildcard /usr/bin/python3) python3)
 PYTHON_REAL := $(shell readlink -f "$$(command -v $(PYTHON))")
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-STAMP   := $(VENV)/.installed
+# named by the interpreter: a venv made by another one is made again
+STAMP   := $(VENV)/.installed$(subst /,-,$(PYTHON_REAL))
 APT_PKGS := fuse3 libfuse3-dev pkg-config erofs-utils busybox-static attr zstd tar \
             qemu-utils e2fsprogs util-linux runc crun passwd gcc libc6-dev python3-dev \
             python3-venv docker-registry apache2-utils skopeo umoci containerd debootstrap \
@@ -42,6 +43,7 @@ $(STAMP): pyproject.toml setup.py layerfs/formats/_erofscheck.c | apt-deps
 	  echo "making $(VENV) with $(PYTHON_REAL)"; $(PYTHON) -m venv --clear $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed*
 	touch $(STAMP)
 
 deps: apt-deps $(STAMP)

@@ -39,9 +39,9 @@ def make_install(prefix: Path, bindir: Path, unitdir: Path, confdir: Path,
                  dist: Path) -> subprocess.CompletedProcess:
     """`make install` into these places, with the running venv as the dev venv
     (not remade: `-o` its stamp) and the Debian packages taken as there."""
-    venv = Path(sys.prefix)
+    venv, stamp = Path(sys.prefix), "installed-venv"  # the stamp: any name, taken as made
     return subprocess.run(
-        ["make", "-C", str(REPO), "-o", "apt-deps", "-o", str(venv / ".installed"),
+        ["make", "-C", str(REPO), "-o", "apt-deps", "-o", stamp, f"STAMP={stamp}",
          f"VENV={venv}", f"PYTHON={SYSTEM_PYTHON}", f"PREFIX={prefix}", f"BINDIR={bindir}",
          f"UNITDIR={unitdir}", f"CONFDIR={confdir}", f"DIST={dist}", "install"],
         capture_output=True, text=True, timeout=900)
