@@ -52,7 +52,7 @@ lint: deps
 	$(VENV)/bin/pytest -q tests/test_lint.py
 
 bench-build: deps
-	$(PY) bench/build.py
+	$(PY) -m bench.build
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy-src
