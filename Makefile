@@ -69,7 +69,7 @@ lint: deps
 	$(VENV)/bin/pytest -q tests/test_lint.py
 
 bench-build: deps
-	$(PY) bench/build.py
+	$(PY) -m bench.build
 
 # The wheel, with the compiled check (_erofscheck), built from the dev venv's
 # setuptools (no download).

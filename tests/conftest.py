@@ -28,10 +28,10 @@ from pathlib import Path
 
 import nodes
 import pytest
-from s3server import S3Server, dummy_aws_env, start_server, weed_or_skip
-from support import FAST_TIER
+from support import FAST_TIER, dummy_aws_env, weed_or_skip
 from users import local_user  # noqa: F401  (a fixture for every test module)
 
+from harness.s3server import S3Server, start_server
 from layerfs.errors import StoreError
 from layerfs.store import Store, open_store
 from layerfs.store.s3 import S3Store
@@ -57,7 +57,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "daemon_log(*patterns): WARNING/ERROR log records (regexes) the test "
         "expects from its daemons or in-process")
     config.addinivalue_line(
-        "markers", "cluster: runs on the real SeaweedFS cluster of tests/cluster.py")
+        "markers", "cluster: runs on the real SeaweedFS cluster of harness/seaweedcluster.py")
     config.addinivalue_line(
         "markers", "fast: the unit tier, no server, daemon or root (set by the conftest)")
     if config.getoption("markexpr") == "fast":
