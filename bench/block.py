@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Block path throughput: writable disks through a loop device against a local file.
 
 In one run, through loop devices and with the page cache dropped before each
@@ -12,7 +11,7 @@ measurement:
   alternating which goes first, medians reported;
 * commit time and stored bytes against the amount of data written.
 
-    python bench/block.py [--size-mb 512] [--reps 5] [--work bench/work/block]
+    python -m bench.block [--size-mb 512] [--reps 5] [--work bench/work/block]
 
 Prints a table and writes bench/results/block.json.
 """
@@ -27,24 +26,18 @@ import random
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+from bench import RESULTS, WORK
+from bench.daemons import drop_caches
+from layerfs.builder.disk import build_disk
+from layerfs.node.daemon import mounts_under
+from layerfs.node.process import LAYERFS, DaemonProcess
+from layerfs.refstore import RefStore
+from layerfs.store import open_store
 
-from daemons import drop_caches  # noqa: E402
-from nodes import NodeDaemon  # noqa: E402
-
-from layerfs.builder.disk import build_disk  # noqa: E402
-from layerfs.node.daemon import mounts_under  # noqa: E402
-from layerfs.refstore import RefStore  # noqa: E402
-from layerfs.store import open_store  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
 GEN = 1
 
@@ -109,11 +102,20 @@ def random_iops(dev: str, size: int, count: int, seed: int = 3) -> float:
     return count / (time.perf_counter() - start)
 
 
-def start(root: Path, store_url: str, daemons: list[NodeDaemon]) -> NodeDaemon:
+def cli(node: DaemonProcess, *args: str) -> str:
+    """``layerfs ARGS --root ROOT`` against ``node``; its standard output."""
+    proc = subprocess.run([*LAYERFS, *args, "--root", str(node.root)], capture_output=True,
+                          text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"layerfs {' '.join(args)}: {proc.stderr}\n{node.log()[-4000:]}")
+    return proc.stdout
+
+
+def start(root: Path, store_url: str, daemons: list[DaemonProcess]) -> DaemonProcess:
     """A daemon on ``root`` with disk ``d`` created on the sealed chain."""
-    node = NodeDaemon(root, ["--store", store_url]).start()
+    node = DaemonProcess(root, ["--store", store_url], read_timeout=5.0).start()
     daemons.append(node)
-    node.cli("disk", "create", "d", "--base", "bench/disk@1")
+    cli(node, "disk", "create", "d", "--base", "bench/disk@1")
     return node
 
 
@@ -127,8 +129,8 @@ def main() -> None:
     ap.add_argument("--iops-reads", type=int, default=3000)
     ap.add_argument("--reps", type=int, default=5,
                     help="repetitions of the local and cached-chain measurements (medians)")
-    ap.add_argument("--work", default=str(HERE / "work" / "block"))
-    ap.add_argument("--out", default=str(HERE / "results" / "block.json"))
+    ap.add_argument("--work", default=str(WORK / "block"))
+    ap.add_argument("--out", default=str(RESULTS / "block.json"))
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -140,7 +142,7 @@ def main() -> None:
     store_url = f"file://{work / 'store'}"
     store = open_store(store_url)
     base = build_disk(RefStore(store), str(image), "bench/disk", "1")
-    daemons: list[NodeDaemon] = []
+    daemons: list[DaemonProcess] = []
     result: dict = {"disk_bytes": size, "data_bytes": base.manifest.stats.file_bytes,
                     "stored_bytes": base.manifest.stats.stored_bytes}
     try:
@@ -183,7 +185,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
-def commits(node: NodeDaemon, size: int) -> list[dict]:
+def commits(node: DaemonProcess, size: int) -> list[dict]:
     """Write N MiB of random data into the disk, commit, time it, see what it stored."""
     out = []
     disk = node.root / "fuse" / "disks" / "d"
@@ -196,8 +198,8 @@ def commits(node: NodeDaemon, size: int) -> list[dict]:
             f.flush()
             os.fsync(f.fileno())
         start = time.perf_counter()
-        res = json.loads(node.cli("disk", "commit", "d", "--name", "bench/disk",
-                                  "--version", f"c{i}", "--json").stdout)
+        res = json.loads(cli(node, "disk", "commit", "d", "--name", "bench/disk",
+                             "--version", f"c{i}", "--json"))
         out.append({"written_mib": mib, "seconds": round(time.perf_counter() - start, 3),
                     "changed_bytes": res["changed_bytes"], "stored_bytes": res["stored_bytes"],
                     "uploaded_bytes": res["uploaded_bytes"],

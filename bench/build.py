@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Builder throughput and stored size against ``tar | zstd -3`` and mkfs.erofs.
 
 Generates (once, seeded) a tree of mixed file sizes with ~20 % duplicate
@@ -8,7 +7,7 @@ reading the same tree from the page cache. Reports ratios (the machine is
 noisy; absolute times are printed for reference) and then rebuilds after
 changing 1 % of the files to measure what a new version uploads.
 
-    python bench/build.py [--size-mb 1024] [--work bench/work]
+    python -m bench.build [--size-mb 1024] [--work bench/work]
 
 Prints a table and writes bench/results/build.json.
 """
@@ -20,17 +19,14 @@ import json
 import random
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench import RESULTS, WORK
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.refstore import RefStore
 from layerfs.store.file import FileStore
 
-HERE = Path(__file__).resolve().parent
 GEN = 2  # bump when the generator changes
 LOW_ENTROPY = bytes.maketrans(bytes(range(256)), b"etaoinshrdlucmfw" * 16)
 
@@ -127,8 +123,8 @@ def restore(undo: list[tuple[Path, int, bytes]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mb", type=int, default=1024)
-    ap.add_argument("--work", default=str(HERE / "work" / "build"))
-    ap.add_argument("--out", default=str(HERE / "results" / "build.json"))
+    ap.add_argument("--work", default=str(WORK / "build"))
+    ap.add_argument("--out", default=str(RESULTS / "build.json"))
     args = ap.parse_args()
     work = Path(args.work)
     tree = work / "tree"

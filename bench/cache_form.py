@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The chunk cache's two forms side by side: ``--cache-form stored`` (a chunk
 the store holds compressed is kept as its zstd frame) against ``plain``
 (decompressed), on the image and workload of bench/image_start.py.
@@ -10,7 +9,7 @@ ROOT/cache after), then a **warm** start: the daemon stopped, a new one on the
 same ROOT, the page cache dropped, the same up + run (every chunk read from
 the cache files, none from the store). Needs root.
 
-    python bench/cache_form.py [--reps 5] [--store s3|file] [--client LAYERFS]
+    python -m bench.cache_form [--reps 5] [--store s3|file] [--client LAYERFS]
 
 Prints a table (medians; ratios are medians of per-rep stored/plain ratios)
 and writes bench/results/cache_form.json.
@@ -29,10 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from daemons import DaemonRuns, clear_dir, drop_caches, git_head, print_footer  # noqa: E402
-from image_start import (  # noqa: E402
+from bench import RESULTS, git_head
+from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
+from bench.image_start import (
     ENV_REF,
     WORKLOAD,
     du_bytes,
@@ -42,10 +40,8 @@ from image_start import (  # noqa: E402
     timed_run,
     write_bytes,
 )
+from layerfs.node.process import LAYERFS, DaemonProcess, detach_mounts
 
-from layerfs.node.process import LAYERFS, DaemonProcess, detach_mounts  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
 FORMS = ("stored", "plain")
 
 
@@ -137,7 +133,7 @@ def main() -> None:
     ap.add_argument("--client", metavar="LAYERFS",
                     help="The layerfs script to time (default: this checkout's).")
     ap.add_argument("--work", default="/tmp/layerfs-bench/image-start")
-    ap.add_argument("--out", default=str(HERE / "results" / "cache_form.json"))
+    ap.add_argument("--out", default=str(RESULTS / "cache_form.json"))
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/cache_form.py needs root (FUSE, EROFS, overlay mounts)")

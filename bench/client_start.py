@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """How fast a node command's client starts: wall time of ``layerfs up``, ``ps``,
 ``stats``, ``run`` and ``down`` against a real daemon, each as a ratio against
 the floor of the same subprocess path (``python -c pass`` with the same
@@ -24,7 +23,7 @@ default the commands run with bytecode cached under the work directory
 ``PYTHONDONTWRITEBYTECODE`` says); ``--bytecode none`` compiles every module
 from source on every start instead.
 
-    python bench/client_start.py [--reps 20] [--compare /path/to/layerfs]
+    python -m bench.client_start [--reps 20] [--compare /path/to/layerfs]
         [--client NAME=/path/to/layerfs] [--bytecode cached|none]
 
 Prints a table (medians) and writes bench/results/client_start.json.
@@ -42,16 +41,13 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from daemons import clear_dir, git_head  # noqa: E402
-
-from layerfs.builder.layer import BuildOptions, build_layer  # noqa: E402
-from layerfs.node.client import Client  # noqa: E402
-from layerfs.node.process import DaemonProcess  # noqa: E402
-from layerfs.refstore import RefStore  # noqa: E402
-from layerfs.store.file import FileStore  # noqa: E402
+from bench import RESULTS, git_head
+from bench.daemons import clear_dir
+from layerfs.builder.layer import BuildOptions, build_layer
+from layerfs.node.client import Client
+from layerfs.node.process import DaemonProcess
+from layerfs.refstore import RefStore
+from layerfs.store.file import FileStore
 
 COMMANDS = ("up", "ps", "stats", "run", "down")
 
@@ -190,7 +186,7 @@ def main() -> None:
     ap.add_argument("--bytecode", choices=("cached", "none"), default="cached",
                     help="Run the commands with .pyc files cached (as installed) or none.")
     ap.add_argument("--work", default="/tmp/layerfs-bench-client")
-    ap.add_argument("--out", default=str(HERE / "results" / "client_start.json"))
+    ap.add_argument("--out", default=str(RESULTS / "client_start.json"))
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("needs root (the daemon mounts)")

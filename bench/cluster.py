@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""Reads from a real SeaweedFS cluster (tests/cluster.py): the node's fetcher
+"""Reads from a real SeaweedFS cluster (harness/seaweedcluster.py): the node's fetcher
 against raw ranged GETs, and what a volume-server kill does to read latency.
 
 In one run, on a cluster started on 127.0.0.1 (master, 3 volume servers on 3
@@ -16,7 +15,7 @@ gateways configured):
   third of the reads; per-read latency p50/p99 of the reads that started after
   that point, and errors; ``--reps`` pairs, alternating, medians.
 
-    python bench/cluster.py [--quick] [--size-mb 128] [--reps 3] [--work DIR]
+    python -m bench.cluster [--quick] [--size-mb 128] [--reps 3] [--work DIR]
 
 The layer has 256 KiB chunks (``--chunk-size``), so 64 readers have work;
 the fetcher side is timed with the node's 16 store reads in flight and with
@@ -40,22 +39,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+import trio
 
-import trio  # noqa: E402
-from cluster import BUCKET_010, Cluster, start_cluster  # noqa: E402
-from daemons import git_head  # noqa: E402
-from s3server import DUMMY_AWS_ENV, find_weed  # noqa: E402
-
-from layerfs.cache.chunkcache import ChunkCache  # noqa: E402
-from layerfs.formats.chunktable import ChunkEntry  # noqa: E402
-from layerfs.node.fetcher import ChunkFetcher, FetchError  # noqa: E402
-from layerfs.refstore import RefStore  # noqa: E402
-from layerfs.store import Store, open_store  # noqa: E402
-from layerfs.store.base import blob_key  # noqa: E402
+from bench import RESULTS, git_head
+from harness.s3server import DUMMY_AWS_ENV, find_weed
+from harness.seaweedcluster import BUCKET_010, Cluster, start_cluster
+from layerfs.cache.chunkcache import ChunkCache
+from layerfs.formats.chunktable import ChunkEntry
+from layerfs.node.fetcher import ChunkFetcher, FetchError
+from layerfs.refstore import RefStore
+from layerfs.store import Store, open_store
+from layerfs.store.base import blob_key
 
 READERS = 64
 DEFAULT_PARALLEL = 16  # the node's store reads in flight (ChunkFetcher's default)
@@ -223,7 +217,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--chunk-size", default="256K", help="the layer's chunk size")
     parser.add_argument("--work", default=None, help="where the cluster's data goes")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "cluster.json"))
+    parser.add_argument("--out", default=str(RESULTS / "cluster.json"))
     args = parser.parse_args()
     if args.quick:
         args.size_mb, args.reps = 32, 3

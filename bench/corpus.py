@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """A corpus of agent-sandbox images and tasks, generated (seeded) and pushed to a store.
 
 Shape (after the design's workload: low reuse, each sandbox touching 4-13 %
@@ -22,11 +21,11 @@ all a fraction of the env's bytes drawn uniformly from ``--min-frac`` to
 
 Sources are generated once under ``--work`` and reused (marker files), layers
 are pushed unless their ref exists. Without ``--store`` a SeaweedFS S3 server
-(``tests/s3server.py``, 127.0.0.1 only, dummy credentials) is started on
+(``harness/s3server.py``, 127.0.0.1 only, dummy credentials) is started on
 ``bench/work/seaweedfs`` for the push and stopped after; bench/lazy_vs_prefetch.py
 starts it again on the same data.
 
-    python bench/corpus.py [--bases 4 --toolchains 3 --workspaces 24] [--total-gb 3]
+    python -m bench.corpus [--bases 4 --toolchains 3 --workspaces 24] [--total-gb 3]
                            [--tasks 256] [--seed 42] [--chunk-kib 1024]
                            [--store URL [--s3-endpoint URL]] [--work DIR]
 
@@ -55,22 +54,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
+from bench import RESULTS, WORK
 from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.refstore import LAYERS, RefStore
 from layerfs.store import Store, open_store
 
-HERE = Path(__file__).resolve().parent
 GEN = 2  # bump when the layer generator or layer format changes (new versions, pushed again)
 TASK_GEN = 2  # bump when the task model changes (only the task list is made again)
 KiB, MiB = 1 << 10, 1 << 20
 MTIME = 1_700_000_000  # every file and directory: rebuilds give the same meta image
 BUCKET = "layerfs-bench"
 DEFAULT_URL = f"s3://{BUCKET}/corpus"
-SEAWEED_DIR = HERE / "work" / "seaweedfs"
+SEAWEED_DIR = WORK / "seaweedfs"
 
 # size classes: (smallest, largest) bytes, drawn log-uniformly
 CLASSES = {
@@ -410,8 +406,7 @@ def union_bytes(doc: dict, count: int) -> int:
 def seaweedfs(data_dir: Path = SEAWEED_DIR) -> Iterator[Any]:
     """A SeaweedFS S3 server on 127.0.0.1 over ``data_dir`` with bucket BUCKET; stopped
     (by pid) on exit. Sets the dummy credentials in this process's environment."""
-    from s3server import DUMMY_AWS_ENV, find_weed, start_server
-
+    from harness.s3server import DUMMY_AWS_ENV, find_weed, start_server
     from layerfs.errors import StoreError
     from layerfs.store.s3 import S3Store
 
@@ -593,9 +588,9 @@ def main() -> None:
     ap.add_argument("--s3-endpoint", default=None)
     ap.add_argument("--seaweedfs-dir", default=str(SEAWEED_DIR),
                     help="data of the SeaweedFS started when no --store is given")
-    ap.add_argument("--work", default=str(HERE / "work" / "corpus"))
+    ap.add_argument("--work", default=str(WORK / "corpus"))
     ap.add_argument("--tasks-out", default=None, help="default: WORK/tasks.json")
-    ap.add_argument("--out", default=str(HERE / "results" / "corpus.json"))
+    ap.add_argument("--out", default=str(RESULTS / "corpus.json"))
     args = ap.parse_args()
     work = Path(args.work).resolve()
     tasks_out = Path(args.tasks_out) if args.tasks_out else work / "tasks.json"

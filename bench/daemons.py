@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -106,15 +105,3 @@ class DaemonRuns:
                 lines += [f"{log.name}: {ln}" for ln in log.read_text(errors="replace").splitlines()
                           if any(w in ln for w in PROBLEM_WORDS)]
         return {"logs": len(self.logs), "problem_lines": len(lines), "first": lines[:20]}
-
-def git_head() -> str:
-    """The commit the tree is at, with ``+changes`` if files differ from it."""
-    repo = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain",
-                                "--untracked-files=no"], capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+changes" if dirty.strip() else "")

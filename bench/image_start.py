@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Cold start of one image: containerd's full pull against layerfs, side by side.
 
 The image: ``debootstrap --variant=minbase bookworm`` (made once under the work
 dir), packed as one gzip OCI layer and pushed with ``skopeo`` into a local
-``docker-registry`` on 127.0.0.1 (tests/registryserver.py). The workload:
+``docker-registry`` on 127.0.0.1 (harness/registryserver.py). The workload:
 ``apt-get --version; dpkg -l; perl -e 1; ls -lR /usr/share/doc; bash --version``.
 
 * **containerd**: its own containerd (root, state dir and socket under the work
@@ -45,7 +44,7 @@ node's daemon (containerd, or ``layerfs daemon``) over the timed part, and
 ``du`` of its root afterwards. The start of a bare layerfs client (``layerfs
 ps``) is timed too, warm and cold: ``up`` pays it. Needs root.
 
-    python bench/image_start.py [--reps 3] [--store s3|file] [--quick] [--client LAYERFS]
+    python -m bench.image_start [--reps 3] [--store s3|file] [--quick] [--client LAYERFS]
                                 [--scheduler-only] [--daemon-log-level debug]
 
 Prints a table and writes bench/results/image_start.json.
@@ -71,18 +70,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from daemons import DaemonRuns, clear_dir, drop_caches, git_head, print_footer
-
+from bench import RESULTS, git_head
+from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
 from layerfs.chunks import pack_runs
 from layerfs.formats.chunktable import ChunkEntry
 from layerfs.node.process import LAYERFS, DaemonProcess, detach_mounts
 from layerfs.store.base import blob_key
-
-HERE = Path(__file__).resolve().parent
 
 WORKLOAD = ("apt-get --version; dpkg -l; perl -e 1; ls -lR /usr/share/doc; bash --version")
 SUITE = "bookworm"
@@ -581,7 +574,7 @@ def store_for(kind: str, work: Path) -> Iterator[dict[str, str]]:
     if kind == "file":
         yield {"LAYERFS_STORE": f"file://{work / 'store'}"}
         return
-    import corpus
+    from bench import corpus
     with corpus.seaweedfs(work / "seaweedfs") as server:
         yield {"LAYERFS_STORE": f"s3://{corpus.BUCKET}/image-start",
                "AWS_ENDPOINT_URL": server.endpoint}
@@ -593,7 +586,7 @@ def published_image(work: Path, store: str) -> Iterator[tuple[str, dict[str, str
     """The minbase image (made once) in a local registry and imported into the
     layerfs store: (its registry ref, the store's environment, what the image
     is, the import's seconds or None if an earlier run imported it)."""
-    from registryserver import push, start_registry
+    from harness.registryserver import push, start_registry
 
     work.mkdir(parents=True, exist_ok=True)
     detach_mounts(work / "roots")
@@ -633,7 +626,7 @@ def main() -> None:
     ap.add_argument("--daemon-log-level", default="info",
                     help="the daemons' --log-level (debug: each up's steps, timed)")
     ap.add_argument("--work", default="/tmp/layerfs-bench/image-start")
-    ap.add_argument("--out", default=str(HERE / "results" / "image_start.json"))
+    ap.add_argument("--out", default=str(RESULTS / "image_start.json"))
     args = ap.parse_args()
     if args.quick:
         args.reps = 1

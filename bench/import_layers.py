@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """How ``layerfs import`` scales with an image's layer count: wall time of
 ``layerfs import oci:DIR:TAG`` (the CLI, a fresh process each time, into a
 fresh ``file://`` store) of images of N tiny layers, each adding one 8-byte
@@ -10,7 +9,7 @@ largest layer blob, so that its layers fold in pairs into half as many
 layers. Also times the same command on a 1-layer image (the start-up floor
 every row includes).
 
-    python bench/import_layers.py [--sizes 10,100,500,1000] [--reps 5] [--once 500,1000]
+    python -m bench.import_layers [--sizes 10,100,500,1000] [--reps 5] [--once 500,1000]
         [--big-reps 2] [--out bench/results/import_layers.json] [--commit C]
 
 Prints a table (seconds, seconds per image layer, and the marginal seconds per
@@ -29,14 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-
-from daemons import git_head  # noqa: E402
-from ociimages import manifest_of, tiny_layers_image  # noqa: E402
-
-from layerfs.mounts import MAX_LOWER_LAYERS  # noqa: E402
+from bench import RESULTS, git_head
+from harness.ociimages import manifest_of, tiny_layers_image
+from layerfs.mounts import MAX_LOWER_LAYERS
 
 LAYERFS = str(Path(sys.executable).parent / "layerfs")
 TAG = "t"
@@ -122,7 +116,7 @@ def main() -> None:
                     help="Sizes run --big-reps times, after the others.")
     ap.add_argument("--big-reps", type=int, default=2)
     ap.add_argument("--work", default="/tmp/layerfs-bench-import-layers")
-    ap.add_argument("--out", default=str(HERE / "results" / "import_layers.json"))
+    ap.add_argument("--out", default=str(RESULTS / "import_layers.json"))
     ap.add_argument("--commit", help="Record this commit for the code measured (default: "
                     "the tree's, with +changes if it differs).")
     args = ap.parse_args()

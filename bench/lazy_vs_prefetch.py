@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Lazy pulls against prefetching, at node scale (issue #5), scaled down to one node.
 
 Reference: 8,192 containers on 10 nodes, each reading 4-13 % of a 4-12 GB
@@ -46,7 +45,7 @@ file chunks the tasks read, disk writes lazy <= 0.45x eager.
 ``--shape reference`` it still takes ~3 minutes here, the eager pass pulling
 the 4 envs' 2.5 GB through the 300 Mbit/s link.
 
-    python bench/lazy_vs_prefetch.py [--shape today|reference] [--quick]
+    python -m bench.lazy_vs_prefetch [--shape today|reference] [--quick]
         [--sandboxes 96] [--concurrency 8]
         [--rate-mbit 1000] [--latency-ms 1] [--modes eager,cached,lazy,lazy+trace]
         [--tasks bench/work/corpus/tasks.json] [--store URL --s3-endpoint URL]
@@ -77,18 +76,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import corpus
-from daemons import DaemonRuns, clear_dir, drop_caches, git_head, print_footer
-
+from bench import RESULTS, WORK, corpus, git_head
+from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
 from layerfs.node.daemon import mounts_under
 from layerfs.node.process import DaemonProcess, detach_mounts
 from layerfs.sizes import du
 from layerfs.store import open_store
 
-HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
 MODES = ("eager", "cached", "lazy", "lazy+trace")
 PREFETCH = {"eager": "full", "cached": "none", "lazy": "none", "lazy+trace": "trace"}
@@ -837,11 +831,11 @@ def main() -> None:
     ap.add_argument("--node-disk", choices=("loop", "dir"), default="loop")
     ap.add_argument("--node-disk-gb", type=int, default=0,
                     help="size of the loop file system (default: 2x the corpus + 4)")
-    ap.add_argument("--tasks", default=str(HERE / "work" / "corpus" / "tasks.json"),
+    ap.add_argument("--tasks", default=str(WORK / "corpus" / "tasks.json"),
                     help="the task list of bench/corpus.py (made with its defaults if missing)")
     ap.add_argument("--store", default=None, help="override the task list's store URL")
     ap.add_argument("--s3-endpoint", default=None)
-    ap.add_argument("--work", default=str(HERE / "work" / "lazy"))
+    ap.add_argument("--work", default=str(WORK / "lazy"))
     ap.add_argument("--out", default=None, help="default: bench/results/"
                     "lazy_vs_prefetch.json (lazy_vs_prefetch_reference.json for that shape)")
     ap.add_argument("--chart", default=None, help="default: --out with .png")
@@ -852,7 +846,7 @@ def main() -> None:
             setattr(args, name, value)
     if args.out is None:
         name = "lazy_vs_prefetch" + ("" if args.shape == "today" else f"_{args.shape}")
-        args.out = str(HERE / "results" / (name + ("_quick" if args.quick else "") + ".json"))
+        args.out = str(RESULTS / (name + ("_quick" if args.quick else "") + ".json"))
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in args.modes:
         if m not in MODES:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Node daemon benchmarks: cold ``up`` latency, warm and cold sequential reads,
 and a metadata walk, each as a ratio against a baseline measured in the same run.
 
@@ -30,7 +29,7 @@ control API:
 The kernel page cache is dropped (``sync; echo 3 > /proc/sys/vm/drop_caches``)
 before every timed read or walk and before every timed ``up``. Needs root.
 
-    python bench/node.py [--sizes 100M,1G,4G] [--quick] [--work bench/work/node]
+    python -m bench.node [--sizes 100M,1G,4G] [--quick] [--work bench/work/node]
 
 Prints a table and writes bench/results/node.json.
 """
@@ -55,11 +54,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from daemons import DaemonRuns, clear_dir, drop_caches, git_head, print_footer
-
 import layerfs.node.process
+from bench import RESULTS, WORK, git_head
+from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.cache import chunkfile
 from layerfs.cache.chunkcache import ChunkCache
@@ -72,7 +69,6 @@ from layerfs.sizes import parse_size
 from layerfs.store.base import Store, blob_key
 from layerfs.store.file import FileStore
 
-HERE = Path(__file__).resolve().parent
 GEN = 1  # bump when a generator changes
 MiB = 1 << 20
 SEED = 42
@@ -663,8 +659,7 @@ def cold_read_s3(bench: Bench, work: Path, layer: dict) -> dict:
     """The cold read against SeaweedFS S3 on 127.0.0.1 (its data under the work
     dir): the same source built into the bucket (same chunks and packs; the
     manifest differs by its build time), then Bench.cold_read."""
-    import corpus
-
+    from bench import corpus
     from layerfs.store.s3 import S3Store
 
     src = work / "src" / f"data-{layer['label'].lower()}"
@@ -734,8 +729,8 @@ def main() -> None:
                     help="comma-separated subset of up,warm,cold,cold-s3,meta,many,trust")
     ap.add_argument("--quick", action="store_true",
                     help="sizes 50M,200M and a 5,000-file tree")
-    ap.add_argument("--work", default=str(HERE / "work" / "node"))
-    ap.add_argument("--out", default=str(HERE / "results" / "node.json"))
+    ap.add_argument("--work", default=str(WORK / "node"))
+    ap.add_argument("--out", default=str(RESULTS / "node.json"))
     args = ap.parse_args()
     if args.quick:
         args.sizes, args.meta_files = "50M,200M", 5_000

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The node's steady read path, old code against new: bench/node.py's warm
 (cached) and cold (uncached, file:// store) sequential reads through a
 sandbox, run alternately with the fetcher modules of an older commit and of
@@ -17,7 +16,7 @@ files put back after every run, also when the run fails. Reports, per code,
 the median over rounds of each run's median MB/s and daemon CPU seconds, and
 new/old ratios. Needs root (as bench/node.py).
 
-    python bench/read_path_ab.py [--old 3063ee8] [--rounds 3]
+    python -m bench.read_path_ab [--old 3063ee8] [--rounds 3]
         [--node-args "--quick --read-size 200M --reps 3"] [--micro-rounds 7]
 
 Prints a table and writes bench/results/read_path-<commit>.json.
@@ -38,18 +37,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from daemons import git_head
+from bench import RESULTS, ROOT, WORK, git_head
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 MODULES = "layerfs/node/fetcher.py,layerfs/node/failfast.py"
 
 
 def node_run(node_args: list[str], out: Path) -> dict[str, Any]:
     """One bench/node.py run of the warm and cold reads; its result JSON."""
-    subprocess.run([sys.executable, str(HERE / "node.py"), "--only", "warm,cold",
-                    "--out", str(out), *node_args], check=True)
+    subprocess.run([sys.executable, "-m", "bench.node", "--only", "warm,cold",
+                    "--out", str(out), *node_args], cwd=ROOT, check=True)
     return json.loads(out.read_text())
 
 
@@ -110,7 +106,8 @@ def micro_one() -> dict[str, float]:
 
 
 def micro_run() -> dict[str, float]:
-    proc = subprocess.run([sys.executable, __file__, "--micro-one"], check=True,
+    proc = subprocess.run([sys.executable, "-m", "bench.read_path_ab", "--micro-one"], cwd=ROOT,
+                          check=True,
                           capture_output=True, text=True)
     return json.loads(proc.stdout)
 
@@ -159,13 +156,13 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     head = git_head()
-    modules = [REPO / m for m in args.modules.split(",")]
+    modules = [ROOT / m for m in args.modules.split(",")]
     new = {m: m.read_bytes() for m in modules}
-    old = {m: subprocess.run(["git", "-C", str(REPO), "show",
-                              f"{args.old}:{m.relative_to(REPO)}"],
+    old = {m: subprocess.run(["git", "-C", str(ROOT), "show",
+                              f"{args.old}:{m.relative_to(ROOT)}"],
                              capture_output=True, check=True).stdout for m in modules}
     started = time.perf_counter()
-    work = HERE / "work" / "read_path_ab"
+    work = WORK / "read_path_ab"
     work.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"commit": head, "old": args.old, "modules": args.modules}
     try:
@@ -186,7 +183,7 @@ def main() -> None:
     result["method"] = ("alternating old and new fetcher modules per round (order reversed on "
                         "odd rounds); node: bench/node.py --only warm,cold, medians over rounds "
                         "of each run's median; micro: in-process ChunkFetcher.get, µs per get")
-    out = Path(args.out or HERE / "results" / f"read_path-{head.split('+')[0]}.json")
+    out = Path(args.out or RESULTS / f"read_path-{head.split('+')[0]}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """A real env, cold: a project's test suite in a Debian base + Python toolchain +
 workspace, lazy against eager, over the same throttled link as bench/lazy_vs_prefetch.py.
 
@@ -22,7 +21,7 @@ once more on the same node (``warm``: chunk cache filled, page cache dropped).
 Reported: times, the bytes fetched from the store and their fraction of the
 image's bytes, and the test's result line.
 
-    python bench/real_env.py [--project iniconfig] [--wheels pytest,attrs] [--reps 3]
+    python -m bench.real_env [--project iniconfig] [--wheels pytest,attrs] [--reps 3]
                              [--rate-mbit 1000] [--latency-ms 1] [--throttle auto]
                              [--miss-span 128K] (the daemons' --miss-span)
 
@@ -59,13 +58,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import corpus
-from daemons import DaemonRuns, clear_dir, drop_caches, print_footer
-from lazy_vs_prefetch import Throttle, git_head, store_port
-
+from bench import RESULTS, WORK, corpus, git_head
+from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
+from bench.lazy_vs_prefetch import Throttle, store_port
 from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.node.daemon import mounts_under
@@ -73,7 +68,6 @@ from layerfs.node.process import LAYERFS, DaemonProcess, detach_mounts
 from layerfs.refstore import LAYERS, RefStore
 from layerfs.store import open_store
 
-HERE = Path(__file__).resolve().parent
 GEN = 1  # bump when the way the layers are made changes
 DEFAULT_URL = f"s3://{corpus.BUCKET}/real"
 SUITE = "bookworm"
@@ -445,7 +439,7 @@ def granularity_main(args: argparse.Namespace, work: Path) -> None:
                          "then layerfs run of the command; bytes_fetched: the daemon's "
                          "cache.bytes_fetched (uncompressed chunk bytes); fraction: of the "
                          "layer's data blob; settings alternate order between reps; medians.")}
-    out = Path(args.out if args.out_given else HERE / "results" / "granularity.json")
+    out = Path(args.out if args.out_given else RESULTS / "granularity.json")
     out.write_text(json.dumps(result, indent=1))
     for odd in oddities:
         print("oddity:", odd)
@@ -474,8 +468,8 @@ def main() -> None:
     DaemonRuns.add_arguments(ap)
     ap.add_argument("--store", default=None, help="store URL (default: the bench's SeaweedFS)")
     ap.add_argument("--s3-endpoint", default=None)
-    ap.add_argument("--work", default=str(HERE / "work" / "real"))
-    ap.add_argument("--out", default=str(HERE / "results" / "real_env.json"))
+    ap.add_argument("--work", default=str(WORK / "real"))
+    ap.add_argument("--out", default=str(RESULTS / "real_env.json"))
     ap.add_argument("--workload", choices=("pytest", "debian"), default="pytest")
     ap.add_argument("--chunk-sizes", default="1M,256K,64K", help="--workload debian")
     ap.add_argument("--miss-spans", default="0,128K", help="--workload debian")

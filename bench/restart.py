@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Live restart benchmarks: the read stall of a daemon switch, and what
 keeping the FUSE connection costs in steady state.
 
@@ -20,7 +19,7 @@ sandbox. Then:
    default) and one with ``--no-live-restart`` (libfuse mounts FUSE itself, no
    keeper), alternating, ``--reps`` times; medians and their ratio.
 
-Needs root. ``python bench/restart.py [--files 8] [--file-size 64M] [--reps 3]``;
+Needs root. ``python -m bench.restart [--files 8] [--file-size 64M] [--reps 3]``;
 prints a table and writes bench/results/restart.json.
 """
 
@@ -35,10 +34,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from daemons import DaemonRuns, clear_dir, drop_caches, git_head, print_footer
-
+from bench import RESULTS, git_head
+from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
 from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.node.control import wait_ready
@@ -48,7 +45,7 @@ from layerfs.sizes import parse_size
 from layerfs.store.file import FileStore
 
 MiB = 1 << 20
-RESULTS = Path(__file__).resolve().parent / "results" / "restart.json"
+OUT = RESULTS / "restart.json"
 
 
 class Readers:
@@ -228,8 +225,8 @@ def main() -> None:
         bench.daemons.stop_all()
     result = report(args, switches, steady)
     result["logs"] = bench.daemons.scan_logs()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    out = RESULTS.with_name("restart-steady.json") if args.steady_only else RESULTS
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = OUT.with_name("restart-steady.json") if args.steady_only else OUT
     out.write_text(json.dumps(result, indent=2) + "\n")
     print_footer(result["logs"], bench.oddities, f"{time.monotonic() - started:.0f} s")
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Many cold readers against raw parallel ranged GETs, per ``--store-fetches``.
 
 The layer of bench/node.py (random data: large files of 64-256 MiB; the same
@@ -21,7 +20,7 @@ sides), as over a network where requests in flight, not CPU, bound the rate.
 Each rep runs the baseline and every N, the order reversed on odd reps;
 ratios are medians over reps of readers / that rep's baseline. Needs root.
 
-    python bench/store_fetches.py [--values 8,16,32,64,128] [--readers 64]
+    python -m bench.store_fetches [--values 8,16,32,64,128] [--readers 64]
         [--stores file,s3] [--size 1G] [--reps 3] [--latency-ms 0] [--quick]
 
 Prints a table and writes bench/results/store_fetches.json.
@@ -45,12 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import node as nodebench
-from daemons import DaemonRuns, clear_dir, drop_caches, git_head, print_footer
-
+from bench import RESULTS, WORK, git_head
+from bench import node as nodebench
+from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
 from layerfs.formats.chunktable import ChunkEntry
 from layerfs.node.process import detach_mounts
 from layerfs.refstore import RefStore
@@ -58,7 +54,6 @@ from layerfs.sizes import parse_size
 from layerfs.store.base import Store, blob_key
 from layerfs.store.file import FileStore
 
-HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
 TARGET = 0.8  # readers / raw GETs at 64 readers
 
@@ -243,9 +238,8 @@ def store_sides(names: list[str], work: Path, src: Path, layer: dict,
     if "s3" not in names:
         yield sides
         return
-    import corpus
-    from lazy_vs_prefetch import Throttle, store_port
-
+    from bench import corpus
+    from bench.lazy_vs_prefetch import Throttle, store_port
     from layerfs.store.s3 import S3Store
 
     with corpus.seaweedfs(work / "seaweedfs") as server, contextlib.ExitStack() as stack:
@@ -276,8 +270,8 @@ def main() -> None:
                     help="S3 through a proxy adding this one-way delay, each direction")
     ap.add_argument("--quick", action="store_true", help="a 200M layer, N=16,64, one rep")
     DaemonRuns.add_arguments(ap)
-    ap.add_argument("--work", default=str(HERE / "work" / "node"))
-    ap.add_argument("--out", default=str(HERE / "results" / "store_fetches.json"))
+    ap.add_argument("--work", default=str(WORK / "node"))
+    ap.add_argument("--out", default=str(RESULTS / "store_fetches.json"))
     args = ap.parse_args()
     if args.quick:
         args.size, args.values, args.reps = "200M", "16,64", 1

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """What the file store's write watchdog costs: puts through ``FileStore.put``
 (each write in a watchdog thread, bounded by the store's timeout) against the
 same writes made directly (``FileStore._put_now``, no thread), in one run, on
@@ -7,7 +6,7 @@ the same directory.
 Each rep writes ``--count`` objects of ``--size`` bytes with each side,
 alternating which side goes first; medians of ``--reps`` reps.
 
-    python bench/store_writes.py [--count 500] [--size 65536] [--reps 5] [--dir /tmp/...]
+    python -m bench.store_writes [--count 500] [--size 65536] [--reps 5] [--dir /tmp/...]
 
 Prints a table and writes bench/results/store_writes.json (with the commit).
 """
@@ -19,17 +18,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from layerfs.store.file import FileStore  # noqa: E402
+from bench import RESULTS, git_head
+from layerfs.store.file import FileStore
 
 
 def timed(put: Callable[[str, bytes], None], count: int, data: bytes, tag: str) -> float:
@@ -39,19 +34,13 @@ def timed(put: Callable[[str, bytes], None], count: int, data: bytes, tag: str) 
     return time.perf_counter() - start
 
 
-def commit() -> str:
-    proc = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True)
-    return proc.stdout.strip() or "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=500)
     parser.add_argument("--size", type=int, default=65536)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where the store goes (a temporary dir)")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "store_writes.json"))
+    parser.add_argument("--out", default=str(RESULTS / "store_writes.json"))
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="store-writes-", dir=args.dir))
     store = FileStore(work / "store")
@@ -75,7 +64,7 @@ def main() -> None:
         print(f"{name:10} {medians[name]:9.3f} {per_put[name]:11.1f}")
     print(f"watchdog / direct: {ratio:.3f} ({args.count} puts of {args.size} B, "
           f"{args.reps} reps)")
-    result = {"commit": commit(), "count": args.count, "size": args.size, "reps": args.reps,
+    result = {"commit": git_head(), "count": args.count, "size": args.size, "reps": args.reps,
               "seconds": times, "median_seconds": medians, "us_per_put": per_put,
               "ratio_watchdog_to_direct": ratio}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

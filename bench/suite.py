@@ -6,7 +6,7 @@ test`` does), alternating the two sides, REPS times each; prints the medians
 and their ratio and writes bench/results/suite-<commit>.json. Other jobs on
 the machine slow both sides alike, since they alternate.
 
-    python bench/suite.py [--reps 3] [--workers 2] [tests/test_x.py ...]
+    python -m bench.suite [--reps 3] [--workers 2] [tests/test_x.py ...]
 """
 
 from __future__ import annotations
@@ -17,16 +17,11 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench import RESULTS, ROOT, git_head
+
 DEFAULT_FILES = ["tests/test_store.py", "tests/test_builder.py", "tests/test_tar.py",
                  "tests/test_protocol.py"]
-
-
-def commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                          capture_output=True, text=True, check=True).stdout.strip()
 
 
 def run_once(files: list[str], workers: int) -> float:
@@ -59,9 +54,9 @@ def main() -> None:
     for side, t in times.items():
         print(f"| {side} | {medians[side]:.1f} | {' '.join(map(str, t))} |")
     print(f"\nserial / xdist (-n {args.workers}): {ratio:.2f}x")
-    out = ROOT / "bench" / "results" / f"suite-{commit()}.json"
+    out = RESULTS / f"suite-{git_head()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"commit": commit(), "files": args.files, "workers": args.workers,
+    out.write_text(json.dumps({"commit": git_head(), "files": args.files, "workers": args.workers,
                                "seconds": times, "medians": medians,
                                "ratio": round(ratio, 2)}, indent=2) + "\n")
     print(f"wrote {out.relative_to(ROOT)}")

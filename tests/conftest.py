@@ -28,10 +28,10 @@ from pathlib import Path
 
 import nodes
 import pytest
-from s3server import S3Server, dummy_aws_env, start_server, weed_or_skip
-from support import FAST_TIER
+from support import FAST_TIER, dummy_aws_env, weed_or_skip
 from users import local_user  # noqa: F401  (a fixture for every test module)
 
+from harness.s3server import S3Server, start_server
 from layerfs.errors import StoreError
 from layerfs.store import Store, open_store
 from layerfs.store.s3 import S3Store
@@ -43,13 +43,13 @@ BUCKET_TIMEOUT = 30.0
 SERVER_FIXTURES = frozenset({
     "s3_server", "own_s3_server", "unavailable_endpoint", "cluster", "registries", "registry",
     "containerd", "node", "node2", "layer_node", "hostile_node", "hostile", "node_parent",
-    "live", "odd_programs"})
+    "live", "odd_programs", "machine"})
 # the modules that drive the command line, registries and outside tools (skopeo,
 # umoci, tar programs) end to end, a process per step: not in the fast tier
 END_TO_END_MODULES = frozenset({
     "test_bounds", "test_cli", "test_client", "test_durability", "test_errors", "test_export",
     "test_import", "test_input", "test_keeper", "test_offline", "test_registry",
-    "test_remotetrust", "test_storefaults"})
+    "test_remotetrust", "test_storefaults", "test_install", "test_systemd"})
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -57,7 +57,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "daemon_log(*patterns): WARNING/ERROR log records (regexes) the test "
         "expects from its daemons or in-process")
     config.addinivalue_line(
-        "markers", "cluster: runs on the real SeaweedFS cluster of tests/cluster.py")
+        "markers", "cluster: runs on the real SeaweedFS cluster of harness/seaweedcluster.py")
     config.addinivalue_line(
         "markers", "fast: the unit tier, no server, daemon or root (set by the conftest)")
     if config.getoption("markexpr") == "fast":

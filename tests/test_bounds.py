@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 from nodes import NodeDaemon
-from ociimages import ImageSettings, LayerChange, busybox_rootfs, make_image
 from support import build, need_root
 
+from harness.ociimages import ImageSettings, LayerChange, busybox_rootfs, make_image
 from layerfs.bounds import MAX_CONFIG, MAX_ERROR_LINE, MAX_ITEMS, MAX_STRING
 from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer

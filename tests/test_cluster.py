@@ -1,4 +1,4 @@
-"""A store on a real SeaweedFS cluster (tests/cluster.py): endpoints that stop,
+"""A store on a real SeaweedFS cluster (harness/seaweedcluster.py): endpoints that stop,
 volume servers that die under replication 010 and 000.
 
 The ``cluster`` group: one cluster per session (about 15 s to start), each test
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 import trio
-from cluster import BUCKET_000, BUCKET_010, Cluster, start_cluster
 from nodes import NodeDaemon
-from s3server import DUMMY_AWS_ENV, S3Server, dummy_aws_env, free_ports, weed_or_skip
-from support import need_root
+from support import dummy_aws_env, need_root, weed_or_skip
 
+from harness.s3server import DUMMY_AWS_ENV, S3Server, free_ports
+from harness.seaweedcluster import BUCKET_000, BUCKET_010, Cluster, start_cluster
 from layerfs.builder.env import create_env
 from layerfs.cache.chunkcache import ChunkCache
 from layerfs.errors import ObjectUnavailable, StoreUnreachable

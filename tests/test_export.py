@@ -27,15 +27,21 @@ import zstandard
 from gentree import make_tree
 from hypothesis import HealthCheck, given, settings
 from nodes import NodeDaemon
-from ociimages import LayerChange, busybox_rootfs, make_image, manifest_of, to_docker_archive
-from ociimages import blob as ociblob
-from registryserver import find_registry, push, start_registry
 from support import build, need_root
 from test_cli import layerfs, one_line_error
 from test_erofs import trees
 from test_node import make_base, upper_tar
 from treecmp import snapshot
 
+from harness.ociimages import (
+    LayerChange,
+    busybox_rootfs,
+    make_image,
+    manifest_of,
+    to_docker_archive,
+)
+from harness.ociimages import blob as ociblob
+from harness.registryserver import find_registry, push, start_registry
 from layerfs.builder.env import create_env
 from layerfs.builder.oci import tarsplit
 from layerfs.builder.oci.destfiles import locked, remove_stale_temps

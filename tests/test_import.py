@@ -20,7 +20,11 @@ import pytest
 import zstandard
 from containerdserver import ContainerdServer, running_containerd
 from nodes import NodeDaemon
-from ociimages import (
+from support import mounted_layer, need_root
+from tarcuts import CUT_SHORT, ENDINGS, gnu_long_name_then_end, pax_header_then_end
+from treecmp import diff_trees
+
+from harness.ociimages import (
     ImageSettings,
     LayerChange,
     blob,
@@ -32,11 +36,7 @@ from ociimages import (
     to_docker_archive,
     to_oci_archive,
 )
-from registryserver import find_registry, push, start_registry
-from support import mounted_layer, need_root
-from tarcuts import CUT_SHORT, ENDINGS, gnu_long_name_then_end, pax_header_then_end
-from treecmp import diff_trees
-
+from harness.registryserver import find_registry, push, start_registry
 from layerfs.builder.oci.resolve import host_platform
 from layerfs.mounts import mount, umount
 from layerfs.node.process import LAYERFS

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 from nodes import NodeDaemon
-from ociimages import busybox_rootfs
 from support import build, need_root
 
+from harness.ociimages import busybox_rootfs
 from layerfs.node import Client, process
 from layerfs.node.process import LAYERFS
 from layerfs.store import open_store

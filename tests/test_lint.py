@@ -65,7 +65,7 @@ def mypy(root: Path) -> subprocess.CompletedProcess[str]:
 
 def test_ruff():
     proc = subprocess.run([tool("ruff"), "check", "layerfs", "builder", "cache", "tools",
-                           "tests", "bench"], cwd=ROOT, capture_output=True, text=True)
+                           "tests", "bench", "harness"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

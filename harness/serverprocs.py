@@ -1,5 +1,6 @@
-"""What every server a test starts needs: a child that dies with the test
-process, the tail of its log, and a stop by pid (SIGTERM, then SIGKILL)."""
+"""What every server a test or a benchmark starts needs: a child that dies with
+the process that started it, the tail of its log, and a stop by pid (SIGTERM,
+then SIGKILL)."""
 
 from __future__ import annotations
 

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import boto3
 from botocore.config import Config
-from s3server import DUMMY_AWS_ENV, free_ports
-from serverprocs import die_with_parent, log_tail
+
+from harness.s3server import DUMMY_AWS_ENV, free_ports
+from harness.serverprocs import die_with_parent, log_tail
 
 BUCKET_010 = "rep010"
 BUCKET_000 = "rep000"
