@@ -254,6 +254,7 @@ class Guest:
         self.argv = argv
         self.log_path = log_path
         self.lines: list[str] = []
+        self.times: list[float] = []  # when each line came (time.monotonic())
         self.started = time.monotonic()
         self._cond = threading.Condition()
         self._log = open(log_path, "w")  # noqa: SIM115 (closed when the console ends)
@@ -265,11 +266,13 @@ class Guest:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:
+            now = time.monotonic()
             line = raw.decode("utf-8", "replace").rstrip("\r\n")
-            self._log.write(f"{time.monotonic() - self.started:8.3f} {line}\n")
+            self._log.write(f"{now - self.started:8.3f} {line}\n")
             self._log.flush()
             with self._cond:
                 self.lines.append(line)
+                self.times.append(now)
                 self._cond.notify_all()
         with self._cond:
             self._log.close()
