@@ -33,6 +33,7 @@ from test_restart import take_over, wait_for
 from harness import guest
 from layerfs.builder.disk import build_disk
 from layerfs.chunks import materialize_blob
+from layerfs.node import Client
 from layerfs.node.protocol import VmRecord
 from layerfs.node.replica import Replica
 from layerfs.node.vmm import guest_device, qemu_drive_args
@@ -156,6 +157,15 @@ def test_vm_up_hands_out_roles_and_qemu_arguments_and_survives_restarts(node, st
         "id=layer0-meta,cache=none,aio=threads,readonly=on",
         "-device", "virtio-blk-device,drive=layer0-meta,serial=layer0-meta"]
     assert "readonly" not in doc["qemu"][-3]
+    for args, code, words in ((("--id", "v1"), 9, "vm v1: already exists"),
+                              (("--id", "../v3"), 2, "invalid vm id '../v3'"),
+                              (("--id", "v" * 126), 2, "invalid vm id"),
+                              (("--id", "v3", "--base-disk", ""), 2, "give an env or --layer")):
+        layer = [] if "--base-disk" in args else ["--layer", "vmdata@1"]
+        proc = node.cli("vm", "up", *layer, *args, check=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == code and len(lines) == 1 and words in lines[0], proc.stderr
+    assert [vm.id for vm in Client(node.root).vm_ps()] == ["v1"]  # nothing left of those
     text = node.cli("vm", "up", "--layer", "vmdata@1", "--id", "v2").stdout
     assert "mount -t erofs -o ro,device=/dev/vdb /dev/vda" in text and "\nqemu: -drive " in text
     node.cli("vm", "down", "v2")
