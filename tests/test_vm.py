@@ -222,7 +222,8 @@ def test_restore_rolls_back_an_unfinished_up_and_reports_what_it_cannot_bring_ba
     src = tmp_path / "src"
     layer_tree(src, 2)
     build(store, str(src), name="vmdata", chunk_size=MiB)
-    vm_up(node, "--layer", "vmdata@1", "--id", "v-ok", "--disk-size", "1M")
+    for vid in ("v-ok", "v-ok2"):  # sharing a layer: one blob file, two users
+        vm_up(node, "--layer", "vmdata@1", "--id", vid, "--disk-size", "1M")
     node.cli("disk", "create", "v-half-rw", "--size", "1M")
     node.stop()
     replica = Replica(node.root)
@@ -237,14 +238,18 @@ def test_restore_rolls_back_an_unfinished_up_and_reports_what_it_cannot_bring_ba
     node.start()
     assert "vm v-half: rolling back its unfinished up" in node.log()
     rows = {r["id"]: r for r in json.loads(node.cli("vm", "ps", "--json").stdout)}
-    assert sorted(rows) == ["v-damaged", "v-lost", "v-ok"]
-    assert [rows[v]["state"] for v in sorted(rows)] == ["broken", "broken", "up"]
+    assert sorted(rows) == ["v-damaged", "v-lost", "v-ok", "v-ok2"]
+    assert [rows[v]["state"] for v in sorted(rows)] == ["broken", "broken", "up", "up"]
     assert "disk v-lost-rw: it is gone" in rows["v-lost"]["error"]
     assert rows["v-damaged"]["error"].startswith("its record is damaged: ")
-    assert [d["id"] for d in json.loads(node.cli("disk", "ls", "--json").stdout)] == ["v-ok-rw"]
+    assert [d["id"] for d in json.loads(node.cli("disk", "ls", "--json").stdout)] == [
+        "v-ok-rw", "v-ok2-rw"]
+    blobs = node.root / "fuse" / "blobs"
     for vid in ("v-damaged", "v-lost", "v-ok"):
         node.cli("vm", "down", vid)
-    assert json.loads(node.cli("vm", "ps", "--json").stdout) == []
+    assert len(os.listdir(blobs)) == 1  # still v-ok2's
+    node.cli("vm", "down", "v-ok2")
+    assert json.loads(node.cli("vm", "ps", "--json").stdout) == [] and os.listdir(blobs) == []
 
 
 # -- real guests --

@@ -193,8 +193,10 @@ class Vms:
         held: list[str] = []
         self.held[vid] = held
         for digest in record.blobs:
-            try:
-                table = await trio.to_thread.run_sync(self._table, digest)
+            served = self.blobs.by_name.get(digest.removeprefix("sha256:"))
+            try:  # a blob served already (a layer mount's, another vm's): its table
+                table = served.table if served else await trio.to_thread.run_sync(
+                    self._table, digest)
             except (LayerfsError, OSError, ValueError) as exc:
                 problems.append(f"layer {digest}: {exc}")
                 continue
