@@ -14,14 +14,15 @@ kernel, a busybox initramfs that mounts ``/dev/vda`` and runs the disk's
 
 and its ``/init`` prints a line (boot-to-command: QEMU's start to that line,
 seen on the serial console) and then reads the large file with ``dd`` (from
-the line before to the line after). Each side runs cold and warm: layerfs
-cold is a fresh daemon ROOT (empty chunk cache and replica) after the page
-cache is dropped, warm the next vm on that daemon (its cache holds the
-chunks); raw cold runs after the page cache is dropped, warm right after
-(``cache=none`` reads bypass the host's page cache either way). The two
-sides alternate, the first side alternating too; medians of ``--reps``.
+the line before to the line after). Each rep starts a daemon on a fresh ROOT
+and runs, the two sides alternating (the first side alternating between
+reps), layerfs cold (the first vm: empty chunk cache and replica), raw,
+layerfs warm (a second vm over the same base: its chunks in the node's
+cache), raw again; the page cache is dropped before every boot (a raw
+drive's ``cache=none`` reads bypass it anyway, so its two runs are the same
+measurement twice). Medians of ``--reps``.
 
-Needs root and ``qemu-system-x86_64``. ``python -m bench.vm_boot [--reps 5]
+Needs root and ``qemu-system-x86_64``. ``python -m bench.vm_boot [--reps 7]
 [--file-size 128M]``; prints a table and writes bench/results/vm_boot.json.
 """
 
@@ -99,9 +100,24 @@ def boot(kernel: guest.GuestKernel, drive_args: list[str], work: Path, name: str
     return {"boot_s": round(ready - g.started, 3), "read_s": round(done - ready, 3)}
 
 
+def layerfs_boot(client: Client, kernel: guest.GuestKernel, base: str, work: Path, vid: str,
+                 timeout: float) -> dict:
+    """One guest on a vm's writable disk over ``base``; also the vm up's
+    seconds and the bytes the daemon fetched from the store meanwhile."""
+    started = time.perf_counter()
+    vm: VmRecord = client.vm_up(vid, base_disk=base)
+    up_s = round(time.perf_counter() - started, 3)
+    fetched = client.stats().cache.get("bytes_fetched", 0)
+    row = boot(kernel, qemu_drive_args(vm.drives), work, f"lfs-{vid}", timeout)
+    row["fetched_bytes"] = client.stats().cache.get("bytes_fetched", 0) - fetched
+    row["vm_up_s"] = up_s
+    client.vm_down(vm.id)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--file-size", default="128M", help="the file the guest reads")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a boot may take")
     ap.add_argument("--work", type=Path, default=WORK / "vm_boot")
@@ -118,40 +134,28 @@ def main() -> None:
     store = FileStore(str(store_dir))
     built = build_disk(RefStore(store), str(image), "bench/guest", "1")
     raw = work / "raw.img"
+    raw_drive = ["-drive", RAW_DRIVE.format(raw), "-device", "virtio-blk-device,drive=rw"]
     runs = DaemonRuns(work, oddities, cache_size="4G")
     results: dict[str, dict[str, list[dict]]] = {
         side: {"cold": [], "warm": []} for side in ("layerfs", "raw")}
     try:
         for rep in range(args.reps):
-            sides = ["layerfs", "raw"] if rep % 2 == 0 else ["raw", "layerfs"]
-            for side in sides:
-                if side == "raw":
-                    shutil.copy(image, raw)
-                    drive = ["-drive", RAW_DRIVE.format(raw), "-device",
-                             "virtio-blk-device,drive=rw"]
+            first, second = ("layerfs", "raw") if rep % 2 == 0 else ("raw", "layerfs")
+            root = clear_dir(work / "root", oddities)
+            node = runs.start(root, f"rep{rep}", ["--store", f"file://{store_dir}"])
+            client = Client(root)
+            shutil.copy(image, raw)
+            for kind in ("cold", "warm"):
+                for side in (first, second):
                     drop_caches()
-                    results[side]["cold"].append(boot(kernel, drive, work, f"raw{rep}c",
-                                                      args.timeout))
-                    results[side]["warm"].append(boot(kernel, drive, work, f"raw{rep}w",
-                                                      args.timeout))
-                    raw.unlink()
-                    continue
-                root = clear_dir(work / "root", oddities)
-                drop_caches()
-                node = runs.start(root, f"rep{rep}", ["--store", f"file://{store_dir}"])
-                client = Client(root)
-                for kind in ("cold", "warm"):
-                    started = time.perf_counter()
-                    vm: VmRecord = client.vm_up(f"{kind}{rep}", base_disk=built.ref)
-                    up_s = round(time.perf_counter() - started, 3)
-                    drive = qemu_drive_args(vm.drives)
-                    fetched = client.stats().cache.get("bytes_fetched", 0)
-                    row = boot(kernel, drive, work, f"lfs{rep}{kind[0]}", args.timeout)
-                    row["fetched_bytes"] = client.stats().cache.get("bytes_fetched", 0) - fetched
-                    row["vm_up_s"] = up_s
+                    if side == "raw":
+                        row = boot(kernel, raw_drive, work, f"raw{rep}{kind[0]}", args.timeout)
+                    else:
+                        row = layerfs_boot(client, kernel, built.ref, work, f"{kind}{rep}",
+                                           args.timeout)
                     results[side][kind].append(row)
-                    client.vm_down(vm.id)
-                runs.finish(node, remove_root=True)
+            raw.unlink()
+            runs.finish(node, remove_root=True)
     finally:
         runs.stop_all()
     report(args, file_size, built, results, runs, oddities, time.monotonic() - t0)
