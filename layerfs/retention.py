@@ -22,11 +22,11 @@ digest line, as every reader expects.
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 from dataclasses import dataclass
 
+from . import schema
 from .errors import (
     IntegrityError,
     LayerfsError,
@@ -66,8 +66,16 @@ class Expiry(RefEntry):
 def set_expiry(refstore: RefStore, kind: str, name: str, version: str, digest: str,
                expires: float) -> None:
     """Record that the ref, while it holds ``digest``, expires at ``expires``."""
-    doc = {"digest": digest, "expires": round(expires, 3)}
+    doc = {"digest": digest, "expires": round(float(expires), 3)}  # (a float: layerfs.schema)
     refstore.store.put(expiry_key(kind, name, version), json.dumps(doc).encode() + b"\n")
+
+
+@dataclass(frozen=True)
+class ExpiryRecord:
+    """What an expiry record holds (its ref is its key)."""
+
+    digest: str
+    expires: float  # seconds since the epoch
 
 
 def _parse_expiry(kind: str, rest: str, data: bytes) -> Expiry:
@@ -77,17 +85,16 @@ def _parse_expiry(kind: str, rest: str, data: bytes) -> Expiry:
         raise IntegrityError(what, f"{len(data)} bytes")
     try:
         Ref.parse(f"{name}@{version}")
-        doc = json.loads(data)
-        digest, expires = doc["digest"], float(doc["expires"])
-        if not math.isfinite(expires):
-            raise ValueError(f"expires {expires!r}")
-        if Ref.parse(digest).digest is None:
-            raise ValueError(f"digest {str(digest)[:80]!r}")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        record = schema.parse(ExpiryRecord, schema.loads(data))
+        if Ref.parse(record.digest).digest is None:
+            raise ValueError(f"digest {record.digest[:80]!r}")
+    except schema.SchemaError as exc:
+        raise IntegrityError(what, f"not an expiry record ({exc.text})") from None
+    except ValueError as exc:
         raise IntegrityError(what, f"not an expiry record ({exc})") from None
     except LayerfsError as exc:  # an invalid name, version or digest
         raise IntegrityError(what, exc.message()) from None
-    return Expiry(kind, name, version, digest, expires)
+    return Expiry(kind, name, version, record.digest, record.expires)
 
 
 def read_expiries(refstore: RefStore, kind: str) -> tuple[list[Expiry], list[str]]:

@@ -77,7 +77,11 @@ class Client:
             fd = bundle.open_bundle_dir(bundle_dir, create=False)
             if fd is not None:
                 os.close(fd)
-        limits = protocol.Limits(memory=memory, cpus=cpus, pids=pids, disk_quota=disk_quota)
+        limits = protocol.Limits(memory=memory, cpus=None if cpus is None else float(cpus),
+                                 pids=pids, disk_quota=disk_quota)
+        from .limits import validate
+
+        validate(limits)  # (as the daemon does: the option's own words, before a round trip)
         request = protocol.Up(id=sandbox_id, env=env, layers=list(layers), prefetch=prefetch,
                               limits=limits)
         record = call(self.root, request, protocol.SandboxAnswer, self.timeout).sandbox
@@ -127,7 +131,7 @@ class Client:
         """Publish a sandbox's changes as layer ``name@version`` (its ref expiring
         ``expire`` seconds after)."""
         request = protocol.Commit(id=sandbox_id, name=name, version=version, role=role,
-                                  expire=expire)
+                                  expire=None if expire is None else float(expire))
         return call(self.root, request, CommitAnswer, self.timeout)
 
     def trace_push(self, ref: str) -> TracePushAnswer:
