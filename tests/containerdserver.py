@@ -16,13 +16,12 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.serverprocs import die_with_parent, log_tail, stop_process
+from harness.serverprocs import die_with_parent, log_tail, stop_process, wait_ready
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 10.0
@@ -92,16 +91,11 @@ class ContainerdServer:
         return log_tail(self.log_path, lines)
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"containerd exited with {self.process.returncode}:\n"
-                                   f"{self.log_tail()}")
-            if self.address.exists() and self.ctr("version", check=False).returncode == 0:
-                return
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"containerd did not answer within {START_TIMEOUT:.0f}s")
+        wait_ready(self.process, self.answers, "containerd", self.log_tail, START_TIMEOUT,
+                   self.stop)
+
+    def answers(self) -> bool:
+        return self.address.exists() and self.ctr("version", check=False).returncode == 0
 
     def stop(self) -> None:
         """SIGTERM containerd's pid (SIGKILL if it lingers)."""

@@ -164,6 +164,7 @@ class Client:
                                              network=network, user=user,
                                              entrypoint=entrypoint, terminal=terminal,
                                              env=env, cwd=cwd)
+        from ..sizes import NO_SPACE
         from . import rootspace, runner
 
         what = f"a container in sandbox {sandbox_id}"
@@ -172,7 +173,7 @@ class Client:
             return runner.run(container, config, stdin=stdin, capture=capture, timeout=timeout,
                               max_output=runner.MAX_OUTPUT if max_output is None else max_output)
         except OSError as exc:
-            if exc.errno in rootspace.NO_SPACE:
+            if exc.errno in NO_SPACE:
                 raise rootspace.no_room_for(self.root, what) from None
             raise
 

@@ -42,6 +42,7 @@ from ..errors import LayerfsError, RefNotFound, UsageError
 from ..formats.erofs import write_meta_image
 from ..mounts import fs_type, mount_erofs, mounts_under, set_readahead, umount
 from ..refstore import LAYERS, RefStore
+from ..sizes import NO_SPACE, mib
 from ..store import open_store
 from ..store.counting import CountingStore
 from ..tree import FileTree
@@ -58,7 +59,7 @@ from .metacheck import MetaChecker
 from .metrics import CountingLog, MetricsAddress, NodeMetrics, NodeReadings
 from .prefetch import Prefetcher
 from .replica import Replica
-from .rootspace import NO_SPACE, RootSpace, fs_usage, mib, no_room_for
+from .rootspace import RootSpace, fs_usage, no_room_for
 from .sandboxes import Sandboxes
 from .storehealth import PROBE_TIMEOUT, StoreHealth, probe_store
 from .tracereplay import pushed_trace

@@ -207,11 +207,17 @@ class PingAnswer(Message):
     pid: int
 
 
-def utc_time(seconds: float) -> str:
-    """``2026-01-01T12:00:00Z`` (ISO 8601, UTC) of a time in seconds since the epoch."""
+def utc_time(seconds: float, micros: bool = False) -> str:
+    """``2026-01-01T12:00:00Z`` (ISO 8601, UTC) of a time in seconds since the
+    epoch; with ``micros``, ``2026-12-02T03:04:05.123456Z`` (as the JSON output
+    writes a sandbox's ``created``)."""
     import time
 
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+    whole = int(seconds // 1)
+    text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
+    if micros:
+        text += f".{min(999_999, round((seconds - whole) * 1e6)):06d}"
+    return text + "Z"
 
 
 class OfflineRef(Message):
