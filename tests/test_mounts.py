@@ -5,6 +5,7 @@ up to overlayfs's limit, and its refusal beyond in the kernel's words."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from pathlib import Path
 
@@ -80,3 +81,20 @@ def test_an_overlay_of_500_lowers_mounts_nosuid_nodev_and_501_is_the_kernels_ref
     assert refused.value.errno == errno.EINVAL
     assert "too many lower directories, limit is 500" in str(refused.value)
     assert mounts_under(tmp_path) == []
+
+
+@pytest.mark.daemon_log(r"WARNING layerfs\.mounts: cannot set the readahead window")
+def test_a_readahead_window_that_cannot_be_written_is_one_warning(tmp_path, monkeypatch, caplog):
+    """A read-only /sys (a container's) keeps the kernel's window: the mount
+    goes on, and one warning says so however many mounts follow."""
+    import layerfs.mounts as mounts
+
+    for name in ("erofs-1", "erofs-2"):
+        (tmp_path / name / "read_ahead_kb").mkdir(parents=True)  # open(..., "w") fails
+    monkeypatch.setattr(mounts, "BDI", str(tmp_path))
+    monkeypatch.setattr(mounts, "_readahead_warned", False)
+    with caplog.at_level(logging.WARNING, logger="layerfs.mounts"):
+        mounts._write_readahead("erofs-1", 1 << 20)
+        mounts._write_readahead("erofs-2", 1 << 20)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "kernel's default is used" in warned[0]
