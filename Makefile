@@ -2,15 +2,30 @@
 # (Debian packages, a virtualenv with layerfs installed editable) and is quick
 # when it is already there.
 
+# The venvs' interpreter: the system's where there is one, so that other users
+# can run what is installed (a per-user pyenv python on PATH is not theirs).
+# A venv made by another interpreter is made again.
+PYTHON  ?= $(firstword $(wildcard /usr/bin/python3) python3)
+PYTHON_REAL := $(shell readlink -f "$$(command -v $(PYTHON))")
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-STAMP   := $(VENV)/.installed
+# named by the interpreter: a venv made by another one is made again
+STAMP   := $(VENV)/.installed$(subst /,-,$(PYTHON_REAL))
 APT_PKGS := fuse3 libfuse3-dev pkg-config erofs-utils busybox-static attr zstd tar \
             qemu-utils e2fsprogs util-linux runc crun passwd gcc libc6-dev python3-dev \
-            docker-registry apache2-utils skopeo umoci containerd debootstrap \
-            btrfs-progs
+            python3-venv docker-registry apache2-utils skopeo umoci containerd debootstrap \
+            btrfs-progs systemd-container
 
-.PHONY: all deps apt-deps test test-fast demo lint bench-build clean
+# `make install`: a venv in PREFIX with the wheel, the command linked into
+# BINDIR, the systemd unit in UNITDIR and its environment file (kept if there)
+# in CONFDIR (docs/deploy.md).
+PREFIX  ?= /opt/layerfs
+BINDIR  ?= /usr/local/bin
+UNITDIR ?= /etc/systemd/system
+CONFDIR ?= /etc/layerfs
+DIST    ?= dist
+
+.PHONY: all deps apt-deps test test-fast demo lint bench-build wheel install clean
 
 all: test
 
@@ -24,9 +39,11 @@ apt-deps:
 
 # The compiled check is built with -Werror only when CI=true (setup.py).
 $(STAMP): pyproject.toml setup.py layerfs/formats/_erofscheck.c | apt-deps
-	python3 -m venv $(VENV)
+	@[ "$$(readlink -f $(VENV)/bin/python)" = "$(PYTHON_REAL)" ] || { \
+	  echo "making $(VENV) with $(PYTHON_REAL)"; $(PYTHON) -m venv --clear $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed*
 	touch $(STAMP)
 
 deps: apt-deps $(STAMP)
@@ -54,5 +71,33 @@ lint: deps
 bench-build: deps
 	$(PY) -m bench.build
 
+# The wheel, with the compiled check (_erofscheck), built from the dev venv's
+# setuptools (no download).
+wheel: deps
+	rm -f $(DIST)/layerfs-*.whl
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(DIST) .
+
+# An upgrade is `make install` again, then `systemctl restart layerfs` (a live
+# restart: the sandboxes stay up). The wheel's version does not change
+# between builds, hence the reinstall without dependencies.
+install: wheel
+	umask 022; [ "$$(readlink -f $(PREFIX)/bin/python)" = "$(PYTHON_REAL)" ] || \
+	  $(PYTHON) -m venv --clear $(PREFIX)
+	umask 022; $(PREFIX)/bin/python -m pip install -q --root-user-action=ignore \
+	  --upgrade pip
+	umask 022; $(PREFIX)/bin/python -m pip install -q --root-user-action=ignore \
+	  $(DIST)/layerfs-*.whl
+	umask 022; $(PREFIX)/bin/python -m pip install -q --root-user-action=ignore \
+	  --force-reinstall --no-deps $(DIST)/layerfs-*.whl
+	install -d $(BINDIR) $(UNITDIR) $(CONFDIR)
+	ln -sfn $(PREFIX)/bin/layerfs $(BINDIR)/layerfs
+	sed 's|/usr/local/bin/layerfs|$(BINDIR)/layerfs|' deploy/systemd/layerfs.service \
+	  > $(UNITDIR)/layerfs.service
+	chmod 0644 $(UNITDIR)/layerfs.service
+	[ -e $(CONFDIR)/daemon.env ] || \
+	  install -m 0600 deploy/systemd/daemon.env $(CONFDIR)/daemon.env
+	if [ "$(UNITDIR)" = /etc/systemd/system ] && [ -d /run/systemd/system ]; then \
+	  systemctl daemon-reload; fi
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy-src
+	rm -rf $(VENV) .pytest_cache .mypy-src $(DIST) build

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import re
 import threading
@@ -36,6 +37,9 @@ MAX_LOWER_LAYERS = 500  # overlayfs's OVL_MAX_STACK: lower layers one overlay ma
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")  # mount(2) copies this much of its data (NUL included)
 BDI = "/sys/class/bdi"
 _bdi_lock = threading.Lock()  # one EROFS mount at a time while its bdi is found
+
+log = logging.getLogger(__name__)
+_readahead_warned = False  # one warning per process
 
 MOUNTINFO = "/proc/self/mountinfo"
 _ESCAPE = re.compile(rb"\\([0-7]{3})")  # mountinfo escapes space, tab, newline, backslash as octal
@@ -222,8 +226,18 @@ def _erofs_bdis() -> set[str]:
 
 
 def _write_readahead(bdi: str, nbytes: int) -> None:
-    with open(f"{BDI}/{bdi}/read_ahead_kb", "w") as f:
-        f.write(str(max(nbytes // 1024, 4)))
+    """A readahead window is a tuning: where /sys cannot be written (a
+    container's read-only /sys), the mount keeps the kernel's default and one
+    warning says so."""
+    global _readahead_warned
+    try:
+        with open(f"{BDI}/{bdi}/read_ahead_kb", "w") as f:
+            f.write(str(max(nbytes // 1024, 4)))
+    except OSError as exc:
+        if not _readahead_warned:
+            _readahead_warned = True
+            log.warning("cannot set the readahead window of EROFS mounts (%s): the kernel's "
+                        "default is used", exc.strerror or exc)
 
 
 def set_readahead(path: str, nbytes: int) -> None:

@@ -43,13 +43,13 @@ BUCKET_TIMEOUT = 30.0
 SERVER_FIXTURES = frozenset({
     "s3_server", "own_s3_server", "unavailable_endpoint", "cluster", "registries", "registry",
     "containerd", "node", "node2", "layer_node", "hostile_node", "hostile", "node_parent",
-    "live", "odd_programs"})
+    "live", "odd_programs", "machine"})
 # the modules that drive the command line, registries and outside tools (skopeo,
 # umoci, tar programs) end to end, a process per step: not in the fast tier
 END_TO_END_MODULES = frozenset({
     "test_bounds", "test_cli", "test_client", "test_durability", "test_errors", "test_export",
     "test_import", "test_input", "test_keeper", "test_offline", "test_registry",
-    "test_remotetrust", "test_storefaults"})
+    "test_remotetrust", "test_storefaults", "test_install", "test_systemd"})
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -6,6 +6,7 @@ without ``lowerdir+`` (forced) gets mount(2) while the options fit a page."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from pathlib import Path
 
@@ -128,3 +129,20 @@ def test_the_kernels_own_refusals_of_lowerdir_plus_are_not_taken_for_an_old_kern
     with pytest.raises(OSError) as refused:
         mount_overlay(Overlay([str(tmp_path / "missing")]), str(tmp_path / "merged"))
     assert refused.value.errno == errno.ENOENT and "lowerdir+" in str(refused.value)
+
+
+@pytest.mark.daemon_log(r"WARNING layerfs\.mounts: cannot set the readahead window")
+def test_a_readahead_window_that_cannot_be_written_is_one_warning(tmp_path, monkeypatch, caplog):
+    """A read-only /sys (a container's) keeps the kernel's window: the mount
+    goes on, and one warning says so however many mounts follow."""
+    import layerfs.mounts as mounts
+
+    for name in ("erofs-1", "erofs-2"):
+        (tmp_path / name / "read_ahead_kb").mkdir(parents=True)  # open(..., "w") fails
+    monkeypatch.setattr(mounts, "BDI", str(tmp_path))
+    monkeypatch.setattr(mounts, "_readahead_warned", False)
+    with caplog.at_level(logging.WARNING, logger="layerfs.mounts"):
+        mounts._write_readahead("erofs-1", 1 << 20)
+        mounts._write_readahead("erofs-2", 1 << 20)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "kernel's default is used" in warned[0]

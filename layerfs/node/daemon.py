@@ -16,9 +16,13 @@ marking them lost), then accept requests. None of this waits for the store:
 a node whose store is down starts and serves what its replica holds, and
 :class:`.storehealth.StoreHealth` probes the store in the background. SIGTERM/SIGINT: stop accepting
 work, unmount overlays, then EROFS mounts, then FUSE, end the keeper, and
-exit 0. SIGUSR2 (a successor's ``--takeover``): stop reading FUSE requests
-and exit 0 with every mount left in place; requests read and not answered
-are queued again by the successor. A daemon that fails (an exception out of
+exit 0. SIGUSR2 (a successor's ``--takeover``), or a SIGTERM that is the
+stop half of a ``systemctl restart`` of the daemon's unit
+(:func:`.systemd.restart_queued`): stop reading FUSE requests and exit 0
+with every mount left in place; requests read and not answered are queued
+again by the successor. Under systemd (``Type=notify``) the daemon reports
+READY once it accepts requests, its sandbox count as STATUS, and STOPPING
+(:class:`.systemd.Notifier`). A daemon that fails (an exception out of
 its loop) leaves its mounts and the keeper as a crash does, for the next one.
 """
 
@@ -46,7 +50,7 @@ from ..sizes import NO_SPACE, mib
 from ..store import open_store
 from ..store.counting import CountingStore
 from ..tree import FileTree
-from . import fuseconn, protocol
+from . import fuseconn, protocol, systemd
 from .blobfiles import BlobDirectory
 from .control import DEFAULT_ROOT, DaemonNotRunning, call, socket_path
 from .controlserver import ControlServer
@@ -269,6 +273,7 @@ class Daemon:
         self.metrics = NodeMetrics()
         if cfg.metrics is not None:
             self._serve_metrics(cfg.metrics)
+        self.notifier = systemd.Notifier()  # READY, STATUS, STOPPING for systemd (Type=notify)
         self.accepting = False
         # a SIGTERM/SIGINT stop: FUSE unmounted and the keeper let go at the end; a
         # handover, or a daemon that fails, leaves both to the next daemon (as a crash does)
@@ -381,11 +386,20 @@ class Daemon:
                 await nursery.start(ControlServer(self.root, self.handle).serve)
                 self.accepting = True
                 log.info("layerfs daemon ready at %s (store %s)", self.root, self.store.url)
+                self.notifier.ready(self._status())
                 signum = await wait_for_signal()
                 self.accepting = False
+                self.notifier.stopping("stopping")
+                if signum == signal.SIGTERM and await trio.to_thread.run_sync(
+                        systemd.restart_queued):
+                    log.info("systemd restarts the daemon: the next one takes the FUSE "
+                             "connection over")
+                    signum = HANDOVER
                 if signum == HANDOVER:
                     log.info("handing the FUSE connection over: exiting, nothing unmounted")
+                    self.notifier.set_status("handing the FUSE connection over")
                 else:
+                    self.notifier.set_status("stopping: unmounting sandboxes and layers")
                     self.stopping = True
                     log.info("stopping: unmounting sandboxes and layers")
                     await self.sandboxes.stop()
@@ -432,7 +446,15 @@ class Daemon:
     async def handle(self, request: protocol.Request) -> protocol.Message:
         if not self.accepting:
             raise UsageError("the daemon is stopping")
-        return await self.handlers[type(request)](request)
+        try:
+            return await self.handlers[type(request)](request)
+        finally:
+            if self.accepting:  # (a stop's status stays)
+                self.notifier.set_status(self._status())
+
+    def _status(self) -> str:
+        """The service's STATUS= line (``systemctl status``): the sandbox count."""
+        return systemd.sandboxes_status(len(self.sandboxes.records), self.store.url)
 
     def _handlers(self) -> dict[type[protocol.Request], Callable[[Any], Awaitable[Any]]]:
         """Each request type's handler: the control API."""

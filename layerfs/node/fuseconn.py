@@ -31,6 +31,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ import pyfuse3
 import trio
 
 from ..mounts import SAFE_FLAGS, mount
+from . import systemd
 
 log = logging.getLogger(__name__)
 FUSE_INIT = 26
@@ -157,16 +159,30 @@ def resend_pending(conn: FuseConnection) -> bool:
 def start_keeper(root: Path, conn: FuseConnection, grace: float) -> subprocess.Popen[bytes]:
     """Start the keeper of ``conn`` in a session of its own (a kill of the
     daemon's process group leaves it), with this daemon's lease, and wait
-    until it listens."""
+    until it listens. In a systemd service, the keeper runs in a scope unit
+    of its own (:func:`.systemd.keeper_command`: a restart of the service
+    leaves it); if that scope cannot be made, as a plain child, one warning."""
+    if systemd.in_service():
+        try:
+            return _start_keeper(root, conn, grace, systemd.keeper_command)
+        except OSError as exc:
+            log.warning("cannot start the FUSE keeper in a scope of its own (%s): it runs in "
+                        "the daemon's unit, which ends it at a restart or a crash", exc)
+    return _start_keeper(root, conn, grace, lambda command: command)
+
+
+def _start_keeper(root: Path, conn: FuseConnection, grace: float,
+                  wrap: Callable[[list[str]], list[str]]) -> subprocess.Popen[bytes]:
     path = root / KEEPER_SOCKET
     path.unlink(missing_ok=True)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}  # the daemon's own
     try:
         keeper = subprocess.Popen(
-            [sys.executable, "-m", "layerfs.node.keeper", str(path), str(conn.fd),
-             conn.init.hex(), str(theirs.fileno()), repr(grace)],
+            wrap([sys.executable, "-m", "layerfs.node.keeper", str(path), str(conn.fd),
+                  conn.init.hex(), str(theirs.fileno()), repr(grace)]),
             pass_fds=[conn.fd, theirs.fileno()], start_new_session=True,
-            stdin=subprocess.DEVNULL)
+            stdin=subprocess.DEVNULL, env=env)
     except BaseException:
         ours.close()
         raise
@@ -183,4 +199,3 @@ def start_keeper(root: Path, conn: FuseConnection, grace: float) -> subprocess.P
     keeper.kill()
     ours.close()
     raise OSError(errno.ETIMEDOUT, "the FUSE keeper did not start listening")
-
