@@ -26,6 +26,7 @@ from layerfs.chunks import pack_runs
 from layerfs.errors import StoreUnreachable, TransientStoreError
 from layerfs.formats.chunktable import FILE_START, RAW, ChunkEntry, ChunkTable
 from layerfs.node.blobfiles import FILE_AHEAD, BlobFile
+from layerfs.node.chunkstate import ChunkState
 from layerfs.node.failfast import OBJECT_BACKOFF, OBJECT_BACKOFF_MAX, FailFast
 from layerfs.node.fetcher import STORE_COOLDOWN, ChunkFetcher, FetchError
 from layerfs.node.prefetch import Prefetcher
@@ -501,6 +502,40 @@ class PackStore:
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         self.calls += 1
         return self.pack[start:end]
+
+
+def test_a_miss_and_a_hit_look_at_the_chunks_state_once(tmp_path):
+    """A read of a chunk no one has looks at its state once (the claim of its
+    fetch is made in that step) and gets it from the store, a small random
+    read too; a hit on the cache file of a chunk looks once as well."""
+    size = 4096
+    chunks = [bytes([i]) * size for i in range(3)]
+    entries = [ChunkEntry(i * size, size, hashlib.sha256(c).digest(), "sha256:" + "0" * 64,
+                          i * size, size, RAW, FILE_START) for i, c in enumerate(chunks)]
+    store = PackStore(b"".join(chunks))
+    f = fetcher(tmp_path, store)
+    f.cache.write(entries[2].sha256.hex(), chunks[2])
+    blob = BlobFile("sha256:" + "4" * 64, ChunkTable(entries, 3 * size, size), f, 16)
+    looks: dict[bytes, int] = {}
+    real_state = f.states.state
+
+    def state(sha: bytes) -> ChunkState:
+        looks[sha] = looks.get(sha, 0) + 1
+        return real_state(sha)
+
+    f.states.state = state  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with trio.open_nursery() as background:
+            f.nursery = background
+            assert await blob.read(0, size) == chunks[0]  # a miss, the whole chunk
+            assert await blob.read(size + 10, 100) == chunks[1][10:110]  # a miss, a part
+            assert await blob.read(2 * size + 10, 100) == chunks[2][10:110]  # a hit, a part
+        f.nursery = None
+
+    run(main)
+    assert [looks.get(e.sha256) for e in entries] == [1, 1, 1]
+    assert store.calls == 2
 
 
 def test_sequential_reads_bring_the_next_cached_chunks_of_the_file_into_memory(tmp_path):
