@@ -10,7 +10,7 @@ APT_PKGS := fuse3 libfuse3-dev pkg-config erofs-utils busybox-static attr zstd t
             docker-registry apache2-utils skopeo umoci containerd debootstrap \
             btrfs-progs
 
-.PHONY: all deps apt-deps test test-fast demo lint bench-build clean
+.PHONY: all deps apt-deps test test-fast demo lint bench-build protos clean
 
 all: test
 
@@ -50,6 +50,13 @@ demo: deps
 
 lint: deps
 	$(VENV)/bin/pytest -q tests/test_lint.py
+
+# containerd's snapshots API as checked-in Python code (layerfs/node/ctrdapi/: the
+# .proto files are containerd 1.6's, gogoproto options removed); run after editing them.
+CTRDAPI := layerfs/node/ctrdapi
+protos: deps
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
+	  $(CTRDAPI)/mount.proto $(CTRDAPI)/snapshots.proto
 
 bench-build: deps
 	$(PY) bench/build.py
