@@ -9,7 +9,9 @@ layerfs layer (every layer; with ``--fold``, every group's last), the env
 ``oci/chains/<chain ID hex>@1`` of the layerfs layers that hold it (top
 first). It is an env like any other: content-checked the same way (env
 manifest → layer manifests), kept by gc while its ref is, readable without
-the store once the node used it. The node trusts it no further than its
+the store once the node used it. A chain an earlier import recorded with
+other layers (the same image layers folded otherwise, ``--fold``) keeps that
+entry: it holds the same tree. The node trusts it no further than its
 content: the diff_ids the layers' manifests record (``source``) must make
 that very chain ID again (:func:`chain_layers_diff_ids`).
 """
@@ -18,9 +20,10 @@ from __future__ import annotations
 
 import hashlib
 
+from layerfs.errors import VersionExists
 from layerfs.manifest import EnvLayer, LayerManifest
 from layerfs.names import DIGEST_RE
-from layerfs.refstore import RefStore
+from layerfs.refstore import ENVS, RefStore
 
 from ..env import publish_env
 
@@ -32,10 +35,8 @@ def chain_ids(diff_ids: list[str]) -> list[str]:
     """The chain ID of each prefix of ``diff_ids`` (bottom first)."""
     out: list[str] = []
     for diff_id in diff_ids:
-        if not out:
-            out.append(diff_id)
-        else:
-            out.append("sha256:" + hashlib.sha256(f"{out[-1]} {diff_id}".encode()).hexdigest())
+        out.append(diff_id if not out else
+                   "sha256:" + hashlib.sha256(f"{out[-1]} {diff_id}".encode()).hexdigest())
     return out
 
 
@@ -72,15 +73,26 @@ def chain_of(manifests: list[LayerManifest]) -> str | None:
 def record_chains(refstore: RefStore, groups: list[tuple[list[str], EnvLayer]]) -> list[str]:
     """Publish the chain env of each prefix of ``groups`` (bottom first: the
     diff_ids of a layerfs layer and that layer) that ends on a group; the
-    chain IDs, bottom first. One already there (an earlier import) is kept."""
-    diff_ids: list[str] = []
-    layers: list[EnvLayer] = []
-    chains = []
+    chain IDs, bottom first. They are written bottom first, so when the top
+    one is there already with these layers (an earlier import of the image),
+    so are the others: nothing more is read or written."""
+    every = chain_ids([d for ids, _ in groups for d in ids])
+    entries: list[tuple[str, list[EnvLayer]]] = []  # (chain ID, its layers top first)
+    count = 0
     for ids, layer in groups:
-        diff_ids += ids
-        layers.insert(0, layer)
-        chain = chain_ids(diff_ids)[-1]
-        name, _, version = chain_env(chain).partition("@")
-        publish_env(refstore, name, version, list(layers))
-        chains.append(chain)
-    return chains
+        count += len(ids)
+        entries.append((every[count - 1], [layer, *(entries[-1][1] if entries else [])]))
+    if not entries:
+        return []
+    top_chain, top_layers = entries[-1]
+    name, _, version = chain_env(top_chain).partition("@")
+    existing = refstore.read_ref(ENVS, name, version)
+    if existing is None or [x.digest for x in refstore.env(existing).layers] != \
+            [x.digest for x in top_layers]:
+        for chain, layers in entries:
+            name, _, version = chain_env(chain).partition("@")
+            try:
+                publish_env(refstore, name, version, layers)
+            except VersionExists:
+                pass  # the chain's other layers (folded otherwise): as good, kept
+    return [chain for chain, _ in entries]
