@@ -4,10 +4,12 @@ containerd 1.6 (its own root, state and sockets, layerfs as a
 the real registry (``docker-registry``, whose access log counts the layer
 blobs fetched) and runc.
 
-One containerd, registry and layerfs daemon for the module (about 40 s in
+One containerd, registry and layerfs daemon for the module (about 6 s in
 all): an image layerfs imported is pulled through CRI with no layer blob
 downloaded and runs from lazily served layers; an image layerfs never saw
-pulls and unpacks into plain snapshots (``ctr image pull``) and runs; the
+pulls and unpacks into plain snapshots (``ctr image pull``) and runs; one
+whose lower layers layerfs imported fetches and unpacks only its upper
+layer, over the lazy ones; the
 snapshots API's semantics and error codes, asked directly and through ``ctr
 snapshots``; a ``kill -9`` of the daemon under a running container, whose
 reads go on; containerd's garbage collection removing the snapshots (Remove,
@@ -78,6 +80,7 @@ class World:
     socket: Path
     lazy: Image  # imported into layerfs
     plain: Image  # not imported
+    mixed: Image  # the lazy image's layers and one not imported
 
     def blob_gets(self, since: int) -> list[str]:
         """The blob digests the registry served (GET) since log offset ``since``."""
@@ -96,9 +99,13 @@ class World:
         return snapshots_pb2_grpc.SnapshotsStub(grpc.insecure_channel(f"unix:{self.socket}"))
 
 
-def make_image(layout: Path, tag: str, files: dict[str, bytes], work: Path) -> tuple[Path, dict]:
-    """A busybox layer and a layer of ``files``."""
-    tiny_layers_image(layout, tag, [busybox_rootfs(work / f"{layout.name}-base", APPLETS), files])
+def make_image(layout: Path, tag: str, files: list[dict[str, bytes]], base: Path,
+               ) -> tuple[Path, dict]:
+    """A busybox layer (the tree ``base``, made if missing: the same tree is
+    the same layer) and a layer of each of ``files``."""
+    if not base.exists():
+        busybox_rootfs(base, APPLETS)
+    tiny_layers_image(layout, tag, [base, *files])
     index = json.loads((layout / "index.json").read_text())
     desc = index["manifests"][-1]
     manifest = json.loads((layout / "blobs" / "sha256" /
@@ -167,9 +174,15 @@ def ctrd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         lazy_files = {"etc/msg": b"hello from layerfs\n", "data/big.bin": os.urandom(3 * MiB),
                       "data/later.bin": os.urandom(8 * MiB)}
         plain_files = {"etc/msg": b"plain unpack\n"}
-        layout, manifest = make_image(base / "lazy-layout", "v1", lazy_files, base)
+        mixed_files = {"etc/msg": b"mixed: unpacked over lazy layers\n"}
+        layout, manifest = make_image(base / "lazy-layout", "v1", [lazy_files], base / "bb")
         lazy = pushed(layout, "v1", manifest, registry, "lazy/app", lazy_files)
-        layout, manifest = make_image(base / "plain-layout", "v1", plain_files, base)
+        # the lazy image's two layers and one more that layerfs does not have
+        layout, manifest = make_image(base / "mixed-layout", "v1", [lazy_files, mixed_files],
+                                      base / "bb")
+        mixed = pushed(layout, "v1", manifest, registry, "mixed/app", mixed_files)
+        layout, manifest = make_image(base / "plain-layout", "v1", [plain_files],
+                                      base / "bb-plain")
         plain = pushed(layout, "v1", manifest, registry, "plain/app", plain_files)
         store = f"file://{base / 'store'}"
         subprocess.run([*LAYERFS, "import", f"docker://{lazy.ref}", "--plain-http", "--name",
@@ -183,7 +196,7 @@ def ctrd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         config = (proxy_snapshotter_config(SNAPSHOTTER, socket)
                   + cri_config(directory, SNAPSHOTTER, registry.host) + GC_ON_REQUEST)
         with running_containerd(directory, config, cri=True) as containerd:
-            yield World(registry, node, containerd, socket, lazy, plain)
+            yield World(registry, node, containerd, socket, lazy, plain, mixed)
     finally:
         registry.stop()
         if node is not None:
@@ -235,7 +248,18 @@ def test_an_image_layerfs_has_not_imported_unpacks_into_plain_snapshots_and_runs
     out = run_in(ctrd, ctrd.plain, "plain-run", "cat", "/etc/msg", namespace="default")
     assert out.strip() == "plain unpack"
     unpacked = list((ctrd.node.root / "snapshots").glob("*/fs/etc/msg"))
-    assert [p.read_bytes() for p in unpacked] == [b"plain unpack\n"]
+    assert b"plain unpack\n" in [p.read_bytes() for p in unpacked]  # a plain directory
+
+
+def test_an_image_on_imported_layers_unpacks_only_its_other_layer_over_them(ctrd):
+    assert ctrd.mixed.layers[:2] == ctrd.lazy.layers  # the same blobs
+    since = ctrd.log_offset()
+    cri_pull(ctrd.containerd.address, ctrd.mixed.ref)
+    gets = set(ctrd.blob_gets(since))
+    assert gets == {ctrd.mixed.config, ctrd.mixed.layers[2]}, gets
+    out = run_in(ctrd, ctrd.mixed, "mixed-run", "sh", "-c", "cat /etc/msg; sha256sum /data/big.bin")
+    assert "mixed: unpacked over lazy layers" in out
+    assert sha(ctrd.lazy.files["data/big.bin"]) in out
 
 
 def code_of(call, *args) -> grpc.StatusCode:
@@ -255,6 +279,11 @@ def test_snapshot_api_keys_parents_kinds_labels_and_errors(ctrd):
         grpc.StatusCode.NOT_FOUND
     assert code_of(s.Prepare, pb.PrepareSnapshotRequest(key="t/b", parent="t/a")) == \
         grpc.StatusCode.INVALID_ARGUMENT  # a parent must be committed
+    for target in ("../../etc", "sha256:" + "0" * 64):  # no chain ID, a chain not imported
+        label = {"containerd.io/snapshot.ref": target}
+        made = s.Prepare(pb.PrepareSnapshotRequest(key="t/target", labels=label)).mounts
+        assert made[0].type == "bind"  # an ordinary snapshot, for containerd to unpack into
+        s.Remove(pb.RemoveSnapshotRequest(key="t/target"))
     s.Commit(pb.CommitSnapshotRequest(name="t/c", key="t/a", labels={"y": "2"}))
     assert code_of(s.Commit, pb.CommitSnapshotRequest(name="t/c2", key="t/a")) == \
         grpc.StatusCode.NOT_FOUND
