@@ -321,6 +321,14 @@ def test_snapshot_api_keys_parents_kinds_labels_and_errors(ctrd):
         s.Remove(pb.RemoveSnapshotRequest(key=key))
     assert code_of(s.Stat, pb.StatSnapshotRequest(key="t/c")) == grpc.StatusCode.NOT_FOUND
     assert code_of(s.Remove, pb.RemoveSnapshotRequest(key="t/c")) == grpc.StatusCode.NOT_FOUND
+    # Cleanup: directories no record names (a crash's) go, the others stay
+    kept = s.Prepare(pb.PrepareSnapshotRequest(key="t/kept")).mounts[0].source
+    orphan = ctrd.node.root / "snapshots" / "999999" / "fs"
+    orphan.mkdir(parents=True)
+    s.Cleanup(pb.CleanupRequest())
+    assert not orphan.parent.exists() and Path(kept).is_dir()
+    s.Remove(pb.RemoveSnapshotRequest(key="t/kept"))
+    assert not Path(kept).exists()
 
 
 def test_ctr_snapshots_prepare_ls_rm(ctrd):
