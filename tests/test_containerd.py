@@ -406,3 +406,16 @@ def test_garbage_collection_removes_the_snapshots_their_mounts_and_files(ctrd):
     assert left == [], left
     assert ctrd.node.request("stats")["layers"] == {}  # the lazy layers unmounted
     assert list((ctrd.node.root / "snapshots").iterdir()) == []  # plain ones: removed
+
+
+def test_a_socket_the_daemon_cannot_listen_at_is_one_error_line(tmp_path):
+    need_root()
+    (tmp_path / "store").mkdir()
+    (tmp_path / "a-file").write_text("")
+    done = subprocess.run([*LAYERFS, "daemon", "--root", str(tmp_path / "root"), "--store",
+                           f"file://{tmp_path / 'store'}", "--containerd-snapshotter",
+                           str(tmp_path / "a-file" / "snapshotter.sock")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "--containerd-snapshotter" in errors[0], done.stderr

@@ -272,6 +272,7 @@ class Daemon:
                                       self.sandboxes.refs, self.reg, cfg.containerd_prefetch)
             self.snapshots = SnapshotServer(snapshotter,
                                             Path(cfg.containerd_snapshotter).absolute())
+            self.snapshots.bind()
         self.handlers = self._handlers()
         # live restarts so far, this one included (a crashed or retired daemon's connection)
         self.restarts = (self.replica.count(RESTARTS) if self.conn is not None

@@ -165,10 +165,14 @@ class Snapshotter:
             replaying.settle()  # every layer's table is in
 
     async def _release_all(self, digests: list[str]) -> None:
+        """One hold fewer on each layer (one a failed restore never held: none)."""
         with trio.CancelScope(shield=True):
             for digest in digests:
-                self.held[digest] -= 1
                 if self.held[digest] <= 0:
+                    self.held.pop(digest, None)
+                    continue
+                self.held[digest] -= 1
+                if self.held[digest] == 0:
                     del self.held[digest]
                 try:
                     await self.layers.release(digest)
@@ -229,7 +233,12 @@ class Snapshotter:
             return
         if self.store.find_target(target, parent) is None:
             wanted = distinct(layers)
-            self._on_loop(self._acquire_all, wanted)
+            try:
+                self._on_loop(self._acquire_all, wanted)
+            except (LayerfsError, OSError) as exc:  # the store away, say: not fatal
+                log.warning("chain %s: its layerfs layers cannot be mounted (%s); containerd "
+                            "unpacks it", target, exc)
+                return
             now = time.time()
             record = SnapshotRecord(key, COMMITTED, 0, parent, labels, now, now, layers=layers)
             try:
@@ -481,25 +490,32 @@ class SnapshotServer:
         self.path = path
         self.server: grpc.Server | None = None
 
-    def start(self, token: trio.lowlevel.TrioToken) -> None:
-        """Listen at ``path`` (a stale socket there is replaced; worker thread)."""
-        self.snapshotter.token = token
+    def bind(self) -> None:
+        """Listen at ``path`` (a stale socket there replaced), answering
+        nothing until :meth:`start`; a path it cannot listen at is a
+        UsageError, before the daemon serves anything."""
         server = grpc.server(ThreadPoolExecutor(WORKERS, thread_name_prefix="snapshots"))
         snapshots_pb2_grpc.add_SnapshotsServicer_to_server(SnapshotService(self.snapshotter),
                                                            server)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                self.path.unlink()
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                    self.path.unlink()
             bound = server.add_insecure_port(f"unix:{self.path}")
-        except RuntimeError:
-            bound = 0
+        except (OSError, RuntimeError) as exc:
+            raise UsageError(f"--containerd-snapshotter {self.path}: cannot listen there "
+                             f"({exc})") from None
         if not bound:
             raise UsageError(f"--containerd-snapshotter {self.path}: cannot listen there")
-        server.start()
-        os.chmod(self.path, 0o600)  # containerd runs as root; nobody else
         self.server = server
+
+    def start(self, token: trio.lowlevel.TrioToken) -> None:
+        """Answer containerd, calling into the daemon's loop ``token`` (worker thread)."""
+        assert self.server is not None
+        self.snapshotter.token = token
+        self.server.start()
+        os.chmod(self.path, 0o600)  # containerd runs as root; nobody else
         log.info("containerd snapshotter at %s", self.path)
 
     def stop(self) -> None:
