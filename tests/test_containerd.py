@@ -408,14 +408,25 @@ def test_garbage_collection_removes_the_snapshots_their_mounts_and_files(ctrd):
     assert list((ctrd.node.root / "snapshots").iterdir()) == []  # plain ones: removed
 
 
-def test_a_socket_the_daemon_cannot_listen_at_is_one_error_line(tmp_path):
-    need_root()
-    (tmp_path / "store").mkdir()
-    (tmp_path / "a-file").write_text("")
+def refused_socket(tmp_path: Path, socket: Path) -> str:
+    """The one error line of a daemon given ``--containerd-snapshotter socket`` (exit 2)."""
+    (tmp_path / "store").mkdir(exist_ok=True)
     done = subprocess.run([*LAYERFS, "daemon", "--root", str(tmp_path / "root"), "--store",
                            f"file://{tmp_path / 'store'}", "--containerd-snapshotter",
-                           str(tmp_path / "a-file" / "snapshotter.sock")],
-                          capture_output=True, text=True, timeout=60)
+                           str(socket)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     errors = [line for line in done.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and "--containerd-snapshotter" in errors[0], done.stderr
+    return errors[0]
+
+
+def test_a_socket_the_daemon_cannot_listen_at_is_one_error_line(tmp_path):
+    need_root()
+    (tmp_path / "a-file").write_text("")
+    assert "cannot listen there" in refused_socket(tmp_path, tmp_path / "a-file" / "s.sock")
+
+
+def test_a_socket_another_daemon_serves_is_left_to_it(ctrd, tmp_path):
+    assert "another process serves it" in refused_socket(tmp_path, ctrd.socket)
+    assert ctrd.socket.is_socket()
+    backend_snapshots(ctrd)  # and it still answers

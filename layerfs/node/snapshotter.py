@@ -39,6 +39,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import stat
 import time
 from collections import Counter
@@ -482,6 +483,17 @@ class SnapshotService(snapshots_pb2_grpc.SnapshotsServicer):
             return empty_pb2.Empty()
 
 
+def answers(path: Path) -> bool:
+    """Whether something accepts connections on the unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(2)
+        try:
+            sock.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
 class SnapshotServer:
     """The service on its unix socket, in gRPC's threads."""
 
@@ -501,7 +513,10 @@ class SnapshotServer:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
                 if stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                    self.path.unlink()
+                    if answers(self.path):
+                        raise UsageError(f"--containerd-snapshotter {self.path}: another "
+                                         "process serves it")
+                    self.path.unlink()  # a crashed daemon's
             bound = server.add_insecure_port(f"unix:{self.path}")
         except (OSError, RuntimeError) as exc:
             raise UsageError(f"--containerd-snapshotter {self.path}: cannot listen there "
