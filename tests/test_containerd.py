@@ -48,10 +48,12 @@ from layerfs.builder.env import publish_env
 from layerfs.builder.oci.chains import chain_env, chain_ids, chain_of
 from layerfs.builder.oci.importer import ImportOptions, import_image
 from layerfs.builder.oci.sources import open_source
+from layerfs.errors import LayerInUse
 from layerfs.manifest import EnvLayer
 from layerfs.node.ctrdapi import snapshots_pb2, snapshots_pb2_grpc
 from layerfs.node.process import LAYERFS
 from layerfs.refstore import ENVS, RefStore
+from layerfs.retention import remove
 from layerfs.store.file import FileStore
 
 MiB = 1 << 20
@@ -153,6 +155,23 @@ def test_import_records_every_chain_and_its_layers_make_it_again(tmp_path):
         assert import_image(refstore, source, ImportOptions("img", "1")).chains == result.chains
     finally:
         source.close()
+    # removing the image's env and layers takes their chain entries along (no users)
+    other = tiny_layers_image(tmp_path / "other", "v1", [{"a": b"1"}, {"z": b"9"}])
+    source = open_source(f"oci:{other}:v1")
+    try:
+        imported = import_image(refstore, source, ImportOptions("other", "1"))
+    finally:
+        source.close()
+    kept = imported.chains
+    assert kept[0] == result.chains[0]  # the same bottom layer
+    only_img = sorted({x.ref for x in result.layers} - {x.ref for x in imported.layers})
+    with pytest.raises(LayerInUse):  # env img@1 names them
+        remove(refstore, only_img)
+    removed = remove(refstore, ["env:img@1", *only_img])
+    gone = {f"{entry.name}@{entry.version}" for entry, done in removed if done}
+    assert gone == {"img@1", *only_img, *(chain_env(c) for c in result.chains[1:])}
+    for chain in kept:  # other@1's chains: still there
+        refstore.env(refstore.resolve(ENVS, chain_env(chain)))
     # an entry whose layers hold another chain ([a, b] under the name of [b, a]) shows it
     wrong = chain_ids([b, a])[-1]
     name, _, version = chain_env(wrong).partition("@")

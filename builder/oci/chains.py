@@ -22,12 +22,12 @@ import hashlib
 
 from layerfs.errors import VersionExists
 from layerfs.manifest import EnvLayer, LayerManifest
-from layerfs.names import DIGEST_RE
+from layerfs.names import CHAIN_ENV_PREFIX, DIGEST_RE
 from layerfs.refstore import ENVS, RefStore
 
 from ..env import publish_env
 
-CHAIN_PREFIX = "oci/chains/"
+CHAIN_PREFIX = CHAIN_ENV_PREFIX
 CHAIN_VERSION = "1"
 
 
