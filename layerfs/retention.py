@@ -35,7 +35,7 @@ from .errors import (
     RefNotFound,
     UsageError,
 )
-from .names import Ref
+from .names import CHAIN_ENV_PREFIX, Ref
 from .refstore import ENVS, LAYERS, RefEntry, RefStore, ref_key
 
 EXPIRY_PREFIX = "expiry/"
@@ -158,16 +158,25 @@ def remove(refstore: RefStore, texts: list[str],
            force: bool = False) -> list[tuple[RefEntry, bool]]:
     """Remove the refs ``texts`` name; envs first, so that a layer only envs
     removed here name goes too. Each layer an env still names is refused
-    (before anything is removed) unless ``force``. Each target and whether
-    it was removed (False: published again meanwhile, left alone)."""
+    (before anything is removed) unless ``force``; the chain index's entries
+    (``oci/chains/...``) that name a layer removed here are no users: they
+    go first, with it. Each ref removed and whether it was (False: published
+    again meanwhile, left alone)."""
     targets = list(dict.fromkeys(resolve_target(refstore, t) for t in texts))
     targets.sort(key=lambda t: t.kind != ENVS)
     gone_envs = frozenset(f"{t.name}@{t.version}" for t in targets if t.kind == ENVS)
-    if not force:
-        for target in targets:
-            if target.kind == LAYERS and (users := envs_naming(refstore, target.digest, gone_envs)):
-                raise LayerInUse(f"{target.name}@{target.version}", ", ".join(users))
-    return [(t, remove_ref(refstore, t.kind, t.name, t.version, t.digest)) for t in targets]
+    index: list[RefEntry] = []  # the chain index's entries naming a layer removed here
+    for target in targets:
+        if target.kind != LAYERS:
+            continue
+        users = envs_naming(refstore, target.digest, gone_envs)
+        chains = [u for u in users if u.startswith(f"env {CHAIN_ENV_PREFIX}")]
+        if not force and (others := [u for u in users if u not in chains]):
+            raise LayerInUse(f"{target.name}@{target.version}", ", ".join(others))
+        index += [resolve_target(refstore, "env:" + u.removeprefix("env ")) for u in chains]
+    index = [entry for entry in dict.fromkeys(index) if entry not in targets]
+    return [(t, remove_ref(refstore, t.kind, t.name, t.version, t.digest))
+            for t in index + targets]
 
 
 @dataclass

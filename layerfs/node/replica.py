@@ -16,6 +16,8 @@ it wrote from the verified bytes); the caller mounts that open file
 even if the name is replaced meanwhile. A mismatch is logged, the image
 fetched again from the store and checked again.
 
+It holds containerd's snapshots too (:mod:`.snapstore`).
+
 It also keeps what lets the node serve while the store is away: the
 manifests it used (env manifests included), by digest, handed out only if
 their bytes still match the digest (:meth:`Replica.manifest`), and its last
@@ -41,6 +43,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import lmdb
 
@@ -53,10 +56,11 @@ from ..store.base import sha256_digest
 
 log = logging.getLogger(__name__)
 DBS = (b"layers", b"chunktables", b"sandboxes", b"traces", b"manifests", b"resolutions",
-       b"counters")
+       b"counters", b"snapshots")
 RESOLUTION_REFRESH = 60.0  # seconds after which a resolution the store confirms is written again
 TMP_MARK = ".tmp"  # meta/<hex>.tmp<pid>-<thread>: a meta image being written
 HASH_READ = 256 << 10
+T = TypeVar("T")
 TableCallback = Callable[[ChunkTable], None]  # called with a layer's verified chunk table
 
 
@@ -103,7 +107,7 @@ class Replica:
         self.meta_dir = self.root / "meta"
         self.meta_dir.mkdir(parents=True, exist_ok=True)
         self._remove_temporaries()
-        self.env = lmdb.open(str(self.root / "replica.lmdb"), max_dbs=8, map_size=1 << 34,
+        self.env = lmdb.open(str(self.root / "replica.lmdb"), max_dbs=16, map_size=1 << 34,
                              subdir=True, lock=True)
         self.check_meta: MetaCheck | None = None  # the daemon's checker processes (else in-process)
         # gives room back when a commit finds ROOT full (the daemon's held space); True if it did
@@ -128,6 +132,16 @@ class Replica:
                 raise
         with self.env.begin(write=True) as txn:
             change(txn)
+
+    def transact(self, change: Callable[[lmdb.Transaction], T]) -> T:
+        """``change``'s result, run in one write transaction, committed (as
+        :meth:`_write`: tried once more after ``make_room`` on a full disk)."""
+        out: list[T] = []
+
+        def run(txn: lmdb.Transaction) -> None:
+            out[:] = [change(txn)]
+        self._write(run)
+        return out[0]
 
     def _remove_temporaries(self) -> None:
         """Meta images a killed daemon was writing (the daemon owns ROOT)."""
