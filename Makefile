@@ -25,7 +25,7 @@ UNITDIR ?= /etc/systemd/system
 CONFDIR ?= /etc/layerfs
 DIST    ?= dist
 
-.PHONY: all deps apt-deps test test-fast demo lint bench-build wheel install clean
+.PHONY: all deps apt-deps test test-fast demo lint bench-build wheel install protos clean
 
 all: test
 
@@ -67,6 +67,13 @@ demo: deps
 
 lint: deps
 	$(VENV)/bin/pytest -q tests/test_lint.py
+
+# containerd's snapshots API as checked-in Python code (layerfs/node/ctrdapi/: the
+# .proto files are containerd 1.6's, gogoproto options removed); run after editing them.
+CTRDAPI := layerfs/node/ctrdapi
+protos: deps
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
+	  $(CTRDAPI)/mount.proto $(CTRDAPI)/snapshots.proto
 
 bench-build: deps
 	$(PY) -m bench.build

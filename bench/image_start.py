@@ -19,6 +19,15 @@ dir), packed as one gzip OCI layer and pushed with ``skopeo`` into a local
   auto``, after one lazy run on a node of its own pushed its trace of the
   image's layers to the store (``trace-push``): ``up`` replays it in the
   background while the workload runs (the profiled image of a lazy loader).
+* **containerd with the layerfs snapshotter** (lazy, and with the pushed
+  trace): the same containerd, with the CRI plugin on and a ``layerfs daemon
+  --containerd-snapshotter`` (``--containerd-prefetch none``, or ``auto``
+  replaying the pushed trace) as its ``proxy_plugins`` snapshotter, both on
+  empty roots; timed: CRI's PullImage (what the kubelet asks: unpacks while
+  it pulls, so the imported image's layers are mounted lazily and never
+  downloaded) + ``ctr -n k8s.io run --rm --snapshotter layerfs``: the same
+  ``ctr run`` path as the containerd side. Disk writes: containerd's and the
+  layerfs daemon's.
 * **scheduler** (lazy, and with the pushed trace): what a scheduler does,
   from this process with a warm ``layerfs.node.Client`` (made and connected
   before the page cache is dropped; no CLI process): timed ``Client.up`` +
@@ -72,6 +81,7 @@ from typing import Any
 
 from bench import RESULTS, git_head
 from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
+from harness.containerdserver import cri_config, cri_pull, proxy_snapshotter_config
 from layerfs.chunks import pack_runs
 from layerfs.formats.chunktable import ChunkEntry
 from layerfs.node.process import LAYERFS, DaemonProcess, detach_mounts
@@ -83,13 +93,17 @@ REPO, TAG = "bench/minbase", SUITE
 ENV_REF = f"{REPO}@1"
 FLOOR_FETCHES = 16  # GETs in flight for the store's floor (the daemon's default store fetches)
 FLOOR_RUN = 4 << 20  # bytes of neighbouring chunks one of its GETs takes at most
-SIDES = ("containerd", "layerfs", "layerfs_trace")
+SIDES = ("containerd", "layerfs", "layerfs_trace", "ctr_layerfs", "ctr_layerfs_trace")
 PREFETCH = {"layerfs": "none", "layerfs_trace": "auto",  # auto: the pushed trace, if any
-            "scheduler": "none", "scheduler_trace": "auto"}
+            "scheduler": "none", "scheduler_trace": "auto",
+            "ctr_layerfs": "none", "ctr_layerfs_trace": "auto"}
+SNAPSHOTTER = "layerfs"  # the proxy snapshotter's name in containerd's config
 # The scheduler's path (Client.up + Client.run in this process) and its floor,
 # alternating which goes first rep by rep.
 SCHEDULER_SIDES = ("scheduler", "scheduler_trace", "runc_local")
 TARGETS = {"cold start layerfs / containerd": 1 / 8, "disk writes layerfs / containerd": 0.1,
+           "cold start ctr run on layerfs / containerd": 1 / 8,
+           "disk writes ctr run on layerfs / containerd": 0.1,
            "cold start layerfs with a trace / containerd": 1 / 8,
            "disk writes layerfs with a trace / containerd": 0.1,
            "cold start layerfs / local dir": 3, "cold start layerfs with a trace / local dir": 3,
@@ -214,17 +228,24 @@ class Containerd:
         self.sock = home / "ctrd.sock"
         self.proc: subprocess.Popen | None = None
 
-    def config(self) -> str:
-        return "\n".join([
+    def config(self, snapshotter: Path | None = None, registry: str = "") -> str:
+        """Without ``snapshotter``: CRI off, the overlayfs snapshotter. With it:
+        layerfs's snapshotter at that socket, and CRI on, pulling with it from
+        the plain-HTTP ``registry``."""
+        text = "\n".join([
             "version = 2", f'root = "{self.root}"', f'state = "{self.state}"',
-            'disabled_plugins = ["io.containerd.grpc.v1.cri"]',
+            "" if snapshotter else 'disabled_plugins = ["io.containerd.grpc.v1.cri"]',
             "[grpc]", f'  address = "{self.sock}"',
             "[ttrpc]", f'  address = "{self.sock}.ttrpc"',
             "[metrics]", '  address = ""', ""])
+        if snapshotter is not None:
+            text += (proxy_snapshotter_config(SNAPSHOTTER, snapshotter)
+                     + cri_config(self.home, SNAPSHOTTER, registry))
+        return text
 
-    def start(self) -> None:
+    def start(self, snapshotter: Path | None = None, registry: str = "") -> None:
         self.home.mkdir(parents=True, exist_ok=True)
-        (self.home / "config.toml").write_text(self.config())
+        (self.home / "config.toml").write_text(self.config(snapshotter, registry))
         with open(self.home / "containerd.log", "ab") as log:
             self.proc = subprocess.Popen(["containerd", "--config", str(self.home / "config.toml")],
                                          stdout=log, stderr=log, stdin=subprocess.DEVNULL)
@@ -296,6 +317,43 @@ class Bench:
         return {"pull_s": round(pull, 3), "run_s": round(run, 3),
                 "cold_start_s": round(pull + run, 3), "disk_written_bytes": written,
                 "root_du_bytes": used}
+
+    def ctr_layerfs(self, rep: int) -> dict:
+        return self.ctr_layerfs_start(rep, "ctr_layerfs")
+
+    def ctr_layerfs_trace(self, rep: int) -> dict:
+        return self.ctr_layerfs_start(rep, "ctr_layerfs_trace")
+
+    def ctr_layerfs_start(self, rep: int, side: str) -> dict:
+        """containerd with CRI and layerfs's snapshotter, both on empty roots:
+        CRI's PullImage + ``ctr run --rm --snapshotter layerfs``."""
+        root = clear_dir(self.work / "roots" / "node", self.oddities)
+        sock = self.work / "snapshotter.sock"
+        node: DaemonProcess = self.daemons.start(root, "node", [
+            *self.store_args(), "--containerd-snapshotter", str(sock),
+            "--containerd-prefetch", PREFETCH[side]])
+        self.ctrd.wipe(self.oddities)
+        try:
+            self.ctrd.start(sock, self.image.split("/", 1)[0])
+            assert self.ctrd.proc is not None and node.proc is not None
+            pids = (self.ctrd.proc.pid, node.proc.pid)
+            du0 = du_bytes(root)
+            drop_caches()
+            w0 = sum(write_bytes(pid) for pid in pids)
+            pull = timed_call(lambda: cri_pull(self.ctrd.sock, self.image, timeout=600))
+            run = timed_run(self.ctrd.ctr("-n", "k8s.io", "run", "--rm", "--snapshotter",
+                                          SNAPSHOTTER, self.image, f"bench{rep}",
+                                          "sh", "-c", WORKLOAD))
+            os.sync()
+            written = sum(write_bytes(pid) for pid in pids) - w0
+            used = du_bytes(self.ctrd.root) + du_bytes(root) - du0
+            cache = node.request("stats")["cache"]
+        finally:
+            self.ctrd.stop()
+            self.daemons.finish(node, remove_root=True)
+        return {"pull_s": round(pull, 3), "run_s": round(run, 3),
+                "cold_start_s": round(pull + run, 3), "disk_written_bytes": written,
+                "root_du_bytes": used, "bytes_fetched": cache.get("bytes_fetched", 0)}
 
     def layerfs(self, rep: int) -> dict:
         return self.layerfs_start(rep, "layerfs")
@@ -513,7 +571,9 @@ def summarize(result: dict) -> dict:
                        for k in result["samples"][side][0]} for side in SIDES})
     out["local_dir_s"] = local = statistics.median(result["local_dir_s"])
     out["floors"] = {k: statistics.median(v) for k, v in result["floors"].items()}
-    for side, label in (("layerfs", "layerfs"), ("layerfs_trace", "layerfs with a trace")):
+    for side, label in (("layerfs", "layerfs"), ("layerfs_trace", "layerfs with a trace"),
+                        ("ctr_layerfs", "ctr run on layerfs"),
+                        ("ctr_layerfs_trace", "ctr run on layerfs with a trace")):
         start = per_rep(result, side, "cold_start_s")
         disk = per_rep(result, side, "disk_written_bytes")
         ratios[f"cold start {label} / containerd"] = statistics.median(start)
@@ -556,6 +616,11 @@ def print_table(summary: dict, image: dict) -> None:
           f"({lf['client_cold_start_s']:.3f})")
     print(f"{'the same, with a pushed trace (auto)':40} {tr['cold_start_s']:12.3f} "
           f"{tr['bytes_fetched'] / 1e6:10.1f} {tr['disk_written_bytes'] / 1e6:15.1f}")
+    for side, label in (("ctr_layerfs", "CRI pull + ctr run, layerfs (lazy)"),
+                        ("ctr_layerfs_trace", "the same, with a pushed trace")):
+        row = summary[side]
+        print(f"{label:40} {row['cold_start_s']:12.3f} {row['bytes_fetched'] / 1e6:10.1f} "
+              f"{row['disk_written_bytes'] / 1e6:15.1f}")
     print(f"{'local dir (unshare + chroot)':40} {summary['local_dir_s']:12.3f}")
     floors = summary["floors"]
     print(f"{'floor: runc run on the local dir':40} {floors['runc_local_s']:12.3f}")
@@ -668,7 +733,10 @@ def main() -> None:
            "runtime_s": round(time.perf_counter() - started, 1),
            "method": (
                "Cold start = containerd: `ctr image pull --plain-http` + `ctr run --rm` on a "
-               "fresh containerd root (overlayfs snapshotter); layerfs: `layerfs up --bundle "
+               "fresh containerd root (overlayfs snapshotter); ctr run on layerfs: CRI "
+               "PullImage + `ctr -n k8s.io run --rm --snapshotter layerfs` on fresh containerd "
+               "and layerfs roots (the proxy snapshotter; disk written: both daemons'); "
+               "layerfs: `layerfs up --bundle "
                "DIR` + `runc run -b DIR`, the workload as the bundle's process, on a fresh "
                "daemon ROOT (with a trace: one it pushed on another node), the image "
                "imported into the "

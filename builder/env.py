@@ -45,6 +45,14 @@ def create_env(refstore: RefStore, name: str, version: str, layer_refs: list[str
         below = refstore.env(refstore.resolve(ENVS, on))
         layers += below.layers
         config = config if config is not None else below.config
+    return publish_env(refstore, name, version, layers, config)
+
+
+def publish_env(refstore: RefStore, name: str, version: str, layers: list[EnvLayer],
+                config: ImageConfig | None = None) -> EnvResult:
+    """Publish env ``name@version`` of ``layers`` (top first, resolved and read
+    by the caller): an existing one of the same content is kept, one of other
+    content is :class:`VersionExists`."""
     ref = f"{name}@{version}"
     check_layer_count(f"env {ref}", len({layer.digest for layer in layers}))
     manifest = EnvManifest(name=name, version=version, layers=layers, created=now_utc(),

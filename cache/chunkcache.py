@@ -30,7 +30,6 @@ guards the LRU index, the block layouts and the counters, never file I/O.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -39,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..sizes import NO_SPACE
 from .chunkfile import (
     Chunk,
     Layout,
@@ -58,7 +58,6 @@ from .chunkfile import (
 log = logging.getLogger(__name__)
 
 LAYOUTS = 16384  # block layouts kept in memory (about 0.5 KiB each for 1 MiB chunks)
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a write failed for want of room
 NO_SPACE_RETRIES = 2  # evictions and new tries of a write that found no room
 ROOM = 4 << 20  # bytes evicted at least before each of them
 

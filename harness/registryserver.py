@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from harness.serverprocs import die_with_parent, log_tail, stop_process
+from harness.serverprocs import die_with_parent, log_tail, stop_process, wait_ready
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 5.0
@@ -210,16 +210,8 @@ class RegistryServer:
             return False
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"docker-registry exited with {self.process.returncode}:"
-                                   f"\n{self.log_tail()}")
-            if self.answers():
-                return
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"docker-registry did not listen within {START_TIMEOUT:.0f}s")
+        wait_ready(self.process, self.answers, "docker-registry", self.log_tail, START_TIMEOUT,
+                   self.stop)
 
     def stop(self) -> None:
         """SIGTERM the registry's pid (SIGKILL if it lingers); stop its token issuer."""

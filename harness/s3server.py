@@ -16,13 +16,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.serverprocs import die_with_parent, log_tail, stop_process
+from harness.serverprocs import die_with_parent, log_tail, stop_process, wait_ready
 
 GRPC_OFFSET = 10000  # SeaweedFS listens for gRPC on every port + 10000
 PORT_RANGE = (20000, 55000)
@@ -129,21 +128,8 @@ class S3Server:
         return self.answers() and self.has_volume_server()
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"SeaweedFS exited with status {self.process.returncode} during start;"
-                    f" log tail:\n{self.log_tail()}"
-                )
-            if self.ready():
-                return
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(
-            f"SeaweedFS S3 at {self.endpoint} did not answer within {timeout:.0f}s;"
-            f" log tail:\n{self.log_tail()}"
-        )
+        wait_ready(self.process, self.ready, f"SeaweedFS S3 at {self.endpoint}", self.log_tail,
+                   timeout, self.stop, interval=0.2)
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         """SIGTERM the server's pid, SIGKILL it if it lingers, and reap it."""

@@ -1,6 +1,6 @@
 """What every server a test or a benchmark starts needs: a child that dies with
-the process that started it, the tail of its log, and a stop by pid (SIGTERM,
-then SIGKILL)."""
+the process that started it, the tail of its log, a wait until it answers, and
+a stop by pid (SIGTERM, then SIGKILL)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import ctypes
 import os
 import signal
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -24,6 +26,23 @@ def log_tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def wait_ready(process: subprocess.Popen[bytes], ready: Callable[[], bool], what: str,
+               tail: Callable[[], str], timeout: float, stop: Callable[[], None],
+               interval: float = 0.1) -> None:
+    """Return once ``ready()``; a RuntimeError with the log's ``tail()`` if the
+    server exits first, or (after ``stop()``) if it is not ready in ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {process.returncode} during start;"
+                               f" log tail:\n{tail()}")
+        if ready():
+            return
+        time.sleep(interval)
+    stop()
+    raise RuntimeError(f"{what} did not answer within {timeout:.0f}s; log tail:\n{tail()}")
 
 
 def stop_process(process: subprocess.Popen[bytes], timeout: float) -> None:

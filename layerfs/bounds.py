@@ -1,4 +1,5 @@
-"""The bounds of what a manifest may hold: one table, for writers and readers alike.
+"""The bounds of what a manifest (or a control message) may hold: one table, for
+writers and readers alike, applied by the one typed parse (:mod:`layerfs.schema`).
 
 A writer (``import``, ``build``, ``commit``, ``env create``, ``disk commit``)
 runs the same typed parse every reader runs (:mod:`layerfs.manifest`) on the

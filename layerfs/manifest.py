@@ -4,8 +4,9 @@ Manifests are stored as blobs (named by the sha256 of their canonical JSON).
 A layer manifest names its meta image and chunk table by digest; an env
 manifest names its layers by reference and manifest digest, top first.
 
-Parsing is typed and strict: every field must be present (or have a default),
-of its declared type (``int`` is never ``bool`` or ``float``), in range, and
+Parsing is typed and strict, by the rules of :mod:`layerfs.schema` (the
+control messages' too): every field must be present (or have a default), of
+its declared type (``int`` is never ``bool`` or ``float``), in range, and
 digests, names, versions and references well formed; anything else, unknown
 fields included, is one :class:`IntegrityError` naming the field. Strings, lists
 and an env's image config are bounded by :mod:`layerfs.bounds`; a writer runs
@@ -18,13 +19,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import types
-import typing
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import records
-from .bounds import MAX_CONFIG, MAX_ITEMS, MAX_STRING
+from . import schema
+from .bounds import MAX_CONFIG
 from .errors import IntegrityError, InvalidName, InvalidReference, OverLimit
 from .formats.chunktable import ChunkTable
 from .imageconfig import ImageConfig
@@ -33,7 +33,6 @@ from .names import DIGEST_RE, Ref, check_name, check_version
 SCHEMA = 1
 ROLES = ("base", "toolchain", "workspace", "disk")
 KINDS = ("erofs", "lsmt", "env")
-MAX_INT = 2**63 - 1
 MIN_CHUNK, MAX_CHUNK = 4096, 16 << 20
 CHUNK_SIZE_RULE = "a power of two from 4 KiB to 16 MiB"
 MAX_TAR_SPLIT = 256 << 20  # stored bytes of a layer's tar-split record
@@ -279,7 +278,7 @@ class EnvManifest:
 def check_image_config(config: ImageConfig, what: str) -> None:
     """Refuse (:class:`OverLimit`) an image config an env manifest could not hold:
     the check :meth:`EnvManifest.checked_bytes` makes, before anything is built."""
-    _typed(ImageConfig, json.loads(canonical_json(config.to_json())), what, "config.")
+    _typed(ImageConfig, json.loads(canonical_json(config.to_json())), what, "config")
     _check_config_size(config, what)
 
 
@@ -302,14 +301,12 @@ def manifest_head(data: bytes, digest: str = "") -> ManifestHead:
     """The kind, name and version of any manifest, checked (the rest is not parsed)."""
     what = _what("manifest", digest)
     doc = _load(data, what)
-    head: list[str] = []
-    for key in ("kind", "name", "version"):
-        value = doc.get(key)
-        if not isinstance(value, str):
-            raise IntegrityError(what, f"field {key}: expected a string")
-        head.append(value)
-    _check_head(head[0], head[1], head[2], what)
-    return ManifestHead(head[0], head[1], head[2])
+    try:
+        head = schema.parse(ManifestHead, doc, extra=True)
+    except schema.SchemaError as exc:
+        raise IntegrityError(what, exc.text) from None
+    _check_head(head.kind, head.name, head.version, what)
+    return head
 
 
 def manifest_kind(data: bytes) -> str:
@@ -322,7 +319,7 @@ def _what(kind: str, digest: str) -> str:
     return f"{kind} {digest}" if digest else kind
 
 
-def _reading(parse: typing.Callable[[bytes, str], Any], data: bytes, what: str) -> Any:
+def _reading(parse: Callable[[bytes, str], Any], data: bytes, what: str) -> Any:
     """``parse(data, what)`` for a reader: a field over a bound is corrupt data."""
     try:
         return parse(data, what)
@@ -333,8 +330,8 @@ def _reading(parse: typing.Callable[[bytes, str], Any], data: bytes, what: str) 
 
 def _load(data: bytes, what: str) -> dict:
     try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError):
+        doc = schema.loads(data)
+    except schema.SchemaError:
         raise IntegrityError(what, "not JSON") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or type(doc["schema"]) is not int:
         raise IntegrityError(what, "unknown schema")
@@ -342,73 +339,14 @@ def _load(data: bytes, what: str) -> dict:
 
 
 def _typed(cls: type, doc: object, what: str, path: str) -> Any:
-    """``doc`` (parsed JSON) as an instance of dataclass ``cls``, every field typed."""
-    if not isinstance(doc, dict):
-        raise IntegrityError(what, f"field {path or 'manifest'}: expected an object")
-    # (ClassVar: in the annotations of records.Record, which imports no typing at run time)
-    hints = typing.get_type_hints(cls, localns={"ClassVar": typing.ClassVar})
-    required = _required_fields(cls)
-    unknown = sorted(str(k) for k in doc if k not in required)
-    if unknown:
-        raise IntegrityError(what, f"unknown field {path}{unknown[0][:64]!r}")
-    values = {}
-    for name, needed in required.items():
-        if name not in doc:
-            if needed:
-                raise IntegrityError(what, f"missing field {path}{name}")
-            continue
-        values[name] = _value(hints[name], doc[name], what, f"{path}{name}")
-    return cls(**values)
-
-
-def _required_fields(cls: type) -> dict[str, bool]:
-    """Each field of dataclass or record ``cls``: whether it has no default."""
-    if issubclass(cls, records.Record):
-        return {f.name: f.required for f in records.fields(cls)}
-    return {f.name: f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            for f in dataclasses.fields(typing.cast(Any, cls))}
-
-
-def _value(hint: Any, value: object, what: str, path: str) -> Any:
-    """``value`` checked against the type ``hint`` (int, str, X | None, list[X], a dataclass)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(hint):
-            return None
-        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _value(inner, value, what, path)
-    if origin is list:
-        if not isinstance(value, list):
-            raise IntegrityError(what, f"field {path}: expected a list")
-        _check_items(value, what, path)
-        (inner,) = typing.get_args(hint)
-        return [_value(inner, v, what, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise IntegrityError(what, f"field {path}: expected an object")
-        _check_items(value, what, path)
-        _, inner = typing.get_args(hint)
-        return {_value(str, k, what, f"{path} key"): _value(inner, v, what, f"{path}[{k[:64]!r}]")
-                for k, v in value.items()}
-    if dataclasses.is_dataclass(hint) or (isinstance(hint, type)
-                                          and issubclass(hint, records.Record)):
-        return _typed(typing.cast(type, hint), value, what, f"{path}.")
-    if hint is int:
-        if type(value) is not int or not 0 <= value <= MAX_INT:
-            raise IntegrityError(what, f"field {path}: expected an integer in [0, 2^63)")
-        return value
-    if hint is str:
-        if not isinstance(value, str):
-            raise IntegrityError(what, f"field {path}: expected a string")
-        if len(value) > MAX_STRING:
-            raise OverLimit(what, path, f"a string of {len(value)} characters", MAX_STRING)
-        return value
-    raise AssertionError(f"no typed parse for {hint!r}")
-
-
-def _check_items(value: list | dict, what: str, path: str) -> None:
-    if len(value) > MAX_ITEMS:
-        raise OverLimit(what, path, f"{len(value)} items", MAX_ITEMS)
+    """``doc`` (parsed JSON) as an instance of dataclass ``cls``, every field typed
+    (:mod:`layerfs.schema`); over a bound: :class:`OverLimit`."""
+    try:
+        return schema.parse(cls, doc, path=path)
+    except schema.OverBound as exc:
+        raise OverLimit(what, exc.path, exc.amount, exc.limit) from None
+    except schema.SchemaError as exc:
+        raise IntegrityError(what, exc.text) from None
 
 
 # -- what the fields mean --

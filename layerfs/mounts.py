@@ -9,8 +9,9 @@ Overlays are mounted with the new mount API (:func:`mount_overlay`:
 ``fsopen``, one ``fsconfig`` per option and per lower layer, ``fsmount``,
 ``move_mount``), so that the number of layers is not bounded by the page that
 mount(2)'s option string must fit in; only the kernel's own limit of
-:data:`MAX_LOWER_LAYERS` lowers remains. A kernel without the API (ENOSYS)
-gets mount(2) with the option string.
+:data:`MAX_LOWER_LAYERS` lowers remains. A kernel without the API (ENOSYS), or
+whose overlayfs lacks ``lowerdir+`` (6.5 to 6.7), gets mount(2) with the option
+string, as long as it fits a page.
 
 What is mounted where is read from ``/proc/self/mountinfo`` by
 :func:`mount_table` alone; :func:`mounts_under` and :func:`fs_type` answer from it.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import re
 import threading
@@ -32,8 +34,12 @@ MS_NODEV = 4
 SAFE_FLAGS = MS_NOSUID | MS_NODEV  # on every mount of layer content
 MNT_DETACH = 2
 MAX_LOWER_LAYERS = 500  # overlayfs's OVL_MAX_STACK: lower layers one overlay may have
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")  # mount(2) copies this much of its data (NUL included)
 BDI = "/sys/class/bdi"
 _bdi_lock = threading.Lock()  # one EROFS mount at a time while its bdi is found
+
+log = logging.getLogger(__name__)
+_readahead_warned = False  # one warning per process
 
 MOUNTINFO = "/proc/self/mountinfo"
 _ESCAPE = re.compile(rb"\\([0-7]{3})")  # mountinfo escapes space, tab, newline, backslash as octal
@@ -93,22 +99,52 @@ class Overlay:
         return ",".join(parts + [f"{key}={value}" for key, value in self.options])
 
 
+class _OldKernel(Exception):
+    """The kernel lacks the new mount API (ENOSYS) or overlayfs's ``lowerdir+``."""
+
+    def __init__(self, err: int, why: str) -> None:
+        super().__init__(err, why)
+        self.errno = err
+        self.why = why
+
+
 def mount_overlay(overlay: Overlay, target: str, flags: int = SAFE_FLAGS) -> None:
     """Mount ``overlay`` on ``target`` with the mount flags ``flags`` (MS_*)
-    through the new mount API, or with mount(2) where the kernel lacks it. A
+    through the new mount API, or with mount(2) where the kernel lacks it
+    (``fsopen``: ENOSYS) or lacks overlayfs's ``lowerdir+`` (Linux 6.5 to 6.7:
+    the first one is EINVAL), if the option string fits mount(2)'s page. A
     refusal is an OSError that carries the kernel's own words."""
+    try:
+        _mount_overlay_api(overlay, target, flags)
+        return
+    except _OldKernel as old:
+        data = overlay.option_string()
+        if len(os.fsencode(data)) >= PAGE_SIZE:
+            raise OSError(old.errno, f"mount overlay on {target}: {old.why}, and the options "
+                                     f"of its {len(overlay.lowers)} lower directories do not "
+                                     f"fit mount(2)'s {PAGE_SIZE} bytes") from None
+    mount("overlay", target, "overlay", flags, data)
+
+
+def _mount_overlay_api(overlay: Overlay, target: str, flags: int) -> None:
     fs = _syscall(SYS_FSOPEN, b"overlay", ctypes.c_uint(FSOPEN_CLOEXEC))
     if fs < 0:
         err = ctypes.get_errno()
         if err == errno.ENOSYS:
-            mount("overlay", target, "overlay", flags, overlay.option_string())
-            return
+            raise _OldKernel(err, "no new mount API")
         raise OSError(err, f"fsopen overlay for {target}: {os.strerror(err)}")
     try:
+        first_lower = True
         for key, value in overlay.settings():
-            _fs_call(fs, target, f"{key} {value}", SYS_FSCONFIG, ctypes.c_int(fs),
-                     ctypes.c_uint(FSCONFIG_SET_STRING), key.encode(), os.fsencode(value),
-                     ctypes.c_int(0))
+            try:
+                _fs_call(fs, target, f"{key} {value}", SYS_FSCONFIG, ctypes.c_int(fs),
+                         ctypes.c_uint(FSCONFIG_SET_STRING), key.encode(),
+                         os.fsencode(value), ctypes.c_int(0))
+            except OSError as exc:
+                if key == "lowerdir+" and first_lower and exc.errno == errno.EINVAL:
+                    raise _OldKernel(exc.errno, "no lowerdir+ in overlayfs") from None
+                raise
+            first_lower = first_lower and key != "lowerdir+"
         _fs_call(fs, target, "create", SYS_FSCONFIG, ctypes.c_int(fs),
                  ctypes.c_uint(FSCONFIG_CMD_CREATE), None, None, ctypes.c_int(0))
         attrs = sum(attr for flag, attr in _MS_TO_ATTR if flags & flag)
@@ -190,8 +226,18 @@ def _erofs_bdis() -> set[str]:
 
 
 def _write_readahead(bdi: str, nbytes: int) -> None:
-    with open(f"{BDI}/{bdi}/read_ahead_kb", "w") as f:
-        f.write(str(max(nbytes // 1024, 4)))
+    """A readahead window is a tuning: where /sys cannot be written (a
+    container's read-only /sys), the mount keeps the kernel's default and one
+    warning says so."""
+    global _readahead_warned
+    try:
+        with open(f"{BDI}/{bdi}/read_ahead_kb", "w") as f:
+            f.write(str(max(nbytes // 1024, 4)))
+    except OSError as exc:
+        if not _readahead_warned:
+            _readahead_warned = True
+            log.warning("cannot set the readahead window of EROFS mounts (%s): the kernel's "
+                        "default is used", exc.strerror or exc)
 
 
 def set_readahead(path: str, nbytes: int) -> None:

@@ -227,14 +227,18 @@ class RefStore:
         out.sort(key=lambda r: (r.name, version_sort_key(r.version)))
         return out, bad
 
-    def read_refs(self, kind: str, name: str | None, read: Callable[[str], V]
+    def read_refs(self, kind: str, name: str | None, read: Callable[[str], V],
+                  keep: Callable[[str], bool] | None = None
                   ) -> tuple[list[tuple[RefEntry, V]], list[Unreadable]]:
-        """Each ref of ``kind`` (or of ``name``) checked against the manifest it
-        points at and that manifest as ``read`` (given its digest) reads it; a
-        ref or manifest that is corrupt or missing is set aside, with why."""
+        """Each ref of ``kind`` (or of ``name``; only the names ``keep`` keeps)
+        checked against the manifest it points at and that manifest as ``read``
+        (given its digest) reads it; a ref or manifest that is corrupt or
+        missing is set aside, with why."""
         entries, bad = self.scan_refs(kind, name)
         rows = []
         for entry in entries:
+            if keep is not None and not keep(entry.name):
+                continue
             try:
                 self.check_binding(kind, entry.name, entry.version, entry.digest)
                 rows.append((entry, read(entry.digest)))

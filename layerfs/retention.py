@@ -22,11 +22,11 @@ digest line, as every reader expects.
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 from dataclasses import dataclass
 
+from . import schema
 from .errors import (
     IntegrityError,
     LayerfsError,
@@ -35,7 +35,7 @@ from .errors import (
     RefNotFound,
     UsageError,
 )
-from .names import Ref
+from .names import CHAIN_ENV_PREFIX, Ref
 from .refstore import ENVS, LAYERS, RefEntry, RefStore, ref_key
 
 EXPIRY_PREFIX = "expiry/"
@@ -66,8 +66,16 @@ class Expiry(RefEntry):
 def set_expiry(refstore: RefStore, kind: str, name: str, version: str, digest: str,
                expires: float) -> None:
     """Record that the ref, while it holds ``digest``, expires at ``expires``."""
-    doc = {"digest": digest, "expires": round(expires, 3)}
+    doc = {"digest": digest, "expires": round(float(expires), 3)}  # (a float: layerfs.schema)
     refstore.store.put(expiry_key(kind, name, version), json.dumps(doc).encode() + b"\n")
+
+
+@dataclass(frozen=True)
+class ExpiryRecord:
+    """What an expiry record holds (its ref is its key)."""
+
+    digest: str
+    expires: float  # seconds since the epoch
 
 
 def _parse_expiry(kind: str, rest: str, data: bytes) -> Expiry:
@@ -77,17 +85,16 @@ def _parse_expiry(kind: str, rest: str, data: bytes) -> Expiry:
         raise IntegrityError(what, f"{len(data)} bytes")
     try:
         Ref.parse(f"{name}@{version}")
-        doc = json.loads(data)
-        digest, expires = doc["digest"], float(doc["expires"])
-        if not math.isfinite(expires):
-            raise ValueError(f"expires {expires!r}")
-        if Ref.parse(digest).digest is None:
-            raise ValueError(f"digest {str(digest)[:80]!r}")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        record = schema.parse(ExpiryRecord, schema.loads(data))
+        if Ref.parse(record.digest).digest is None:
+            raise ValueError(f"digest {record.digest[:80]!r}")
+    except schema.SchemaError as exc:
+        raise IntegrityError(what, f"not an expiry record ({exc.text})") from None
+    except ValueError as exc:
         raise IntegrityError(what, f"not an expiry record ({exc})") from None
     except LayerfsError as exc:  # an invalid name, version or digest
         raise IntegrityError(what, exc.message()) from None
-    return Expiry(kind, name, version, digest, expires)
+    return Expiry(kind, name, version, record.digest, record.expires)
 
 
 def read_expiries(refstore: RefStore, kind: str) -> tuple[list[Expiry], list[str]]:
@@ -151,16 +158,25 @@ def remove(refstore: RefStore, texts: list[str],
            force: bool = False) -> list[tuple[RefEntry, bool]]:
     """Remove the refs ``texts`` name; envs first, so that a layer only envs
     removed here name goes too. Each layer an env still names is refused
-    (before anything is removed) unless ``force``. Each target and whether
-    it was removed (False: published again meanwhile, left alone)."""
+    (before anything is removed) unless ``force``; the chain index's entries
+    (``oci/chains/...``) that name a layer removed here are no users: they
+    go first, with it. Each ref removed and whether it was (False: published
+    again meanwhile, left alone)."""
     targets = list(dict.fromkeys(resolve_target(refstore, t) for t in texts))
     targets.sort(key=lambda t: t.kind != ENVS)
     gone_envs = frozenset(f"{t.name}@{t.version}" for t in targets if t.kind == ENVS)
-    if not force:
-        for target in targets:
-            if target.kind == LAYERS and (users := envs_naming(refstore, target.digest, gone_envs)):
-                raise LayerInUse(f"{target.name}@{target.version}", ", ".join(users))
-    return [(t, remove_ref(refstore, t.kind, t.name, t.version, t.digest)) for t in targets]
+    index: list[RefEntry] = []  # the chain index's entries naming a layer removed here
+    for target in targets:
+        if target.kind != LAYERS:
+            continue
+        users = envs_naming(refstore, target.digest, gone_envs)
+        chains = [u for u in users if u.startswith(f"env {CHAIN_ENV_PREFIX}")]
+        if not force and (others := [u for u in users if u not in chains]):
+            raise LayerInUse(f"{target.name}@{target.version}", ", ".join(others))
+        index += [resolve_target(refstore, "env:" + u.removeprefix("env ")) for u in chains]
+    index = [entry for entry in dict.fromkeys(index) if entry not in targets]
+    return [(t, remove_ref(refstore, t.kind, t.name, t.version, t.digest))
+            for t in index + targets]
 
 
 @dataclass

@@ -1,13 +1,26 @@
-"""Sizes: a size given as text (``1M``, ``4KiB``, ``1048576``) and the space a
-directory tree takes on disk."""
+"""Sizes: a size given as text (``1M``, ``4KiB``, ``1048576``) and written as
+text, the space a directory tree takes on disk, and the errors of a write
+that found no room."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from pathlib import Path
 
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a write failed for want of room
+
+
+def mib(n: int) -> str:
+    """``n`` bytes for a message: ``20,480 MiB``."""
+    return f"{n / (1 << 20):,.0f} MiB"
+
+
+def size_arg(n: int) -> str:
+    """``n`` bytes as a size option takes it (``64M``; :func:`parse_size` reads it back)."""
+    return f"{n / (1 << 20):g}M"
 
 
 def parse_size(text: str) -> int:

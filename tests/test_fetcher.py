@@ -26,6 +26,7 @@ from layerfs.chunks import pack_runs
 from layerfs.errors import StoreUnreachable, TransientStoreError
 from layerfs.formats.chunktable import FILE_START, RAW, ChunkEntry, ChunkTable
 from layerfs.node.blobfiles import FILE_AHEAD, BlobFile
+from layerfs.node.chunkstate import ChunkState
 from layerfs.node.failfast import OBJECT_BACKOFF, OBJECT_BACKOFF_MAX, FailFast
 from layerfs.node.fetcher import STORE_COOLDOWN, ChunkFetcher, FetchError
 from layerfs.node.prefetch import Prefetcher
@@ -389,15 +390,17 @@ class StuckCache(ChunkCache):
 
 @pytest.mark.daemon_log(r"the local cache did not answer within 5s")
 def test_a_slow_cache_read_fails_within_the_timeout_and_blames_no_store(tmp_path):
-    """A local cache read that hangs: ``get`` and ``get_range`` each fail
-    within ``--read-timeout`` in all (``get_range`` once waited twice that),
-    and neither the store nor the pack is held to blame."""
+    """A local cache read that hangs: ``get`` and a part's read
+    (``ChunkStates.read_held`` of a part, which once waited twice that) each fail
+    within ``--read-timeout`` in all, and neither the store nor the pack is
+    held to blame."""
     store = HangingStore(set())
     f = ChunkFetcher(store, StuckCache(tmp_path / "cache", 1 << 20), timeout=5.0)
     f.cache.write(ENTRY.sha256.hex(), DATA)
 
     async def main() -> None:
-        for read in (lambda: f.get(ENTRY), lambda: f.get_range(ENTRY, 10, 20)):
+        for read in (lambda: f.get(ENTRY),
+                     lambda: f.states.read_held(ENTRY, trio.current_time() + 5.0, (10, 20))):
             start = trio.current_time()
             with pytest.raises(FetchError, match="cache read timed out"):
                 await read()
@@ -499,6 +502,40 @@ class PackStore:
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         self.calls += 1
         return self.pack[start:end]
+
+
+def test_a_miss_and_a_hit_look_at_the_chunks_state_once(tmp_path):
+    """A read of a chunk no one has looks at its state once (the claim of its
+    fetch is made in that step) and gets it from the store, a small random
+    read too; a hit on the cache file of a chunk looks once as well."""
+    size = 4096
+    chunks = [bytes([i]) * size for i in range(3)]
+    entries = [ChunkEntry(i * size, size, hashlib.sha256(c).digest(), "sha256:" + "0" * 64,
+                          i * size, size, RAW, FILE_START) for i, c in enumerate(chunks)]
+    store = PackStore(b"".join(chunks))
+    f = fetcher(tmp_path, store)
+    f.cache.write(entries[2].sha256.hex(), chunks[2])
+    blob = BlobFile("sha256:" + "4" * 64, ChunkTable(entries, 3 * size, size), f, 16)
+    looks: dict[bytes, int] = {}
+    real_state = f.states.state
+
+    def state(sha: bytes) -> ChunkState:
+        looks[sha] = looks.get(sha, 0) + 1
+        return real_state(sha)
+
+    f.states.state = state  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with trio.open_nursery() as background:
+            f.nursery = background
+            assert await blob.read(0, size) == chunks[0]  # a miss, the whole chunk
+            assert await blob.read(size + 10, 100) == chunks[1][10:110]  # a miss, a part
+            assert await blob.read(2 * size + 10, 100) == chunks[2][10:110]  # a hit, a part
+        f.nursery = None
+
+    run(main)
+    assert [looks.get(e.sha256) for e in entries] == [1, 1, 1]
+    assert store.calls == 2
 
 
 def test_sequential_reads_bring_the_next_cached_chunks_of_the_file_into_memory(tmp_path):
@@ -793,7 +830,7 @@ def test_a_stream_fetches_ahead_a_quarter_of_what_it_has_read(tmp_path):
             f.nursery = None
 
     run(main)
-    present = [i for i, e in enumerate(entries) if not f.absent(e.sha256)]
+    present = [i for i, e in enumerate(entries) if not f.states.absent(e.sha256)]
     assert present == list(range(15))
     assert len(store.calls) <= 13  # 0-3 on demand, then ahead: 4, 5, 6, 7, 8-9, 10, 11, 12, 13-14
     assert any(end - start == 2 * 4096 for _, start, end in store.calls)
@@ -850,7 +887,8 @@ def test_a_miss_at_the_start_of_a_small_file_fetches_the_rest_of_it(tmp_path):
         assert len(store.calls) == 6
 
     run(main)
-    assert [i for i, e in enumerate(entries) if not f.absent(e.sha256)] == [0, 1, 2, 4, 5, 11, 12]
+    present = [i for i, e in enumerate(entries) if not f.states.absent(e.sha256)]
+    assert present == [0, 1, 2, 4, 5, 11, 12]
 
 
 def test_a_file_ends_at_a_short_chunk_a_gap_or_the_next_files_start():
@@ -884,7 +922,7 @@ def test_the_miss_span_and_the_file_fetch_ahead_split_a_file(tmp_path):
                     Prefetcher(f, miss_span=3 * 4096))
     assert read_with_background(f, blob, 0, 100) == pack[:100]
     assert sorted(store.calls) == [(blob_key(a), 0, 3 * 4096), (blob_key(a), 3 * 4096, 4 * 4096)]
-    assert [i for i, e in enumerate(entries) if not f.absent(e.sha256)] == [0, 1, 2, 3]
+    assert [i for i, e in enumerate(entries) if not f.states.absent(e.sha256)] == [0, 1, 2, 3]
 
 
 def test_a_table_without_file_starts_fetches_only_what_is_read(tmp_path):

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from containerdserver import ContainerdServer, running_containerd
 from nodes import NodeDaemon
 from support import mounted_layer, need_root
 from tarcuts import CUT_SHORT, ENDINGS, gnu_long_name_then_end, pax_header_then_end
 from treecmp import diff_trees
 
+from harness.containerdserver import ContainerdServer, running_containerd
 from harness.ociimages import (
     ImageSettings,
     LayerChange,

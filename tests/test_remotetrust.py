@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from nodes import NodeDaemon
 from support import build, need_root
 from test_cli import layerfs, one_line_error
@@ -25,17 +23,13 @@ from layerfs.builder.env import create_env
 from layerfs.errors import (
     BadMetaImage,
     IntegrityError,
-    LayerfsError,
     ObjectNotFound,
     RefMismatch,
 )
 from layerfs.manifest import (
-    DiskManifest,
     EnvLayer,
     EnvManifest,
-    LayerManifest,
     MetaRef,
-    manifest_head,
 )
 from layerfs.node.metacheck import MetaChecker
 from layerfs.node.traces import trace_bytes, trace_key
@@ -176,88 +170,7 @@ def _layer_doc(store: Store, digest: str) -> dict:
     return json.loads(store.get_blob(digest))
 
 
-OTHER_VALUES = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True), st.text(max_size=20),
-    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(),
-                                                         max_size=3),
-    st.sampled_from(["sha256:" + "0" * 64, "sha256:XYZ", "../../etc", "a@1", "", "é"]),
-    st.integers(min_value=1, max_value=3).map(lambda n: json.loads("[" * n + "]" * n)),
-)
-
-
-def _paths(doc: object, prefix: tuple = ()) -> list[tuple]:
-    """Every path to a value in a JSON document."""
-    out = [prefix] if prefix else []
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            out += _paths(v, (*prefix, k))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            out += _paths(v, (*prefix, i))
-    return out
-
-
-def _mutate(doc: dict, data: st.DataObject) -> dict:
-    """One of: replace a value by one of another type, remove it, add a field, nest it."""
-    doc = json.loads(json.dumps(doc))
-    path = data.draw(st.sampled_from(_paths(doc)))
-    parent = doc
-    for key in path[:-1]:
-        parent = parent[key]
-    last = path[-1]
-    how = data.draw(st.sampled_from(["replace", "remove", "add", "nest", "deep"]))
-    if how == "replace":
-        parent[last] = data.draw(OTHER_VALUES)
-    elif how == "remove":
-        del parent[last]
-    elif how == "add" and isinstance(parent, dict):
-        parent[data.draw(st.text(max_size=8))] = data.draw(OTHER_VALUES)
-    elif how == "nest":
-        parent[last] = {"value": parent[last]} if data.draw(st.booleans()) else [parent[last]]
-    else:
-        parent[last] = DEEP
-    return doc
-
-
-DEEP = "__deep__"  # stands for 5000 nested lists, spliced into the JSON text
-
-
-def _dumps(doc: dict) -> bytes:
-    return json.dumps(doc).replace(json.dumps(DEEP), "[" * 5000 + "]" * 5000).encode()
-
-
-@pytest.fixture(scope="module")
-def sample_manifests() -> dict[str, bytes]:
-    """One valid manifest of each kind, made without a store."""
-    meta = MetaRef("sha256:" + "1" * 64, 10, "sha256:" + "2" * 64, 4096)
-    blob = {"digest": "sha256:" + "3" * 64, "size": 64}
-    layer = LayerManifest.from_bytes(json.dumps({
-        "name": "a/b", "version": "1", "role": "base", "chunk_size": 65536,
-        "meta": meta.__dict__, "chunk_table": blob, "blob_size": 65536, "created": "now",
-        "dedup_sources": ["a/b@0"], "kind": "erofs", "schema": 1}).encode())
-    disk = DiskManifest("d", "2", 65536, layer.chunk_table, 8192, 4096, "u", "sha256:" + "4" * 64,
-                        "d@1", 4096, 256, "now")
-    env = EnvManifest("e", "3", [EnvLayer("a/b@1", "sha256:" + "5" * 64)], "now")
-    return {"layer": layer.to_bytes(), "disk": disk.to_bytes(), "env": env.to_bytes()}
-
-
-PARSERS = {"layer": LayerManifest.from_bytes, "disk": DiskManifest.from_bytes,
-           "env": EnvManifest.from_bytes}
-
-
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(kind=st.sampled_from(sorted(PARSERS)), data=st.data())
-def test_mutated_manifests_are_a_layerfs_error_or_valid(sample_manifests, kind, data):
-    raw = _dumps(_mutate(json.loads(sample_manifests[kind]), data))
-    for parse in (PARSERS[kind], manifest_head, *PARSERS.values()):
-        try:
-            parse(raw)
-        except LayerfsError as exc:
-            assert isinstance(exc, IntegrityError) and "\n" not in str(exc)
-
-
-def test_mutated_manifests_through_the_cli_are_one_line(tmp_path, sample_manifests):
+def test_mutated_manifests_through_the_cli_are_one_line(tmp_path):
     store_args = ["--store", "file://" + str(tmp_path / "store")]
     layerfs("build", small_tree(tmp_path / "src", "m"), "--name", "m", "--version", "1",
             *store_args)
@@ -274,7 +187,7 @@ def test_mutated_manifests_through_the_cli_are_one_line(tmp_path, sample_manifes
     for i, change in enumerate(mutants):
         version = str(i + 2)
         doc = {**good, "version": version, **change}
-        publish_manifest(store, LAYERS, f"m@{version}", _dumps(doc))
+        publish_manifest(store, LAYERS, f"m@{version}", json.dumps(doc).encode())
         for args in (["inspect", f"m@{version}"], ["verify", f"m@{version}"], ["ls"]):
             proc = layerfs(*args, *store_args, check=False)
             one_line_error(proc, code=6)

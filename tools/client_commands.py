@@ -13,7 +13,7 @@ from layerfs.errors import UsageError
 from layerfs.node.client import Client
 from layerfs.node.protocol import utc_time
 
-from .common import Output, human_bytes, iso_time, warn
+from .common import Output, human_bytes, warn
 
 TYPE_CHECKING = False  # (typing is not imported at run time)
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 def sandbox_json(record: SandboxRecord) -> dict[str, Any]:
     """A sandbox record as the JSON output shows it: ``created`` in ISO 8601 UTC."""
     doc = record.to_json()
-    doc["created"] = iso_time(record.created)
+    doc["created"] = utc_time(record.created, micros=True)
     return doc
 
 

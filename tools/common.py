@@ -91,16 +91,6 @@ class Output:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # click does
 
 
-def iso_time(epoch: float) -> str:
-    """An epoch time as the JSON output writes every time: ISO 8601 UTC,
-    ``2026-12-02T03:04:05.123456Z``."""
-    import time
-
-    seconds = int(epoch // 1)
-    micros = min(999_999, round((epoch - seconds) * 1e6))
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{micros:06d}Z"
-
-
 def json_requested(args: Sequence[str]) -> bool:
     """Whether ``--json`` is among the arguments (before a ``--``, after which
     they are a command's): then an error is also a JSON document."""

@@ -45,12 +45,19 @@ def create(out: Output, refstore: RefStore, ref: str, layers: tuple[str, ...],
 
 @env.command("ls")
 @click.argument("name", required=False)
+@click.option("--all", "all_", is_flag=True,
+              help="Also the chain index's envs (oci/chains/..., one per imported image layer).")
 @store_options
-def ls(out: Output, refstore: RefStore, name: str | None) -> None:
+def ls(out: Output, refstore: RefStore, name: str | None, all_: bool) -> None:
     """List envs (all, or the versions of NAME); one that cannot be read is
-    named on an error line and skipped (exit 6 after the list)."""
+    named on an error line and skipped (exit 6 after the list). The chain
+    index's envs are listed with --all, or by NAME."""
+    from layerfs.builder.oci.chains import CHAIN_PREFIX
+
     rows = []
-    envs, unreadable = refstore.read_refs(ENVS, name, refstore.env)
+    envs, unreadable = refstore.read_refs(
+        ENVS, name, refstore.env,
+        keep=None if all_ or name else lambda n: not n.startswith(CHAIN_PREFIX))
     report_unreadable(unreadable)
     for entry, m in envs:
         rows.append({"ref": str(entry), "digest": entry.digest, "created": m.created,

@@ -100,7 +100,8 @@ def _doc(r: ImportResult) -> dict:
                       "config_digest": r.image.config_digest},
             "layers": [{"ref": x.ref, "digest": x.digest, "diff_ids": x.diff_ids,
                         "built": x.built, "uploaded_bytes": x.uploaded_bytes}
-                       for x in r.layers]}
+                       for x in r.layers],
+            "chains": r.chains}
 
 
 def _text(r: ImportResult) -> str:

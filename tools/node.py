@@ -79,6 +79,13 @@ def json_option(fn):
                    "for DURATION (90s, 12h, 7d); by default layers stay until evicted.")
 @click.option("--metrics", metavar="HOST:PORT",
               help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: off).")
+@click.option("--containerd-snapshotter", metavar="PATH",
+              help="Serve containerd's snapshots API on the unix socket PATH (a proxy "
+                   "snapshotter: docs/containerd.md); images layerfs imported start lazily.")
+@click.option("--containerd-prefetch", type=click.Choice(["auto", "none"]), default="auto",
+              show_default=True,
+              help="auto: a lazy containerd snapshot replays its layers' pushed traces (as "
+                   "`up --prefetch auto`); none: it is read on demand only.")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
               show_default=True, help="json: one JSON object per log line.")
 @click.option("--log-level", default="info", show_default=True,
@@ -87,7 +94,8 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
            reserve: str, cache_form: str, read_timeout: float, readahead: str, layer_readahead: str,
            miss_span: str, store_fetches: int, fuse_group: str | None, takeover: bool,
            live_restart: bool, restart_grace: float, forget_after: str | None,
-           metrics: str | None, log_format: str, log_level: str) -> None:
+           metrics: str | None, containerd_snapshotter: str | None, containerd_prefetch: str,
+           log_format: str, log_level: str) -> None:
     """Run the node daemon in the foreground (logs to stderr)."""
     import logging
 
@@ -118,7 +126,9 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
                        restart_grace=restart_grace,
                        forget_after=parse_duration(forget_after) if forget_after else None,
                        metrics=parse_address(metrics) if metrics else None,
-                       reserve=None if reserve == "auto" else parse_size(reserve))
+                       reserve=None if reserve == "auto" else parse_size(reserve),
+                       containerd_snapshotter=containerd_snapshotter,
+                       containerd_prefetch=containerd_prefetch)
     Daemon(cfg).run()
 
 

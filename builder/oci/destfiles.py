@@ -26,9 +26,9 @@ from collections.abc import Callable
 from typing import BinaryIO
 
 from layerfs.errors import DestinationExists
+from layerfs.safeopen import DIR_FLAGS
 
 TEMP_MARK = ".tmp-"
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 PROBE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 

@@ -10,7 +10,10 @@ by a :class:`~layerfs.builder.oci.tarsplit.TarSplitRecorder` on the way, and the
 record (what of the tar is not file content) is stored with the layer, for the
 export to write that tar again. With ``fold`` consecutive layers become one
 ``oci/folded/<hash of their diff_ids>@1`` (without a record).
-The env ``N@V`` (layers top first, the image config) is written last: a
+Each chain of the image that ends on a layerfs layer is recorded as the env
+``oci/chains/<chain ID hex>@1`` (:mod:`.chains`: what the containerd
+snapshotter looks chains up in). The env ``N@V`` (layers top first, the
+image config) is written last: a
 digest mismatch anywhere leaves it unwritten (layers already built from
 earlier, verified layers stay; they are complete and correct).
 """
@@ -26,7 +29,7 @@ from typing import BinaryIO
 import zstandard
 
 from layerfs.errors import IntegrityError, UsageError, VersionExists
-from layerfs.manifest import TarSplitRef
+from layerfs.manifest import EnvLayer, TarSplitRef
 from layerfs.names import check_name, check_version
 from layerfs.refstore import ENVS, LAYERS, RefStore
 from layerfs.tree import FileTree
@@ -36,6 +39,7 @@ from ..env import EnvResult, check_layer_count, create_env
 from ..layer import BuildOptions, Progress, build_layer
 from ..pipeline import DEFAULT_CHUNK_SIZE, DedupIndex
 from ..tarsource import TarSource, drain
+from .chains import record_chains
 from .fold import FoldingAssembler, fold_source
 from .image import DigestCheckedReader, Image, ImageLayer, ImageSource, Platform
 from .resolve import image_config, resolve_image
@@ -85,6 +89,7 @@ class ImportResult:
     env: EnvResult
     image: Image
     layers: list[ImportedLayer] = field(default_factory=list)  # top first, as in the env
+    chains: list[str] = field(default_factory=list)  # the chain IDs recorded, bottom first
 
 
 def layer_name(group: list[ImageLayer]) -> tuple[str, str]:
@@ -209,9 +214,23 @@ def import_image(refstore: RefStore, source: ImageSource, opts: ImportOptions,
         done.append(_import_group(refstore, source, group, i == 0, opts, progress, below))
     if progress.on_layer:
         progress.on_layer(len(groups), len(groups))
+    chains = record_chains(refstore, [(x.diff_ids, EnvLayer(x.ref, x.digest))
+                                      for x in indexable(done)])
     done.reverse()
     env = create_env(refstore, opts.name, opts.version, [x.ref for x in done], config=config)
-    return ImportResult(env, image, done)
+    return ImportResult(env, image, done, chains)
+
+
+def indexable(layers: list[ImportedLayer]) -> list[ImportedLayer]:
+    """The layers (bottom first) whose chains the chain index can hold: up to
+    the first one whose manifest cannot list its diff_ids (a fold of more
+    layers than its ``source`` keeps)."""
+    out = []
+    for layer in layers:
+        if fold_source(layer.diff_ids, "") != "oci:" + ",".join(layer.diff_ids):
+            break
+        out.append(layer)
+    return out
 
 
 def _import_group(refstore: RefStore, source: ImageSource, group: list[ImageLayer],

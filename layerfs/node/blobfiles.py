@@ -1,8 +1,9 @@
 """Lazy blob files: a layer's logical data blob, read through its chunk table.
 
 Plain classes the FUSE adapter calls; tests can use them without a mount. A
-read maps its byte range to chunks, gets each from the fetcher (in parallel)
-and answers with views of the overlapping slices, zeros for holes and
+read maps its byte range to chunks, gets each (in parallel) from what the node
+holds (``ChunkStates.read_held``: memory, a flight, the cache) or, on a miss,
+from the fetcher, and answers with views of the overlapping slices, zeros for holes and
 padding: a read inside one chunk copies nothing, any other read copies its
 bytes once.
 A blob file composes the two halves of the read path: the prefetch policy
@@ -26,8 +27,9 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ..cache.chunkfile import Chunk
 from ..formats.chunktable import FILE_START, ChunkEntry, ChunkTable
-from .chunkstate import ChunkState
+from .chunkstate import Claim
 from .fetcher import Buffer, ChunkFetcher
 from .prefetch import Prefetcher
 
@@ -144,7 +146,6 @@ class BlobFile:
             plan = policy.plan(reads, streamed, self.table.chunk_size)
             last = pieces[-1][0]
             policy.read_ahead(entries[last + 1:last + 1 + plan.depth], plan)
-        self._fetch_rest_of_files(pieces)
         states = self.fetcher.states
         datas: list[Buffer] = [b""] * len(pieces)
 
@@ -154,15 +155,12 @@ class BlobFile:
             i, lo, hi = pieces[k]
             entry = entries[i]
             lo, hi = lo - entry.blob_offset, hi - entry.blob_offset
-            if not streaming and (hi - lo) * PART_READ_FRACTION <= entry.length:
-                part = await states.read_part(entry, lo, hi, deadline)
-                if part is not None:
-                    datas[k] = part
-                    return
-            data = await states.read_held(entry, deadline)  # a hit: memory or the cache
-            if data is None:  # the store's
-                data = await self.fetcher.get(entry, self._along(i), deadline)
-            datas[k] = memoryview(data)[lo:hi]
+            small = not streaming and (hi - lo) * PART_READ_FRACTION <= entry.length
+            part = (lo, hi) if small else None  # (then only its blocks of a cache file)
+            got = await states.read_held(entry, deadline, part)  # memory, a flight, the cache
+            if isinstance(got, Claim):  # a miss (its state looked at once): the store's
+                got, part = await self._miss(i, lo == 0, got, deadline), None
+            datas[k] = got if part is not None else memoryview(got)[lo:hi]
 
         if len(pieces) == 1:
             await get(0)
@@ -172,17 +170,26 @@ class BlobFile:
                     nursery.start_soon(get, k)
         return laid_out(pieces, datas, off, end)
 
+    async def _miss(self, i: int, from_start: bool, claim: Claim, deadline: float) -> Chunk:
+        """A miss of entry ``i`` (read from its first byte if ``from_start``),
+        whose ``claim`` ``read_held`` made: the policy's miss span and the rest
+        of its file, then the fetch core's store read."""
+        try:
+            along = self._along(i)
+            if from_start and self.table.entries[i].flags & FILE_START:
+                self._fetch_rest_of_file(i, along)
+        except BaseException:
+            self.fetcher.states.release(claim)  # (no flight left led by no one)
+            raise
+        return await self.fetcher.fetch(claim, along, deadline)
+
     def _along(self, i: int) -> list[ChunkEntry]:
         """The chunks the policy's miss span brings along with a miss on entry
-        ``i`` (none unless that chunk is small and no one has or fetches it)."""
+        ``i`` (none unless that chunk is small)."""
         policy, entries = self.prefetcher, self.table.entries
-        if not policy.miss_span or not policy.takes_neighbours(entries[i]):
+        if not policy.takes_neighbours(entries[i]):
             return []
         return policy.miss_run(entries[i], entries[i + 1:i + 1 + MISS_NEIGHBOURS])[1:]
-
-    def _absent(self, entry: ChunkEntry) -> bool:
-        """No one has or fetches the chunk (no I/O)."""
-        return self.fetcher.states.state(entry.sha256) is ChunkState.ABSENT
 
     def _stream(self, off: int, end: int) -> tuple[int, int]:
         """How many reads in a row, this one included, ended where the next one
@@ -215,28 +222,20 @@ class BlobFile:
             rest.append(j)
         return rest
 
-    def _fetch_rest_of_files(self, pieces: list[tuple[int, int, int]]) -> None:
-        """For each read piece that starts a file's first chunk, when no one has
-        or fetches that chunk and the file has 2 to ``FILE_AHEAD`` chunks: the
-        file's other absent chunks, fetched in the background, but for those
-        the miss span brings along with the chunk. A program that reads a
-        file from its start (a loader opening a library, a small file read
-        whole) reads the rest of it next: one round trip, not one per chunk. A
-        read that starts inside a file may want only that part."""
-        entries, ahead = self.table.entries, []
-        for i, lo, _ in pieces:
-            entry = entries[i]
-            if not entry.flags & FILE_START or lo != entry.blob_offset or not self._absent(entry):
-                continue
-            policy = self.prefetcher
-            rest = [entries[j] for j in self.rest_of_file(i)]
-            if rest and policy.takes_neighbours(entry):
-                along = {e.sha256 for e in policy.miss_run(
-                    entry, entries[i + 1:i + 1 + MISS_NEIGHBOURS])}
-                rest = [e for e in rest if e.sha256 not in along]
-            ahead += [e for e in rest if self._absent(e)]
-        if ahead:
-            self.prefetcher.fetch_ahead(ahead)
+    def _fetch_rest_of_file(self, i: int, along: list[ChunkEntry]) -> None:
+        """On a miss of a file's first chunk (entry ``i``, read from its
+        start) of a file of 2 to ``FILE_AHEAD`` chunks: the file's other
+        absent chunks, fetched in the background, but for those the miss
+        span brings ``along`` with the chunk. A program that reads a file
+        from its start (a loader opening a library, a small file read whole)
+        reads the rest of it next: one round trip, not one per chunk. A read
+        that starts inside a file may want only that part."""
+        entries, states = self.table.entries, self.fetcher.states
+        brought = {e.sha256 for e in along}
+        rest = [e for j in self.rest_of_file(i)
+                if (e := entries[j]).sha256 not in brought and states.absent(e.sha256)]
+        if rest:
+            self.prefetcher.fetch_ahead(rest)
 
     def _record(self, indexes: list[int]) -> None:
         for i in indexes:

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from ..errors import LayerfsError
 from ..imageconfig import ImageConfig
 from ..records import Record, field, fields
+from ..safeopen import DIR_FLAGS
 from .imageuser import ImageUser, resolve_user
 
 TYPE_CHECKING = False  # typing is not imported at run time: a client starts faster
@@ -306,9 +307,6 @@ class MountPoint(Record):
 
     path: str
     file: bool = False
-
-
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def rootfs_mount_points(mounts: Sequence[Mapping[str, Any]]) -> list[MountPoint]:

@@ -8,9 +8,9 @@ the flights of the chunks no one has or fetches and names the flights of the
 chunks others fetch, so two fetches of one chunk can never start (the state
 diagram and the rule for each ``await``: docs/node.md). Trio-thread only.
 
-It also serves what the node holds: a reader's chunk from memory or its
-cache file (``read_held``, ``read_part``; one read of a file however many
-readers want it), so a cache hit never enters the fetch core
+It also serves what the node holds: a reader's chunk, or the part of it a
+small read wants, from memory or its cache file (``read_held``; one read of a
+file however many readers want it), so a cache hit never enters the fetch core
 (layerfs/node/fetcher.py), which is for the store. The memory LRU is written
 only here (``keep``).
 """
@@ -143,61 +143,80 @@ class ChunkStates:
             return ChunkState.CACHED
         return ChunkState.ABSENT
 
-    async def read_held(self, entry: ChunkEntry, deadline: float) -> Chunk | None:
+    def absent(self, sha: bytes) -> bool:
+        """No one has or fetches the chunk (no I/O)."""
+        return self.state(sha) is ChunkState.ABSENT
+
+    async def read_held(self, entry: ChunkEntry, deadline: float,
+                        part: tuple[int, int] | None = None) -> Chunk | memoryview | Claim:
         """A reader's chunk from memory, from the flight that fetches it, or
         from its cache file (read once however many readers want it; then
-        kept in memory); None if the node does not have it (or its file was
-        dropped as damaged): the store's then (``ChunkFetcher.get``). Raises
-        the flight's FetchError, or FetchError if the cache does not answer
-        by ``deadline`` (a ``trio.current_time()``)."""
-        sha = entry.sha256
+        kept in memory); with ``part`` (``lo, hi``), only those bytes of it,
+        and of a chunk only in the cache only the cache file's blocks that
+        hold them are read (the chunk is not kept in memory; a zstd-form file
+        is read whole, then kept). If the node does not have it (or its file
+        was dropped as damaged): the claim of its fetch, made in the same step
+        as the one look at its state, which the caller leads from the store
+        (``ChunkFetcher.fetch``). Raises the flight's FetchError, or
+        FetchError if the cache does not answer by ``deadline`` (a
+        ``trio.current_time()``)."""
+        sha, ranged = entry.sha256, part is not None
         while True:
             data = self.held(sha)
-            if data is not None:
-                return data
-            state = self.state(sha)
-            if state is ChunkState.IN_FLIGHT:
-                flight = self._flights[sha]
-                await flight.done.wait()
-                if flight.error is not None:
-                    raise flight.error
-                if flight.data is not None:
-                    return flight.data
-                continue  # abandoned by its owner: look again
-            if state is not ChunkState.CACHED:
-                return None
-            claim = self.claim([entry], cached=True)
-            try:
-                data = await self._read_file(entry, deadline)
-                claim.flights[0].data = data
-            except FetchError as exc:
-                claim.flights[0].error = exc  # its waiters' too
-                raise
-            finally:
-                self.release(claim)  # no bytes: abandoned, a waiter looks again
-            if data is not None:
-                self.keep(sha, data)
-            return data
+            if data is None:
+                state = self.state(sha)  # (the look: once, unless something changed meanwhile)
+                if state is ChunkState.IN_FLIGHT:
+                    flight = self._flights[sha]
+                    await flight.done.wait()
+                    if flight.error is not None:
+                        raise flight.error
+                    if flight.data is None:
+                        continue  # abandoned by its owner: look again
+                    data = flight.data
+                elif state is ChunkState.ABSENT:
+                    return self._lead(entry)  # a miss: the store's
+                elif part is not None and ranged and not self.cache.reads_whole(sha.hex()):
+                    got = await self._read_range(entry, *part, deadline)
+                    if got is not None:
+                        return got
+                    ranged = False  # the file cannot serve the part: read it whole
+                    continue
+                else:
+                    claim = self._lead(entry)
+                    try:
+                        data = await self._read_file(entry, deadline)
+                    except BaseException as exc:
+                        if isinstance(exc, FetchError):
+                            claim.flights[0].error = exc  # its waiters' too
+                        self.release(claim)  # (cancelled: abandoned, a waiter looks again)
+                        raise
+                    if data is None:  # the file gone or damaged: the store's, still led
+                        return claim
+                    claim.flights[0].data = data
+                    self.release(claim)
+                    self.keep(sha, data)
+            return data if part is None else memoryview(data)[part[0]:part[1]]
 
-    async def read_part(self, entry: ChunkEntry, lo: int, hi: int,
-                        deadline: float) -> Chunk | memoryview | None:
-        """Bytes ``[lo, hi)`` of a chunk that is only in the cache, reading just
-        the cache file's blocks that hold them (the chunk is not kept in
-        memory); a zstd-form file is read whole (then kept). None if the chunk
-        is not only in the cache, or its file cannot serve the part: the
-        caller reads the whole chunk. FetchError if the cache does not answer
-        by ``deadline``."""
+    def _lead(self, entry: ChunkEntry) -> Claim:
+        """A claim that leads ``entry``'s new flight (its state seen: not in one)."""
+        flight = self._flights[entry.sha256] = Flight()
+        return Claim([entry], [flight], [])
+
+    async def _read_range(self, entry: ChunkEntry, lo: int, hi: int,
+                          deadline: float) -> Chunk | memoryview | None:
+        """Bytes ``[lo, hi)`` of a chunk only in the cache, from just the cache
+        file's blocks that hold them; None if its file cannot serve the part
+        (dropped meanwhile). FetchError if the cache does not answer by
+        ``deadline``."""
         sha = entry.sha256
-        if self.state(sha) is not ChunkState.CACHED or self.cache.reads_whole(sha.hex()):
-            return None
         with trio.move_on_at(deadline):
-            part = await trio.to_thread.run_sync(self.cache.read_range, sha.hex(), lo, hi,
-                                                 limiter=self.io_limit, abandon_on_cancel=True)
-            if part is not None and len(part) == hi - lo:
-                return part
-            if part is not None and len(part) == entry.length:  # a file read whole
-                self.keep(sha, part)
-                return memoryview(part)[lo:hi]
+            got = await trio.to_thread.run_sync(self.cache.read_range, sha.hex(), lo, hi,
+                                                limiter=self.io_limit, abandon_on_cancel=True)
+            if got is not None and len(got) == hi - lo:
+                return got
+            if got is not None and len(got) == entry.length:  # a file read whole
+                self.keep(sha, got)
+                return memoryview(got)[lo:hi]
             return None
         raise self.cache_timeout(f"chunk {sha.hex()[:16]}")
 
@@ -216,11 +235,12 @@ class ChunkStates:
         log.error("%s: the local cache did not answer within %.0fs", where, self.timeout)
         return FetchError(where, f"cache read timed out after {self.timeout:.0f}s")
 
-    def claim(self, entries: Iterable[ChunkEntry], *, cached: bool) -> Claim:
-        """Lead every chunk of ``entries`` that is absent (and, with
-        ``cached``, every one only in the cache); wait for those in flight;
-        skip the rest. Synchronous: the state seen is the state claimed. The
-        caller must end its flights with ``release`` (in a ``finally``)."""
+    def claim(self, entries: Iterable[ChunkEntry]) -> Claim:
+        """Lead every chunk of ``entries`` that is absent; wait for those in
+        flight; skip the rest (a reader's chunk in the cache is
+        ``read_held``'s, which claims it itself). Synchronous: the state seen
+        is the state claimed. The caller must end its flights with
+        ``release`` (in a ``finally``)."""
         lead: list[ChunkEntry] = []
         flights: list[Flight] = []
         wait: list[tuple[ChunkEntry, Flight]] = []
@@ -233,7 +253,7 @@ class ChunkStates:
             state = self.state(sha)
             if state is ChunkState.IN_FLIGHT:
                 wait.append((entry, self._flights[sha]))
-            elif state is ChunkState.ABSENT or (cached and state is ChunkState.CACHED):
+            elif state is ChunkState.ABSENT:
                 flight = self._flights[sha] = Flight()
                 lead.append(entry)
                 flights.append(flight)

@@ -78,7 +78,11 @@ class Client:
             fd = bundle.open_bundle_dir(bundle_dir, create=False)
             if fd is not None:
                 os.close(fd)
-        limits = protocol.Limits(memory=memory, cpus=cpus, pids=pids, disk_quota=disk_quota)
+        limits = protocol.Limits(memory=memory, cpus=None if cpus is None else float(cpus),
+                                 pids=pids, disk_quota=disk_quota)
+        from .limits import validate
+
+        validate(limits)  # (as the daemon does: the option's own words, before a round trip)
         request = protocol.Up(id=sandbox_id, env=env, layers=list(layers), prefetch=prefetch,
                               limits=limits)
         record = call(self.root, request, protocol.SandboxAnswer, self.timeout).sandbox
@@ -128,7 +132,7 @@ class Client:
         """Publish a sandbox's changes as layer ``name@version`` (its ref expiring
         ``expire`` seconds after)."""
         request = protocol.Commit(id=sandbox_id, name=name, version=version, role=role,
-                                  expire=expire)
+                                  expire=None if expire is None else float(expire))
         return call(self.root, request, CommitAnswer, self.timeout)
 
     def trace_push(self, ref: str) -> TracePushAnswer:
@@ -181,6 +185,7 @@ class Client:
                                              network=network, user=user,
                                              entrypoint=entrypoint, terminal=terminal,
                                              env=env, cwd=cwd)
+        from ..sizes import NO_SPACE
         from . import rootspace, runner
 
         what = f"a container in sandbox {sandbox_id}"
@@ -189,7 +194,7 @@ class Client:
             return runner.run(container, config, stdin=stdin, capture=capture, timeout=timeout,
                               max_output=runner.MAX_OUTPUT if max_output is None else max_output)
         except OSError as exc:
-            if exc.errno in rootspace.NO_SPACE:
+            if exc.errno in NO_SPACE:
                 raise rootspace.no_room_for(self.root, what) from None
             raise
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import trio
 
+from .. import schema
 from ..errors import LayerfsError
 from .control import socket_path
 from .protocol import Message, Request, parse_request
@@ -81,10 +82,10 @@ class ControlServer:
 
     async def _answer(self, raw: bytes) -> dict[str, Any]:
         try:
-            request = json.loads(raw)
+            request = schema.loads(raw)
             if not isinstance(request, dict):
-                raise ValueError("not an object")
-        except ValueError:
+                raise schema.SchemaError("", "not an object")
+        except schema.SchemaError:
             return {"ok": False, "error": "bad request: not a JSON object", "code": 2,
                     "kind": "BadMessage"}
         try:

@@ -47,6 +47,7 @@ from ..errors import LayerfsError, RefNotFound, UsageError
 from ..formats.erofs import write_meta_image
 from ..mounts import fs_type, mount_erofs, mounts_under, set_readahead, umount
 from ..refstore import LAYERS, RefStore
+from ..sizes import NO_SPACE, mib
 from ..store import open_store
 from ..store.counting import CountingStore
 from ..tree import FileTree
@@ -63,15 +64,16 @@ from .metacheck import MetaChecker
 from .metrics import CountingLog, MetricsAddress, NodeMetrics, NodeReadings
 from .prefetch import Prefetcher
 from .replica import Replica
-from .rootspace import NO_SPACE, RootSpace, fs_usage, mib, no_room_for
+from .rootspace import RootSpace, fs_usage, no_room_for
 from .sandboxes import Sandboxes
+from .snapstore import SnapshotStore
 from .storehealth import PROBE_TIMEOUT, StoreHealth, probe_store
 from .tracereplay import pushed_trace
 from .traces import merge_traces, trace_bytes, trace_key
 from .vms import Vms
 
 log = logging.getLogger(__name__)
-ROOT_ONLY_DIRS = ("cache", "fuse", "layers", "sandboxes", "disks", "replica.lmdb")
+ROOT_ONLY_DIRS = ("cache", "fuse", "layers", "sandboxes", "disks", "snapshots", "replica.lmdb")
 PROBE = ".mount-probe"
 # allow_other: root's own mounts and loop devices are not the daemon's
 # process; default_permissions: the kernel enforces NodeFS's modes
@@ -122,6 +124,8 @@ class DaemonConfig:
     reserve: int | None = None  # bytes of ROOT's file system the cache leaves free (None: 5%)
     forget_after: float | None = None  # forget a layer no sandbox used for this long (seconds)
     metrics: MetricsAddress | None = None  # where /metrics is served (None: not served)
+    containerd_snapshotter: str | None = None  # the socket of containerd's snapshots API
+    containerd_prefetch: str = "auto"  # lazy snapshots replay pushed traces ("none": not)
 
 
 def secure_root(root: Path, fuse_group: int | None, fuse_mounted: bool = False) -> None:
@@ -268,6 +272,15 @@ class Daemon:
         self.sandboxes = Sandboxes(self.root, self.reg, self.replica, self.layers, self.health)
         if self.conn is not None:
             self.layers.kept = kept_mounts(self.root)
+        self.snapshots: SnapshotServer | None = None
+        if cfg.containerd_snapshotter:
+            from .snapshotter import SnapshotServer, Snapshotter  # grpc: only when served
+
+            snapshotter = Snapshotter(self.root, SnapshotStore(self.replica), self.layers,
+                                      self.sandboxes.refs, self.reg, cfg.containerd_prefetch)
+            self.snapshots = SnapshotServer(snapshotter,
+                                            Path(cfg.containerd_snapshotter).absolute())
+            self.snapshots.bind()
         self.handlers = self._handlers()
         # live restarts so far, this one included (a crashed or retired daemon's connection)
         self.restarts = (self.replica.count(RESTARTS) if self.conn is not None
@@ -365,6 +378,8 @@ class Daemon:
         (while a vm is up, nothing)."""
         def in_use() -> list[str]:
             named = [d for r in self.sandboxes.records.values() for d in r.layers]
+            if self.snapshots is not None:  # containerd's lazy snapshots'
+                named += self.snapshots.snapshotter.in_use()
             return named + ["sha256:" + name for name in self.blobs.users]  # (vms', disks')
         return LayerForgetter(self.replica, self.cache, self.layers, in_use, forget_after,
                               paused=lambda: bool(self.vms.records))
@@ -380,6 +395,8 @@ class Daemon:
                 await self._set_readahead()
                 await trio.to_thread.run_sync(self.checker.start)
                 await self.sandboxes.restore()
+                if self.snapshots is not None:
+                    await self.snapshots.snapshotter.restore()
                 await self.layers.drop_unadopted()
                 await self.disks.restore()
                 await self.vms.restore()  # after the disks: a vm's writable disk is one
@@ -387,6 +404,9 @@ class Daemon:
                 if self.cfg.forget_after is not None:
                     nursery.start_soon(self._forgetter(self.cfg.forget_after).run)
                 await nursery.start(ControlServer(self.root, self.handle).serve)
+                if self.snapshots is not None:
+                    await trio.to_thread.run_sync(self.snapshots.start,
+                                                  trio.lowlevel.current_trio_token())
                 self.accepting = True
                 log.info("layerfs daemon ready at %s (store %s)", self.root, self.store.url)
                 self.notifier.ready(self._status())
@@ -398,6 +418,7 @@ class Daemon:
                     log.info("systemd restarts the daemon: the next one takes the FUSE "
                              "connection over")
                     signum = HANDOVER
+                await self._stop_snapshots()
                 if signum == HANDOVER:
                     log.info("handing the FUSE connection over: exiting, nothing unmounted")
                     self.notifier.set_status("handing the FUSE connection over")
@@ -410,6 +431,8 @@ class Daemon:
                     await self.disks.close_all()
                 nursery.cancel_scope.cancel()
         finally:
+            with trio.CancelScope(shield=True):
+                await self._stop_snapshots()
             pyfuse3.close(unmount=self.conn is None)
             if self.conn is not None and self.stopping:
                 self._unmount_fuse()
@@ -419,6 +442,11 @@ class Daemon:
             self.replica.close()
             self.store.close()
             log.info("layerfs daemon stopped")
+
+    async def _stop_snapshots(self) -> None:
+        """containerd's snapshotter stops answering (before anything is unmounted)."""
+        if self.snapshots is not None:
+            await trio.to_thread.run_sync(self.snapshots.stop)
 
     def _unmount_fuse(self) -> None:
         """The mount is ours (see :mod:`.fuseconn`), so libfuse does not

@@ -1,4 +1,4 @@
-"""Getting chunk bytes on the node: memory, then the cache, then the store.
+"""Getting chunk bytes on the node from the store, for the reads that missed.
 
 Runs on the trio loop and never blocks it: cache file I/O, store requests,
 decompression and hashing happen in worker threads bounded by
@@ -19,8 +19,10 @@ unanswered too; ``STORE_COOLDOWN``). A run of chunks that lie one after another 
 fetched with one range read; each chunk of it has its own flight.
 The boundary is one-way: the prefetch policies (layerfs/node/prefetch.py,
 layerfs/node/tracereplay.py) decide what to fetch and hand this core runs
-(``get``'s ``along``, ``get_run``, ``lead`` of a claim); this core knows no
-policy. Memory is written only through ``ChunkStates`` (``keep``).
+(``fetch``'s ``along``, ``get_run``, ``lead`` of a claim); this core knows no
+policy. A read that hits (memory, a flight, the cache) never enters it:
+``ChunkStates.read_held`` serves it, and hands a miss's claim to ``fetch``.
+Memory is written only through ``ChunkStates`` (``keep``).
 Invariants: docs/node.md.
 """
 
@@ -40,7 +42,7 @@ from ..errors import IntegrityError, LayerfsError, StoreError, StoreUnreachable
 from ..formats.chunktable import ChunkEntry
 from ..ratelog import RateLimitedLog
 from ..store.base import Store
-from .chunkstate import ChunkState, ChunkStates, Claim, FetchError, Flight, MemoryChunks
+from .chunkstate import ChunkStates, Claim, FetchError, Flight, MemoryChunks
 from .failfast import STORE_COOLDOWN, FailFast
 
 __all__ = ["STORE_COOLDOWN", "Buffer", "ChunkFetcher", "FetchError", "MemoryChunks"]
@@ -98,53 +100,32 @@ class ChunkFetcher:
 
     async def get(self, entry: ChunkEntry, along: Sequence[ChunkEntry] = (),
                   deadline: float | None = None) -> Chunk:
-        """The verified bytes of one chunk, kept in memory as a reader's; raises
-        FetchError within the timeout (by ``deadline``, a
-        ``trio.current_time()``, if given). ``along``: the chunks right after
-        it in its pack that the caller wants fetched with it if no one has or
-        fetches it (the miss span: ``Prefetcher.miss_run``); they are claimed
-        in the same step as the chunk, and kept in memory only while it has
-        room."""
+        """The verified bytes of one chunk, kept in memory as a reader's: from
+        memory, a flight or the cache (``ChunkStates.read_held``), else from
+        the store (:meth:`fetch`, with ``along``); raises FetchError within
+        the timeout (by ``deadline``, a ``trio.current_time()``, if given)."""
         if deadline is None:
             deadline = trio.current_time() + self.timeout
-        while True:
-            data = self.states.held(entry.sha256)
-            if data is not None:
-                return data
-            absent = self.states.state(entry.sha256) is ChunkState.ABSENT
-            claim = self.states.claim([entry, *along] if absent else [entry], cached=True)
-            along = ()  # a fetch started again after an abandoned one: the chunk alone
-            if claim.lead:  # ours: the entry leads its run
-                result = (await self.lead(claim, keep=False, deadline=deadline))[0]
-                if isinstance(result, FetchError):
-                    raise result
-                self.states.keep(entry.sha256, result)
-                return result
-            flight = claim.wait[0][1]
-            await flight.done.wait()
-            if flight.data is not None:
-                return flight.data
-            if flight.error is not None:
-                raise flight.error
-            # the fetch was abandoned (its owner was cancelled): start another
+        got = await self.states.read_held(entry, deadline)
+        if isinstance(got, Claim):
+            return await self.fetch(got, along, deadline)
+        return got
 
-    async def get_range(self, entry: ChunkEntry, lo: int, hi: int,
-                        along: Sequence[ChunkEntry] = ()) -> Buffer:
-        """Bytes ``[lo, hi)`` of one chunk. From memory or a flight if there;
-        else, if the chunk is cached, only the cache file's blocks that hold
-        them (``ChunkStates.read_part``: the chunk is not kept in memory);
-        else, or if its file must be read whole (zstd form), the whole chunk,
-        as :meth:`get` (which keeps it in memory for the reads that follow).
-        Within the timeout in all."""
-        deadline = trio.current_time() + self.timeout
-        part = await self.states.read_part(entry, lo, hi, deadline)
-        if part is not None:
-            return part
-        return memoryview(await self.get(entry, along, deadline))[lo:hi]
-
-    def absent(self, sha: bytes) -> bool:
-        """No one has or fetches the chunk (no I/O)."""
-        return self.states.state(sha) is ChunkState.ABSENT
+    async def fetch(self, claim: Claim, along: Sequence[ChunkEntry], deadline: float) -> Chunk:
+        """A reader's miss from the store: the chunk ``claim`` leads (from
+        ``ChunkStates.read_held``) and, in one range read with it, those of
+        ``along`` (the chunks right after it in its pack: the miss span,
+        ``Prefetcher.miss_run``) that no one has or fetches, claimed now, kept
+        in memory only while it has room. Ends the claim's flights; by
+        ``deadline``."""
+        if along:
+            more = self.states.claim(along)
+            claim = Claim([*claim.lead, *more.lead], [*claim.flights, *more.flights], [])
+        result = (await self.lead(claim, keep=False, deadline=deadline))[0]
+        if isinstance(result, FetchError):
+            raise result
+        self.states.keep(claim.lead[0].sha256, result)
+        return result
 
     async def writes_done(self) -> None:
         """Wait until every fetched chunk's cache file is written."""
@@ -158,7 +139,7 @@ class ChunkFetcher:
         raises the first FetchError. A ``background`` run's reads are not
         counted as readers' (see :meth:`quiet`). Its chunks are not a reader's:
         memory keeps them only while it has room (``ChunkStates.keep``)."""
-        claim = self.states.claim(run, cached=False)
+        claim = self.states.claim(run)
         await self.lead(claim, keep=False, for_reader=not background, split=True)
         for entry, flight in claim.wait:
             await flight.done.wait()
@@ -170,10 +151,11 @@ class ChunkFetcher:
     async def lead(self, claim: Claim, *, keep: bool, for_reader: bool = True,
                    split: bool = False, deadline: float | None = None) -> list[Chunk | FetchError]:
         """Fetch the chunks the claim leads and end their flights: each chunk's
-        bytes or FetchError (raises FetchError if a read itself failed). One
-        chunk a reader wants is read from the cache or the store; several with
-        one range read (``split``: cut into runs of neighbours first, a lone
-        one read alone; the first failure ends it, its later runs abandoned).
+        bytes or FetchError (raises FetchError if a read itself failed). The
+        chunks were claimed absent, so they come from the store: one a reader
+        wants alone, several with one range read (``split``: cut into runs of
+        neighbours first, a lone one read alone; the first failure ends it,
+        its later runs abandoned).
         Fetched bytes go to the cache, and to memory as a reader's if
         ``keep``, else only while memory has room (a prefetch must not push
         out what readers use: ``ChunkStates.keep``). Each read within the timeout, or by
@@ -204,15 +186,13 @@ class ChunkFetcher:
             deadline = trio.current_time() + self.timeout
         try:
             if len(part) == 1 and for_reader:
-                data, got = await self._load(part[0], deadline)
-                results: list[Chunk | FetchError] = [data]
-                frames = [None if got is None else got.frame]
-                fetched = got is not None
+                got = await self._load(part[0], deadline)
+                results: list[Chunk | FetchError] = [got.data]
+                frames = [got.frame]
             else:
                 loaded = await self._load_run(part, deadline, for_reader)
                 results = [r if isinstance(r, FetchError) else r.data for r in loaded]
                 frames = [None if isinstance(r, FetchError) else r.frame for r in loaded]
-                fetched = True
         except FetchError as exc:
             for flight in flights:
                 flight.error = exc
@@ -224,12 +204,9 @@ class ChunkFetcher:
                 flight.data = result
         for entry, result, frame in zip(part, results, frames, strict=True):
             if not isinstance(result, FetchError):
-                if keep:
-                    self.states.keep(entry.sha256, result)
-                elif fetched:  # a prefetch's: kept while memory has room
-                    self.states.keep(entry.sha256, result, reader=False)
-                if fetched:
-                    await self.states.write_behind(entry.sha256, result, frame, self.nursery)
+                # a reader's (or fetch-ahead's) in memory; a prefetch's while it has room
+                self.states.keep(entry.sha256, result, reader=keep)
+                await self.states.write_behind(entry.sha256, result, frame, self.nursery)
         return results
 
     # -- the store and the cache --------------------------------------------
@@ -379,23 +356,11 @@ class ChunkFetcher:
                                     if isinstance(r, FetchedChunk)))
         return results
 
-    async def _load(self, entry: ChunkEntry,
-                    deadline: float) -> tuple[Chunk, FetchedChunk | None]:
-        """The chunk's bytes, and what the store gave if they came from it."""
-        sha = entry.sha256.hex()
-        where = f"chunk {sha[:16]}"
-        if self.cache.contains(sha):  # an index lookup: a miss costs no thread hop
-            with trio.move_on_at(deadline):
-                data = await trio.to_thread.run_sync(self.cache.read, sha, limiter=self.io_limit,
-                                                     abandon_on_cancel=True)
-                if data is not None and len(data) == entry.length:
-                    return data, None
-            if trio.current_time() >= deadline:
-                raise self.states.cache_timeout(where)
-        else:
-            self.cache.note_miss()
-        got = await self._from_store(where, entry.pack, self._fetch, entry, deadline)
-        return got.data, got
+    async def _load(self, entry: ChunkEntry, deadline: float) -> FetchedChunk:
+        """A chunk no one had (claimed absent: not in the cache), from the store."""
+        self.cache.note_miss()
+        return await self._from_store(f"chunk {entry.sha256.hex()[:16]}", entry.pack,
+                                      self._fetch, entry, deadline)
 
     def _fetch(self, entry: ChunkEntry) -> FetchedChunk:
         """Worker thread: range-read the pack, decompress, verify."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 from ..errors import LimitUnsupported, UsageError
+from ..sizes import size_arg
 from .protocol import Limits
 
 TYPE_CHECKING = False  # (typing is not imported at run time)
@@ -126,15 +127,11 @@ def describe(limits: Limits) -> str:
     """``mem=32M cpus=0.5 pids=20 disk=10M`` (``-`` for none), for ``ps``."""
     parts = []
     if limits.memory is not None:
-        parts.append(f"mem={mib(limits.memory)}")
+        parts.append(f"mem={size_arg(limits.memory)}")
     if limits.cpus is not None:
         parts.append(f"cpus={limits.cpus:g}")
     if limits.pids is not None:
         parts.append(f"pids={limits.pids}")
     if limits.disk_quota is not None:
-        parts.append(f"disk={mib(limits.disk_quota)}")
+        parts.append(f"disk={size_arg(limits.disk_quota)}")
     return " ".join(parts) or "-"
-
-
-def mib(n: int) -> str:
-    return f"{n / (1 << 20):g}M"

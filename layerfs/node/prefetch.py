@@ -1,7 +1,7 @@
 """The prefetch policies: which chunks to fetch before a reader asks, and when.
 
 The boundary is one-way: a policy decides what to fetch and hands the fetch
-core (``ChunkFetcher``: ``get``'s ``along``, ``get_run``, ``lead`` of a
+core (``ChunkFetcher``: ``fetch``'s ``along``, ``get_run``, ``lead`` of a
 ``ChunkStates.claim``) runs; the core, which alone decides whether a chunk is
 fetched, waited for or already there, never calls a policy. Who needs both
 composes them (``BlobFile``, the daemon). The policies:
@@ -14,7 +14,7 @@ composes them (``BlobFile``, the daemon). The policies:
 * a stream's fetch-ahead: the next chunks of a long sequential read, claimed
   when the reader asks for them; and warming its next cached chunks into memory;
 * the miss span (``--miss-span``): a miss on a small chunk brings the chunks
-  after it in its pack along (``miss_run``, handed to ``ChunkFetcher.get``);
+  after it in its pack along (``miss_run``, handed to ``ChunkFetcher.fetch``);
 * a file's fetch-ahead: a miss at the start of a small file of several chunks
   fetches the file's other chunks (``BlobFile`` knows the files, ``fetch_ahead``
   fetches);
@@ -82,7 +82,7 @@ class Prefetcher:
         for n, entry in enumerate(following[:plan.depth]):
             if entry.flags & FILE_START:
                 break
-            if n < plan.ahead and self.fetcher.states.state(entry.sha256) is ChunkState.ABSENT:
+            if n < plan.ahead and self.fetcher.states.absent(entry.sha256):
                 fetch.append(entry)
             else:
                 self.warm(entry)
@@ -90,23 +90,22 @@ class Prefetcher:
             self.fetch_ahead(fetch)
 
     def takes_neighbours(self, entry: ChunkEntry) -> bool:
-        """A miss that ``ChunkFetcher.get`` would fetch with the chunks after it: a
-        chunk smaller than ``miss_span`` that no one has or fetches (no I/O)."""
-        return entry.stored_length < self.miss_span and self.fetcher.absent(entry.sha256)
+        """Whether a miss of ``entry`` is fetched with the chunks after it
+        (``ChunkFetcher.fetch``'s ``along``): a chunk smaller than ``miss_span``."""
+        return entry.stored_length < self.miss_span
 
     def miss_run(self, entry: ChunkEntry, after: Sequence[ChunkEntry]) -> list[ChunkEntry]:
-        """``entry`` and the chunks right after it in its pack, up to the first
-        one someone has or fetches, within ``miss_span`` stored bytes; just
-        ``entry`` if it is larger than the span or cached."""
-        if (entry.stored_length >= self.miss_span
-                or self.fetcher.states.state(entry.sha256) is ChunkState.CACHED):
+        """A miss of ``entry`` and the chunks right after it in its pack, up to
+        the first one someone has or fetches, within ``miss_span`` stored
+        bytes; just ``entry`` if it is larger than the span."""
+        if entry.stored_length >= self.miss_span:
             return [entry]
         run, total, shas = [entry], entry.stored_length, {entry.sha256}
         for nxt in after:
             last = run[-1]
             if (nxt.pack != entry.pack or nxt.pack_offset != last.pack_offset + last.stored_length
                     or total + nxt.stored_length > self.miss_span or nxt.sha256 in shas
-                    or not self.fetcher.absent(nxt.sha256)):
+                    or not self.fetcher.states.absent(nxt.sha256)):
                 break
             run.append(nxt)
             total += nxt.stored_length
@@ -123,8 +122,11 @@ class Prefetcher:
 
     async def _warm_quietly(self, entry: ChunkEntry) -> None:
         """``read_held`` in the background: a failure is logged where it happened."""
+        states = self.fetcher.states
         with contextlib.suppress(FetchError):  # logged; the reader that wants it tries again
-            await self.fetcher.states.read_held(entry, trio.current_time() + self.fetcher.timeout)
+            got = await states.read_held(entry, trio.current_time() + self.fetcher.timeout)
+            if isinstance(got, Claim):  # no longer cached: never the store's here
+                states.release(got)  # (abandoned: a reader that waits claims again)
 
     def fetch_ahead(self, entries: list[ChunkEntry]) -> None:
         """Fetch from the store, in the background, the chunks a reader reads
@@ -137,7 +139,7 @@ class Prefetcher:
         nursery = self.fetcher.nursery
         if nursery is None:
             return
-        claim = self.fetcher.states.claim(entries, cached=False)
+        claim = self.fetcher.states.claim(entries)
         flights = dict(zip((e.sha256 for e in claim.lead), claim.flights, strict=True))
         for run in pack_runs(claim.lead):
             part = Claim(run, [flights[e.sha256] for e in run], [])
@@ -181,7 +183,7 @@ class Prefetcher:
         ``workers`` at a time (all prefetches share ``background_limit``); a
         run starts only while readers' fetches are quiet (``ChunkFetcher.quiet``);
         a worker stops at its first error, which is only logged."""
-        todo = pack_runs((e for e in entries if self.fetcher.absent(e.sha256)),
+        todo = pack_runs((e for e in entries if self.fetcher.states.absent(e.sha256)),
                          span=BACKGROUND_SPAN)
 
         async def worker() -> None:

@@ -5,7 +5,9 @@ answer, with the one typed parse that turns JSON into them.
 
 A request on the wire is ``{"op": OP, field: value, ...}``; a field left out
 takes its default, and a field that is unknown or of the wrong type is
-refused with one :class:`BadMessage`. Answers are the records' JSON
+refused with one :class:`BadMessage`: the rules of :mod:`layerfs.schema`,
+the manifests' too (exact types, no int taken for a float or a bool for an
+int, integers in [0, 2^63), strings and lists bounded). Answers are the records' JSON
 (:meth:`Message.to_json`); the same parse reads them back in the clients,
 which ignore fields they do not know (a newer daemon's answers may carry
 more: a client keeps working across a daemon upgrade).
@@ -16,9 +18,7 @@ have defaults).
 
 from __future__ import annotations
 
-import sys
-import types
-
+from .. import schema
 from ..errors import UsageError
 from ..records import Record, field
 
@@ -62,89 +62,14 @@ def to_json(value: Any) -> Any:
 
 
 def parse_record(cls: type[M], data: object, what: str, extra_fields: bool = False) -> M:
-    """``data`` (a JSON object) as a ``cls``, every field of its declared type;
+    """``data`` (a JSON object) as a ``cls`` by the rules of :mod:`layerfs.schema`;
     a field ``cls`` lacks is refused unless ``extra_fields``."""
     if not isinstance(data, dict):
         raise BadMessage(what, "not a JSON object")
-    hints = field_types(cls)
-    if not extra_fields:
-        unknown = sorted(set(data) - set(hints) - {"op"})
-        if unknown:
-            raise BadMessage(what, f"unknown field {unknown[0]!r}")
-    values = {}
-    for f in cls.__record_fields__:
-        if f.name in data:
-            values[f.name] = conform(data[f.name], hints[f.name], f"{what}: {f.name}",
-                                     extra_fields)
-        elif f.required:
-            raise BadMessage(what, f"{f.name} is missing")
-    return cls(**values)
-
-
-class AnyType:
-    """What ``Any`` in a field's annotation evaluates to: any JSON value."""
-
-    def __repr__(self) -> str:
-        return "Any"
-
-
-ANY = AnyType()
-_FIELD_TYPES: dict[type, dict[str, Any]] = {}
-
-
-def field_types(cls: type[Message]) -> dict[str, Any]:
-    """A message class's field name -> type (``list[str]``, ``int | None``,
-    a message class, :data:`ANY`), its annotations evaluated once."""
-    hints = _FIELD_TYPES.get(cls)
-    if hints is None:
-        annotations: dict[str, str] = {}
-        for klass in reversed(cls.__mro__):
-            annotations.update(klass.__dict__.get("__annotations__", {}))
-        names = {**vars(sys.modules[cls.__module__]), "Any": ANY}
-        hints = _FIELD_TYPES[cls] = {f.name: eval(annotations[f.name], names)
-                                     for f in cls.__record_fields__}
-    return hints
-
-
-def conform(value: object, hint: Any, where: str, extra_fields: bool = False) -> Any:
-    """``value`` if it is of type ``hint`` (JSON's types: str, int, float, bool,
-    None, lists, string-keyed objects, messages), else a :class:`BadMessage`."""
-    if hint is ANY:
-        return value
-    if isinstance(hint, types.UnionType):
-        for option in hint.__args__:
-            try:
-                return conform(value, option, where, extra_fields)
-            except BadMessage:
-                pass
-        raise mismatch(where, hint, value)
-    origin = hint.__origin__ if isinstance(hint, types.GenericAlias) else None
-    if origin is list:
-        (item,) = hint.__args__
-        if not isinstance(value, list):
-            raise mismatch(where, hint, value)
-        return [conform(v, item, f"{where}[{i}]", extra_fields) for i, v in enumerate(value)]
-    if origin is dict:
-        _, item = hint.__args__
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise mismatch(where, hint, value)
-        return {k: conform(v, item, f"{where}.{k}", extra_fields) for k, v in value.items()}
-    if isinstance(hint, type) and issubclass(hint, Message):
-        return parse_record(hint, value, where, extra_fields)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is type(None) and value is None:
-        return None
-    if isinstance(hint, type) and isinstance(value, hint) and (
-            hint is bool or not isinstance(value, bool)):
-        return value
-    raise mismatch(where, hint, value)
-
-
-def mismatch(where: str, hint: Any, value: object) -> BadMessage:
-    what, _, name = where.partition(": ")
-    expected = hint.__name__ if isinstance(hint, type) else str(hint)
-    return BadMessage(what, f"{name} must be {expected}, not {value!r}"[:200])
+    try:
+        return schema.parse(cls, data, extra_fields)
+    except schema.SchemaError as exc:
+        raise BadMessage(what, exc.text) from None
 
 
 # -- requests --
@@ -154,6 +79,14 @@ class Request(Message):
 
     def to_json(self) -> dict[str, Any]:
         return {"op": self.op, **super().to_json()}
+
+    @classmethod
+    def from_json(cls: type[M], data: object, what: str = "", *,
+                  extra_fields: bool = False) -> M:
+        """A request from its wire form (its ``op`` is the class's)."""
+        if isinstance(data, dict) and "op" in data:
+            data = {k: v for k, v in data.items() if k != "op"}
+        return parse_record(cls, data, what or cls.__name__, extra_fields)
 
 
 class Ping(Request):
@@ -266,7 +199,7 @@ def parse_request(data: object) -> Request:
     op = data.get("op")
     cls = REQUESTS.get(op) if isinstance(op, str) else None
     if cls is None:
-        raise UsageError(f"unknown request {op!r}")
+        raise UsageError(f"unknown request {schema.shown(op)}")
     return cls.from_json(data, cls.op)
 
 
@@ -278,11 +211,17 @@ class PingAnswer(Message):
     pid: int
 
 
-def utc_time(seconds: float) -> str:
-    """``2026-01-01T12:00:00Z`` (ISO 8601, UTC) of a time in seconds since the epoch."""
+def utc_time(seconds: float, micros: bool = False) -> str:
+    """``2026-01-01T12:00:00Z`` (ISO 8601, UTC) of a time in seconds since the
+    epoch; with ``micros``, ``2026-12-02T03:04:05.123456Z`` (as the JSON output
+    writes a sandbox's ``created``)."""
     import time
 
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+    whole = int(seconds // 1)
+    text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
+    if micros:
+        text += f".{min(999_999, round((seconds - whole) * 1e6)):06d}"
+    return text + "Z"
 
 
 class OfflineRef(Message):

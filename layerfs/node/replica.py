@@ -17,7 +17,8 @@ even if the name is replaced meanwhile. A mismatch is logged, the image
 fetched again from the store and checked again.
 
 Sandbox records and microVM drive sets (``vms``) are node state: a
-restarted daemon brings them back from here.
+restarted daemon brings them back from here. It holds containerd's snapshots
+too (:mod:`.snapstore`).
 
 It also keeps what lets the node serve while the store is away: the
 manifests it used (env manifests included), by digest, handed out only if
@@ -44,6 +45,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import lmdb
 
@@ -56,11 +58,12 @@ from ..store.base import sha256_digest
 
 log = logging.getLogger(__name__)
 DBS = (b"layers", b"chunktables", b"sandboxes", b"traces", b"manifests", b"resolutions",
-       b"counters", b"vms")
+       b"counters", b"snapshots", b"vms")
 MAX_DBS = 16  # room for more named databases: an existing replica opens with more
 RESOLUTION_REFRESH = 60.0  # seconds after which a resolution the store confirms is written again
 TMP_MARK = ".tmp"  # meta/<hex>.tmp<pid>-<thread>: a meta image being written
 HASH_READ = 256 << 10
+T = TypeVar("T")
 TableCallback = Callable[[ChunkTable], None]  # called with a layer's verified chunk table
 
 
@@ -132,6 +135,16 @@ class Replica:
                 raise
         with self.env.begin(write=True) as txn:
             change(txn)
+
+    def transact(self, change: Callable[[lmdb.Transaction], T]) -> T:
+        """``change``'s result, run in one write transaction, committed (as
+        :meth:`_write`: tried once more after ``make_room`` on a full disk)."""
+        out: list[T] = []
+
+        def run(txn: lmdb.Transaction) -> None:
+            out[:] = [change(txn)]
+        self._write(run)
+        return out[0]
 
     def _remove_temporaries(self) -> None:
         """Meta images a killed daemon was writing (the daemon owns ROOT)."""

@@ -22,7 +22,6 @@ Blocking calls: run them in worker threads.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import NodeFull
+from ..sizes import mib
 
 log = logging.getLogger(__name__)
 RESERVE_FILE = "reserve"
@@ -37,11 +37,6 @@ RESERVE_SHARE = 0.05  # of the file system, the default reserve
 RESERVE_MIN, RESERVE_MAX = 16 << 20, 1 << 30
 HELD_MIN, HELD_MAX = 4 << 20, 64 << 20
 NEEDED = 4 << 20  # free bytes an up or a run needs besides the held space
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a write failed for want of room
-
-
-def mib(n: int) -> str:
-    return f"{n / (1 << 20):,.0f} MiB"
 
 
 @dataclass(frozen=True)

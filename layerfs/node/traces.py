@@ -7,14 +7,17 @@ nodes' ``up`` finds it. Traces of several runs merge: the union, ordered by
 how early each chunk was first touched in any run (its smallest position;
 ties go to the older trace), cut to ``MAX_TRACE`` chunks. A trace read from
 the store is data from anyone: one that is not a JSON list of chunk indexes
-is ignored.
+(:mod:`layerfs.schema`'s rules: at most ``MAX_TRACE`` of them) is ignored.
 """
 
 from __future__ import annotations
 
 import json
 
+from .. import schema
+
 MAX_TRACE = 1 << 16  # chunks kept in a trace: 64 Ki indexes, ~0.5 MB of JSON
+TRACE = list[int]  # its type (layerfs.schema: at most MAX_ITEMS = MAX_TRACE indexes)
 
 
 def trace_key(digest: str) -> str:
@@ -35,12 +38,10 @@ def merge_traces(*traces: list[int]) -> list[int]:
 
 def parse_trace(data: bytes) -> list[int] | None:
     """A stored trace's chunk indexes (first touch of each kept), or None if
-    the bytes are not a JSON list of non-negative integers."""
+    the bytes are not a JSON list of at most ``MAX_TRACE`` non-negative integers."""
     try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(doc, list) or not all(type(i) is int and i >= 0 for i in doc):
+        doc = schema.value(TRACE, schema.loads(data), "trace")
+    except schema.SchemaError:
         return None
     return merge_traces(doc)
 
