@@ -150,6 +150,7 @@ def test_vm_up_hands_out_roles_and_qemu_arguments_and_survives_restarts(node, st
     assert roles == [("layer0-meta", "meta", True), ("layer0-blob", "device", True),
                      ("rw", "disk", False)]
     assert doc["state"] == "up" and doc["disk"] == "v1-rw"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", doc["created"])
     assert doc["qemu"] == qemu_drive_args(VmRecord.from_json(
         {k: v for k, v in doc.items() if k not in ("qemu", "created")}).drives)
     assert doc["qemu"][:4] == [

@@ -10,7 +10,7 @@ from layerfs.node import protocol
 from layerfs.node.control import call
 from layerfs.refstore import RefStore
 
-from .common import Output, human_bytes, iso_time, parse_size, write_store_options
+from .common import Output, human_bytes, parse_size, write_store_options
 from .node import json_option, root_option
 
 
@@ -167,7 +167,7 @@ def vm_doc(record: protocol.VmRecord) -> dict:
     from layerfs.node.vmm import qemu_drive_args
 
     doc = record.to_json()
-    doc["created"] = iso_time(record.created)
+    doc["created"] = protocol.utc_time(record.created, micros=True)
     doc["qemu"] = qemu_drive_args(record.drives)
     return doc
 
