@@ -23,7 +23,9 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -449,3 +451,28 @@ def test_a_socket_another_daemon_serves_is_left_to_it(ctrd, tmp_path):
     assert "another process serves it" in refused_socket(tmp_path, ctrd.socket)
     assert ctrd.socket.is_socket()
     backend_snapshots(ctrd)  # and it still answers
+
+
+def test_a_local_user_cannot_reach_the_snapshotter(ctrd, local_user):
+    """The socket is root's alone (0600): a user who can reach its directory
+    is refused at connect (a hard link in an open directory: the same inode,
+    its mode the only bar), while root's connect through that link works."""
+    st = os.stat(ctrd.socket)
+    assert (st.st_uid, st.st_mode & 0o777) == (0, 0o600)
+    place = Path(tempfile.mkdtemp(prefix="lfs-sock-"))
+    try:
+        place.chmod(0o755)
+        link = place / "s.sock"
+        os.link(ctrd.socket, link)
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(str(link))  # the link leads to the snapshotter
+        tried = local_user.python(
+            "import socket, sys\n"
+            "s = socket.socket(socket.AF_UNIX)\n"
+            "try:\n"
+            "    s.connect(sys.argv[1])\n"
+            "except PermissionError:\n"
+            "    print('refused')\n", str(link))
+        assert tried.stdout.decode().strip() == "refused", tried
+    finally:
+        shutil.rmtree(place)

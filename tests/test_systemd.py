@@ -54,7 +54,7 @@ READER = textwrap.dedent("""
     import hashlib, json, os, sys, time
     listing, stop, progress = sys.argv[1:]
     files = json.load(open(listing))
-    starts, failures = [], []
+    spans, failures = [], []
     def read(path):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -68,20 +68,21 @@ READER = textwrap.dedent("""
     while True:
         last = os.path.exists(stop)
         for path, want in files:
-            starts.append(time.monotonic())
+            start = time.monotonic()
             try:
                 got = read(path)
                 if got != want:
                     failures.append(f"{path}: sha256 {got}")
             except OSError as exc:
                 failures.append(f"{path}: {exc}")
+            spans.append((start, time.monotonic()))
             with open(progress + ".new", "w") as f:
-                f.write(str(len(starts)))
+                f.write(str(len(spans)))
             os.replace(progress + ".new", progress)
             time.sleep(0.05)
         if last:
             break
-    print(json.dumps({"starts": starts, "failures": failures}))
+    print(json.dumps({"spans": spans, "failures": failures}))
 """)
 
 
@@ -255,9 +256,10 @@ def restart_and_crash_under_reads_then_stop(box: Container, io: Path) -> None:
     assert reader.returncode == 0, err
     result = json.loads(out)
     assert result["failures"] == [], result["failures"][:5]
-    assert len(result["starts"]) >= FILES
-    for begin, end in windows:  # reads were asked for while the daemon was switched
-        assert any(begin <= t <= end for t in result["starts"]), (begin, end)
+    assert len(result["spans"]) >= FILES
+    for begin, end in windows:  # reads went on while the daemon was switched
+        assert any(start <= end and done >= begin for start, done in result["spans"]), \
+            (begin, end)
     served = box.run("layerfs", "ps").stdout
     assert re.search(r"^s1\s.*\bup\b", served, re.M), served
     box.run("sha256sum", f"{rootfs}/data/f00")

@@ -523,6 +523,7 @@ class SnapshotServer:
                              f"({exc})") from None
         if not bound:
             raise UsageError(f"--containerd-snapshotter {self.path}: cannot listen there")
+        os.chmod(self.path, 0o600)  # containerd runs as root; nobody else, from the bind on
         self.server = server
 
     def start(self, token: trio.lowlevel.TrioToken) -> None:
@@ -530,7 +531,6 @@ class SnapshotServer:
         assert self.server is not None
         self.snapshotter.token = token
         self.server.start()
-        os.chmod(self.path, 0o600)  # containerd runs as root; nobody else
         log.info("containerd snapshotter at %s", self.path)
 
     def stop(self) -> None:
