@@ -12,6 +12,7 @@ import logging
 import re
 import subprocess
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 from layerfs.node.process import LAYERFS, DaemonProcess
@@ -73,6 +74,16 @@ class NodeDaemon(DaemonProcess):
         left = super().cleanup()
         self.check_log()
         return left
+
+
+def serving(daemon: NodeDaemon) -> Iterator[NodeDaemon]:
+    """A fixture's life of ``daemon`` (``yield from serving(...)``): started,
+    handed to the test, and cleaned up after it with nothing left mounted."""
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        assert daemon.cleanup() == [], "mounts left behind"
 
 
 def unexpected_report(daemon: NodeDaemon, records: list[str]) -> str:

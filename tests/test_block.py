@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from nodes import LAYERFS, NodeDaemon
+from nodes import LAYERFS, NodeDaemon, serving
 from support import build, need_root
 from treecmp import diff_trees
 
@@ -72,22 +72,15 @@ def mounted(dev: str, target: Path, *opts: str):
 @pytest.fixture
 def node(tmp_path, store, store_location):
     need_root()
-    daemon = NodeDaemon(tmp_path / "node1", store_location.cli_args()).start()
+    daemon = NodeDaemon(tmp_path / "node1", store_location.cli_args())
     daemon.location = store_location
-    try:
-        yield daemon
-    finally:
-        assert daemon.cleanup() == []
+    yield from serving(daemon)
 
 
 @pytest.fixture
 def node2(tmp_path, store_location):
     """A second node root on the same store."""
-    daemon = NodeDaemon(tmp_path / "node2", store_location.cli_args()).start()
-    try:
-        yield daemon
-    finally:
-        assert daemon.cleanup() == []
+    yield from serving(NodeDaemon(tmp_path / "node2", store_location.cli_args()))
 
 
 def disk_path(node: NodeDaemon, sid: str) -> Path:

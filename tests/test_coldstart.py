@@ -7,7 +7,7 @@ import json
 import time
 
 import pytest
-from nodes import NodeDaemon
+from nodes import NodeDaemon, serving
 from test_node import CHUNK, publish_base_env, settle, up
 
 from layerfs.node.traces import MAX_TRACE, merge_traces, parse_trace, trace_key
@@ -32,12 +32,9 @@ def test_a_stored_trace_is_only_chunk_indexes():
 def node(tmp_path, store, store_location):
     """Layers base@1 and up@1, env e@1 (up over base), and a daemon on them."""
     publish_base_env(tmp_path, store)
-    daemon = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="64M").start()
+    daemon = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="64M")
     daemon.location = store_location
-    try:
-        yield daemon
-    finally:
-        assert daemon.cleanup() == []
+    yield from serving(daemon)
 
 
 def store_gets(node: NodeDaemon) -> int:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
+from nodes import NodeDaemon, serving
 from support import build, mounted_layer, need_root
 from treecmp import diff_trees
 
@@ -61,11 +61,7 @@ def base_env(tmp_path, store, store_location):
 
 @pytest.fixture
 def node(tmp_path, base_env):
-    daemon = NodeDaemon(tmp_path / "node", base_env.cli_args(), cache_size="64M").start()
-    try:
-        yield daemon
-    finally:
-        assert daemon.cleanup() == []
+    yield from serving(NodeDaemon(tmp_path / "node", base_env.cli_args(), cache_size="64M"))
 
 
 def layerfs(*args: str) -> str:

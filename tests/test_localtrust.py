@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
+from nodes import NodeDaemon, serving
 from support import build, need_root
 
 from layerfs.errors import NodeFull
@@ -40,11 +40,8 @@ def two_layers(tmp_path, store) -> dict[str, str]:
 
 @pytest.fixture
 def node(tmp_path, store_location, two_layers) -> Iterator[NodeDaemon]:
-    daemon = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="64M").start()
-    try:
-        yield daemon
-    finally:
-        assert daemon.cleanup() == []
+    yield from serving(NodeDaemon(tmp_path / "node", store_location.cli_args(),
+                                  cache_size="64M"))
 
 
 def up(node: NodeDaemon, sid: str, layer: str) -> Path:

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
+from nodes import NodeDaemon, serving
 from support import build, need_root
 
 from layerfs import records
@@ -143,12 +143,9 @@ def layer_node(tmp_path, store, store_location):
     src.mkdir()
     (src / "hello").write_text("hello from t@1\n")
     digest = build(store, str(src)).digest
-    daemon = NodeDaemon(tmp_path / "node", store_location.cli_args()).start()
+    daemon = NodeDaemon(tmp_path / "node", store_location.cli_args())
     daemon.digest = digest
-    try:
-        yield daemon
-    finally:
-        assert daemon.cleanup() == []
+    yield from serving(daemon)
 
 
 def test_the_daemon_refuses_bad_fields_with_one_error(layer_node):

@@ -26,7 +26,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
+from nodes import NodeDaemon, serving
 from support import IN_CI, build, need_root
 from test_restart import take_over, wait_for
 
@@ -56,21 +56,13 @@ def sha256_file(path: Path) -> str:
 @pytest.fixture
 def node(tmp_path, store, store_location):
     need_root()
-    daemon = NodeDaemon(tmp_path / "node1", store_location.cli_args()).start()
-    try:
-        yield daemon
-    finally:
-        assert daemon.cleanup() == []
+    yield from serving(NodeDaemon(tmp_path / "node1", store_location.cli_args()))
 
 
 @pytest.fixture
 def node2(tmp_path, store_location):
     """A second node root on the same store."""
-    daemon = NodeDaemon(tmp_path / "node2", store_location.cli_args()).start()
-    try:
-        yield daemon
-    finally:
-        assert daemon.cleanup() == []
+    yield from serving(NodeDaemon(tmp_path / "node2", store_location.cli_args()))
 
 
 def unavailable(why: str) -> None:
