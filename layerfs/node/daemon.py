@@ -249,7 +249,8 @@ class Daemon:
         self.store = CountingStore(open_store(cfg.store_url, s3_endpoint=cfg.s3_endpoint,
                                               must_exist=True))
         self.replica = Replica(self.root)
-        self.reg = RefStore(self.store, local=self.replica.manifest)  # manifests held: no store
+        # manifests held: no store
+        self.refstore = RefStore(self.store, local=self.replica.manifest)
         self.health = StoreHealth(self.store.url, lambda: probe_store(open_store(
             cfg.store_url, s3_endpoint=cfg.s3_endpoint, timeout=PROBE_TIMEOUT, must_exist=True)))
         self.checker = MetaChecker()  # meta images are checked in processes of their own
@@ -264,12 +265,12 @@ class Daemon:
                                     parallel=cfg.fetch_parallel)
         self.policy = Prefetcher(self.fetcher, cfg.miss_span)  # the core never calls it
         self.blobs = BlobDirectory(self.policy)
-        self.disks = DiskManager(self.root, self.reg, self.replica, self.blobs, self.fetcher)
-        self.vms = Vms(self.root, self.reg, self.replica, self.blobs, self.fetcher, self.disks)
+        self.disks = DiskManager(self.root, self.refstore, self.replica, self.blobs, self.fetcher)
+        self.vms = Vms(self.root, self.refstore, self.replica, self.blobs, self.fetcher, self.disks)
         self.fs = NodeFS(self.blobs, self.disks, cfg.fuse_group)
-        self.layers = LayerMounts(self.root, self.reg, self.replica, self.blobs, self.fetcher,
+        self.layers = LayerMounts(self.root, self.refstore, self.replica, self.blobs, self.fetcher,
                                   readahead=cfg.layer_readahead)
-        self.sandboxes = Sandboxes(self.root, self.reg, self.replica, self.layers, self.health)
+        self.sandboxes = Sandboxes(self.root, self.refstore, self.replica, self.layers, self.health)
         if self.conn is not None:
             self.layers.kept = kept_mounts(self.root)
         self.snapshots: SnapshotServer | None = None
@@ -277,7 +278,7 @@ class Daemon:
             from .snapshotter import SnapshotServer, Snapshotter  # grpc: only when served
 
             snapshotter = Snapshotter(self.root, SnapshotStore(self.replica), self.layers,
-                                      self.sandboxes.refs, self.reg, cfg.containerd_prefetch)
+                                      self.sandboxes.refs, self.refstore, cfg.containerd_prefetch)
             self.snapshots = SnapshotServer(snapshotter,
                                             Path(cfg.containerd_snapshotter).absolute())
             self.snapshots.bind()
@@ -567,7 +568,7 @@ class Daemon:
 
     async def trace_push(self, request: protocol.TracePush) -> protocol.TracePushAnswer:
         ref = request.ref
-        digest = await trio.to_thread.run_sync(self.reg.resolve, LAYERS, ref)
+        digest = await trio.to_thread.run_sync(self.refstore.resolve, LAYERS, ref)
         mounted = self.layers.mounted.get(digest)
         order = await trio.to_thread.run_sync(self.replica.trace, digest)
         order = merge_traces(order, list(mounted.blob.trace) if mounted else [])

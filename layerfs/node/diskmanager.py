@@ -52,7 +52,7 @@ class DiskManager:
                  fetcher: ChunkFetcher) -> None:
         self.root = root
         self.dir = root / "disks"
-        self.reg = refstore
+        self.refstore = refstore
         self.replica = replica
         self.blobs = blobs
         self.fetcher = fetcher
@@ -84,12 +84,12 @@ class DiskManager:
     # -- chains --
     async def load_chain(self, base: str, undo: AsyncExitStack) -> tuple[SealedChain, list[str]]:
         """Resolve ``base`` (a ref or digest) and load its sealed chain lazily."""
-        digest = await trio.to_thread.run_sync(self.reg.resolve, LAYERS, base)
-        chain = await trio.to_thread.run_sync(self.reg.disk_chain, digest)
+        digest = await trio.to_thread.run_sync(self.refstore.resolve, LAYERS, base)
+        chain = await trio.to_thread.run_sync(self.refstore.disk_chain, digest)
         layers, used = [], []
         for layer_digest, manifest in chain:
             table = await trio.to_thread.run_sync(
-                self.replica.fetch_table, self.reg, layer_digest, manifest.to_bytes(),
+                self.replica.fetch_table, self.refstore, layer_digest, manifest.to_bytes(),
                 manifest.chunk_table.digest)
             blob = self._hold_blob(undo, layer_digest, table)
             used.append(layer_digest)
@@ -132,7 +132,7 @@ class DiskManager:
         base_digest: str | None = None
         if base:
             chain, used = await self.load_chain(base, undo)
-            base_digest = await trio.to_thread.run_sync(self.reg.resolve, LAYERS, base)
+            base_digest = await trio.to_thread.run_sync(self.refstore.resolve, LAYERS, base)
         if size is None:
             size = chain.virtual_size if chain else 0
         if size <= 0 or size % SECTOR:
@@ -206,7 +206,7 @@ class DiskManager:
         source = commit_source(disk, changes)
         parent = disk.state.base_ref or disk.state.base
         result = await trio.to_thread.run_sync(
-            lambda: publish_disk(self.reg, source, name, version, parent,
+            lambda: publish_disk(self.refstore, source, name, version, parent,
                                  chunk_size=1 << 20))
         disk.state.base, disk.state.base_ref, disk.state.commit_mark = (
             result.digest, result.ref, mark)

@@ -50,7 +50,7 @@ class LayerMounts:
     def __init__(self, root: Path, refstore: RefStore, replica: Replica, blobs: BlobDirectory,
                  fetcher: ChunkFetcher, readahead: int = 0) -> None:
         self.root = root
-        self.reg = refstore
+        self.refstore = refstore
         self.replica = replica
         self.blobs = blobs
         self.fetcher = fetcher
@@ -103,7 +103,7 @@ class LayerMounts:
         hashed file itself (``/proc/self/fd/N``), never the name again."""
         reporter = replay.reporter(digest) if replay is not None else None
         start = time.perf_counter()
-        meta = await trio.to_thread.run_sync(self.replica.checked_meta, self.reg, digest,
+        meta = await trio.to_thread.run_sync(self.replica.checked_meta, self.refstore, digest,
                                              reporter)
         log.debug("layer %s: meta image checked in %.1f ms", digest,
                   (time.perf_counter() - start) * 1000)

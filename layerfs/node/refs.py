@@ -44,7 +44,7 @@ class Resolved:
 
 class NodeRefs:
     def __init__(self, refstore: RefStore, replica: Replica, health: StoreHealth | None) -> None:
-        self.reg = refstore
+        self.refstore = refstore
         self.replica = replica
         self.health = health
 
@@ -52,7 +52,7 @@ class NodeRefs:
         """An env ref or layer refs → the layers to mount (and the env's config)."""
         offline: list[OfflineRef] = []
         if env:
-            manifest = self.reg.env(self.resolve(ENVS, env, offline))
+            manifest = self.refstore.env(self.resolve(ENVS, env, offline))
             config = manifest.config.to_json() if manifest.config else None
             return Resolved([layer.digest for layer in manifest.layers], config, offline)
         return Resolved([self.resolve(LAYERS, ref, offline) for ref in layer_refs], None, offline)
@@ -62,7 +62,7 @@ class NodeRefs:
         added to ``offline`` (and logged)."""
         ref = Ref.parse(text)
         if ref.digest is not None:
-            digest = self.reg.resolve(kind, text)
+            digest = self.refstore.resolve(kind, text)
             self._keep_manifest(digest)
             return digest
         assert ref.name is not None and ref.version is not None
@@ -70,7 +70,7 @@ class NodeRefs:
         if kept is not None and self.health is not None and not self.health.reachable:
             return self._use(kept.digest, kept.made, text, offline, "store unreachable")
         try:
-            digest = self.reg.resolve(kind, text)
+            digest = self.refstore.resolve(kind, text)
         except RefNotFound:
             if kept is not None:
                 self.replica.forget_resolution(kind, ref.name, ref.version)
@@ -86,7 +86,7 @@ class NodeRefs:
         if self.health is not None:
             self.health.answered()
         self.replica.keep_resolution(kind, ref.name, ref.version, digest, time.time(),
-                                     self.reg.manifest_bytes(digest))
+                                     self.refstore.manifest_bytes(digest))
         return digest
 
     def _use(self, digest: str, made: float, text: str, offline: list[OfflineRef],
@@ -99,7 +99,7 @@ class NodeRefs:
     def _keep_manifest(self, digest: str) -> None:
         """A digest ref's manifest, kept so that the ref resolves without the store."""
         if self.replica.manifest(digest) is None:
-            self.replica.keep_manifest(digest, self.reg.manifest_bytes(digest))
+            self.replica.keep_manifest(digest, self.refstore.manifest_bytes(digest))
 
 
 def never_resolved(exc: TransientStoreError, kind: str, text: str) -> TransientStoreError:

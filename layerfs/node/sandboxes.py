@@ -99,7 +99,7 @@ class Sandboxes:
     def __init__(self, root: Path, refstore: RefStore, replica: Replica, layers: LayerMounts,
                  health: StoreHealth | None = None) -> None:
         self.root = root
-        self.reg = refstore
+        self.refstore = refstore
         self.replica = replica
         self.layers = layers
         self.refs = NodeRefs(refstore, replica, health)
@@ -238,7 +238,7 @@ class Sandboxes:
         nursery = self.layers.fetcher.nursery
         if record.prefetch not in ("trace", "auto") or nursery is None:
             return None
-        replay = TraceReplay(self.reg.store, self.replica, self.layers.blobs.prefetcher,
+        replay = TraceReplay(self.refstore.store, self.replica, self.layers.blobs.prefetcher,
                              record.layers, pushed_only=record.prefetch == "auto")
         nursery.start_soon(replay.run)
         return replay
@@ -416,11 +416,11 @@ class Sandboxes:
             opts = BuildOptions(name, version, role=role, chunk_size=chunk_size,
                                 dedup_with=list(record.layers))
             result = await trio.to_thread.run_sync(functools.partial(
-                build_layer, self.reg, f"sandbox {sid}", opts, source=source))
+                build_layer, self.refstore, f"sandbox {sid}", opts, source=source))
             expires = None
             if expire is not None and result.published:
                 expires = expires_at(expire)
-                await trio.to_thread.run_sync(set_expiry, self.reg, LAYERS, name, version,
+                await trio.to_thread.run_sync(set_expiry, self.refstore, LAYERS, name, version,
                                               result.digest, expires)
         finally:
             self._busy.discard(sid)
@@ -441,7 +441,7 @@ class Sandboxes:
     def _chunk_size(self, digests: list[str]) -> int:
         """Worker thread: the chunk size of the sandbox's top layer, so that a
         copied-up file's unchanged chunks are the lower file's chunks."""
-        return self.reg.layer(digests[0]).chunk_size if digests else DEFAULT_CHUNK_SIZE
+        return self.refstore.layer(digests[0]).chunk_size if digests else DEFAULT_CHUNK_SIZE
 
     async def restore(self) -> None:
         """After a restart, each record by its state: an ``up`` or ``lost``

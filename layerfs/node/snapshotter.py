@@ -118,7 +118,7 @@ class Snapshotter:
         self.store = store
         self.layers = layers
         self.refs = refs
-        self.reg = refstore
+        self.refstore = refstore
         self.prefetch = prefetch  # "auto": pushed traces replayed; "none": lazy only
         self.token: trio.lowlevel.TrioToken | None = None  # the daemon's loop, once serving
         self.held: Counter[str] = Counter()  # layer digest -> lazy snapshots holding it
@@ -133,7 +133,7 @@ class Snapshotter:
         nursery = self.layers.fetcher.nursery
         if nursery is None or self.prefetch != "auto":
             return None
-        replay = TraceReplay(self.reg.store, self.store.replica, self.layers.blobs.prefetcher,
+        replay = TraceReplay(self.refstore.store, self.store.replica, self.layers.blobs.prefetcher,
                              digests, pushed_only=True)
         nursery.start_soon(replay.run)
         return replay
@@ -264,7 +264,7 @@ class Snapshotter:
             return None
         try:
             layers = self.refs.up_layers(env, []).layers
-            chain = chain_of([self.reg.layer(d) for d in layers])
+            chain = chain_of([self.refstore.layer(d) for d in layers])
         except RefNotFound:
             return None
         except (LayerfsError, OSError) as exc:

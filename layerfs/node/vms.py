@@ -55,7 +55,7 @@ class Vms:
     def __init__(self, root: Path, refstore: RefStore, replica: Replica, blobs: BlobDirectory,
                  fetcher: ChunkFetcher, disks: DiskManager) -> None:
         self.root = root
-        self.reg = refstore
+        self.refstore = refstore
         self.replica = replica
         self.blobs = blobs
         self.fetcher = fetcher
@@ -101,8 +101,9 @@ class Vms:
         way is undone and the record deleted."""
         def resolve() -> list[str]:  # (none: a vm of its writable disk alone)
             if env:
-                return [x.digest for x in self.reg.env(self.reg.resolve(ENVS, env)).layers]
-            return [self.reg.resolve(LAYERS, r) for r in layer_refs]
+                manifest = self.refstore.env(self.refstore.resolve(ENVS, env))
+                return [x.digest for x in manifest.layers]
+            return [self.refstore.resolve(LAYERS, r) for r in layer_refs]
 
         digests = await trio.to_thread.run_sync(resolve)
         record = VmRecord(vid, [], [], disk=disk_of(vid), blobs=digests, state=STARTING,
@@ -115,7 +116,8 @@ class Vms:
             drives: list[VmDrive] = []
             layers: list[VmLayer] = []
             for i, digest in enumerate(digests):
-                rl = await trio.to_thread.run_sync(self.replica.verified_layer, self.reg, digest)
+                rl = await trio.to_thread.run_sync(self.replica.verified_layer, self.refstore,
+                                                   digest)
                 self.blobs.add(digest, rl.table, self.fetcher)
                 held.append(digest)
                 meta_id, blob_id = f"layer{i}-meta", f"layer{i}-blob"
@@ -218,5 +220,5 @@ class Vms:
         holds it open), else the layer fetched and checked again."""
         layer = self.replica.layer(digest)
         if layer is None:
-            layer = self.replica.verified_layer(self.reg, digest)
+            layer = self.replica.verified_layer(self.refstore, digest)
         return layer.table
