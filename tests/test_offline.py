@@ -1,12 +1,13 @@
 """A node whose store is away serves what it has, on both store backends:
 ``up`` of an env it replicated (by name, through its last resolution, said on
 one line and in ``ps``; by digest, without the store at all), exit 8 for an
-env it never resolved, a restart with the store away, and the store's own
-answers again once it is back. And a file store whose directory is missing
-is unreachable, not empty."""
+env it never resolved, a vm's drive set the same way, a restart with the
+store away, and the store's own answers again once it is back. And a file
+store whose directory is missing is unreachable, not empty."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -93,6 +94,29 @@ def test_up_with_the_store_away(node, store, away_store):
     assert up(node, "f@1", "s6").returncode == 0
     for sid in ("s1", "s2", "s3", "s5", "s6"):
         node.cli("down", sid)
+
+
+
+@pytest.mark.daemon_log(LOST)
+def test_vm_up_with_the_store_away(node, store, away_store):
+    """A vm's drive set resolves its env as a sandbox does: through the node's
+    last resolution while the store is away (and a never-resolved env is exit 8)."""
+    up(node, "e@1", "s1")
+    refstore = RefStore(store)
+    layers = len(refstore.env(refstore.resolve(ENVS, "e@1")).layers)
+    away_store.away()
+    try:
+        made = node.cli("vm", "up", "e@1", "--id", "v1", "--disk-size", "1M", "--json")
+        drives = json.loads(made.stdout)["drives"]
+        assert [d["role"] for d in drives] == ["meta", "device"] * layers + ["disk"], drives
+        assert re.search(r"INFO layerfs\.node\.refs: using the resolution of e@1 ", node.log())
+        never = node.cli("vm", "up", "f@1", "--id", "v2", "--disk-size", "1M", check=False)
+        assert never.returncode == StoreUnreachable.exit_code, never.stderr
+        assert "v2" not in node.cli("vm", "ps").stdout  # nothing left of it
+        node.cli("vm", "down", "v1")
+    finally:
+        away_store.back()
+    node.cli("down", "s1")
 
 
 @pytest.mark.daemon_log(LOST)

@@ -1,4 +1,4 @@
-"""The refs an ``up`` names, resolved on the node: through the store when it
+"""The refs an ``up`` (or a ``vm up``) names, resolved on the node: through the store when it
 answers, else through the node's own last resolution.
 
 A digest ref never needs the store once the node holds its manifest (the

@@ -32,12 +32,14 @@ import trio
 
 from ..errors import LayerfsError, UsageError, VmBusy, VmExists, VmNotFound
 from ..formats.chunktable import ChunkTable
-from ..refstore import ENVS, LAYERS, RefStore
+from ..refstore import RefStore
 from .blobfiles import BlobDirectory
 from .diskmanager import DiskManager, check_disk_size
 from .fetcher import ChunkFetcher
 from .protocol import BadMessage, VmDrive, VmLayer, VmRecord
+from .refs import NodeRefs
 from .replica import Replica
+from .storehealth import StoreHealth
 
 log = logging.getLogger(__name__)
 VM_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,124}")  # ID-rw is still a disk id
@@ -53,9 +55,11 @@ class Vms:
     """Bring microVM drive sets up and down; their records live in the replica."""
 
     def __init__(self, root: Path, refstore: RefStore, replica: Replica, blobs: BlobDirectory,
-                 fetcher: ChunkFetcher, disks: DiskManager) -> None:
+                 fetcher: ChunkFetcher, disks: DiskManager,
+                 health: StoreHealth | None = None) -> None:
         self.root = root
         self.refstore = refstore
+        self.refs = NodeRefs(refstore, replica, health)  # a sandbox's resolution, store or not
         self.replica = replica
         self.blobs = blobs
         self.fetcher = fetcher
@@ -100,10 +104,9 @@ class Vms:
         disk, record it as up; anything that fails or is cancelled on the
         way is undone and the record deleted."""
         def resolve() -> list[str]:  # (none: a vm of its writable disk alone)
-            if env:
-                manifest = self.refstore.env(self.refstore.resolve(ENVS, env))
-                return [x.digest for x in manifest.layers]
-            return [self.refstore.resolve(LAYERS, r) for r in layer_refs]
+            if not env and not layer_refs:
+                return []
+            return self.refs.up_layers(env, layer_refs).layers
 
         digests = await trio.to_thread.run_sync(resolve)
         record = VmRecord(vid, [], [], disk=disk_of(vid), blobs=digests, state=STARTING,
