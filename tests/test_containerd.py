@@ -293,6 +293,7 @@ def test_snapshot_api_keys_parents_kinds_labels_and_errors(ctrd):
     s, pb = ctrd.stub(), snapshots_pb2
     mounts = s.Prepare(pb.PrepareSnapshotRequest(key="t/a", labels={"x": "1"})).mounts
     assert [(m.type, "rw" in m.options) for m in mounts] == [("bind", True)]
+    assert {"nosuid", "nodev"} <= set(mounts[0].options)  # as every mount it hands out
     (Path(mounts[0].source) / "file").write_bytes(b"x" * 10000)
     assert code_of(s.Prepare, pb.PrepareSnapshotRequest(key="t/a")) == \
         grpc.StatusCode.ALREADY_EXISTS
@@ -321,6 +322,7 @@ def test_snapshot_api_keys_parents_kinds_labels_and_errors(ctrd):
     assert list(s.Mounts(pb.MountsRequest(key="t/child")).mounts) == list(child)
     view = s.View(pb.ViewSnapshotRequest(key="t/view", parent="t/c")).mounts
     assert [(m.type, "ro" in m.options) for m in view] == [("bind", True)]
+    assert {"nosuid", "nodev"} <= set(view[0].options)
     assert code_of(s.Commit, pb.CommitSnapshotRequest(name="t/v2", key="t/view")) == \
         grpc.StatusCode.FAILED_PRECONDITION
     assert code_of(s.Remove, pb.RemoveSnapshotRequest(key="t/c")) == \

@@ -20,8 +20,8 @@ themselves (:mod:`.snapstore`: records in the replica) and their files:
 An active snapshot is mounted by containerd as an overlay of its parent's
 chain (lazy layer mounts and plain directories, top first) with its own
 ``fs`` as upper, with the sandboxes' options (:data:`.sandboxes.OVERLAY_OPTIONS`,
-``nosuid,nodev``); one without a parent is a bind mount of ``fs``; a view is
-the chain read-only. Errors are containerd's gRPC codes (NOT_FOUND,
+``nosuid,nodev``); one without a parent is a bind mount of ``fs``, and a view
+is the chain read-only, both ``nosuid,nodev`` too. Errors are containerd's gRPC codes (NOT_FOUND,
 ALREADY_EXISTS, FAILED_PRECONDITION, INVALID_ARGUMENT).
 
 The gRPC threads never touch trio's state themselves: layer mounts are
@@ -296,14 +296,14 @@ class Snapshotter:
         options = tuple(f"{k}={v}" for k, v in OVERLAY_OPTIONS) + SAFE_OPTIONS
         if record.kind == ACTIVE:
             if not lowers:
-                return [MountSpec("bind", str(self._fs(record)), ("rbind", "rw"))]
+                return [MountSpec("bind", str(self._fs(record)), ("rbind", "rw", *SAFE_OPTIONS))]
             return [MountSpec("overlay", "overlay", (
                 f"lowerdir={':'.join(lowers)}", f"upperdir={self._fs(record)}",
                 f"workdir={self._work(record)}", *options))]
         if not lowers:
-            return [MountSpec("bind", str(self._fs(record)), ("rbind", "ro"))]
+            return [MountSpec("bind", str(self._fs(record)), ("rbind", "ro", *SAFE_OPTIONS))]
         if len(lowers) == 1:
-            return [MountSpec("bind", lowers[0], ("rbind", "ro"))]
+            return [MountSpec("bind", lowers[0], ("rbind", "ro", *SAFE_OPTIONS))]
         return [MountSpec("overlay", "overlay", (f"lowerdir={':'.join(lowers)}", *options))]
 
     def mounts(self, key: str) -> list[MountSpec]:
