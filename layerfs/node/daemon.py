@@ -266,12 +266,12 @@ class Daemon:
         self.policy = Prefetcher(self.fetcher, cfg.miss_span)  # the core never calls it
         self.blobs = BlobDirectory(self.policy)
         self.disks = DiskManager(self.root, self.refstore, self.replica, self.blobs, self.fetcher)
-        self.vms = Vms(self.root, self.refstore, self.replica, self.blobs, self.fetcher, self.disks,
-                       self.health)
         self.fs = NodeFS(self.blobs, self.disks, cfg.fuse_group)
         self.layers = LayerMounts(self.root, self.refstore, self.replica, self.blobs, self.fetcher,
                                   readahead=cfg.layer_readahead)
         self.sandboxes = Sandboxes(self.root, self.refstore, self.replica, self.layers, self.health)
+        self.vms = Vms(self.root, self.sandboxes.refs, self.replica, self.blobs, self.fetcher,
+                       self.disks)
         if self.conn is not None:
             self.layers.kept = kept_mounts(self.root)
         self.snapshots: SnapshotServer | None = None

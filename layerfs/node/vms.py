@@ -32,14 +32,12 @@ import trio
 
 from ..errors import LayerfsError, UsageError, VmBusy, VmExists, VmNotFound
 from ..formats.chunktable import ChunkTable
-from ..refstore import RefStore
 from .blobfiles import BlobDirectory
 from .diskmanager import DiskManager, check_disk_size
 from .fetcher import ChunkFetcher
 from .protocol import BadMessage, VmDrive, VmLayer, VmRecord
 from .refs import NodeRefs
 from .replica import Replica
-from .storehealth import StoreHealth
 
 log = logging.getLogger(__name__)
 VM_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,124}")  # ID-rw is still a disk id
@@ -54,12 +52,11 @@ def disk_of(vid: str) -> str:
 class Vms:
     """Bring microVM drive sets up and down; their records live in the replica."""
 
-    def __init__(self, root: Path, refstore: RefStore, replica: Replica, blobs: BlobDirectory,
-                 fetcher: ChunkFetcher, disks: DiskManager,
-                 health: StoreHealth | None = None) -> None:
+    def __init__(self, root: Path, refs: NodeRefs, replica: Replica, blobs: BlobDirectory,
+                 fetcher: ChunkFetcher, disks: DiskManager) -> None:
         self.root = root
-        self.refstore = refstore
-        self.refs = NodeRefs(refstore, replica, health)  # a sandbox's resolution, store or not
+        self.refs = refs  # the sandboxes' resolution: through the store or, away, the node's
+        self.refstore = refs.refstore
         self.replica = replica
         self.blobs = blobs
         self.fetcher = fetcher
