@@ -267,6 +267,14 @@ def test_the_fast_path_leaves_the_rest_to_click(argv):
     assert spec is None or fastpath.parse(spec(), argv[1:]) is None
 
 
+def test_the_entry_point_sends_the_fast_path_its_commands_only(tmp_path):
+    from layerfs.tools import fastpath, main
+
+    assert set(main.NODE_CLIENT_COMMANDS) == set(fastpath.COMMANDS)
+    proc, names = imported_modules("ls", "--store", f"file://{tmp_path}")
+    assert proc.returncode == 0 and "layerfs.tools.fastpath" not in names
+
+
 def test_a_node_command_does_not_import_click(tmp_path):
     proc, names = imported_modules("ps", "--root", str(tmp_path))
     assert proc.returncode == DaemonNotRunning.exit_code

@@ -33,9 +33,8 @@ from layerfs.gc import collect
 from layerfs.node.disks import DiskState, WritableDisk
 from layerfs.node.process import LAYERFS
 from layerfs.refstore import LAYERS, RefStore, ref_key
-from layerfs.store.base import BLOB_PREFIX, blob_key
+from layerfs.store.base import BLOB_PREFIX, TEMP_MARK, blob_key
 from layerfs.store.file import FileStore
-from layerfs.store.keys import TEMP_MARK
 from layerfs.verify import verify_layer
 
 GRACE = 1.5

@@ -23,8 +23,7 @@ from support import IN_CI, build, need_root
 from layerfs.chunks import materialize_blob
 from layerfs.errors import BadMetaImage
 from layerfs.formats import _erofscheck, erofscheck
-from layerfs.formats.crc32c import crc32c
-from layerfs.formats.erofs import BLOCK, SB_OFFSET
+from layerfs.formats.erofs import BLOCK, SB_OFFSET, crc32c
 from layerfs.formats.erofscheck import check_meta_image
 from layerfs.mounts import mount_erofs, umount
 from layerfs.refstore import RefStore

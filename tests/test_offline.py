@@ -20,8 +20,8 @@ from test_node import publish_base_env
 from layerfs.builder.env import create_env
 from layerfs.errors import ObjectNotFound, StoreUnreachable
 from layerfs.refstore import ENVS, RefStore
+from layerfs.store.base import TEMP_MARK
 from layerfs.store.file import FileStore
-from layerfs.store.keys import TEMP_MARK
 
 NOTE = re.compile(r"^layerfs: warning: using the resolution of e@1 from "
                   r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ; store unreachable$")

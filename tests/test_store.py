@@ -35,8 +35,8 @@ from layerfs.store import (
     open_store,
     sha256_digest,
 )
+from layerfs.store.base import TEMP_MARK
 from layerfs.store.file import FileStore
-from layerfs.store.keys import TEMP_MARK
 from layerfs.store.s3 import S3Store
 from layerfs.store.s3ranges import Missing, RangeReader, Unsupported
 

@@ -17,6 +17,7 @@ from layerfs.verify import EXIT_CODES, Found, VerifyReport, verify_layer, worst
 
 from .common import (
     Output,
+    ProgressLine,
     exit_if_unreadable,
     human_bytes,
     parse_size,
@@ -26,7 +27,6 @@ from .common import (
     warn,
     write_store_options,
 )
-from .progress import ProgressLine
 
 
 @click.command()

@@ -17,12 +17,23 @@ import sys
 
 from layerfs.errors import LayerfsError
 
-from . import fastpath
 from .common import diagnostic, json_error, json_requested
 
 TYPE_CHECKING = False  # (typing is not imported at run time: a node command starts faster)
 if TYPE_CHECKING:
     from typing import NoReturn
+
+NODE_CLIENT_COMMANDS = ("up", "down", "ps", "stats", "run")  # the ones :mod:`.fastpath` parses
+
+
+def run_fast(args: list[str]) -> bool:
+    """Run ``args`` through :mod:`.fastpath` if it is a node client command
+    that parse takes; False otherwise (the fast path is not even imported)."""
+    if not args or args[0] not in NODE_CLIENT_COMMANDS:
+        return False
+    from . import fastpath
+
+    return fastpath.run(args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     as_json = json_requested(args)
     try:
-        if not fastpath.run(args):
+        if not run_fast(args):
             run_click(args, as_json)
     except LayerfsError as exc:
         fail(exc, exc.exit_code, exc.kind, as_json)

@@ -25,7 +25,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..tree import HOLE, FileTree, FsNode
-from .crc32c import crc32c
 
 BLOCK = 4096
 BLKBITS = 12
@@ -91,6 +90,30 @@ def clamp_mtime(seconds: int, nanoseconds: int) -> tuple[int, int]:
 
 def round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def _crc32c_table() -> list[int]:
+    poly = 0x82F63B78  # CRC-32C (Castagnoli), reflected
+    table = []
+    for i in range(256):
+        crc = i
+        for _ in range(8):
+            crc = (crc >> 1) ^ poly if crc & 1 else crc >> 1
+        table.append(crc)
+    return table
+
+
+_CRC32C_TABLE = _crc32c_table()
+
+
+def crc32c(data: bytes, crc: int = 0) -> int:
+    """CRC-32C of ``data`` (initial ~0, final xor ~0), continuing ``crc``; the
+    superblock checksum is this of the superblock's block with the xor undone."""
+    crc ^= 0xFFFFFFFF
+    table = _CRC32C_TABLE
+    for byte in data:
+        crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
 
 
 def split_xattr_name(name: bytes) -> tuple[int, bytes]:

@@ -53,7 +53,6 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..errors import BadMetaImage
-from .crc32c import crc32c
 from .erofs import (
     BLKBITS,
     BLOCK,
@@ -71,6 +70,7 @@ from .erofs import (
     MAGIC,
     NULL_ADDR,
     SB_OFFSET,
+    crc32c,
 )
 
 try:

@@ -49,8 +49,7 @@ from ..errors import (
     TransientStoreError,
     UsageError,
 )
-from .base import BLOB_PREFIX, ObjectInfo, RetryPolicy, Store
-from .keys import TEMP_MARK, check_key, check_prefix
+from .base import BLOB_PREFIX, TEMP_MARK, ObjectInfo, RetryPolicy, Store, check_key, check_prefix
 
 DENIED = {errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
           errno.EROFS: "read-only file system"}  # fmt: skip

@@ -25,8 +25,7 @@ import botocore.exceptions as bx
 from botocore.config import Config
 
 from ..errors import AccessDenied, ObjectUnavailable, StoreError, StoreUnreachable, UsageError
-from .base import ObjectInfo, RetryPolicy, Store
-from .keys import check_key, check_prefix
+from .base import ObjectInfo, RetryPolicy, Store, check_key, check_prefix
 from .s3errors import S3Failure, classify, error_class
 from .s3ranges import POOL_CONNECTIONS, Missing, RangeReader, Unsupported
 
