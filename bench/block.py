@@ -32,9 +32,9 @@ from pathlib import Path
 
 from bench import RESULTS, WORK
 from bench.daemons import drop_caches
+from harness.daemonproc import LAYERFS, DaemonProcess
 from layerfs.builder.disk import build_disk
 from layerfs.node.daemon import mounts_under
-from layerfs.node.process import LAYERFS, DaemonProcess
 from layerfs.refstore import RefStore
 from layerfs.store import open_store
 

@@ -40,7 +40,7 @@ from bench.image_start import (
     timed_run,
     write_bytes,
 )
-from layerfs.node.process import LAYERFS, DaemonProcess, detach_mounts
+from harness.daemonproc import LAYERFS, DaemonProcess, detach_mounts
 
 FORMS = ("stored", "plain")
 

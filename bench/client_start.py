@@ -43,9 +43,9 @@ from pathlib import Path
 
 from bench import RESULTS, git_head
 from bench.daemons import clear_dir
+from harness.daemonproc import DaemonProcess
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.node.client import Client
-from layerfs.node.process import DaemonProcess
 from layerfs.refstore import RefStore
 from layerfs.store.file import FileStore
 

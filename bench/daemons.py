@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from layerfs.node.process import DaemonProcess, detach_mounts
+from harness.daemonproc import DaemonProcess, detach_mounts
 
 PROBLEM_WORDS = ("ERROR", "WARNING", "Traceback", "Exception")
 

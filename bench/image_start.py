@@ -82,9 +82,9 @@ from typing import Any
 from bench import RESULTS, git_head
 from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
 from harness.containerdserver import cri_config, cri_pull, proxy_snapshotter_config
+from harness.daemonproc import LAYERFS, DaemonProcess, detach_mounts
 from layerfs.chunks import pack_runs
 from layerfs.formats.chunktable import ChunkEntry
-from layerfs.node.process import LAYERFS, DaemonProcess, detach_mounts
 from layerfs.store.base import blob_key
 
 WORKLOAD = ("apt-get --version; dpkg -l; perl -e 1; ls -lR /usr/share/doc; bash --version")

@@ -78,8 +78,8 @@ from urllib.parse import urlsplit
 
 from bench import RESULTS, WORK, corpus, git_head
 from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
+from harness.daemonproc import DaemonProcess, detach_mounts
 from layerfs.node.daemon import mounts_under
-from layerfs.node.process import DaemonProcess, detach_mounts
 from layerfs.sizes import du
 from layerfs.store import open_store
 

@@ -54,15 +54,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import layerfs.node.process
+import harness.daemonproc
 from bench import RESULTS, WORK, git_head
 from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
+from harness.daemonproc import DaemonProcess, detach_mounts
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.cache import chunkfile
 from layerfs.cache.chunkcache import ChunkCache
 from layerfs.chunks import materialize_blob
 from layerfs.mounts import mount_erofs, umount
-from layerfs.node.process import DaemonProcess, detach_mounts
 from layerfs.node.replica import fd_sha256
 from layerfs.refstore import LAYERS, RefStore
 from layerfs.sizes import parse_size
@@ -313,12 +313,12 @@ class Bench:
 
     def node_unchecked(self, tag: str) -> DaemonProcess:
         """A daemon on a fresh ROOT without the meta image check (the baseline)."""
-        saved = layerfs.node.process.LAYERFS
-        layerfs.node.process.LAYERFS = UNCHECKED_DAEMON
+        saved = harness.daemonproc.LAYERFS
+        harness.daemonproc.LAYERFS = UNCHECKED_DAEMON
         try:
             return self.node(tag)
         finally:
-            layerfs.node.process.LAYERFS = saved
+            harness.daemonproc.LAYERFS = saved
 
     # 6. the checks of the node's own disk
     def meta_check(self, layers: dict[str, dict]) -> dict:

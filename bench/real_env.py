@@ -61,10 +61,10 @@ from urllib.parse import urlsplit
 from bench import RESULTS, WORK, corpus, git_head
 from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
 from bench.lazy_vs_prefetch import Throttle, store_port
+from harness.daemonproc import LAYERFS, DaemonProcess, detach_mounts
 from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.node.daemon import mounts_under
-from layerfs.node.process import LAYERFS, DaemonProcess, detach_mounts
 from layerfs.refstore import LAYERS, RefStore
 from layerfs.store import open_store
 

@@ -36,10 +36,10 @@ from pathlib import Path
 
 from bench import RESULTS, git_head
 from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
+from harness.daemonproc import DaemonProcess
 from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.node.control import wait_ready
-from layerfs.node.process import DaemonProcess
 from layerfs.refstore import RefStore
 from layerfs.sizes import parse_size
 from layerfs.store.file import FileStore

@@ -47,8 +47,8 @@ from typing import Any
 from bench import RESULTS, WORK, git_head
 from bench import node as nodebench
 from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
+from harness.daemonproc import detach_mounts
 from layerfs.formats.chunktable import ChunkEntry
-from layerfs.node.process import detach_mounts
 from layerfs.refstore import RefStore
 from layerfs.sizes import parse_size
 from layerfs.store.base import Store, blob_key

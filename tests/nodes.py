@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
-from layerfs.node.process import LAYERFS, DaemonProcess
+from harness.daemonproc import LAYERFS, DaemonProcess
 
 # every NodeDaemon made so far (the conftest checks their logs after each test)
 DAEMONS: weakref.WeakSet[NodeDaemon] = weakref.WeakSet()

@@ -18,6 +18,7 @@ import pytest
 from nodes import NodeDaemon
 from support import build, need_root
 
+from harness.daemonproc import LAYERFS
 from harness.ociimages import ImageSettings, LayerChange, busybox_rootfs, make_image
 from layerfs.bounds import MAX_CONFIG, MAX_ERROR_LINE, MAX_ITEMS, MAX_STRING
 from layerfs.builder.env import create_env
@@ -25,7 +26,6 @@ from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.builder.oci.fold import fold_source
 from layerfs.errors import OverLimit
 from layerfs.imageconfig import ImageConfig
-from layerfs.node.process import LAYERFS
 from layerfs.refstore import ENVS, LAYERS, RefStore, ref_key
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"

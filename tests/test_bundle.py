@@ -25,6 +25,7 @@ from nodes import NodeDaemon
 from support import build, need_root
 from users import LocalUser
 
+from harness.daemonproc import LAYERFS
 from layerfs.builder.env import create_env
 from layerfs.manifest import ImageConfig
 from layerfs.node import runner
@@ -37,7 +38,6 @@ from layerfs.node.bundle import (
     write_bundle,
 )
 from layerfs.node.imageuser import ImageFileError, ImageUserError, resolve_user
-from layerfs.node.process import LAYERFS
 from layerfs.refstore import RefStore
 from layerfs.store import open_store
 

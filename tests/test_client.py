@@ -17,10 +17,10 @@ import pytest
 from nodes import NodeDaemon
 from support import build, need_root
 
+from harness.daemonproc import LAYERFS
 from layerfs.errors import RefNotFound, SandboxNotFound, UsageError
 from layerfs.node import Client
 from layerfs.node.control import DaemonNotRunning, RemoteError, socket_path
-from layerfs.node.process import LAYERFS
 from layerfs.node.protocol import SandboxRecord, SandboxStatus, StatsAnswer
 from layerfs.store import open_store
 

@@ -15,13 +15,13 @@ from nodes import NodeDaemon, serving
 from support import build, mounted_layer, need_root
 from treecmp import diff_trees
 
+from harness.daemonproc import LAYERFS
 from layerfs.builder.dirsource import UpperSource
 from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.errors import SourceError
 from layerfs.manifest import ImageConfig
 from layerfs.node.control import RemoteError
-from layerfs.node.process import LAYERFS
 from layerfs.refstore import ENVS, LAYERS, RefStore
 from layerfs.store import open_store
 

@@ -44,6 +44,7 @@ from harness.containerdserver import (
     proxy_snapshotter_config,
     running_containerd,
 )
+from harness.daemonproc import LAYERFS
 from harness.ociimages import busybox_rootfs, tiny_layers_image
 from harness.registryserver import RegistryServer, find_registry, push, start_registry
 from layerfs.builder.env import publish_env
@@ -53,7 +54,6 @@ from layerfs.builder.oci.sources import open_source
 from layerfs.errors import LayerInUse
 from layerfs.manifest import EnvLayer
 from layerfs.node.ctrdapi import snapshots_pb2, snapshots_pb2_grpc
-from layerfs.node.process import LAYERFS
 from layerfs.refstore import ENVS, RefStore
 from layerfs.retention import remove
 from layerfs.store.file import FileStore

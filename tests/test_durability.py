@@ -28,10 +28,10 @@ from support import ManifestPutFails, build, need_root, small_ext4
 
 import layerfs.gc as gcmod
 import layerfs.node.disks as disks_mod
+from harness.daemonproc import LAYERFS
 from layerfs.errors import BlobVanished, StoreError
 from layerfs.gc import collect
 from layerfs.node.disks import DiskState, WritableDisk
-from layerfs.node.process import LAYERFS
 from layerfs.refstore import LAYERS, RefStore, ref_key
 from layerfs.store.base import BLOB_PREFIX, TEMP_MARK, blob_key
 from layerfs.store.file import FileStore

@@ -18,11 +18,11 @@ from test_builder import write_tree
 from test_client import node  # noqa: F401  (a daemon with layer base@1)
 
 import layerfs
+from harness.daemonproc import LAYERFS
 from layerfs import errors
 from layerfs.errors import LayerfsError
 from layerfs.node import Client, control
 from layerfs.node.control import RemoteError
-from layerfs.node.process import LAYERFS
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE_ROW = re.compile(r"^\| (\d+)(?:-(\d+))? \| (.+) \|$")

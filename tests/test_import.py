@@ -24,6 +24,7 @@ from tarcuts import CUT_SHORT, ENDINGS, gnu_long_name_then_end, pax_header_then_
 from treecmp import diff_trees
 
 from harness.containerdserver import ContainerdServer, running_containerd
+from harness.daemonproc import LAYERFS
 from harness.ociimages import (
     ImageSettings,
     LayerChange,
@@ -39,7 +40,6 @@ from harness.ociimages import (
 from harness.registryserver import find_registry, push, start_registry
 from layerfs.builder.oci.resolve import host_platform
 from layerfs.mounts import mount, umount
-from layerfs.node.process import LAYERFS
 from layerfs.refstore import ENVS, LAYERS, RefStore
 from layerfs.store.file import FileStore
 

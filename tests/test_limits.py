@@ -19,9 +19,9 @@ import pytest
 from nodes import NodeDaemon
 from support import build, need_root
 
+from harness.daemonproc import LAYERFS
 from harness.ociimages import busybox_rootfs
 from layerfs.node import Client, process
-from layerfs.node.process import LAYERFS
 from layerfs.store import open_store
 
 RUNTIMES = ("runc", "crun")

@@ -11,7 +11,7 @@ import nodes
 import pytest
 from nodes import NodeDaemon
 
-from layerfs.node.process import problem_records
+from harness.daemonproc import problem_records
 
 LOG = """\
 2026-12-01 08:00:00,001 INFO layerfs.node.daemon: daemon up

@@ -18,10 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import build, need_root
 from test_restart import wait_for
 
+from harness.daemonproc import LAYERFS
 from harness.registryserver import free_port
 from layerfs.builder.env import create_env
 from layerfs.node.control import wait_ready
-from layerfs.node.process import LAYERFS
 from layerfs.refstore import RefStore
 from layerfs.store.base import blob_key
 

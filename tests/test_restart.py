@@ -27,10 +27,10 @@ import pytest
 from nodes import NodeDaemon
 from support import build, need_root
 
+from harness.daemonproc import LAYERFS
 from layerfs.builder.env import create_env
 from layerfs.node.control import wait_ready
 from layerfs.node.daemon import mounts_under
-from layerfs.node.process import LAYERFS
 from layerfs.refstore import RefStore
 
 MiB = 1 << 20

@@ -22,11 +22,11 @@ import pytest
 from nodes import NodeDaemon
 from support import build, need_root
 
+from harness.daemonproc import LAYERFS
 from layerfs.errors import SandboxNotFound, UsageError
 from layerfs.node import Client, runner
 from layerfs.node.bundle import BundleError
 from layerfs.node.control import RemoteError
-from layerfs.node.process import LAYERFS
 from layerfs.node.runner import RunResult
 from layerfs.store import open_store
 

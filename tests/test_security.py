@@ -25,12 +25,12 @@ from nodes import NodeDaemon
 from support import IN_CI, build, need_root
 from users import LocalUser
 
+from harness.daemonproc import LAYERFS, DaemonProcess, detach_mounts
 from layerfs.errors import LayerfsError
 from layerfs.formats.chunktable import ChunkTable
 from layerfs.node.blobfiles import BlobDirectory
 from layerfs.node.daemon import mounts_under
 from layerfs.node.fusefs import NodeFS
-from layerfs.node.process import LAYERFS, DaemonProcess, detach_mounts
 from layerfs.store.file import FileStore
 
 CHUNK = 65536

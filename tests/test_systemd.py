@@ -33,8 +33,8 @@ import pytest
 from nspawn import Container, unavailable
 from support import IN_CI, build, need_root
 
+from harness.daemonproc import problem_records
 from layerfs.builder.env import create_env
-from layerfs.node.process import problem_records
 from layerfs.refstore import RefStore
 from layerfs.store import open_store
 

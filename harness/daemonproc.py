@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .control import call_raw, wait_ready
-from .daemon import mounts_under
+from layerfs.node.control import call_raw, wait_ready
+from layerfs.node.daemon import mounts_under
 
 LAYERFS = [sys.executable, "-m", "layerfs.tools.main"]
 # a log record's first line: "2026-01-01 12:00:00,123 LEVEL logger: message"
