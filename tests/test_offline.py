@@ -1,13 +1,16 @@
 """A node whose store is away serves what it has, on both store backends:
 ``up`` of an env it replicated (by name, through its last resolution, said on
 one line and in ``ps``; by digest, without the store at all), exit 8 for an
-env it never resolved, a vm's drive set the same way, a restart with the
-store away, and the store's own answers again once it is back. And a file
+env it never resolved, a vm's drive set and a writable disk over a sealed
+base the same way, a restart with the store away (disks included), and the
+store's own answers again once it is back. And a file
 store whose directory is missing is unreachable, not empty."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -15,8 +18,9 @@ from pathlib import Path
 import pytest
 from nodes import NodeDaemon
 from storeaway import AwayStore
-from test_node import publish_base_env
+from test_node import publish_base_env, settle
 
+from layerfs.builder.disk import build_disk
 from layerfs.builder.env import create_env
 from layerfs.errors import ObjectNotFound, StoreUnreachable
 from layerfs.refstore import ENVS, RefStore
@@ -107,8 +111,11 @@ def test_vm_up_with_the_store_away(node, store, away_store):
     away_store.away()
     try:
         made = node.cli("vm", "up", "e@1", "--id", "v1", "--disk-size", "1M", "--json")
-        drives = json.loads(made.stdout)["drives"]
+        assert NOTE.match(made.stderr.strip()), made.stderr  # one line, as up says it
+        doc = json.loads(made.stdout)
+        drives = doc["drives"]
         assert [d["role"] for d in drives] == ["meta", "device"] * layers + ["disk"], drives
+        assert [o["ref"] for o in doc["offline"]] == ["e@1"]
         assert re.search(r"INFO layerfs\.node\.refs: using the resolution of e@1 ", node.log())
         never = node.cli("vm", "up", "f@1", "--id", "v2", "--disk-size", "1M", check=False)
         assert never.returncode == StoreUnreachable.exit_code, never.stderr
@@ -170,3 +177,47 @@ def test_cli_listing_a_missing_file_store_exits_8(tmp_path):
     line, = proc.stderr.strip().splitlines()
     assert line.startswith("layerfs: error: store unreachable: ")
     assert f"{tmp_path}/nonexistent/dir does not exist" in line
+
+
+def disk_sha(node: NodeDaemon, sid: str) -> str:
+    return hashlib.sha256((node.root / "fuse" / "disks" / sid).read_bytes()).hexdigest()
+
+
+@pytest.mark.daemon_log(LOST)
+def test_disks_over_a_base_with_the_store_away(node, store, away_store, tmp_path):
+    """A writable disk over a sealed base, read once, comes back after a kill -9
+    and a start with the store away and reads the same bytes; a disk made from
+    a base this node already holds is made without the store (by its last
+    resolution, said once); a base it never resolved is exit 8."""
+    image = tmp_path / "base.img"
+    image.write_bytes(os.urandom(3 << 20))
+    build_disk(RefStore(store), str(image), "vmbase", "1")
+    build_disk(RefStore(store), str(image), "vmother", "1")
+    node.cli("disk", "create", "d1", "--base", "vmbase@1")
+    want = disk_sha(node, "d1")
+    settle(node)  # its chunks written to the cache: a kill -9 loses the writes in flight
+    node.kill()
+    away_store.away()
+    try:
+        node.start()
+        rows = node.request("disk-ls")["disks"]
+        assert [(r["id"], r.get("state")) for r in rows] != [] and all(
+            r.get("state") != "broken" for r in rows), rows
+        assert disk_sha(node, "d1") == want
+        made = node.cli("disk", "create", "d2", "--base", "vmbase@1")
+        assert re.match(r"^layerfs: warning: using the resolution of vmbase@1 from \S+Z; "
+                        r"store unreachable$", made.stderr.strip()), made.stderr
+        assert disk_sha(node, "d2") == want  # its chunks are d1's, in the cache
+        never = node.cli("disk", "create", "d3", "--base", "vmother@1", check=False)
+        assert never.returncode == StoreUnreachable.exit_code, never.stderr
+        line, = never.stderr.strip().splitlines()
+        assert "vmother@1" in line and "never resolved" in line
+        vm = node.cli("vm", "up", "--id", "v1", "--base-disk", "vmbase@1", "--json")
+        assert re.match(r"^layerfs: warning: using the resolution of vmbase@1 ", vm.stderr)
+        disk = json.loads(vm.stdout)["drives"][-1]["path_on_host"]
+        assert hashlib.sha256(Path(disk).read_bytes()).hexdigest() == want
+        node.cli("vm", "down", "v1")
+    finally:
+        away_store.back()
+    for sid in ("d1", "d2"):
+        node.cli("disk", "rm", sid)

@@ -16,6 +16,7 @@ import trio
 
 from layerfs.node import sandboxes as sandboxes_module
 from layerfs.node.layermounts import MountedLayer
+from layerfs.node.refs import NodeRefs
 from layerfs.node.sandboxes import Sandboxes
 
 LAYER = "sha256:" + "1" * 64
@@ -78,8 +79,9 @@ class NotedLayers:
 
 
 def sandboxes_of(tmp_path, steps: Steps, monkeypatch, fail_first: bool = False) -> Sandboxes:
-    boxes = Sandboxes(tmp_path, None, NotedReplica(steps, fail_first),  # type: ignore[arg-type]
-                      NotedLayers(steps))  # type: ignore[arg-type]
+    replica = NotedReplica(steps, fail_first)
+    boxes = Sandboxes(tmp_path, NodeRefs(None, replica, None),  # type: ignore[arg-type]
+                      replica, NotedLayers(steps))  # type: ignore[arg-type]
     monkeypatch.setattr(boxes, "_resolve", lambda env, refs: ([LAYER], None, []))
     monkeypatch.setattr(sandboxes_module, "make_rootfs",
                         lambda *a, **kw: steps.seen.append("rootfs mounted"))

@@ -13,7 +13,7 @@ from layerfs.errors import UsageError
 from layerfs.node.client import Client
 from layerfs.node.protocol import utc_time
 
-from .common import Output, human_bytes, warn
+from .common import Output, human_bytes, warn_offline
 
 TYPE_CHECKING = False  # (typing is not imported at run time)
 if TYPE_CHECKING:
@@ -41,8 +41,7 @@ def up(env_ref: str | None, layers: Sequence[str], sid: str, prefetch: str,
                              cpus=limit_value("--cpus", cpus, float),
                              pids=limit_value("--pids", pids, int),
                              disk_quota=limit_value("--disk-quota", disk_quota, size))
-    for used in record.offline:  # the store did not answer: the node's own resolution
-        warn(used.note())
+    warn_offline(record.offline)  # the store did not answer: the node's own resolution
     doc = sandbox_json(record)
     if bundle_dir:
         doc["bundle"] = os.path.join(os.path.abspath(bundle_dir), "config.json")

@@ -149,6 +149,12 @@ def warn(text: object) -> None:
     print(diagnostic("warning", text), file=sys.stderr, flush=True)
 
 
+def warn_offline(used: Sequence[Any]) -> None:
+    """A warning line for each ref the node resolved itself (its store away)."""
+    for ref in used:
+        warn(ref.note())
+
+
 def report_unreadable(problems: list[Any]) -> None:
     """Each ref or manifest a store-wide command skipped: one error line on stderr."""
     for problem in problems:

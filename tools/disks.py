@@ -10,7 +10,7 @@ from layerfs.node import protocol
 from layerfs.node.control import call
 from layerfs.refstore import RefStore
 
-from .common import Output, human_bytes, parse_size, write_store_options
+from .common import Output, human_bytes, parse_size, warn_offline, write_store_options
 from .node import json_option, root_option
 
 
@@ -66,6 +66,7 @@ def disk_create(sid: str, size: str | None, base: str | None, root: str, as_json
     res = call(root, protocol.DiskCreate(
         id=sid, size=None if size is None else disk_size_of(size, "--size"), base=base),
         protocol.DiskAnswer)
+    warn_offline(res.disk.offline)
     Output(as_json).emit(res.disk.to_json(), res.disk.path)
 
 
@@ -139,6 +140,7 @@ def vm_up(env_ref: str | None, layers: tuple[str, ...], vid: str, disk_size: str
     record = call(root, protocol.VmUp(id=vid, env=env_ref, layers=list(layers),
                                       disk_size=disk_size_bytes, base_disk=base_disk),
                   protocol.VmAnswer).vm
+    warn_offline(record.offline)
     Output(as_json).emit(vm_doc(record), lambda: vm_text(record))
 
 

@@ -63,6 +63,7 @@ from .layermounts import LayerMounts
 from .metacheck import MetaChecker
 from .metrics import CountingLog, MetricsAddress, NodeMetrics, NodeReadings
 from .prefetch import Prefetcher
+from .refs import NodeRefs
 from .replica import Replica
 from .rootspace import RootSpace, fs_usage, no_room_for
 from .sandboxes import Sandboxes
@@ -265,12 +266,14 @@ class Daemon:
                                     parallel=cfg.fetch_parallel)
         self.policy = Prefetcher(self.fetcher, cfg.miss_span)  # the core never calls it
         self.blobs = BlobDirectory(self.policy)
-        self.disks = DiskManager(self.root, self.refstore, self.replica, self.blobs, self.fetcher)
+        # refs resolved through the store or, while it is away, the node's last resolution
+        self.refs = NodeRefs(self.refstore, self.replica, self.health)
+        self.disks = DiskManager(self.root, self.refs, self.replica, self.blobs, self.fetcher)
         self.fs = NodeFS(self.blobs, self.disks, cfg.fuse_group)
         self.layers = LayerMounts(self.root, self.refstore, self.replica, self.blobs, self.fetcher,
                                   readahead=cfg.layer_readahead)
-        self.sandboxes = Sandboxes(self.root, self.refstore, self.replica, self.layers, self.health)
-        self.vms = Vms(self.root, self.sandboxes.refs, self.replica, self.blobs, self.fetcher,
+        self.sandboxes = Sandboxes(self.root, self.refs, self.replica, self.layers)
+        self.vms = Vms(self.root, self.refs, self.replica, self.blobs, self.fetcher,
                        self.disks)
         if self.conn is not None:
             self.layers.kept = kept_mounts(self.root)
@@ -279,7 +282,7 @@ class Daemon:
             from .snapshotter import SnapshotServer, Snapshotter  # grpc: only when served
 
             snapshotter = Snapshotter(self.root, SnapshotStore(self.replica), self.layers,
-                                      self.sandboxes.refs, self.refstore, cfg.containerd_prefetch)
+                                      self.refs, self.refstore, cfg.containerd_prefetch)
             self.snapshots = SnapshotServer(snapshotter,
                                             Path(cfg.containerd_snapshotter).absolute())
             self.snapshots.bind()

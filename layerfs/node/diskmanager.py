@@ -6,6 +6,11 @@ since the last commit into a new layer whose parent is the previous one and
 publishes it. A microVM's writable disk is one of these, owned by its vm
 (:mod:`.vms`) while the vm is up: ``disk rm`` refuses it. A disk whose chain
 cannot be loaded fails alone, with a clear error; the others keep serving.
+A base ref resolves as ``up``'s refs do (:class:`.refs.NodeRefs`): through the
+store, or while it is away through this node's last resolution (said in the
+answer's ``offline``); a disk's base is kept as a digest, so a restart opens
+the same chain, from the manifests the replica holds, with or without the
+store.
 
 What a command sets up before it can fail (blob files held open, a disk's
 directory) is undone in one place: each step registers its undo on the
@@ -40,7 +45,8 @@ from ..refstore import LAYERS, RefStore
 from .blobfiles import DISK_KIND, BlobDirectory, BlobFile, stable_inode
 from .disks import DATA_START, SECTOR, DiskState, SealedChain, SealedLayer, WritableDisk
 from .fetcher import ChunkFetcher
-from .protocol import BrokenDisk, DiskCommitAnswer, DiskRecord
+from .protocol import BrokenDisk, DiskCommitAnswer, DiskRecord, OfflineRef
+from .refs import NodeRefs
 from .replica import Replica
 from .sandboxes import SANDBOX_ID
 
@@ -48,11 +54,12 @@ log = logging.getLogger(__name__)
 
 
 class DiskManager:
-    def __init__(self, root: Path, refstore: RefStore, replica: Replica, blobs: BlobDirectory,
+    def __init__(self, root: Path, refs: NodeRefs, replica: Replica, blobs: BlobDirectory,
                  fetcher: ChunkFetcher) -> None:
         self.root = root
         self.dir = root / "disks"
-        self.refstore = refstore
+        self.refs = refs
+        self.refstore: RefStore = refs.refstore
         self.replica = replica
         self.blobs = blobs
         self.fetcher = fetcher
@@ -82,9 +89,9 @@ class DiskManager:
             await trio.to_thread.run_sync(shutil.rmtree, path, True)
 
     # -- chains --
-    async def load_chain(self, base: str, undo: AsyncExitStack) -> tuple[SealedChain, list[str]]:
-        """Resolve ``base`` (a ref or digest) and load its sealed chain lazily."""
-        digest = await trio.to_thread.run_sync(self.refstore.resolve, LAYERS, base)
+    async def load_chain(self, digest: str,
+                         undo: AsyncExitStack) -> tuple[SealedChain, list[str]]:
+        """Load the sealed chain whose top layer is ``digest``, lazily."""
         chain = await trio.to_thread.run_sync(self.refstore.disk_chain, digest)
         layers, used = [], []
         for layer_digest, manifest in chain:
@@ -112,27 +119,31 @@ class DiskManager:
             raise DiskExists(sid)
 
     async def create(self, sid: str, size: int | None, base: str | None) -> DiskRecord:
+        """Make disk ``sid``; its record, with the refs resolved without the store."""
         if not SANDBOX_ID.fullmatch(sid or ""):
             raise UsageError(f"invalid disk id {sid!r} (expected [A-Za-z0-9][A-Za-z0-9._-]*)")
         self.check_free(sid)
         if size is not None:
             check_disk_size(size)
+        offline: list[OfflineRef] = []
         self._busy.add(sid)
         try:
             async with self._rollback() as undo:
-                await self._create(sid, size, base, undo)
+                await self._create(sid, size, base, undo, offline)
         finally:
             self._busy.discard(sid)
-        return self.describe(sid)
+        record = self.describe(sid)
+        record.offline = offline
+        return record
 
     async def _create(self, sid: str, size: int | None, base: str | None,
-                      undo: AsyncExitStack) -> None:
+                      undo: AsyncExitStack, offline: list[OfflineRef]) -> None:
         chain: SealedChain | None = None
         used: list[str] = []
         base_digest: str | None = None
         if base:
-            chain, used = await self.load_chain(base, undo)
-            base_digest = await trio.to_thread.run_sync(self.refstore.resolve, LAYERS, base)
+            base_digest = await trio.to_thread.run_sync(self.refs.resolve, LAYERS, base, offline)
+            chain, used = await self.load_chain(base_digest, undo)
         if size is None:
             size = chain.virtual_size if chain else 0
         if size <= 0 or size % SECTOR:

@@ -330,6 +330,13 @@ class DiskRecord(Message):
     chain_depth: int
     written_bytes: int
     uncommitted_entries: int  # log entries since the last commit
+    offline: list[OfflineRef] = field(default_factory=list)  # create's, resolved by the node
+
+    def to_json(self) -> dict[str, Any]:
+        doc = super().to_json()
+        if not self.offline:
+            del doc["offline"]
+        return doc
 
 
 class BrokenDisk(Message):
@@ -400,11 +407,14 @@ class VmRecord(Message):
     state: str = "up"  # starting (an up under way), up; broken: not all restored
     created: float = 0.0
     error: str | None = None  # why it is broken
+    offline: list[OfflineRef] = field(default_factory=list)  # refs the store did not resolve
 
     def to_json(self) -> dict[str, Any]:
         doc = super().to_json()
         if self.error is None:
             del doc["error"]
+        if not self.offline:
+            del doc["offline"]
         return doc
 
 

@@ -61,7 +61,6 @@ from .protocol import (
 )
 from .refs import NodeRefs
 from .replica import Replica
-from .storehealth import StoreHealth
 from .tracereplay import TraceReplay
 
 log = logging.getLogger(__name__)
@@ -96,13 +95,13 @@ class SandboxMounts:
 class Sandboxes:
     """Bring sandboxes up and down; their records live in the replica."""
 
-    def __init__(self, root: Path, refstore: RefStore, replica: Replica, layers: LayerMounts,
-                 health: StoreHealth | None = None) -> None:
+    def __init__(self, root: Path, refs: NodeRefs, replica: Replica,
+                 layers: LayerMounts) -> None:
         self.root = root
-        self.refstore = refstore
+        self.refs = refs
+        self.refstore: RefStore = refs.refstore
         self.replica = replica
         self.layers = layers
-        self.refs = NodeRefs(refstore, replica, health)
         self.records: dict[str, SandboxRecord] = {}
         self.mounts: dict[str, SandboxMounts] = {}  # what each sandbox holds mounted
         self._busy: set[str] = set()

@@ -35,7 +35,7 @@ from ..formats.chunktable import ChunkTable
 from .blobfiles import BlobDirectory
 from .diskmanager import DiskManager, check_disk_size
 from .fetcher import ChunkFetcher
-from .protocol import BadMessage, VmDrive, VmLayer, VmRecord
+from .protocol import BadMessage, OfflineRef, VmDrive, VmLayer, VmRecord
 from .refs import NodeRefs
 from .replica import Replica
 
@@ -100,14 +100,15 @@ class Vms:
         """Record the vm as starting, hold its layers' blob files, make its
         disk, record it as up; anything that fails or is cancelled on the
         way is undone and the record deleted."""
-        def resolve() -> list[str]:  # (none: a vm of its writable disk alone)
+        def resolve() -> tuple[list[str], list[OfflineRef]]:  # (none: a vm of its disk alone)
             if not env and not layer_refs:
-                return []
-            return self.refs.up_layers(env, layer_refs).layers
+                return [], []
+            resolved = self.refs.up_layers(env, layer_refs)
+            return resolved.layers, resolved.offline
 
-        digests = await trio.to_thread.run_sync(resolve)
+        digests, offline = await trio.to_thread.run_sync(resolve)
         record = VmRecord(vid, [], [], disk=disk_of(vid), blobs=digests, state=STARTING,
-                          created=time.time())
+                          created=time.time(), offline=offline)
         held: list[str] = []
         self.held[vid] = held
         made_disk = False
@@ -130,6 +131,7 @@ class Vms:
             disk = await self.disks.create(record.disk, None if base_disk else disk_size,
                                            base_disk)
             made_disk = True
+            record.offline += disk.offline
             self.disks.owners[record.disk] = vid
             drives.append(VmDrive("rw", disk.path, is_read_only=False, role="disk"))
             record.drives, record.layers, record.state = drives, layers, UP
