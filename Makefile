@@ -55,7 +55,7 @@ deps: apt-deps $(STAMP)
 # SeaweedFS, registry and temporary directories (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: lint
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/test_lint.py
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 --ignore=tests/test_lint.py
 
 # The unit tier: no server, daemon or root-only work (tests/conftest.py marks
 # it), without the lint; skips are not listed.
