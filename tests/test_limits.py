@@ -19,9 +19,10 @@ import pytest
 from nodes import NodeDaemon
 from support import build, need_root
 
+from harness import daemonproc
 from harness.daemonproc import LAYERFS
 from harness.ociimages import busybox_rootfs
-from layerfs.node import Client, process
+from layerfs.node import Client
 from layerfs.store import open_store
 
 RUNTIMES = ("runc", "crun")
@@ -231,7 +232,7 @@ def hostile_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[No
     need_root()
     url = store_url(tmp_path)
     hide = 'umount /sys/fs/cgroup/pids && exec "$0" "$@"'
-    monkeypatch.setattr(process, "LAYERFS", ["unshare", "--mount", "--propagation", "private",
+    monkeypatch.setattr(daemonproc, "LAYERFS", ["unshare", "--mount", "--propagation", "private",
                                              "--", "sh", "-c", hide, *LAYERFS])
     daemon = NodeDaemon(tmp_path / "node", ["--store", url], cache_size="64M").start()
     monkeypatch.undo()
