@@ -13,6 +13,7 @@ import json
 import os
 import re
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,8 @@ from test_node import publish_base_env, settle
 from layerfs.builder.disk import build_disk
 from layerfs.builder.env import create_env
 from layerfs.errors import ObjectNotFound, StoreUnreachable
-from layerfs.refstore import ENVS, RefStore
+from layerfs.node.replica import Replica
+from layerfs.refstore import ENVS, LAYERS, RefStore
 from layerfs.store.base import TEMP_MARK
 from layerfs.store.file import FileStore
 
@@ -183,41 +185,68 @@ def disk_sha(node: NodeDaemon, sid: str) -> str:
     return hashlib.sha256((node.root / "fuse" / "disks" / sid).read_bytes()).hexdigest()
 
 
+def offline_warning(ref: str) -> re.Pattern:
+    return re.compile(rf"^layerfs: warning: using the resolution of {re.escape(ref)} "
+                      r"from \S+Z; store unreachable$")
+
+
 @pytest.mark.daemon_log(LOST)
 def test_disks_over_a_base_with_the_store_away(node, store, away_store, tmp_path):
-    """A writable disk over a sealed base, read once, comes back after a kill -9
-    and a start with the store away and reads the same bytes; a disk made from
-    a base this node already holds is made without the store (by its last
-    resolution, said once); a base it never resolved is exit 8."""
+    """Writable disks over a sealed base, one of them written and committed,
+    come back after a kill -9 and a start with the store away and read the
+    same bytes; a disk made from a base this node holds (one a disk recorded
+    before the node kept resolutions, or its own commit) is made without the
+    store, by its last resolution, said once; a base it never resolved is
+    exit 8; a vm over such a base keeps its offline note through a restart."""
     image = tmp_path / "base.img"
     image.write_bytes(os.urandom(3 << 20))
     build_disk(RefStore(store), str(image), "vmbase", "1")
-    build_disk(RefStore(store), str(image), "vmother", "1")
+    other = build_disk(RefStore(store), str(image), "vmother", "1").digest
+    node.cli("disk", "create", "d0", "--base", "vmbase@1")
     node.cli("disk", "create", "d1", "--base", "vmbase@1")
-    want = disk_sha(node, "d1")
+    with open(node.root / "fuse" / "disks" / "d1", "r+b") as f:
+        f.write(os.urandom(1 << 16))
+    node.cli("disk", "commit", "d1", "--name", "vmcommit", "--version", "1")
+    want = {sid: disk_sha(node, sid) for sid in ("d0", "d1")}
+    assert want["d0"] != want["d1"]
     settle(node)  # its chunks written to the cache: a kill -9 loses the writes in flight
     node.kill()
+    with closing(Replica(node.root)) as replica:  # as a node from before kept resolutions
+        replica.forget_resolution(LAYERS, "vmbase", "1")
     away_store.away()
     try:
         node.start()
-        rows = node.request("disk-ls")["disks"]
-        assert [(r["id"], r.get("state")) for r in rows] != [] and all(
-            r.get("state") != "broken" for r in rows), rows
-        assert disk_sha(node, "d1") == want
-        made = node.cli("disk", "create", "d2", "--base", "vmbase@1")
-        assert re.match(r"^layerfs: warning: using the resolution of vmbase@1 from \S+Z; "
-                        r"store unreachable$", made.stderr.strip()), made.stderr
-        assert disk_sha(node, "d2") == want  # its chunks are d1's, in the cache
-        never = node.cli("disk", "create", "d3", "--base", "vmother@1", check=False)
-        assert never.returncode == StoreUnreachable.exit_code, never.stderr
-        line, = never.stderr.strip().splitlines()
-        assert "vmother@1" in line and "never resolved" in line
+        rows = {r["id"]: r for r in node.request("disk-ls")["disks"]}
+        assert sorted(rows) == ["d0", "d1"] and not any(
+            r.get("state") == "broken" for r in rows.values()), rows
+        assert {sid: disk_sha(node, sid) for sid in want} == want
+        for sid, base in (("d2", "vmbase@1"), ("d3", "vmcommit@1")):
+            made = node.cli("disk", "create", sid, "--base", base)
+            assert offline_warning(base).match(made.stderr.strip()), made.stderr
+        assert disk_sha(node, "d2") == want["d0"]  # vmbase's chunks are in the cache
+        with open(node.root / "fuse" / "disks" / "d3", "rb") as d3, \
+                open(node.root / "fuse" / "disks" / "d0", "rb") as d0:
+            d3.seek(2 << 20)  # beyond the commit's chunks (1 MiB each), which d3 reads lazily
+            d0.seek(2 << 20)
+            assert d3.read() == d0.read()
+        for ref in ("vmother@1", other):
+            never = node.cli("disk", "create", "d4", "--base", ref, check=False)
+            assert never.returncode == StoreUnreachable.exit_code, never.stderr
+            line, = never.stderr.strip().splitlines()
+            assert f"{ref} was never resolved on this node" in line, line
         vm = node.cli("vm", "up", "--id", "v1", "--base-disk", "vmbase@1", "--json")
-        assert re.match(r"^layerfs: warning: using the resolution of vmbase@1 ", vm.stderr)
-        disk = json.loads(vm.stdout)["drives"][-1]["path_on_host"]
-        assert hashlib.sha256(Path(disk).read_bytes()).hexdigest() == want
+        assert offline_warning("vmbase@1").match(vm.stderr.strip()), vm.stderr
+        doc = json.loads(vm.stdout)
+        assert [o["ref"] for o in doc["offline"]] == ["vmbase@1"]
+        disk = doc["drives"][-1]["path_on_host"]
+        assert hashlib.sha256(Path(disk).read_bytes()).hexdigest() == want["d0"]
+        node.kill()
+        node.start()
+        v1, = json.loads(node.cli("vm", "ps", "--json").stdout)
+        assert [o["ref"] for o in v1["offline"]] == ["vmbase@1"], v1
+        assert "using the resolution of vmbase@1 from" in node.cli("vm", "ps").stdout
         node.cli("vm", "down", "v1")
     finally:
         away_store.back()
-    for sid in ("d1", "d2"):
+    for sid in ("d0", "d1", "d2", "d3"):
         node.cli("disk", "rm", sid)

@@ -158,6 +158,7 @@ def vm_ps(root: str, as_json: bool) -> None:
                          f"{' '.join(x.ref for x in r.layers) or '-'}")
             if r.error:
                 lines.append(f"{'':20} {r.error}")
+            lines += [f"{'':20} {used.note()}" for used in r.offline]
         return "\n".join(lines) if rows else "(no vms)"
 
     Output(as_json).emit([vm_doc(r) for r in rows], text)

@@ -23,13 +23,14 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import trio
 
-from ..builder.disk import DiskSource, publish_disk
+from ..builder.disk import DiskResult, DiskSource, publish_disk
 from ..errors import (
     DiskBroken,
     DiskBusy,
@@ -173,6 +174,10 @@ class DiskManager:
         disk = WritableDisk(path, state, chain)
         await trio.to_thread.run_sync(disk.open_files)
         self._register(disk, used)
+        if state.base and state.base_ref:  # a disk made before resolutions were kept
+            made = (path / "state.json").stat().st_mtime
+            await trio.to_thread.run_sync(self.refs.remember, LAYERS, state.base_ref,
+                                          state.base, made)
 
     async def remove(self, sid: str) -> None:
         disk = self._get(sid)
@@ -219,6 +224,7 @@ class DiskManager:
         result = await trio.to_thread.run_sync(
             lambda: publish_disk(self.refstore, source, name, version, parent,
                                  chunk_size=1 << 20))
+        await self._keep_commit(sid, result)
         disk.state.base, disk.state.base_ref, disk.state.commit_mark = (
             result.digest, result.ref, mark)
         await trio.to_thread.run_sync(WritableDisk.save_state, disk.path, disk.state)
@@ -228,6 +234,25 @@ class DiskManager:
                                 stored_bytes=result.manifest.stats.stored_bytes,
                                 uploaded_bytes=result.uploaded_bytes,
                                 parent=parent)
+
+    async def _keep_commit(self, sid: str, result: DiskResult) -> None:
+        """The committed layer's manifest, chunk table, resolution and index
+        (the chunks its trailer and index are in) kept on the node, so that
+        the disk, over it from now on, reopens while the store is away, and a
+        disk over it can be made then (its data is fetched on first read, as
+        any layer's). The commit stands if this fails (one warning)."""
+        manifest = result.manifest.to_bytes()
+        try:
+            table = await trio.to_thread.run_sync(
+                self.replica.fetch_table, self.refstore, result.digest, manifest,
+                result.manifest.chunk_table.digest)
+            async with AsyncExitStack() as held:  # the blob file only while its index is read
+                await SealedLayer.load(result.ref, self._hold_blob(held, result.digest, table))
+            await trio.to_thread.run_sync(self.refs.remember, LAYERS, result.ref,
+                                          result.digest, time.time())
+        except (LayerfsError, OSError) as exc:
+            log.warning("disk %s: %s is committed, but not kept on the node (%s): "
+                        "the disk reopens only with the store", sid, result.ref, exc)
 
     def describe(self, sid: str) -> DiskRecord:
         disk = self.disks[sid]

@@ -62,8 +62,12 @@ class NodeRefs:
         added to ``offline`` (and logged)."""
         ref = Ref.parse(text)
         if ref.digest is not None:
-            digest = self.refstore.resolve(kind, text)
-            self._keep_manifest(digest)
+            try:
+                digest = self.refstore.resolve(kind, text)
+                self._keep_manifest(digest)
+            except TransientStoreError as exc:  # a manifest the node does not hold
+                self._lost(exc)
+                raise never_resolved(exc, kind, text) from exc
             return digest
         assert ref.name is not None and ref.version is not None
         kept = self.replica.resolution(kind, ref.name, ref.version)
@@ -76,8 +80,7 @@ class NodeRefs:
                 self.replica.forget_resolution(kind, ref.name, ref.version)
             raise
         except TransientStoreError as exc:
-            if self.health is not None and isinstance(exc, StoreUnreachable):
-                self.health.lost(exc)
+            self._lost(exc)
             if kept is None:
                 raise never_resolved(exc, kind, text) from exc
             reason = "store unreachable" if isinstance(exc, StoreUnreachable) \
@@ -88,6 +91,21 @@ class NodeRefs:
         self.replica.keep_resolution(kind, ref.name, ref.version, digest, time.time(),
                                      self.refstore.manifest_bytes(digest))
         return digest
+
+    def remember(self, kind: str, text: str, digest: str, made: float) -> None:
+        """A resolution of ``text`` the node knows without asking (a layer it
+        published, a disk's recorded base), kept unless one is: so that it
+        resolves while the store is away. Only if the node holds the manifest."""
+        ref = Ref.parse(text)
+        if ref.digest is not None or ref.name is None or ref.version is None:
+            return
+        manifest = self.replica.manifest(digest)
+        if manifest is not None and self.replica.resolution(kind, ref.name, ref.version) is None:
+            self.replica.keep_resolution(kind, ref.name, ref.version, digest, made, manifest)
+
+    def _lost(self, exc: TransientStoreError) -> None:
+        if self.health is not None and isinstance(exc, StoreUnreachable):
+            self.health.lost(exc)
 
     def _use(self, digest: str, made: float, text: str, offline: list[OfflineRef],
              reason: str) -> str:
