@@ -211,8 +211,10 @@ def test_disks_over_a_base_with_the_store_away(node, store, away_store, tmp_path
     assert want["d0"] != want["d1"]
     settle(node)  # its chunks written to the cache: a kill -9 loses the writes in flight
     node.kill()
-    with closing(Replica(node.root)) as replica:  # as a node from before kept resolutions
+    with closing(Replica(node.root)) as replica:  # d0 as a disk from before kept resolutions
         replica.forget_resolution(LAYERS, "vmbase", "1")
+    kept = node.root / "disks" / "d0" / "base-kept"
+    kept.unlink()
     away_store.away()
     try:
         node.start()
@@ -220,6 +222,7 @@ def test_disks_over_a_base_with_the_store_away(node, store, away_store, tmp_path
         assert sorted(rows) == ["d0", "d1"] and not any(
             r.get("state") == "broken" for r in rows.values()), rows
         assert {sid: disk_sha(node, sid) for sid in want} == want
+        assert kept.exists()  # kept once, not at every start
         for sid, base in (("d2", "vmbase@1"), ("d3", "vmcommit@1")):
             made = node.cli("disk", "create", sid, "--base", base)
             assert offline_warning(base).match(made.stderr.strip()), made.stderr

@@ -52,6 +52,7 @@ from .replica import Replica
 from .sandboxes import SANDBOX_ID
 
 log = logging.getLogger(__name__)
+BASE_KEPT = "base-kept"  # in a disk's directory: its base's resolution is kept on the node
 
 
 class DiskManager:
@@ -152,6 +153,8 @@ class DiskManager:
         state = DiskState(sid, size, base_digest, base)
         undo.push_async_callback(self._delete_dir, self.dir / sid)
         await trio.to_thread.run_sync(WritableDisk.create, self.dir / sid, state)
+        if base:  # its resolution kept by the resolve
+            await trio.to_thread.run_sync((self.dir / sid / BASE_KEPT).touch)
         disk = WritableDisk(self.dir / sid, state, chain)
         await trio.to_thread.run_sync(disk.open_files)
         self._register(disk, used)
@@ -174,10 +177,21 @@ class DiskManager:
         disk = WritableDisk(path, state, chain)
         await trio.to_thread.run_sync(disk.open_files)
         self._register(disk, used)
-        if state.base and state.base_ref:  # a disk made before resolutions were kept
-            made = (path / "state.json").stat().st_mtime
-            await trio.to_thread.run_sync(self.refs.remember, LAYERS, state.base_ref,
-                                          state.base, made)
+        if state.base and state.base_ref and not (path / BASE_KEPT).exists():
+            await trio.to_thread.run_sync(self._keep_base, path, state)
+
+    def _keep_base(self, path: Path, state: DiskState) -> None:
+        """Worker thread: a disk made before the node kept resolutions has its
+        base's kept now, once (a resolution the store later forgets stays
+        forgotten); a failure is one warning, the disk is served."""
+        assert state.base and state.base_ref
+        try:
+            made = (path / "state.json").stat().st_mtime  # made, or last committed
+            self.refs.remember(LAYERS, state.base_ref, state.base, made)
+            (path / BASE_KEPT).touch()
+        except Exception as exc:  # noqa: BLE001 - only a fallback for a store outage
+            log.warning("disk %s: the resolution of its base %s is not kept (%s)",
+                        state.id, state.base_ref, exc)
 
     async def remove(self, sid: str) -> None:
         disk = self._get(sid)
@@ -224,10 +238,10 @@ class DiskManager:
         result = await trio.to_thread.run_sync(
             lambda: publish_disk(self.refstore, source, name, version, parent,
                                  chunk_size=1 << 20))
-        await self._keep_commit(sid, result)
         disk.state.base, disk.state.base_ref, disk.state.commit_mark = (
             result.digest, result.ref, mark)
         await trio.to_thread.run_sync(WritableDisk.save_state, disk.path, disk.state)
+        await self._keep_commit(sid, name, version, result)
         return DiskCommitAnswer(ref=result.ref, digest=result.digest,
                                 published=result.published,
                                 changed_bytes=sum(m.length for m in changes) * SECTOR,
@@ -235,12 +249,14 @@ class DiskManager:
                                 uploaded_bytes=result.uploaded_bytes,
                                 parent=parent)
 
-    async def _keep_commit(self, sid: str, result: DiskResult) -> None:
+    async def _keep_commit(self, sid: str, name: str, version: str,
+                           result: DiskResult) -> None:
         """The committed layer's manifest, chunk table, resolution and index
         (the chunks its trailer and index are in) kept on the node, so that
         the disk, over it from now on, reopens while the store is away, and a
-        disk over it can be made then (its data is fetched on first read, as
-        any layer's). The commit stands if this fails (one warning)."""
+        disk over it can be made then (the commit's data chunks are fetched on
+        first read, as any layer's). The commit stands if this fails (one
+        warning)."""
         manifest = result.manifest.to_bytes()
         try:
             table = await trio.to_thread.run_sync(
@@ -248,9 +264,11 @@ class DiskManager:
                 result.manifest.chunk_table.digest)
             async with AsyncExitStack() as held:  # the blob file only while its index is read
                 await SealedLayer.load(result.ref, self._hold_blob(held, result.digest, table))
-            await trio.to_thread.run_sync(self.refs.remember, LAYERS, result.ref,
-                                          result.digest, time.time())
-        except (LayerfsError, OSError) as exc:
+            # the node's own publication: it replaces what the node kept before
+            await trio.to_thread.run_sync(self.replica.keep_resolution, LAYERS, name, version,
+                                          result.digest, time.time(), manifest)
+            await trio.to_thread.run_sync((self.dir / sid / BASE_KEPT).touch)
+        except Exception as exc:  # noqa: BLE001 - the commit is published and recorded
             log.warning("disk %s: %s is committed, but not kept on the node (%s): "
                         "the disk reopens only with the store", sid, result.ref, exc)
 

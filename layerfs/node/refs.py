@@ -93,9 +93,9 @@ class NodeRefs:
         return digest
 
     def remember(self, kind: str, text: str, digest: str, made: float) -> None:
-        """A resolution of ``text`` the node knows without asking (a layer it
-        published, a disk's recorded base), kept unless one is: so that it
-        resolves while the store is away. Only if the node holds the manifest."""
+        """A resolution of ``text`` the node knows without asking (a disk's
+        recorded base), kept unless one is: so that it resolves while the
+        store is away. Only if the node holds the manifest."""
         ref = Ref.parse(text)
         if ref.digest is not None or ref.name is None or ref.version is None:
             return
