@@ -24,6 +24,7 @@ from test_node import publish_base_env, settle
 from layerfs.builder.disk import build_disk
 from layerfs.builder.env import create_env
 from layerfs.errors import ObjectNotFound, StoreUnreachable
+from layerfs.node.diskmanager import BASE_KEPT
 from layerfs.node.replica import Replica
 from layerfs.refstore import ENVS, LAYERS, RefStore
 from layerfs.store.base import TEMP_MARK
@@ -213,7 +214,7 @@ def test_disks_over_a_base_with_the_store_away(node, store, away_store, tmp_path
     node.kill()
     with closing(Replica(node.root)) as replica:  # d0 as a disk from before kept resolutions
         replica.forget_resolution(LAYERS, "vmbase", "1")
-    kept = node.root / "disks" / "d0" / "base-kept"
+    kept = node.root / "disks" / "d0" / BASE_KEPT
     kept.unlink()
     away_store.away()
     try:
