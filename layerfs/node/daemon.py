@@ -45,7 +45,14 @@ import trio
 from ..cache.chunkcache import ChunkCache
 from ..errors import LayerfsError, RefNotFound, UsageError
 from ..formats.erofs import write_meta_image
-from ..mounts import fs_type, mount_erofs, mounts_under, set_readahead, umount
+from ..mounts import (
+    fs_type,
+    mount_erofs,
+    mounts_under,
+    set_fuse_background,
+    set_readahead,
+    umount,
+)
 from ..refstore import LAYERS, RefStore
 from ..sizes import NO_SPACE, mib
 from ..store import open_store
@@ -117,6 +124,7 @@ class DaemonConfig:
     cache_form: str = "stored"  # a compressed chunk cached as its zstd frame, or "plain"
     read_timeout: float = 30.0
     fetch_parallel: int = 16
+    fuse_background: int = 64  # background FUSE requests in flight (the kernel's default: 12)
     readahead: int = 4 << 20  # kernel readahead window of the blob and disk files
     layer_readahead: int = 1 << 20  # kernel readahead window of the EROFS layer mounts
     miss_span: int = 0  # a small chunk's miss fetches the chunks after it, up to this
@@ -479,6 +487,11 @@ class Daemon:
             set_readahead(str(self.root / "fuse"), self.cfg.readahead)
         except OSError as exc:
             log.warning("cannot set the FUSE readahead window: %s", exc)
+        try:
+            await trio.to_thread.run_sync(set_fuse_background, str(self.root / "fuse"),
+                                          self.cfg.fuse_background)
+        except OSError as exc:
+            log.warning("cannot raise the FUSE connection's background requests: %s", exc)
 
     async def _serve_fuse(self) -> None:
         await pyfuse3.main()
