@@ -51,7 +51,7 @@ from typing import Any
 
 from bench import RESULTS, WORK, git_head
 from bench.daemons import DaemonRuns, clear_dir, print_footer
-from bench.real_env import ensure_base, load_marker, save_marker, tree_bytes
+from bench.real_env import load_marker, save_marker, tree_bytes
 from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.mounts import Overlay, mount_overlay, umount
@@ -65,8 +65,13 @@ TOOLCHAIN_PACKAGES = ("numpy", "numpy.libs", "click", "attr", "attrs", "trio", "
                       "packaging", "zstandard", "prometheus_client", "cffi",
                       "_cffi_backend.cpython-311-x86_64-linux-gnu.so", "yaml", "_yaml")
 IMPORTS = "numpy, click, attr, trio, idna, jmespath, dateutil, packaging, zstandard"
-WORKLOAD = (f"PYTHONPATH=/opt/tc python3 -c 'import {IMPORTS}' && "
+
+
+def workload(imports: str) -> str:
+    """The command each sandbox runs: imports from the toolchain, then the workspace read."""
+    return (f"PYTHONPATH=/opt/tc python3 -c 'import {imports}' && "
             "grep -r -c zzzz /ws > /dev/null; cat /ws/data/* > /dev/null")
+
 
 
 def sh(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:
@@ -95,6 +100,11 @@ def ensure_toolchain(work: Path) -> dict:
     return save_marker(marker, {"gen": GEN, "files": files, "bytes": size})
 
 
+def given_tree(tree: Path) -> dict:
+    files, size = tree_bytes(tree)
+    return {"id": f"given-{files}-{size}", "files": files, "bytes": size}
+
+
 def make_workspace(root: Path, seed: int, small_files: int) -> int:
     """A repository-like tree under ``root/ws``; its bytes."""
     rng = random.Random(seed)
@@ -117,21 +127,29 @@ def make_workspace(root: Path, seed: int, small_files: int) -> int:
 class Corpus:
     """The store, the shared layers and the workspaces (made as needed)."""
 
-    def __init__(self, work: Path, small_files: int) -> None:
+    def __init__(self, work: Path, small_files: int, base: str | None = None,
+                 toolchain: str | None = None) -> None:
         self.work = work
         self.small_files = small_files
         self.store = open_store(f"file://{work / 'store'}")
         self.refstore = RefStore(self.store)
-        self.base = work / "base"
-        self.toolchain = work / "toolchain"
+        self.given = base is not None  # trees made elsewhere (a machine without network)
+        self.base = Path(base).resolve() if base else work / "base"
+        self.toolchain = Path(toolchain).resolve() if toolchain else work / "toolchain"
 
     def shared(self) -> dict:
-        base_info = ensure_base(self.work)
-        tc_info = ensure_toolchain(self.work)
+        if self.given:
+            base_info = given_tree(self.base)
+            tc_info = given_tree(self.toolchain)
+        else:
+            from bench.real_env import ensure_base  # debootstrap: needs the network once
+
+            base_info = ensure_base(self.work)
+            tc_info = ensure_toolchain(self.work)
         refs = {}
         for role, tree, info in (("base", self.base, base_info),
                                  ("toolchain", self.toolchain, tc_info)):
-            name, version = f"storm/{role}", f"g{GEN}-{info.get('id', 'tc')}"
+            name, version = f"storm/{role}", f"g{GEN}-{info['id']}"
             if self.refstore.read_ref(LAYERS, name, version) is None:
                 print(f"pushing {name}@{version}...", flush=True)
                 build_layer(self.refstore, str(tree), BuildOptions(name, version, role=role))
@@ -186,11 +204,13 @@ def storm(creations: list[Any], threads: int, one: Any) -> dict:
 
 
 class LayerfsSide:
-    def __init__(self, runs: DaemonRuns, root: Path, corpus: Corpus, warm_env: str) -> None:
+    def __init__(self, runs: DaemonRuns, root: Path, corpus: Corpus, warm_env: str,
+                 command: str) -> None:
+        self.command = command
         self.node = runs.start(root, "storm", ["--store", f"file://{corpus.work / 'store'}"])
         self.client = Client(root)
         self.client.up("warm", env=warm_env, prefetch="none")
-        self.check(self.client.run("warm", ["sh", "-c", WORKLOAD], capture=True))
+        self.check(self.client.run("warm", ["sh", "-c", command], capture=True))
 
     @staticmethod
     def check(result: Any) -> None:
@@ -201,7 +221,7 @@ class LayerfsSide:
         sid, env = item
         self.client.up(sid, env=env, prefetch="none")
         try:
-            self.check(self.client.run(sid, ["sh", "-c", WORKLOAD], capture=True))
+            self.check(self.client.run(sid, ["sh", "-c", self.command], capture=True))
         finally:
             self.client.down(sid)
 
@@ -220,7 +240,7 @@ class LayerfsSide:
 class FloorSide:
     """Overlays of the local trees and ``runc run``: what a node does without layerfs."""
 
-    def __init__(self, scratch: Path, corpus: Corpus) -> None:
+    def __init__(self, scratch: Path, corpus: Corpus, command: str) -> None:
         self.scratch = scratch
         self.lowers = [str(corpus.toolchain), str(corpus.base)]
         scratch.mkdir(parents=True, exist_ok=True)
@@ -229,7 +249,7 @@ class FloorSide:
         sh(["runc", "spec"], cwd=template)
         self.config = json.loads((template / "config.json").read_text())
         self.config["process"]["terminal"] = False
-        self.config["process"]["args"] = ["sh", "-c", WORKLOAD]
+        self.config["process"]["args"] = ["sh", "-c", command]
         self.config["root"]["readonly"] = False
 
     def one(self, item: tuple[str, Path]) -> None:
@@ -262,6 +282,9 @@ def main() -> None:
     ap.add_argument("--envs", type=int, default=12, help="creations per storm")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--small-files", type=int, default=400)
+    ap.add_argument("--base", help="a base tree made elsewhere (default: debootstrap, once)")
+    ap.add_argument("--toolchain", help="a toolchain tree made elsewhere (its /opt/tc)")
+    ap.add_argument("--imports", default=IMPORTS, help="the packages the workload imports")
     ap.add_argument("--daemon-args", default="", help="more options for the daemon")
     ap.add_argument("--work", default=str(WORK / "storm"))
     ap.add_argument("--out", default=str(RESULTS / "storm.json"))
@@ -271,7 +294,8 @@ def main() -> None:
     threads = [int(t) for t in args.threads.split(",")]
     oddities: list[str] = []
     started = time.perf_counter()
-    corpus = Corpus(work, args.small_files)
+    corpus = Corpus(work, args.small_files, args.base, args.toolchain)
+    command = workload(args.imports)
     shared = corpus.shared()
     warm_env, _ = corpus.workspace(0)
     per_storm = args.envs
@@ -280,8 +304,9 @@ def main() -> None:
     results: list[dict] = []
     try:
         for rep in range(args.reps):
-            side = LayerfsSide(runs, clear_dir(work / "node", oddities), corpus, warm_env)
-            floor = FloorSide(clear_dir(work / "floor", oddities), corpus)
+            side = LayerfsSide(runs, clear_dir(work / "node", oddities), corpus, warm_env,
+                               command)
+            floor = FloorSide(clear_dir(work / "floor", oddities), corpus, command)
             for c in threads:
                 envs, trees = [], []
                 for _ in range(per_storm):
@@ -318,7 +343,7 @@ def main() -> None:
               f"{med['p99_ratio']:>6.2f} {lf['gets_per_creation']:>14.1f} "
               f"{lf['daemon_cpu_ms_per_creation']:>14.1f}")
     out = {"commit": git_head(), "machine": platform.node(), "cpus": os.cpu_count(),
-           "args": vars(args), "workload": WORKLOAD, "shared": shared,
+           "args": vars(args), "workload": command, "shared": shared,
            "reps": results, "summary": summary, "logs": runs.scan_logs()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
