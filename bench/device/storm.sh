@@ -22,7 +22,8 @@ for f in "$B/py/bin/python3.11" $(find "$B/py" "$D" -name '*.so*' -type f); do l
 cp -L /lib64/ld-linux-x86-64.so.2 "$base/lib64/"
 ln -s usr/lib "$base/lib"
 tc=$W/toolchain; mkdir -p "$tc/opt"; cp -a "$D" "$tc/opt/tc"
-cp -a "$REPO/bench" "$REPO/harness" "$W/run/"
+mkdir -p "$W/run/bench" "$W/run/harness"
+cp "$REPO"/bench/*.py "$W/run/bench/"; cp "$REPO"/harness/*.py "$W/run/harness/"
 cd "$W/run"
 echo "machine: $(nproc) cpus, $(uname -r)"
 BENCH_COMMIT=$COMMIT PYTHONPATH="$W/run:$D" PYTHONUNBUFFERED=1 python3.11 -m bench.storm \
