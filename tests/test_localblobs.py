@@ -2,7 +2,8 @@
 (``--fetch-whole-below``, layerfs/node/localblobs.py): few store requests for
 a new workspace of many small files, the same bytes as the source, reads that
 need no daemon (one killed with SIGKILL, the page cache dropped), a damaged
-local file fetched again before it is mounted, a layer that cannot be
+local file fetched again before it is mounted, a daemon killed while it
+fetches a layer whole (nothing partial left), a layer that cannot be
 fetched whole read lazily instead, and the files' bound.
 
 Tier: node (a real daemon, kernel EROFS and overlay mounts; root).
@@ -15,10 +16,15 @@ import hashlib
 import os
 import random
 import shutil
+import socket
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
+from nodes import LAYERFS, NodeDaemon
+from storeaway import Relay
 from support import build, need_root
 
 from layerfs.builder.env import create_env
@@ -182,3 +188,90 @@ def test_files_of_unused_layers_are_deleted_beyond_the_bound(tmp_path, store_loc
         assert [p for p in blobs.iterdir() if p.is_file()] == []  # unused, over the bound
     finally:
         assert node.cleanup() == []
+
+
+class GatedRelay(Relay):
+    """A relay to the S3 server whose answers stop while ``gate`` is clear: the
+    store hangs mid-request (connections open, no bytes)."""
+
+    def __init__(self, target: str) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        super().__init__(target)
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                return
+            upstream.settimeout(None)
+            with self.lock:
+                self.conns += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, self.gate),
+                             daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket,
+              gate: threading.Event | None = None) -> None:
+        try:
+            while data := src.recv(65536):
+                if gate is not None:
+                    gate.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            try:
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+
+def test_a_daemon_killed_while_it_fetches_a_layer_whole_leaves_no_partial_file(
+        tmp_path, store_location, published, store):
+    """SIGKILL while the store hangs in the middle of a layer's whole fetch:
+    nothing but a temporary is left, the next daemon removes it and fetches the
+    layer again, and the sandbox reads the right bytes."""
+    if store_location.endpoint is None:
+        pytest.skip("the hang is made by a relay in front of the S3 server")
+    relay = GatedRelay(store_location.endpoint)
+    node = NodeDaemon(tmp_path / "node", ["--store", store_location.url, "--s3-endpoint",
+                                          relay.endpoint], cache_size="256M",
+                      read_timeout=30.0, whole_below="32M").start()
+    try:
+        node.request("ps")  # connected
+        tmp = node.root / "blobs" / "tmp"
+        # the manifests, meta images and tables come through; the data hangs
+        refstore = RefStore(store)
+        table = refstore.chunk_table(refstore.layer(ws_digest(store)))
+        assert table.blob_size > 0
+        relay.gate.clear()
+        upping = subprocess.Popen([*LAYERFS, "up", "e@1", "--id", "s1", "--prefetch", "none",
+                                   "--root", str(node.root)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE)
+        time.sleep(1.0)
+        relay.gate.set()  # the objects before the data
+        deadline = time.monotonic() + 20
+        while not any(tmp.iterdir()) and time.monotonic() < deadline:
+            relay.gate.set()
+            time.sleep(0.002)
+            relay.gate.clear()
+            time.sleep(0.05)
+        assert any(tmp.iterdir()), "the whole fetch never started"
+        node.kill()  # the store still hanging
+        upping.wait(30)
+        assert upping.returncode != 0
+        relay.gate.set()
+        assert not (node.root / "blobs" / ws_digest(store).removeprefix("sha256:")).exists()
+        node.start()
+        assert list(tmp.iterdir()) == []  # the crash's temporary, removed at start
+        rootfs = up(node, "s2")
+        assert read_all(rootfs, published) == published
+        node.cli("down", "s2")
+    finally:
+        relay.gate.set()
+        assert node.cleanup() == []
+        relay.close()
