@@ -25,7 +25,10 @@ numpy, click, attr, trio, ...'``), ``grep -r`` over the workspace and ``cat``
 of its large files. Reported per storm: creations/s, up+run latency (p50,
 p99), and for layerfs the store requests (GETs) and daemon CPU seconds per
 creation; per C the medians over reps of the per-rep ratios layerfs/floor
-(creations/s and p99). Needs root.
+(creations/s and p99). After each rep's storms, **node-cached reads**: the
+warm sandbox's workspace (held by the node) read whole through the sandbox
+against its source tree on the local disk, the page cache dropped before
+each, alternating, 3 times. Needs root.
 
     python -m bench.storm [--threads 4,8] [--envs 12] [--reps 3] [--work DIR]
 
@@ -50,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import RESULTS, WORK, git_head
-from bench.daemons import DaemonRuns, clear_dir, print_footer
+from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
 from bench.real_env import load_marker, save_marker, tree_bytes
 from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer
@@ -274,6 +277,34 @@ class FloorSide:
         return storm([(f"floor-{tag}-{k}", ws) for k, ws in enumerate(trees)], threads, self.one)
 
 
+def read_tree(top: Path) -> tuple[int, float]:
+    """Every file under ``top`` read whole: bytes and seconds."""
+    start, total = time.perf_counter(), 0
+    for dirpath, _, files in os.walk(top):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb", buffering=0) as f:
+                while chunk := f.read(1 << 20):
+                    total += len(chunk)
+    return total, time.perf_counter() - start
+
+
+def cached_reads(side: LayerfsSide, corpus: Corpus, warm_env: str, reps: int = 3) -> dict:
+    """The warm env's workspace, which the node holds, read whole through the
+    warm sandbox against its source tree on the local disk, the page cache
+    dropped before each, alternating: node-cached data as sandboxes read it."""
+    _, src = corpus.workspace(0)
+    rootfs = Path(side.client.sandbox("warm").rootfs)  # type: ignore[union-attr]
+    times: dict[str, list[float]] = {"sandbox": [], "local": []}
+    for rep in range(reps):
+        for which in (("sandbox", "local") if rep % 2 == 0 else ("local", "sandbox")):
+            drop_caches()
+            _, secs = read_tree((rootfs if which == "sandbox" else src) / "ws")
+            times[which].append(secs)
+    ratios = [loc / sbx for sbx, loc in zip(times["sandbox"], times["local"], strict=True)]
+    return {"sandbox_s": times["sandbox"], "local_s": times["local"],
+            "speed_ratio": round(statistics.median(ratios), 3)}
+
+
 # -- the run --------------------------------------------------------------------------------
 
 def main() -> None:
@@ -302,6 +333,7 @@ def main() -> None:
     n = 1
     runs = DaemonRuns(work, oddities, "20G", daemon_args=args.daemon_args.split())
     results: list[dict] = []
+    cached: list[dict] = []
     try:
         for rep in range(args.reps):
             side = LayerfsSide(runs, clear_dir(work / "node", oddities), corpus, warm_env,
@@ -324,6 +356,8 @@ def main() -> None:
                 row["p99_ratio"] = round(row["layerfs"]["p99_s"] / row["floor"]["p99_s"], 3)
                 results.append(row)
                 print(json.dumps(row), flush=True)
+            cached.append(cached_reads(side, corpus, warm_env))
+            print(json.dumps({"rep": rep, "cached_reads": cached[-1]}), flush=True)
             side.client.down("warm")
             runs.finish(side.node)
     finally:
@@ -342,6 +376,11 @@ def main() -> None:
         print(f"{c:>3} {lf['rate']:>10.2f} {fl['rate']:>8.2f} {med['rate_ratio']:>7.2f} "
               f"{med['p99_ratio']:>6.2f} {lf['gets_per_creation']:>14.1f} "
               f"{lf['daemon_cpu_ms_per_creation']:>14.1f}")
+    if cached:
+        ratio = statistics.median(c["speed_ratio"] for c in cached)
+        summary["cached_reads_speed_ratio"] = ratio
+        print(f"node-cached workspace read whole, page cache dropped: {ratio:.2f}x the speed "
+              "of the same tree on the local disk")
     out = {"commit": git_head(), "machine": platform.node(), "cpus": os.cpu_count(),
            "args": vars(args), "workload": command, "shared": shared,
            "reps": results, "summary": summary, "logs": runs.scan_logs()}
