@@ -383,7 +383,7 @@ def main() -> None:
               "of the same tree on the local disk")
     out = {"commit": git_head(), "machine": platform.node(), "cpus": os.cpu_count(),
            "args": vars(args), "workload": command, "shared": shared,
-           "reps": results, "summary": summary, "logs": runs.scan_logs()}
+           "reps": results, "cached_reads": cached, "summary": summary, "logs": runs.scan_logs()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print_footer(out["logs"], oddities, f"{time.perf_counter() - started:.0f}s")
