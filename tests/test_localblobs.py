@@ -275,3 +275,23 @@ def test_a_daemon_killed_while_it_fetches_a_layer_whole_leaves_no_partial_file(
         relay.gate.set()
         assert node.cleanup() == []
         relay.close()
+
+
+def test_an_eager_up_of_local_layers_fetches_nothing_twice(tmp_path, store_location,
+                                                          whole_node, published, store):
+    """``--prefetch full`` and a pushed trace's replay leave out what is fetched
+    whole: the chunk cache stays empty, every byte is in the local files."""
+    lazy = NodeDaemon(tmp_path / "lazy", store_location.cli_args(), read_timeout=4.0).start()
+    try:  # a node that reads the workspace lazily records its trace and pushes it
+        assert read_all(up(lazy, "l1"), published) == published
+        lazy.cli("down", "l1")
+        lazy.cli("trace", "push", "ws@1")
+    finally:
+        assert lazy.cleanup() == []
+    for mode in ("full", "auto"):
+        rootfs = Path(whole_node.cli("up", "e@1", "--id", mode, "--prefetch", mode)
+                      .stdout.strip())
+        assert read_all(rootfs, published) == published
+        whole_node.cli("down", mode)
+    cache = whole_node.request("stats")["cache"]
+    assert cache["entries"] == 0 and cache["bytes_written"] == 0, cache

@@ -21,11 +21,13 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
+from ..formats.chunktable import ChunkTable
 from ..mounts import mount_erofs, umount
 from ..refstore import RefStore
 from .blobfiles import BlobDirectory, BlobFile
@@ -97,7 +99,7 @@ class LayerMounts:
             if layer is None:
                 layer = await self._mount(digest, replay, may_mount)
                 self.mounted[digest] = layer
-            elif replay is not None:
+            elif replay is not None and not layer.local:
                 replay.table_known(digest, layer.blob.table)
             layer.users += 1
             return layer
@@ -107,6 +109,8 @@ class LayerMounts:
         """Mount the layer from its meta image as checked just now: the open,
         hashed file itself (``/proc/self/fd/N``), never the name again."""
         reporter = replay.reporter(digest) if replay is not None else None
+        if reporter is not None and self.local is not None:
+            reporter = self._unless_local(reporter)
         start = time.perf_counter()
         meta = await trio.to_thread.run_sync(self.replica.checked_meta, self.refstore, digest,
                                              reporter)
@@ -143,6 +147,17 @@ class LayerMounts:
             if local is not None:
                 local.close()
         return MountedLayer(digest, blob, target, local=local is not None)
+
+    def _unless_local(self, reporter: Callable[[ChunkTable], None]
+                      ) -> Callable[[ChunkTable], None]:
+        """A trace replay's table reporter that leaves out a layer fetched
+        whole (its trace has nothing to add)."""
+        local = self.local
+
+        def report(table: ChunkTable) -> None:
+            if local is None or not local.wanted(table):
+                reporter(table)
+        return report
 
     def _adopted_local(self, digest: str, blob: BlobFile, target: Path,
                        hex_: str) -> MountedLayer:
@@ -241,8 +256,8 @@ async def detach(point: str) -> bool:
     return True
 
 
-def mount_layer(source: str, device: Path, target: Path, readahead: int) -> None:
+def mount_layer(source: str, device: str, target: Path, readahead: int) -> None:
     """Worker thread: a layer's mount point, then its EROFS mount of ``source``
     (the checked meta image) over the blob file ``device``."""
     target.mkdir(parents=True, exist_ok=True)
-    mount_erofs(source, str(device), str(target), directio=True, readahead=readahead)
+    mount_erofs(source, device, str(target), directio=True, readahead=readahead)

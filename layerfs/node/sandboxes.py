@@ -322,7 +322,8 @@ class Sandboxes:
         from the start of the up: :meth:`_replay`)."""
         if record.prefetch == "full":
             fetcher = self.layers.fetcher
-            entries = [e for d in record.layers for e in self.layers.mounted[d].blob.table.entries]
+            entries = [e for d in record.layers if not (m := self.layers.mounted[d]).local
+                       for e in m.blob.table.entries]  # a local layer is all on the node
             # half the fetch slots, so that sandboxes already up still get theirs
             await self.layers.blobs.prefetcher.fetch_all(entries,
                                                          workers=max(1, fetcher.parallel // 2))
