@@ -65,6 +65,7 @@ from layerfs.node.snapstore import (
     SnapshotInvalid,
     SnapshotPrecondition,
     SnapshotRecord,
+    SnapshotsClosed,
     SnapshotStore,
     check_labels,
 )
@@ -813,3 +814,31 @@ def test_a_tree_deeper_than_overlayfs_stacks_is_refused(tmp_path):
     assert sn.mounts_of(SnapshotRecord("z/c", ACTIVE, 9999, "z/50"))[0].type == "overlay"
     with pytest.raises(SnapshotInvalid, match="more than containerd passes to mount"):
         sn.mounts_of(SnapshotRecord("z/c", ACTIVE, 9999, "z/60"))
+
+
+def test_a_closed_store_waits_for_the_calls_inside_and_lets_no_more_in(tmp_path):
+    """The stop's guarantee: closing the gate waits for the calls inside (the
+    replica is closed only after), and from then on no record is read or
+    written (UNAVAILABLE), by a call still inside either."""
+    store = records_store(tmp_path)
+    inside, leave = threading.Event(), threading.Event()
+
+    def call() -> str:
+        with store.gate:
+            store.create(SnapshotRecord("g/1", ACTIVE, 0))
+            inside.set()
+            leave.wait(10)
+            try:
+                store.get("g/1")
+            except SnapshotsClosed as exc:
+                return exc.code
+            return "read"
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(call)
+        inside.wait(10)
+        assert store.gate.close(0.2) == 1  # still inside when the wait ended
+        leave.set()
+        assert running.result(10) == "UNAVAILABLE"
+    assert store.gate.close(1) == 0
+    with pytest.raises(SnapshotsClosed):
+        store.get("g/1")
