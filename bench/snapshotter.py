@@ -13,11 +13,13 @@ followed by containerd's filtered List of that chain and parent). Then:
    under its own key, from as many client threads: the wall time, against
    the single one's (the ratio), and every answer (all must be ALREADY_EXISTS
    and one snapshot made; it is kept, so the layers stay mounted below).
-2. **Cost against records.** ``--calls`` plain Prepares, each followed by its
-   Remove, and as many lazy Prepares on fresh committed parents (each a new
-   snapshot of the chain), each with its Remove: p50/p99 per call with no
-   other snapshot, then again with ``--records`` snapshots there (made by 16
-   client threads); the ratios.
+2. **Cost against records.** A second daemon (its own ROOT, the same
+   store) gets ``--records`` snapshots (made by 16 client threads). Then, on
+   both daemons in turn, call by call (so that the machine's load weighs on
+   both alike), ``--calls`` plain Prepares, each followed by its Remove, and
+   as many lazy Prepares on fresh committed parents (each a new snapshot of
+   the chain), each with its Remove: p50/p99 per call on the daemon with
+   (almost) no snapshot and on the one with ``--records``; the ratios.
 
 Needs root. ``python -m bench.snapshotter [--records 10000] [--concurrent 300]
 [--calls 200]``; prints a table and writes bench/results/snapshotter.json
@@ -121,27 +123,31 @@ def concurrent_lazy(caller: Caller, count: int) -> dict:
             "all_already_exists": set(codes) == {grpc.StatusCode.ALREADY_EXISTS}}
 
 
-def per_call(caller: Caller, calls: int, tag: str) -> dict:
+def per_call(callers: dict[str, Caller], calls: int) -> dict[str, dict]:
     """p50/p99 milliseconds of plain Prepare, Remove, and a lazy Prepare on a
-    fresh committed parent with its Remove."""
-    times: dict[str, list[float]] = {"prepare": [], "remove": [], "lazy_prepare": [],
-                                     "lazy_remove": []}
+    fresh committed parent with its Remove, on each daemon, in turn."""
+    times = {side: {"prepare": [], "remove": [], "lazy_prepare": [], "lazy_remove": []}
+             for side in callers}
     for n in range(calls):
-        times["prepare"].append(timed(partial(caller.prepare, f"{tag}/p/{n}")))
-        times["remove"].append(timed(partial(caller.remove, f"{tag}/p/{n}")))
-    parents = []
+        for side, caller in callers.items():
+            times[side]["prepare"].append(timed(partial(caller.prepare, f"t/p/{n}")))
+        for side, caller in callers.items():
+            times[side]["remove"].append(timed(partial(caller.remove, f"t/p/{n}")))
     for n in range(calls):
-        caller.prepare(f"{tag}/base-a/{n}")
-        caller.commit(f"{tag}/base/{n}", f"{tag}/base-a/{n}")
-        parents.append(f"{tag}/base/{n}")
-    for n, parent in enumerate(parents):
-        times["lazy_prepare"].append(timed(partial(caller.lazy, f"{tag}/l/{n}", parent)))
-        name = caller.lazy_name(parent)
-        times["lazy_remove"].append(timed(partial(caller.remove, name)))
-        caller.remove(parent)
-    return {what: {"p50_ms": round(statistics.median(ts) * 1e3, 2),
-                   "p99_ms": round(sorted(ts)[int(len(ts) * 0.99) - 1] * 1e3, 2)}
-            for what, ts in times.items()}
+        for caller in callers.values():
+            caller.prepare(f"t/base-a/{n}")
+            caller.commit(f"t/base/{n}", f"t/base-a/{n}")
+    for n in range(calls):
+        for side, caller in callers.items():
+            lazy = partial(caller.lazy, f"t/l/{n}", f"t/base/{n}")
+            times[side]["lazy_prepare"].append(timed(lazy))
+        for side, caller in callers.items():
+            name = caller.lazy_name(f"t/base/{n}")
+            times[side]["lazy_remove"].append(timed(partial(caller.remove, name)))
+            caller.remove(f"t/base/{n}")
+    return {side: {what: {"p50_ms": round(statistics.median(ts) * 1e3, 2),
+                          "p99_ms": round(sorted(ts)[int(len(ts) * 0.99) - 1] * 1e3, 2)}
+                   for what, ts in kinds.items()} for side, kinds in times.items()}
 
 
 def fill(caller: Caller, records: int) -> float:
@@ -162,21 +168,27 @@ def main() -> None:
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
     url, chain = imported_chain(args.work)
-    socket = args.work / "snapshotter.sock"
-    node = DaemonProcess(args.work / "root", ["--store", url])
-    node.extra_args = ["--containerd-snapshotter", str(socket)]
-    node.start()
+    nodes: dict[str, DaemonProcess] = {}
+    callers: dict[str, Caller] = {}
     try:
-        caller = Caller(socket, chain)
-        caller.prepare("warm/up")  # the connection made
-        caller.remove("warm/up")
-        lazy = concurrent_lazy(caller, args.concurrent)
-        empty = per_call(caller, args.calls, "empty")
-        fill_s = fill(caller, args.records)
-        full = per_call(caller, args.calls, "full")
+        for side in ("empty", "full"):
+            socket = args.work / f"{side}.sock"
+            nodes[side] = DaemonProcess(args.work / side, ["--store", url])
+            nodes[side].extra_args = ["--containerd-snapshotter", str(socket)]
+            nodes[side].start()
+            callers[side] = Caller(socket, chain)
+            callers[side].prepare("warm/up")  # the connection made
+            callers[side].remove("warm/up")
+        lazy = concurrent_lazy(callers["empty"], args.concurrent)
+        callers["full"].lazy("hold/lazy")  # the layers mounted there too, and kept
+        fill_s = fill(callers["full"], args.records)
+        measured = per_call(callers, args.calls)
     finally:
-        node.stop()
-        problems, _ = node.log_problems()
+        problems = []
+        for node in nodes.values():
+            node.stop()
+            problems += node.log_problems()[0]
+    empty, full = measured["empty"], measured["full"]
     result = {"commit": git_head(), "records": args.records, "fill_s": round(fill_s, 1),
               "concurrent_lazy": lazy, "per_call_empty": empty,
               f"per_call_at_{args.records}": full,
