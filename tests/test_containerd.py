@@ -489,8 +489,8 @@ def test_a_namespace_cannot_plant_a_tree_for_another_namespaces_lazy_chain(ctrd)
     plant(ctrd, ns, "evil2", "evil", top)
     # through the API as well: a Commit's label
     s, pb = ctrd.stub(), snapshots_pb2
-    s.Prepare(pb.PrepareSnapshotRequest(key="a-api/1/p"))
-    s.Commit(pb.CommitSnapshotRequest(name="a-api/2/c", key="a-api/1/p",
+    s.Prepare(pb.PrepareSnapshotRequest(key="b-api/1/p"))
+    s.Commit(pb.CommitSnapshotRequest(name="b-api/2/c", key="b-api/1/p",
                                       labels={TARGET: bottom}))
     try:
         cri_pull(ctrd.containerd.address, ctrd.lazy.ref)
@@ -500,14 +500,14 @@ def test_a_namespace_cannot_plant_a_tree_for_another_namespaces_lazy_chain(ctrd)
         asked = [i for a in s.List(pb.ListSnapshotsRequest(
             filters=[f'labels."{TARGET}"=={bottom},parent==""'])) for i in a.info]
         assert [i.name.split("/")[0] for i in asked] == [K8S], asked
-        planted = s.Stat(pb.StatSnapshotRequest(key="a-api/2/c")).info
+        planted = s.Stat(pb.StatSnapshotRequest(key="b-api/2/c")).info
         assert planted.labels[TARGET] == bottom  # kept as a label, naming nothing
         # another lazy Prepare of the chain is answered from layerfs's own snapshot
         with pytest.raises(grpc.RpcError) as lazy:
-            s.Prepare(pb.PrepareSnapshotRequest(key="a-api/3/l", labels={TARGET: bottom}))
+            s.Prepare(pb.PrepareSnapshotRequest(key="b-api/3/l", labels={TARGET: bottom}))
         assert lazy.value.code() == grpc.StatusCode.ALREADY_EXISTS
     finally:
-        s.Remove(pb.RemoveSnapshotRequest(key="a-api/2/c"))
+        s.Remove(pb.RemoveSnapshotRequest(key="b-api/2/c"))
         ctrd.ctr(*c, "rm", "evil2", namespace=ns, check=False)
         ctrd.ctr(*c, "rm", "evil", namespace=ns, check=False)
 
