@@ -46,7 +46,7 @@ from harness.containerdserver import (
     proxy_snapshotter_config,
     running_containerd,
 )
-from harness.daemonproc import LAYERFS
+from harness.daemonproc import LAYERFS, detach_mounts
 from harness.ociimages import busybox_rootfs, tiny_layers_image
 from harness.registryserver import RegistryServer, find_registry, push, start_registry
 from layerfs.builder.env import publish_env
@@ -663,6 +663,7 @@ def test_a_socket_in_a_directory_another_user_could_change_is_refused(local_user
                                                                shared / "s.sock")
         assert not [p for p in place.rglob("*.sock")]
     finally:
+        assert detach_mounts(place) == []  # (a daemon that started would have mounted)
         shutil.rmtree(place)
 
 
