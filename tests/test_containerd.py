@@ -26,8 +26,10 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +46,7 @@ from harness.containerdserver import (
     proxy_snapshotter_config,
     running_containerd,
 )
-from harness.daemonproc import LAYERFS
+from harness.daemonproc import LAYERFS, detach_mounts
 from harness.ociimages import busybox_rootfs, tiny_layers_image
 from harness.registryserver import RegistryServer, find_registry, push, start_registry
 from layerfs.builder.env import publish_env
@@ -54,6 +56,19 @@ from layerfs.builder.oci.sources import open_source
 from layerfs.errors import LayerInUse
 from layerfs.manifest import EnvLayer
 from layerfs.node.ctrdapi import snapshots_pb2, snapshots_pb2_grpc
+from layerfs.node.replica import Replica
+from layerfs.node.snapshotter import MAX_LOWERS, Snapshotter
+from layerfs.node.snapstore import (
+    ACTIVE,
+    COMMITTED,
+    MAX_LABELS,
+    SnapshotInvalid,
+    SnapshotPrecondition,
+    SnapshotRecord,
+    SnapshotsClosed,
+    SnapshotStore,
+    check_labels,
+)
 from layerfs.refstore import ENVS, RefStore
 from layerfs.retention import remove
 from layerfs.store.file import FileStore
@@ -418,6 +433,145 @@ def test_daemon_restart_under_a_running_container(ctrd):
         ctrd.ctr("container", "rm", "lazy-long", check=False)
 
 
+TARGET = "containerd.io/snapshot.ref"
+
+
+def lazy_chains(ctrd: World) -> tuple[str, str]:
+    """The lazy image's two chain IDs (bottom, top), as its CRI pull labels them."""
+    cri_pull(ctrd.containerd.address, ctrd.lazy.ref)
+    lazy = [i for i in backend_snapshots(ctrd) if i.kind == snapshots_pb2.COMMITTED
+            and i.labels.get(TARGET) and i.name.startswith(f"{K8S}/")]
+    bottom = next(i for i in lazy if i.parent == "")
+    top = next(i for i in lazy if i.parent == bottom.name)
+    return bottom.labels[TARGET], top.labels[TARGET]
+
+
+def drop_cri_images(ctrd: World) -> None:
+    """Every image of CRI's namespace removed, and with them their snapshots."""
+    names = ctrd.ctr("image", "ls", "-q").stdout.split()
+    if names:
+        ctrd.ctr("image", "rm", "--sync", *names)
+
+
+def upper_of(ctrd: World, namespace: str, key: str) -> Path:
+    """The writable directory of ``namespace``'s active snapshot ``key`` (layerfs's side)."""
+    name = next(i.name for i in backend_snapshots(ctrd)
+                if i.name.startswith(f"{namespace}/") and i.name.endswith(f"/{key}"))
+    mount = ctrd.stub().Mounts(snapshots_pb2.MountsRequest(key=name)).mounts[0]
+    if mount.type == "bind":
+        return Path(mount.source)
+    return Path(next(o for o in mount.options if o.startswith("upperdir=")).partition("=")[2])
+
+
+def plant(ctrd: World, namespace: str, key: str, parent: str, chain: str) -> None:
+    """A snapshot of ``namespace`` holding a file ``/planted``, committed as
+    ``key`` on ``parent`` and labelled (containerd's Update) as chain ``chain``."""
+    c = ("snapshots", "--snapshotter", SNAPSHOTTER)
+    ctrd.ctr(*c, "prepare", f"{key}-active", *([parent] if parent else []), namespace=namespace)
+    upper = upper_of(ctrd, namespace, f"{key}-active")
+    (upper / "etc").mkdir(exist_ok=True)
+    (upper / "etc" / "msg").write_bytes(b"planted\n")
+    (upper / "planted").write_bytes(b"x")
+    ctrd.ctr(*c, "commit", key, f"{key}-active", namespace=namespace)
+    ctrd.ctr(*c, "label", key, f"{TARGET}={chain}", namespace=namespace)
+
+
+def test_a_namespace_cannot_plant_a_tree_for_another_namespaces_lazy_chain(ctrd):
+    """A snapshot counts as a chain's only if layerfs made it from the layers
+    it verified: namespace ``a-planter`` commits trees labelled (by Update) as
+    the lazy image's chains, and CRI's pull in ``k8s.io`` still gets layerfs's
+    own snapshots, and so does containerd's filtered look-up."""
+    bottom, top = lazy_chains(ctrd)
+    drop_cri_images(ctrd)
+    assert not [i for i in backend_snapshots(ctrd) if i.labels.get(TARGET) == bottom]
+    ns, c = "a-planter", ("snapshots", "--snapshotter", SNAPSHOTTER)  # sorts before k8s.io
+    plant(ctrd, ns, "evil", "", bottom)
+    plant(ctrd, ns, "evil2", "evil", top)
+    # through the API as well: a Commit's label
+    s, pb = ctrd.stub(), snapshots_pb2
+    s.Prepare(pb.PrepareSnapshotRequest(key="b-api/1/p"))
+    s.Commit(pb.CommitSnapshotRequest(name="b-api/2/c", key="b-api/1/p",
+                                      labels={TARGET: bottom}))
+    try:
+        cri_pull(ctrd.containerd.address, ctrd.lazy.ref)
+        out = run_in(ctrd, ctrd.lazy, "unplanted", "sh", "-c",
+                     "cat /etc/msg; test -e /planted && echo PLANTED || echo clean")
+        assert out.split("\n")[:2] == ["hello from layerfs", "clean"], out
+        asked = [i for a in s.List(pb.ListSnapshotsRequest(
+            filters=[f'labels."{TARGET}"=={bottom},parent==""'])) for i in a.info]
+        assert [i.name.split("/")[0] for i in asked] == [K8S], asked
+        planted = s.Stat(pb.StatSnapshotRequest(key="b-api/2/c")).info
+        assert planted.labels[TARGET] == bottom  # kept as a label, naming nothing
+        # another lazy Prepare of the chain is answered from layerfs's own snapshot
+        with pytest.raises(grpc.RpcError) as lazy:
+            s.Prepare(pb.PrepareSnapshotRequest(key="b-api/3/l", labels={TARGET: bottom}))
+        assert lazy.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    finally:
+        s.Remove(pb.RemoveSnapshotRequest(key="b-api/2/c"))
+        ctrd.ctr(*c, "rm", "evil2", namespace=ns, check=False)
+        ctrd.ctr(*c, "rm", "evil", namespace=ns, check=False)
+
+
+def test_labels_are_bounded_in_number_and_size(ctrd):
+    s, pb = ctrd.stub(), snapshots_pb2
+    many = {f"l{k}": "v" for k in range(65)}
+    big = {f"l{k}": "v" * 4000 for k in range(5)}
+    for labels in (many, big):
+        assert code_of(s.Prepare, pb.PrepareSnapshotRequest(key="lb/x", labels=labels)) == \
+            grpc.StatusCode.INVALID_ARGUMENT
+    s.Prepare(pb.PrepareSnapshotRequest(key="lb/x", labels={"a": "1"}))
+    try:
+        assert code_of(s.Update, pb.UpdateSnapshotRequest(info=pb.Info(name="lb/x", labels=big),
+                                                          update_mask={"paths": ["labels"]})) \
+            == grpc.StatusCode.INVALID_ARGUMENT
+        assert dict(s.Stat(pb.StatSnapshotRequest(key="lb/x")).info.labels) == {"a": "1"}
+    finally:
+        s.Remove(pb.RemoveSnapshotRequest(key="lb/x"))
+
+
+def test_a_request_that_is_not_utf8_is_invalid_argument_not_a_traceback(ctrd):
+    channel = grpc.insecure_channel(f"unix:{ctrd.socket}")
+    for method in ("Prepare", "Stat", "Remove"):
+        call = channel.unary_unary(f"/containerd.services.snapshots.v1.Snapshots/{method}")
+        # field 2 (each one's key) holding the bytes ff fe
+        assert code_of(call, b"\x12\x02\xff\xfe") == grpc.StatusCode.INVALID_ARGUMENT
+    ctrd.node.check_log()  # no traceback, no error line
+
+
+def test_concurrent_lazy_prepares_of_one_chain_make_one_snapshot(ctrd):
+    """64 lazy Prepares of one chain on one parent at once: each answered
+    ALREADY_EXISTS, one snapshot made (the first Prepare's), the layers held once."""
+    bottom, _ = lazy_chains(ctrd)
+    s, pb = ctrd.stub(), snapshots_pb2
+    s.Prepare(pb.PrepareSnapshotRequest(key="cc/base-active"))
+    s.Commit(pb.CommitSnapshotRequest(name="cc/base", key="cc/base-active"))
+    users = {d: x["users"] for d, x in ctrd.node.request("stats")["layers"].items()}
+
+    def prepare(k: int) -> grpc.StatusCode:
+        return code_of(s.Prepare, pb.PrepareSnapshotRequest(key=f"cc/{k}", parent="cc/base",
+                                                            labels={TARGET: bottom}))
+    with ThreadPoolExecutor(64) as pool:
+        codes = list(pool.map(prepare, range(64)))
+    try:
+        assert set(codes) == {grpc.StatusCode.ALREADY_EXISTS}
+        made = [i.name for i in backend_snapshots(ctrd) if i.parent == "cc/base"]
+        assert len(made) == 1, made
+        after = {d: x["users"] for d, x in ctrd.node.request("stats")["layers"].items()}
+        assert sum(after.values()) == sum(users.values()) + 1  # one more hold, one layer
+    finally:
+        for name in [i.name for i in backend_snapshots(ctrd) if i.parent == "cc/base"]:
+            s.Remove(pb.RemoveSnapshotRequest(key=name))
+        s.Remove(pb.RemoveSnapshotRequest(key="cc/base"))
+
+
+def test_ps_lists_containerd_snapshots(ctrd):
+    lazy_chains(ctrd)
+    out = ctrd.node.cli("ps").stdout
+    assert "containerd snapshots:" in out, out
+    assert re.search(r"^committed\s+lazy, 2 layerfs layer\(s\)\s+k8s\.io/", out, re.M), out
+    assert re.search(r"^committed\s+lazy, 1 layerfs layer\(s\)\s+k8s\.io/", out, re.M), out
+
+
 def test_garbage_collection_removes_the_snapshots_their_mounts_and_files(ctrd):
     cri_pull(ctrd.containerd.address, ctrd.lazy.ref)
     assert ctrd.node.request("stats")["layers"]
@@ -433,14 +587,7 @@ def test_garbage_collection_removes_the_snapshots_their_mounts_and_files(ctrd):
 
 def refused_socket(tmp_path: Path, socket: Path) -> str:
     """The one error line of a daemon given ``--containerd-snapshotter socket`` (exit 2)."""
-    (tmp_path / "store").mkdir(exist_ok=True)
-    done = subprocess.run([*LAYERFS, "daemon", "--root", str(tmp_path / "root"), "--store",
-                           f"file://{tmp_path / 'store'}", "--containerd-snapshotter",
-                           str(socket)], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2, done.stderr
-    errors = [line for line in done.stderr.splitlines() if "error" in line]
-    assert len(errors) == 1 and "--containerd-snapshotter" in errors[0], done.stderr
-    return errors[0]
+    return refused_daemon(tmp_path, tmp_path / "root", socket)
 
 
 def test_a_socket_the_daemon_cannot_listen_at_is_one_error_line(tmp_path):
@@ -478,3 +625,221 @@ def test_a_local_user_cannot_reach_the_snapshotter(ctrd, local_user):
         assert tried.stdout.decode().strip() == "refused", tried
     finally:
         shutil.rmtree(place)
+
+
+def refused_daemon(tmp_path: Path, root: Path, socket: Path) -> str:
+    """The one error line of a daemon on ``root`` serving ``socket`` (exit 2)."""
+    (tmp_path / "store").mkdir(exist_ok=True)
+    done = subprocess.run([*LAYERFS, "daemon", "--root", str(root), "--store",
+                           f"file://{tmp_path / 'store'}", "--containerd-snapshotter",
+                           str(socket)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "--containerd-snapshotter" in errors[0], done.stderr
+    return errors[0]
+
+
+def test_a_socket_in_a_directory_another_user_could_change_is_refused(local_user):
+    """The user could rename the socket and bind their own, and containerd
+    (root) would take its mounts from them: the daemon refuses such a place,
+    as ``up --bundle`` refuses such a directory."""
+    place = Path(tempfile.mkdtemp(prefix="containerd-sock-"))
+    try:
+        place.chmod(0o755)
+        theirs = place / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, local_user.uid, local_user.gid)
+        assert local_user.run("touch", str(theirs / "mine")).returncode == 0  # theirs to change
+        line = refused_daemon(place, place / "root", theirs / "s.sock")
+        assert f"owned by uid {local_user.uid}" in line, line
+        below = theirs / "root-owned"  # root's directory below theirs: they can rename it
+        below.mkdir()
+        assert f"owned by uid {local_user.uid}" in refused_daemon(place, place / "root",
+                                                                  below / "s.sock")
+        shared = place / "shared"
+        shared.mkdir()
+        shared.chmod(0o777)  # anyone may rename in it (not sticky)
+        assert "writable by group or others" in refused_daemon(place, place / "root",
+                                                               shared / "s.sock")
+        assert not [p for p in place.rglob("*.sock")]
+    finally:
+        assert detach_mounts(place) == []  # (a daemon that started would have mounted)
+        shutil.rmtree(place)
+
+
+def test_a_root_the_overlay_options_cannot_carry_is_refused_at_start(tmp_path):
+    need_root()
+    for bad in ("a,b", "a:b"):
+        line = refused_daemon(tmp_path, tmp_path / bad / "root", tmp_path / "s.sock")
+        assert "overlay mount options cannot carry" in line, line
+
+
+@pytest.mark.daemon_log(r"containerd snapshotter stopped with \d+ call")
+def test_a_stop_under_a_flood_of_calls_is_clean(tmp_path):
+    """SIGTERM while 16 clients Prepare (lazily, half of them: an imported
+    chain) and Remove: exit 0, the calls answered, cancelled or refused with
+    UNAVAILABLE, no error line or traceback in the log (the replica is closed
+    only once no call uses it)."""
+    need_root()
+    layout = tiny_layers_image(tmp_path / "layout", "v1", [{"a": b"1"}, {"b": b"2"}])
+    source = open_source(f"oci:{layout}:v1")
+    try:
+        chain = import_image(RefStore(FileStore(tmp_path / "store")), source,
+                             ImportOptions("flood", "1")).chains[-1]
+    finally:
+        source.close()
+    node = NodeDaemon(tmp_path / "node", ["--store", f"file://{tmp_path / 'store'}"])
+    node.extra_args = ["--containerd-snapshotter", str(tmp_path / "s.sock")]
+    node.start()
+    stub = snapshots_pb2_grpc.SnapshotsStub(grpc.insecure_channel(f"unix:{tmp_path / 's.sock'}"))
+    pb = snapshots_pb2
+    stop = threading.Event()
+    seen: set[grpc.StatusCode] = set()
+    done = [0]
+
+    def flood(k: int) -> None:
+        labels = {TARGET: chain} if k % 2 else {}
+        n = 0
+        while not stop.is_set():
+            try:
+                try:
+                    stub.Prepare(pb.PrepareSnapshotRequest(key=f"f/{k}/{n}", labels=labels),
+                                 timeout=30)
+                    stub.Remove(pb.RemoveSnapshotRequest(key=f"f/{k}/{n}"), timeout=30)
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+                        raise
+                done[0] += 1
+            except grpc.RpcError as exc:
+                seen.add(exc.code())
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    return
+            n += 1
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            for k in range(16):
+                pool.submit(flood, k)
+            while done[0] < 300:
+                time.sleep(0.05)
+            assert node.stop() == 0
+            stop.set()
+        # queued calls no thread ran yet are cancelled, later ones refused
+        assert seen <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}, seen
+    finally:
+        stop.set()
+        node.cleanup()
+
+
+# -- the records and their indexes, without a daemon ---------------------------------
+
+def records_store(tmp_path: Path) -> SnapshotStore:
+    return SnapshotStore(Replica(tmp_path / "replica"))
+
+
+def test_the_indexes_follow_every_change_and_are_built_for_an_older_replica(tmp_path):
+    store = records_store(tmp_path)
+    chain = "sha256:" + "c" * 64
+    store.create(SnapshotRecord("n/1/base-a", ACTIVE, 0))
+    store.commit("n/1/base-a", "n/2/base", {}, 0, 0)
+    for k in range(20):
+        store.create(SnapshotRecord(f"n/3/{k}", ACTIVE, 0, "n/2/base"))
+    lazy = SnapshotRecord("n/4/lazy", COMMITTED, 0, "n/2/base", {TARGET: chain},
+                          layers=["sha256:" + "1" * 64], chain=chain)
+    assert store.create(lazy) is lazy
+    again = SnapshotRecord("n/5/lazy", COMMITTED, 0, "n/2/base", layers=lazy.layers, chain=chain)
+    assert store.create(again).name == "n/4/lazy"  # the one there is, nothing added
+    planted = SnapshotRecord("n/6/planted", COMMITTED, 0, "", {TARGET: chain})
+    store.create(planted)  # a label, no chain: not found as one
+    assert store.find_target(chain, "") is None
+    assert store.find_target(chain, "n/2/base").name == "n/4/lazy"
+    assert store.index_problems() == []
+    with pytest.raises(SnapshotPrecondition):
+        store.remove("n/2/base")
+    for k in range(20):
+        store.remove(f"n/3/{k}")
+    store.remove("n/4/lazy")
+    assert store.find_target(chain, "n/2/base") is None
+    assert store.index_problems() == []
+    store.remove("n/2/base")
+    # a replica written before the indexes: its lazy records (layers, which layerfs alone
+    # sets, and the Prepare's label) are found by chain, a labelled plain one is not
+    old_lazy = {"name": "o/1/lazy", "kind": COMMITTED, "id": 90, "parent": "",
+                "labels": {TARGET: chain}, "layers": lazy.layers}
+    old_plain = {"name": "o/2/plain", "kind": COMMITTED, "id": 91, "parent": "o/1/lazy",
+                 "labels": {TARGET: chain}}
+    replica = store.replica
+    with replica.env.begin(write=True) as txn:
+        for doc in (old_lazy, old_plain):
+            txn.put(doc["name"].encode(), json.dumps(doc).encode(), db=replica.dbs["snapshots"])
+        txn.delete(b"snapshot-indexes", db=replica.dbs["counters"])
+    store = SnapshotStore(replica)
+    assert store.index_problems() == []
+    assert store.find_target(chain, "").name == "o/1/lazy"
+    assert store.find_target(chain, "o/1/lazy") is None
+    with pytest.raises(SnapshotPrecondition):
+        store.remove("o/1/lazy")  # its child, found through the rebuilt index
+
+
+def test_labels_over_their_bounds_are_refused():
+    check_labels({f"k{n}": "v" * 200 for n in range(MAX_LABELS)})
+    with pytest.raises(SnapshotInvalid):
+        check_labels({f"k{n}": "v" for n in range(MAX_LABELS + 1)})
+    with pytest.raises(SnapshotInvalid):
+        check_labels({f"k{n}": "v" * 4000 for n in range(5)})
+
+
+def test_a_tree_deeper_than_overlayfs_stacks_is_refused(tmp_path):
+    """Past 500 lower directories (the kernel's limit), or overlay options
+    longer than containerd can pass to mount(2) even written relative, a
+    Prepare or View is refused with INVALID_ARGUMENT and says why."""
+    store = records_store(tmp_path)
+    sn = Snapshotter(tmp_path, store, None, None, None)  # (records and paths only)
+    parent = ""
+    with store.replica.env.begin(write=True) as txn:  # 501 committed, one on the other
+        for n in range(MAX_LOWERS + 1):
+            record = SnapshotRecord(f"d/{n}", COMMITTED, n + 1, parent)
+            txn.put(record.name.encode(), record.to_bytes(), db=store.db)
+            parent = record.name
+    assert len(sn.lowers(f"d/{MAX_LOWERS - 1}")) == MAX_LOWERS
+    with pytest.raises(SnapshotInvalid, match="more than 500 directories deep"):
+        sn.lowers(f"d/{MAX_LOWERS}")
+    assert sn.mounts_of(SnapshotRecord("d/c", ACTIVE, 9999, f"d/{MAX_LOWERS - 1}"))[0].type \
+        == "overlay"  # 500 directories ROOT/snapshots/N/fs: containerd writes them relative
+    with pytest.raises(SnapshotInvalid, match="more than 500 directories deep"):
+        sn.mounts_of(SnapshotRecord("d/c", ACTIVE, 9999, f"d/{MAX_LOWERS}"))
+    # lazy layers' directories are longer (ROOT/layers/<64 hex>): 60 are too long a page
+    for count in (50, 60):
+        layers = [f"sha256:{n:064x}" for n in range(count)]
+        store.create(SnapshotRecord(f"z/{count}", COMMITTED, 0, layers=layers,
+                                    chain=f"sha256:{count:064x}"))
+    assert sn.mounts_of(SnapshotRecord("z/c", ACTIVE, 9999, "z/50"))[0].type == "overlay"
+    with pytest.raises(SnapshotInvalid, match="more than containerd passes to mount"):
+        sn.mounts_of(SnapshotRecord("z/c", ACTIVE, 9999, "z/60"))
+
+
+def test_a_closed_store_waits_for_the_calls_inside_and_lets_no_more_in(tmp_path):
+    """The stop's guarantee: closing the gate waits for the calls inside (the
+    replica is closed only after), and from then on no record is read or
+    written (UNAVAILABLE), by a call still inside either."""
+    store = records_store(tmp_path)
+    inside, leave = threading.Event(), threading.Event()
+
+    def call() -> str:
+        with store.gate:
+            store.create(SnapshotRecord("g/1", ACTIVE, 0))
+            inside.set()
+            leave.wait(10)
+            try:
+                store.get("g/1")
+            except SnapshotsClosed as exc:
+                return exc.code
+            return "read"
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(call)
+        inside.wait(10)
+        assert store.gate.close(0.2) == 1  # still inside when the wait ended
+        leave.set()
+        assert running.result(10) == "UNAVAILABLE"
+    assert store.gate.close(1) == 0
+    with pytest.raises(SnapshotsClosed):
+        store.get("g/1")

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from layerfs.errors import UsageError
 from layerfs.node.client import Client
-from layerfs.node.protocol import utc_time
+from layerfs.node.protocol import PsAnswer, utc_time
 
 from .common import Output, human_bytes, warn_offline
 
@@ -75,7 +75,8 @@ def down(sid: str, keep_upper: bool, force: bool, root: str, as_json: bool) -> N
 def ps(root: str, as_json: bool) -> None:
     from layerfs.node.limits import describe
 
-    rows = Client(root).ps()
+    answer = Client(root).ps_all()
+    rows = answer.sandboxes
 
     def text() -> str:
         lines = [f"{'ID':20} {'STATE':11} {'UPPER':>10} {'LAYERS READ':>11}  LAYERS"]
@@ -87,9 +88,29 @@ def ps(root: str, as_json: bool) -> None:
             limits = f"  (limits: {describe(r.limits)})" if r.limits.given() else ""
             lines.append(f"{r.id:20} {r.state:11} {human_bytes(r.upper_bytes):>10} "
                          f"{human_bytes(r.layer_bytes_read):>11}  {refs}{limits}")
-        return "\n".join(lines)
+        return "\n".join(lines + containerd_rows(answer))
 
     Output(as_json).emit([sandbox_json(r) for r in rows], text)
+
+
+def containerd_rows(answer: PsAnswer) -> list[str]:
+    """``ps``'s section of containerd's snapshots (none: no section)."""
+    if not answer.snapshot_count:
+        return []
+    shown = len(answer.snapshots)
+    more = f", the first {shown} listed" if shown < answer.snapshot_count else ""
+    lines = ["", f"containerd snapshots: {answer.snapshot_count}{more}",
+             f"{'KIND':10} {'TREE':32}  NAME (PARENT)"]
+    for snap in answer.snapshots:
+        tree = (f"lazy, {snap.layers} layerfs layer(s)" if snap.chain else "plain")
+        parent = f"  ({printable(snap.parent)})" if snap.parent else ""
+        lines.append(f"{snap.kind:10} {tree:32}  {printable(snap.name)}{parent}")
+    return lines
+
+
+def printable(text: str) -> str:
+    """``text`` as one line: a containerd key may hold any character."""
+    return text if text.isprintable() else ascii(text)
 
 
 def stats(root: str, as_json: bool) -> None:

@@ -115,7 +115,11 @@ class Client:
 
     def ps(self) -> list[SandboxStatus]:
         """Every sandbox: its record, upper size and bytes read from its layers."""
-        return call(self.root, protocol.Ps(), protocol.PsAnswer, self.timeout).sandboxes
+        return self.ps_all().sandboxes
+
+    def ps_all(self) -> protocol.PsAnswer:
+        """``ps``'s whole answer: the sandboxes and containerd's snapshots."""
+        return call(self.root, protocol.Ps(), protocol.PsAnswer, self.timeout)
 
     def sandbox(self, sandbox_id: str) -> SandboxStatus | None:
         """One sandbox's status (only its upper is measured), None if unknown."""

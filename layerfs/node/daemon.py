@@ -551,7 +551,11 @@ class Daemon:
             await trio.to_thread.run_sync(self.space.retake)
 
     async def ps(self, r: protocol.Ps) -> protocol.PsAnswer:
-        return protocol.PsAnswer(await self.sandboxes.ps(r.id))
+        sandboxes = await self.sandboxes.ps(r.id)
+        if self.snapshots is None or r.id is not None:
+            return protocol.PsAnswer(sandboxes)
+        count, rows = await trio.to_thread.run_sync(self.snapshots.snapshotter.ps_rows)
+        return protocol.PsAnswer(sandboxes, rows, count)
 
     async def commit(self, r: protocol.Commit) -> protocol.CommitAnswer:
         return await self.sandboxes.commit(r.id, r.name, r.version, r.role, r.expire)

@@ -276,8 +276,21 @@ class SandboxAnswer(Message):
     sandbox: SandboxRecord
 
 
+class ContainerdSnapshot(Message):
+    """A row of ``ps``'s containerd section: a snapshot of containerd's snapshotter."""
+
+    name: str
+    kind: str  # active, view or committed
+    parent: str = ""
+    chain: str = ""  # a lazy snapshot's chain ID, its layers layerfs's; "" for a plain one
+    layers: int = 0  # a lazy snapshot's layerfs layers
+    created: float = 0.0
+
+
 class PsAnswer(Message):
     sandboxes: list[SandboxStatus]
+    snapshots: list[ContainerdSnapshot] = field(default_factory=list)  # the first MAX_PS_ROWS
+    snapshot_count: int = 0  # containerd's snapshots in all
 
 
 class CommitAnswer(Message):
