@@ -64,8 +64,8 @@ class Client:
         in bytes (swap included), ``cpus`` (CPU time, 0.5: half of one),
         ``pids`` (processes and threads), enforced in every ``run`` and
         ``bundle_dir`` bundle, and ``disk_quota``, the bytes its writable
-        layer may hold (ROOT on btrfs with quotas); a limit the node cannot
-        enforce is refused (:class:`~layerfs.errors.LimitUnsupported`, exit
+        layer may hold (a btrfs qgroup or an ext4 image: docs/node.md); a
+        limit the node cannot enforce is refused (:class:`~layerfs.errors.LimitUnsupported`, exit
         17). With ``bundle_dir``, also write an
         OCI runtime bundle for it there (``runc run -b DIR ID``), or take it
         down again if that fails. A bundle directory another user could change
