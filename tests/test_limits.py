@@ -120,6 +120,18 @@ def test_a_memory_hog_is_oom_killed(node, runtime):
         proc = run(node, runtime, sid, MEMORY_HOG)
         assert proc.returncode == 137, (proc.returncode, proc.stdout, proc.stderr)
         assert "survived" not in proc.stdout
+        assert proc.stderr.endswith("layerfs: run killed: memory limit 32M reached "
+                                    "(OOM kill)\n"), proc.stderr
+        left = [d for p in Path("/sys/fs/cgroup").iterdir()
+                for d in (p / "layerfs").glob(f"{sid}-*")]
+        assert left == []  # the run's cgroups went with it, in every hierarchy
+        # a SIGKILL that is no OOM kill says nothing
+        killed = run(node, runtime, sid, "sh -c 'kill -9 $$'; exit $?")
+        assert killed.returncode == 137 and "layerfs" not in killed.stderr, killed.stderr
+        result = Client(node.root).run(sid, ["sh", "-c", MEMORY_HOG], runtime=runtime,
+                                       capture=True)  # the API's captured stderr says it too
+        assert result.exit_code == 137 and result.stderr is not None
+        assert result.stderr.endswith(b"memory limit 32M reached (OOM kill)\n"), result.stderr
         node_is_fine(node, runtime, sid)
     finally:
         node.cli("down", sid)
