@@ -8,6 +8,7 @@ enforce is refused with exit 17."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -25,7 +26,9 @@ from support import build, need_root, small_ext4
 from harness import daemonproc
 from harness.daemonproc import LAYERFS
 from harness.ociimages import busybox_rootfs
-from layerfs.node import Client
+from layerfs.mounts import fs_type
+from layerfs.node import Client, quota
+from layerfs.node.sandboxes import remove_sandbox_dir
 from layerfs.store import open_store
 
 RUNTIMES = ("runc", "crun")
@@ -415,3 +418,28 @@ def restart_without_keeper(node: NodeDaemon) -> None:
     node.kill()
     os.kill(int(keepers[-1]), signal.SIGKILL)
     node.start()
+
+
+def test_btrfs_with_quotas_off_gets_an_ext4_image(tmp_path):
+    """ROOT on btrfs whose quotas are off: a quota is an image too, not a refusal."""
+    need_root()
+    image, point = tmp_path / "off.img", tmp_path / "off"
+    with open(image, "wb") as f:
+        f.truncate(256 * MiB)
+    subprocess.run(["mkfs.btrfs", "-q", str(image)], check=True, capture_output=True)
+    point.mkdir()
+    subprocess.run(["mount", "-o", "loop", str(image), str(point)], check=True)
+    try:
+        sdir = point / "sandboxes" / "s"
+        sdir.parent.mkdir()
+        quota.make_quota_dir(sdir, 8 * MiB)
+        assert fs_type(sdir) == "ext4" and mounts_at(sdir) == 1
+        with pytest.raises(OSError) as full, open(sdir / "big", "wb") as f:
+            for _ in range(16):
+                f.write(b"\0" * MiB)
+                os.fsync(f.fileno())
+        assert full.value.errno == errno.ENOSPC
+        remove_sandbox_dir(sdir, keep_upper=False)
+        assert not sdir.exists() and mounts_at(sdir) == 0
+    finally:
+        subprocess.run(["umount", "-R", str(point)], check=True)
