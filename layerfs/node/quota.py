@@ -35,6 +35,7 @@ import shutil
 import stat
 import struct
 import subprocess
+import time
 from pathlib import Path
 
 from ..errors import LimitUnsupported
@@ -53,6 +54,7 @@ MKFS = "mkfs.ext4"
 MKFS_OPTIONS = ("-q", "-F", "-m", "0", "-E", "root_owner=0:0,assume_storage_prezeroed=1")
 MOUNT_OPTIONS = "loop,nosuid,nodev,discard"
 TOOL_TIMEOUT = 120  # seconds for mkfs or mount of one image
+LOOP_RUNDOWN_WAIT = 5.0  # seconds a remount waits for a loop device being freed
 
 
 def fs_type(path: Path) -> int:
@@ -196,9 +198,43 @@ def mounted_among(paths: list[Path]) -> list[Path]:
 
 def remount(path: Path) -> None:
     """Worker thread: a restored sandbox's image mounted on its directory
-    again, unless it is mounted already (or the sandbox has none)."""
-    if (path / IMAGE).exists() and not image_mounted(path):
+    again, unless it is mounted already (or the sandbox has none). A mount
+    that fails while the loop device of its detached earlier mount is being
+    freed (the kernel does that in a work item after the last close) is
+    tried again once that device is gone."""
+    if not (path / IMAGE).exists() or image_mounted(path):
+        return
+    try:
         mount_image(path)
+    except LimitUnsupported:
+        if not wait_loops_gone(path / IMAGE, LOOP_RUNDOWN_WAIT):
+            raise
+        mount_image(path)
+
+
+def loops_of(image: Path) -> list[Path]:
+    """The loop devices (their sysfs directories) backed by ``image``."""
+    found = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            if backing.read_text().strip() == str(image):
+                found.append(backing.parent.parent)
+        except OSError:
+            continue
+    return found
+
+
+def wait_loops_gone(image: Path, seconds: float) -> bool:
+    """Wait until no loop device is backed by ``image`` (at most ``seconds``);
+    whether there was one to wait for and it went."""
+    if not loops_of(image):
+        return False
+    deadline = time.monotonic() + seconds
+    while loops_of(image):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def unmount_image(path: Path) -> None:
