@@ -9,6 +9,7 @@ benchmarks start (SeaweedFS, a registry, OCI images) come from
 holds every benchmark's latest run.
 """
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -19,7 +20,10 @@ WORK = BENCH / "work"
 
 
 def git_head() -> str:
-    """The commit the tree is at, with ``+changes`` if files differ from it."""
+    """The commit the tree is at, with ``+changes`` if files differ from it
+    (``BENCH_COMMIT`` where the tree is not a git checkout: a bundle's run)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, check=True).stdout.strip()

@@ -45,6 +45,7 @@ class DaemonProcess:
         self.log_path = log_path or root.parent / f"{root.name}-daemon.log"
         self.request_timeout = request_timeout
         self.proc: subprocess.Popen | None = None
+        self.fixed_args: list[str] = []  # `layerfs daemon` options of every start
         self.extra_args: list[str] = []  # more `layerfs daemon` options
         self.command = LAYERFS  # the program run as `layerfs`
 
@@ -55,7 +56,8 @@ class DaemonProcess:
             self.proc = subprocess.Popen(
                 [*self.command, "daemon", "--root", str(self.root), *self.store_args,
                  "--cache-size", self.cache_size, "--read-timeout", str(self.read_timeout),
-                 "--log-level", "info", *self.extra_args], stdout=log, stderr=log)
+                 "--log-level", "info", *self.fixed_args, *self.extra_args],
+                stdout=log, stderr=log)
         proc = self.proc
         if not wait_ready(self.root, lambda: proc.poll() is None, timeout):
             raise RuntimeError(f"daemon did not start:\n{self.log()[-4000:]}")

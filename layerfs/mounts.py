@@ -31,6 +31,7 @@ from pathlib import Path
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
+MS_NOEXEC = 8
 SAFE_FLAGS = MS_NOSUID | MS_NODEV  # on every mount of layer content
 MNT_DETACH = 2
 MAX_LOWER_LAYERS = 500  # overlayfs's OVL_MAX_STACK: lower layers one overlay may have
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 _readahead_warned = False  # one warning per process
 
 MOUNTINFO = "/proc/self/mountinfo"
+FUSECTL = "/sys/fs/fuse/connections"  # fusectl: each FUSE connection's settings
 _ESCAPE = re.compile(rb"\\([0-7]{3})")  # mountinfo escapes space, tab, newline, backslash as octal
 
 _libc = ctypes.CDLL(None, use_errno=True)  # libc, already loaded: no `ldconfig -p` run
@@ -250,6 +252,26 @@ def set_readahead(path: str, nbytes: int) -> None:
     if not devs:
         raise OSError(errno.ENOENT, f"nothing mounted on {target}")
     _write_readahead(devs[-1], nbytes)
+
+
+def set_fuse_background(path: str, requests: int) -> None:
+    """Let the FUSE connection mounted at ``path`` have ``requests``
+    background requests (readahead and direct reads of the kernel's own,
+    EROFS's and loop devices') in flight at once, not the kernel's default
+    12: each waits for its own store read, so 12 would cap a node's misses
+    however many cores and store connections it has. Set through fusectl
+    (mounted on ``FUSECTL`` first if it is not); the congestion threshold
+    goes to three quarters of it."""
+    target = os.path.abspath(path)
+    devs = [m.device for m in mount_table() if m.point == target]
+    if not devs:
+        raise OSError(errno.ENOENT, f"nothing mounted on {target}")
+    major, minor = (int(n) for n in devs[-1].split(":"))
+    conn = Path(FUSECTL) / str(major << 20 | minor)  # the kernel's own dev_t, as fusectl names it
+    if not conn.is_dir() and not any(m.fstype == "fusectl" for m in mount_table()):
+        mount("fusectl", FUSECTL, "fusectl", SAFE_FLAGS | MS_NOEXEC, "")
+    (conn / "max_background").write_text(f"{requests}\n")
+    (conn / "congestion_threshold").write_text(f"{max(1, requests * 3 // 4)}\n")
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,16 @@ TEST_EXPECTS: list[re.Pattern[str]] = []
 
 
 class NodeDaemon(DaemonProcess):
-    """A daemon with short timeouts, and the CLI pointed at its root."""
+    """A daemon with short timeouts, and the CLI pointed at its root.
+
+    Its layers are read lazily through FUSE whatever their size
+    (``--fetch-whole-below 0``: the path most tests exercise) unless
+    ``whole_below`` says otherwise (tests/test_localblobs.py)."""
 
     def __init__(self, root: Path, store_args: list[str], cache_size: str = "1G",
-                 read_timeout: float = 5.0) -> None:
+                 read_timeout: float = 5.0, whole_below: str = "0") -> None:
         super().__init__(root, store_args, cache_size, read_timeout)
+        self.fixed_args = ["--fetch-whole-below", whole_below]
         self.expected: list[re.Pattern[str]] = []
         self.log_checked = 0  # the log's bytes already checked
         DAEMONS.add(self)

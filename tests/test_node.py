@@ -410,7 +410,8 @@ def test_blob_file_is_read_only_and_exact(node, store):
 
 def test_readahead_windows_and_direct_blob_reads(node):
     """The kernel's answer to FUSE_INIT would cap readahead at 128 KiB; the
-    daemon widens it (default 4 MiB) so blob reads arrive as 1 MiB requests.
+    daemon widens it (default 4 MiB) so blob reads arrive as 1 MiB requests,
+    and lets 64 of them be in flight.
     Layer mounts read their blob with O_DIRECT and a 1 MiB window of their own."""
     before = {b for b in os.listdir("/sys/class/bdi") if b.startswith("erofs-")}
     up(node, "s1")
@@ -419,6 +420,10 @@ def test_readahead_windows_and_direct_blob_reads(node):
     fuse = str(node.root / "fuse")
     dev = next(fields[2] for fields in lines if fields[4] == fuse)
     assert Path(f"/sys/class/bdi/{dev}/read_ahead_kb").read_text().strip() == "4096"
+    # and 64 background requests in flight, not the kernel's 12 (fusectl names it by dev_t)
+    major, minor = (int(n) for n in dev.split(":"))
+    conn = Path(f"/sys/fs/fuse/connections/{major << 20 | minor}")
+    assert (conn / "max_background").read_text().strip() == "64"
     layers = [fields for fields in lines if fields[4].startswith(str(node.root / "layers"))]
     assert len(layers) == 2 and all("directio" in fields[-1].split(",") for fields in layers)
     new = {b for b in os.listdir("/sys/class/bdi") if b.startswith("erofs-")} - before

@@ -280,7 +280,7 @@ def take_over(node: NodeDaemon) -> None:
 def node_argv(node: NodeDaemon) -> list[str]:
     return [*LAYERFS, "daemon", "--root", str(node.root), *node.store_args,
             "--cache-size", node.cache_size, "--read-timeout", str(node.read_timeout),
-            "--log-level", "info", *node.extra_args]
+            "--log-level", "info", *node.fixed_args, *node.extra_args]
 
 
 def test_kill_9_keeps_every_sandbox_and_read(live, tmp_path):

@@ -58,6 +58,13 @@ def json_option(fn):
 @click.option("--miss-span", default="0", show_default=True,
               help="A read that misses a smaller chunk fetches it together with the chunks "
                    "after it in its pack, up to this many bytes in all (0: alone).")
+@click.option("--fetch-whole-below", default="32M", show_default=True, metavar="SIZE",
+              help="A layer whose data is at most SIZE is fetched whole when it is first "
+                   "mounted on the node (a few large store reads) into a local file the "
+                   "kernel reads directly; larger layers are read lazily (0: none).")
+@click.option("--local-blobs", default="4G", show_default=True, metavar="SIZE",
+              help="Bound of the whole-layer files under ROOT/blobs: files of layers no "
+                   "sandbox uses are deleted, oldest use first, beyond it.")
 @click.option("--store-fetches", default=16, show_default=True,
               help="Store reads (a chunk or a run of chunks each) the daemon has in flight "
                    "at once.")
@@ -92,7 +99,8 @@ def json_option(fn):
               type=click.Choice(["debug", "info", "warning", "error"]))
 def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size: str,
            reserve: str, cache_form: str, read_timeout: float, readahead: str, layer_readahead: str,
-           miss_span: str, store_fetches: int, fuse_group: str | None, takeover: bool,
+           miss_span: str, fetch_whole_below: str, local_blobs: str, store_fetches: int,
+           fuse_group: str | None, takeover: bool,
            live_restart: bool, restart_grace: float, forget_after: str | None,
            metrics: str | None, containerd_snapshotter: str | None, containerd_prefetch: str,
            log_format: str, log_level: str) -> None:
@@ -121,6 +129,8 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
                        readahead=parse_size(readahead),
                        layer_readahead=parse_size(layer_readahead),
                        miss_span=parse_size(miss_span), fetch_parallel=store_fetches,
+                       fetch_whole_below=parse_size(fetch_whole_below),
+                       local_blobs=parse_size(local_blobs),
                        fuse_group=group_id(fuse_group) if fuse_group else None,
                        takeover=takeover, live_restart=live_restart,
                        restart_grace=restart_grace,

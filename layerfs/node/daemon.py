@@ -45,7 +45,14 @@ import trio
 from ..cache.chunkcache import ChunkCache
 from ..errors import LayerfsError, RefNotFound, UsageError
 from ..formats.erofs import write_meta_image
-from ..mounts import fs_type, mount_erofs, mounts_under, set_readahead, umount
+from ..mounts import (
+    fs_type,
+    mount_erofs,
+    mounts_under,
+    set_fuse_background,
+    set_readahead,
+    umount,
+)
 from ..refstore import LAYERS, RefStore
 from ..sizes import NO_SPACE, mib
 from ..store import open_store
@@ -60,6 +67,7 @@ from .fetcher import ChunkFetcher
 from .forget import LayerForgetter
 from .fusefs import NodeFS
 from .layermounts import LayerMounts
+from .localblobs import LocalBlobs
 from .metacheck import MetaChecker
 from .metrics import CountingLog, MetricsAddress, NodeMetrics, NodeReadings
 from .prefetch import Prefetcher
@@ -74,7 +82,8 @@ from .traces import merge_traces, trace_bytes, trace_key
 from .vms import Vms
 
 log = logging.getLogger(__name__)
-ROOT_ONLY_DIRS = ("cache", "fuse", "layers", "sandboxes", "disks", "snapshots", "replica.lmdb")
+ROOT_ONLY_DIRS = ("blobs", "cache", "fuse", "layers", "sandboxes", "disks", "snapshots",
+                  "replica.lmdb")
 PROBE = ".mount-probe"
 # allow_other: root's own mounts and loop devices are not the daemon's
 # process; default_permissions: the kernel enforces NodeFS's modes
@@ -115,9 +124,12 @@ class DaemonConfig:
     cache_form: str = "stored"  # a compressed chunk cached as its zstd frame, or "plain"
     read_timeout: float = 30.0
     fetch_parallel: int = 16
+    fuse_background: int = 64  # background FUSE requests in flight (the kernel's default: 12)
     readahead: int = 4 << 20  # kernel readahead window of the blob and disk files
     layer_readahead: int = 1 << 20  # kernel readahead window of the EROFS layer mounts
     miss_span: int = 0  # a small chunk's miss fetches the chunks after it, up to this
+    fetch_whole_below: int = 32 << 20  # a layer this small is fetched whole into a local file
+    local_blobs: int = 4 << 30  # bound of those files (ROOT/blobs) no mount uses
     fuse_group: int | None = None  # a gid that may open ROOT/fuse files besides root (a VMM's)
     takeover: bool = False  # replace the daemon serving ROOT, keeping its FUSE connection
     live_restart: bool = True  # keep the FUSE connection in a keeper (else libfuse mounts it)
@@ -270,8 +282,11 @@ class Daemon:
         self.refs = NodeRefs(self.refstore, self.replica, self.health)
         self.disks = DiskManager(self.root, self.refs, self.replica, self.blobs, self.fetcher)
         self.fs = NodeFS(self.blobs, self.disks, cfg.fuse_group)
+        self.local_blobs = LocalBlobs(self.root, self.fetcher, cfg.fetch_whole_below,
+                                      cfg.local_blobs)
+        self.local_blobs.prepare()
         self.layers = LayerMounts(self.root, self.refstore, self.replica, self.blobs, self.fetcher,
-                                  readahead=cfg.layer_readahead)
+                                  readahead=cfg.layer_readahead, local=self.local_blobs)
         self.sandboxes = Sandboxes(self.root, self.refs, self.replica, self.layers)
         self.vms = Vms(self.root, self.refs, self.replica, self.blobs, self.fetcher,
                        self.disks)
@@ -472,6 +487,11 @@ class Daemon:
             set_readahead(str(self.root / "fuse"), self.cfg.readahead)
         except OSError as exc:
             log.warning("cannot set the FUSE readahead window: %s", exc)
+        try:
+            await trio.to_thread.run_sync(set_fuse_background, str(self.root / "fuse"),
+                                          self.cfg.fuse_background)
+        except OSError as exc:
+            log.warning("cannot raise the FUSE connection's background requests: %s", exc)
 
     async def _serve_fuse(self) -> None:
         await pyfuse3.main()
@@ -565,7 +585,8 @@ class Daemon:
     async def stats(self, _: protocol.Stats) -> protocol.StatsAnswer:
         layers = {d: protocol.LayerStats(users=m.users, bytes_read=m.blob.bytes_read,
                                          chunks_touched=len(m.blob.touched),
-                                         chunks=len(m.blob.table), blob_bytes=m.blob.size)
+                                         chunks=len(m.blob.table), blob_bytes=m.blob.size,
+                                         local=m.local)
                   for d, m in self.layers.mounted.items()}
         return protocol.StatsAnswer(self.cache.snapshot(), layers, len(self.sandboxes.records),
                                     self.store.requests())

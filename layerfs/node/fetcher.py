@@ -127,6 +127,29 @@ class ChunkFetcher:
         self.states.keep(claim.lead[0].sha256, result)
         return result
 
+    async def read_run_into(self, run: list[ChunkEntry],
+                            sink: Callable[[ChunkEntry, memoryview | bytes], None],
+                            deadline: float) -> None:
+        """One range read of ``run`` (see ``pack_runs``), each chunk decoded,
+        checked against its sha256 and handed to ``sink`` in the worker
+        thread (a local blob file's write: no flight, memory or cache file,
+        the caller's file is the chunks' home); FetchError for a failed read
+        or a damaged chunk, by ``deadline``. Counted as a reader's read."""
+        where = f"{len(run)} chunks of pack {run[0].pack[7:23]} @ {run[0].pack_offset}"
+        for _ in run:
+            self.cache.note_miss()
+
+        def read(chunks: list[ChunkEntry]) -> None:
+            got = 0
+            for entry, result in zip(chunks, fetch_run_frames(self.store, chunks), strict=True):
+                if isinstance(result, IntegrityError):
+                    raise result
+                sink(entry, result.data)
+                got += len(result.data)
+            self.cache.note_fetched(got)
+
+        await self._from_store(where, run[0].pack, read, run, deadline)
+
     async def writes_done(self) -> None:
         """Wait until every fetched chunk's cache file is written."""
         await self.states.writes_done()

@@ -79,9 +79,11 @@ class LayerForgetter:
         return forgotten
 
     def _drop(self, digest: str) -> int:
-        """Worker thread: the layer's replica entries and meta image, then its
-        chunks' cache files that no other held layer has; bytes freed."""
+        """Worker thread: the layer's replica entries, meta image and local
+        blob file, then its chunks' cache files that no other held layer has; bytes freed."""
         chunks = self.replica.forget_layer(digest)
+        if self.layers.local is not None:
+            self.layers.local.forget(digest.removeprefix("sha256:"))
         for other in self.replica.layer_digests():
             chunks -= self.replica.chunk_shas(other)
         return sum(self.cache.discard(sha) for sha in chunks)

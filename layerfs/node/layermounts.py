@@ -1,7 +1,8 @@
 """Layer mounts: each layer mounted once per node, shared by the sandboxes on it.
 
 A layer is mounted with kernel EROFS (file-backed: source = its local meta
-image, ``device=`` its lazy FUSE blob file) at ``ROOT/layers/<hex>``,
+image, ``device=`` its lazy FUSE blob file, or for a small layer its local
+blob file, fetched whole: :mod:`.localblobs`) at ``ROOT/layers/<hex>``,
 ``nosuid,nodev``, and reference-counted across the sandboxes that use it.
 The last user's release saves the layer's access trace, unmounts it and only
 then forgets it: an unmount that fails (``EBUSY``: a process has its working
@@ -29,6 +30,7 @@ from ..mounts import mount_erofs, umount
 from ..refstore import RefStore
 from .blobfiles import BlobDirectory, BlobFile
 from .fetcher import ChunkFetcher
+from .localblobs import LocalBlobs
 from .replica import Replica
 from .tracereplay import TraceReplay
 from .traces import merge_traces
@@ -42,14 +44,17 @@ class MountedLayer:
     blob: BlobFile
     path: Path
     users: int = 0
+    local: bool = False  # its device is a local blob file (the kernel serves every read)
 
 
 class LayerMounts:
     """Reference-counted EROFS mounts of layers, one per layer per node."""
 
     def __init__(self, root: Path, refstore: RefStore, replica: Replica, blobs: BlobDirectory,
-                 fetcher: ChunkFetcher, readahead: int = 0) -> None:
+                 fetcher: ChunkFetcher, readahead: int = 0,
+                 local: LocalBlobs | None = None) -> None:
         self.root = root
+        self.local = local  # small layers fetched whole into local files (None: never)
         self.refstore = refstore
         self.replica = replica
         self.blobs = blobs
@@ -107,25 +112,47 @@ class LayerMounts:
                                              reporter)
         log.debug("layer %s: meta image checked in %.1f ms", digest,
                   (time.perf_counter() - start) * 1000)
+        local = None
         try:
             rl = meta.layer
             blob = self.blobs.add(digest, rl.table, self.fetcher)
             target = self.root / "layers" / rl.hex
-            device = self.root / "fuse" / "blobs" / rl.hex
+            device = str(self.root / "fuse" / "blobs" / rl.hex)
             try:
+                wanted = self.local is not None and self.local.wanted(rl.table)
+                if wanted and self.adopt(target):  # kept across a restart, on its own file
+                    return self._adopted_local(digest, blob, target, rl.hex)
+                if wanted and self.local is not None:
+                    local = await self.local.open(rl.hex, rl.table)
                 if may_mount is not None:
                     await may_mount.wait()
                 if self.adopt(target):
                     return MountedLayer(digest, blob, target)
                 await trio.to_thread.run_sync(  # one thread job: each hop waits for the loop
-                    functools.partial(mount_layer, meta.source, device, target, self.readahead),
+                    functools.partial(mount_layer, meta.source,
+                                      local.source if local else device, target,
+                                      self.readahead),
                     limiter=self.mount_limit)
             except BaseException:  # a failed mount, or cancelled before it
                 self.blobs.remove(digest)
+                if local is not None and self.local is not None:
+                    await self.local.release(rl.hex)
                 raise
         finally:
             meta.close()  # the mount keeps its own reference to the file
-        return MountedLayer(digest, blob, target)
+            if local is not None:
+                local.close()
+        return MountedLayer(digest, blob, target, local=local is not None)
+
+    def _adopted_local(self, digest: str, blob: BlobFile, target: Path,
+                       hex_: str) -> MountedLayer:
+        """A small layer's mount kept across a live restart: on its local
+        file if one is there (it stays, in use), else on the FUSE file."""
+        assert self.local is not None
+        on_file = self.local.path(hex_).exists()
+        if on_file:
+            self.local.in_use[hex_] = self.local.in_use.get(hex_, 0) + 1
+        return MountedLayer(digest, blob, target, local=on_file)
 
     async def release(self, digest: str) -> None:
         """One user of the layer fewer. The last one's release unmounts it
@@ -137,6 +164,8 @@ class LayerMounts:
                 await trio.to_thread.run_sync(self._unmount, layer, limiter=self.mount_limit)
                 del self.mounted[digest]
                 self.blobs.remove(digest)
+                if layer.local and self.local is not None:
+                    await self.local.release(layer.path.name)
             layer.users -= 1
 
     def _unmount(self, layer: MountedLayer) -> None:

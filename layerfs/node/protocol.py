@@ -300,6 +300,7 @@ class LayerStats(Message):
     chunks_touched: int
     chunks: int
     blob_bytes: int
+    local: bool = False  # fetched whole into a local file: the kernel serves its reads
 
 
 class StatsAnswer(Message):
