@@ -30,6 +30,7 @@ from harness.daemonproc import LAYERFS
 from harness.ociimages import busybox_rootfs
 from layerfs.mounts import fs_type
 from layerfs.node import Client, quota
+from layerfs.node.control import wait_ready
 from layerfs.node.sandboxes import remove_sandbox_dir
 from layerfs.store import open_store
 
@@ -355,6 +356,9 @@ def mounts_at(path: Path) -> int:
 
 
 def test_a_writer_stops_at_its_quota_on_ext4_and_the_others_go_on(ext4_node, local_user):
+    """ROOT on ext4: a writer (unprivileged, then root) stops at its quota with
+    ENOSPC, taking ROOT's space up to it at most; another sandbox writes on,
+    the node brings sandboxes up and runs them; down --keep-upper keeps the image."""
     node = ext4_node
     writer, other = "quota", "other"
     assert up(node, writer, "--disk-quota", "10M")["limits"]["disk_quota"] == 10 * MiB
@@ -391,13 +395,18 @@ def test_a_writer_stops_at_its_quota_on_ext4_and_the_others_go_on(ext4_node, loc
 
 @pytest.mark.daemon_log(r"WARNING layerfs\.node\.daemon: unmounted stale ")
 def test_an_ext4_quota_outlives_stops_and_kills_and_commit_reads_it(ext4_node):
+    """The image is mounted once after a stop and start, a kill -9 (the keeper
+    keeps it), a --takeover and a kill -9 of the daemon and its keeper; its
+    file and its quota are still there; commit reads the upper in it; down
+    frees its mount and loop device."""
     node = ext4_node
     sdir = node.root / "sandboxes" / "kept"
     up(node, "kept", "--disk-quota", "10M")
     try:
         proc = run(node, "runc", "kept", "echo kept > /note; sync")
         assert proc.returncode == 0, proc.stderr
-        for restart in (restart_after_stop, restart_after_kill, restart_without_keeper):
+        for restart in (restart_after_stop, restart_after_kill, restart_by_takeover,
+                        restart_without_keeper):
             restart(node)
             record = Client(node.root).sandbox("kept")
             assert record is not None and record.state == "up", (restart, record)
@@ -424,6 +433,18 @@ def restart_after_kill(node: NodeDaemon) -> None:
     """kill -9: the keeper keeps every mount, the next daemon takes them over."""
     node.kill()
     node.start()
+
+
+def restart_by_takeover(node: NodeDaemon) -> None:
+    """``daemon --takeover``: the old daemon exits, leaving every mount to the new one."""
+    old = node.proc
+    assert old is not None
+    node.extra_args = ["--takeover"]
+    node.start()  # returns once a daemon answers: maybe still the old one
+    assert old.wait(60) == 0
+    proc = node.proc
+    assert wait_ready(node.root, lambda: proc.poll() is None, 60), node.log()[-4000:]
+    node.extra_args = []
 
 
 def restart_without_keeper(node: NodeDaemon) -> None:
