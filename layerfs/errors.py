@@ -6,6 +6,14 @@ code per meaning, the same in every command (README.md, Errors and exit
 codes, lists them; tests/test_errors.py checks the table against these
 classes). Its ``kind`` is the class's name, what ``--json`` errors and the
 node's control protocol carry.
+
+Every error class a user of the Python API (``layerfs.node.Client``) can
+catch is importable from here, those of the node's client included
+(:class:`DaemonNotRunning`, :class:`RemoteError`, :class:`SandboxNotUp`,
+:class:`BadMessage`, the bundle and image-user errors of ``run`` and ``up
+--bundle``); their older homes (``layerfs.node.control``, ``.client``,
+``.protocol``, ``.bundle``, ``.imageuser``) import them from here, so that
+both paths name the same class. This module imports nothing.
 """
 
 from __future__ import annotations
@@ -344,3 +352,52 @@ class LayerInUse(LayerfsError):
     """layer {} is in use by {}: remove those envs first, or rm --force"""
 
     exit_code = 15  # busy: an env names the layer
+
+
+# -- the node's client (layerfs.node.Client): raised in the caller's process
+
+class DaemonNotRunning(LayerfsError):
+    """no layerfs daemon answers at {} (start one with `layerfs daemon --root {}`)"""
+
+    exit_code = 10
+
+
+class RemoteError(LayerfsError):
+    """{}"""
+
+    def __init__(self, message: str, code: int, kind: str = "RemoteError") -> None:
+        LayerfsError.__init__(self, message)  # (not the kind's own constructor: remote_error)
+        self.exit_code = code
+        self.kind = kind
+
+
+class SandboxNotUp(UsageError):
+    """sandbox {} is not up"""
+
+
+class BadMessage(UsageError):
+    """bad request {}: {}"""
+
+
+class BundleError(LayerfsError):
+    """cannot make the container's process: {}"""
+
+    exit_code = 2
+
+
+class UnsafeBundleDir(LayerfsError):
+    """unsafe bundle directory {}: {}"""
+
+    exit_code = 2
+
+
+class ImageUserError(LayerfsError):
+    """image user {!r}: {}"""
+
+    exit_code = 2
+
+
+class ImageFileError(LayerfsError):
+    """the image's {}: {}"""
+
+    exit_code = 2

@@ -12,6 +12,7 @@ import pytest
 from support import need_root
 from test_builder import write_tree
 
+from harness.daemonproc import LAYERFS
 from layerfs.mounts import MS_RDONLY, mount, umount
 from layerfs.store.base import blob_key
 
@@ -179,3 +180,19 @@ def test_progress_line_on_a_terminal(tmp_path):
     assert proc.returncode == 0
     assert b"build p@1: 30 files" in seen and b"/s" in seen
     assert b"p@1 sha256:" in out
+
+
+@pytest.mark.parametrize("args, hint", [
+    (("env", "create", "n@1", "--layer", "a@1", "b@1", "c@1"),
+     "repeat --layer for each value: --layer a@1 --layer b@1 --layer c@1"),
+    (("up", "--layer", "a@1", "b@1", "--id", "x"),
+     "several layers: repeat --layer, --layer A --layer B"),
+])
+def test_values_after_a_repeated_option_get_the_hint_to_repeat_it(tmp_path, args, hint):
+    """``--layer A B C`` (one option, several values) is a usage error that says
+    how to give several: the option once per value."""
+    store = ["--store", f"file://{tmp_path / 'store'}"] if args[0] == "env" else \
+        ["--root", str(tmp_path / "root")]
+    proc = subprocess.run([*LAYERFS, *args, *store], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and hint in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].count(hint) == 1

@@ -52,6 +52,44 @@ def every_error_class() -> dict[str, type[LayerfsError]]:
     return control.error_classes()
 
 
+# what a caller of layerfs.node.Client loads (its calls import the rest lazily)
+API_MODULES = ("layerfs.node.client", "layerfs.node.control", "layerfs.node.protocol",
+               "layerfs.node.bundle", "layerfs.node.imageuser", "layerfs.node.runner",
+               "layerfs.node.limits", "layerfs.node.rootspace", "layerfs.sizes",
+               "layerfs.records", "layerfs.imageconfig", "layerfs.safeopen")
+
+
+def test_every_error_the_python_api_raises_is_importable_from_layerfs_errors():
+    from layerfs.errors import (  # noqa: F401  (the README's names, from the one place)
+        BadMessage,
+        BundleError,
+        ControlSocketDenied,
+        DaemonNotRunning,
+        ImageFileError,
+        ImageUserError,
+        LimitUnsupported,
+        NodeFull,
+        RemoteError,
+        SandboxBusy,
+        SandboxNotFound,
+        SandboxNotUp,
+        UnsafeBundleDir,
+    )
+
+    for name in API_MODULES:
+        module = importlib.import_module(name)
+        for attr, value in vars(module).items():
+            if isinstance(value, type) and issubclass(value, LayerfsError):
+                assert getattr(errors, attr, None) is value, f"{name}.{attr} not in layerfs.errors"
+    # the old homes name the same classes
+    from layerfs.node import bundle, client, imageuser, protocol
+    assert (control.DaemonNotRunning, control.RemoteError) == (DaemonNotRunning, RemoteError)
+    assert (client.SandboxNotUp, protocol.BadMessage) == (SandboxNotUp, BadMessage)
+    assert (bundle.BundleError, imageuser.ImageUserError) == (BundleError, ImageUserError)
+    readme = (ROOT / "README.md").read_text()
+    assert "from layerfs.errors import DaemonNotRunning, SandboxNotUp, SandboxBusy" in readme
+
+
 def test_the_readme_table_lists_every_error_class_and_nothing_else():
     table = exit_table()
     assert table, "no exit-code table in README.md"

@@ -2,27 +2,36 @@
 recorded with it, written into its containers' cgroups by runc and crun and
 enforced on real processes (a memory hog OOM-killed, a fork bomb stopped), and
 its writable layer's quota enforced by the kernel on a ROOT on a real btrfs
-(a loop-mounted image with quotas on); a limit the node cannot enforce is
-refused with exit 17."""
+(a loop-mounted image with quotas on: a qgroup) and on a real ext4 (a
+loop-mounted image: an ext4 image per sandbox); a limit the node cannot
+enforce is refused with exit 17."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import re
+import shutil
+import signal
 import struct
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from nodes import NodeDaemon
-from support import build, need_root
+from support import build, need_root, small_ext4
 
 from harness import daemonproc
 from harness.daemonproc import LAYERFS
 from harness.ociimages import busybox_rootfs
-from layerfs.node import Client
+from layerfs.mounts import fs_type
+from layerfs.node import Client, quota
+from layerfs.node.control import wait_ready
+from layerfs.node.sandboxes import remove_sandbox_dir
 from layerfs.store import open_store
 
 RUNTIMES = ("runc", "crun")
@@ -117,6 +126,18 @@ def test_a_memory_hog_is_oom_killed(node, runtime):
         proc = run(node, runtime, sid, MEMORY_HOG)
         assert proc.returncode == 137, (proc.returncode, proc.stdout, proc.stderr)
         assert "survived" not in proc.stdout
+        assert proc.stderr.endswith("layerfs: run killed: memory limit 32M reached "
+                                    "(OOM kill)\n"), proc.stderr
+        left = [d for p in Path("/sys/fs/cgroup").iterdir()
+                for d in (p / "layerfs").glob(f"{sid}-*")]
+        assert left == []  # the run's cgroups went with it, in every hierarchy
+        # a SIGKILL that is no OOM kill says nothing
+        killed = run(node, runtime, sid, "sh -c 'kill -9 $$'; exit $?")
+        assert killed.returncode == 137 and "layerfs" not in killed.stderr, killed.stderr
+        result = Client(node.root).run(sid, ["sh", "-c", MEMORY_HOG], runtime=runtime,
+                                       capture=True)  # the API's captured stderr says it too
+        assert result.exit_code == 137 and result.stderr is not None
+        assert result.stderr.endswith(b"memory limit 32M reached (OOM kill)\n"), result.stderr
         node_is_fine(node, runtime, sid)
     finally:
         node.cli("down", sid)
@@ -226,12 +247,14 @@ def test_a_writer_stops_at_its_quota_and_the_others_go_on(node, runtime, local_u
 
 @pytest.fixture
 def hostile_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[NodeDaemon]:
-    """A daemon on a ROOT on the ext4 temp dir (no quota), in a mount namespace
-    of its own without the cgroup pids hierarchy: a node that cannot enforce
-    --disk-quota or --pids."""
+    """A daemon in a mount namespace of its own without the cgroup pids
+    hierarchy and with no loop devices (a plain file over /dev/loop-control):
+    a node that cannot enforce --pids, nor --disk-quota on a ROOT on ext4."""
     need_root()
     url = store_url(tmp_path)
-    hide = 'umount /sys/fs/cgroup/pids && exec "$0" "$@"'
+    (tmp_path / "no-loop-control").touch()
+    hide = (f"umount /sys/fs/cgroup/pids && mount --bind {tmp_path / 'no-loop-control'} "
+            '/dev/loop-control && exec "$0" "$@"')
     monkeypatch.setattr(daemonproc, "LAYERFS", ["unshare", "--mount", "--propagation", "private",
                                              "--", "sh", "-c", hide, *LAYERFS])
     daemon = NodeDaemon(tmp_path / "node", ["--store", url], cache_size="64M").start()
@@ -243,7 +266,7 @@ def hostile_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[No
 
 
 @pytest.mark.parametrize("limit, reason", [
-    (("--disk-quota", "10M"), "is not on btrfs"),
+    (("--disk-quota", "10M"), "no loop devices (/dev/loop-control)"),
     (("--pids", "20"), "no cgroup pids controller"),
 ])
 def test_a_limit_the_node_cannot_enforce_is_refused_with_exit_17(hostile_node, limit, reason):
@@ -292,3 +315,167 @@ def test_the_limits_outlive_a_restart_and_go_into_the_bundle(node):
         assert [int(n) for n in proc.stdout.split()][-1] == 19, proc.stdout
     finally:
         node.cli("down", "kept")
+
+
+@pytest.fixture(scope="module")
+def ext4_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
+    """A daemon whose ROOT is on a 256 MiB ext4 image, loop-mounted: a quota
+    there is an ext4 image of its own per sandbox."""
+    need_root()
+    url = store_url(tmp_path_factory.mktemp("ext4limits"))
+    with small_ext4(tmp_path_factory.mktemp("ext4"), 256 * MiB) as point:
+        daemon = NodeDaemon(point / "node", ["--store", url], cache_size="32M").start()
+        try:
+            yield daemon
+        finally:
+            left = daemon.cleanup()
+            assert left == [], f"mounts left behind: {left}"
+
+
+def loops_of(path: Path) -> list[str]:
+    """The loop devices whose backing file lies under ``path``."""
+    found = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        if backing.read_text().strip().startswith(str(path) + "/"):
+            found.append(backing.parent.parent.name)
+    return found
+
+
+def loops_released(path: Path) -> bool:
+    """Whether no loop device is left on a file under ``path`` (the kernel frees
+    an autoclear loop device in a work item after its last close: waited for)."""
+    deadline = time.monotonic() + 10
+    while loops_of(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return loops_of(path) == []
+
+
+def mounts_at(path: Path) -> int:
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        return sum(1 for line in f if line.split()[4] == str(path))
+
+
+def test_a_writer_stops_at_its_quota_on_ext4_and_the_others_go_on(ext4_node, local_user):
+    """ROOT on ext4: a writer (unprivileged, then root) stops at its quota with
+    ENOSPC, taking ROOT's space up to it at most; another sandbox writes on,
+    the node brings sandboxes up and runs them; down --keep-upper keeps the image."""
+    node = ext4_node
+    writer, other = "quota", "other"
+    assert up(node, writer, "--disk-quota", "10M")["limits"]["disk_quota"] == 10 * MiB
+    up(node, other, "--disk-quota", "10M")
+    sdir = node.root / "sandboxes" / writer
+    try:
+        assert mounts_at(sdir) == 1 and len(loops_of(sdir)) == 1
+        before = free_bytes(node.root)
+        # an unprivileged user in the container, then root: the quota holds for both
+        for user, path in ((str(local_user.uid), "/tmp/big"), ("0", "/big")):
+            proc = run(node, "runc", writer, f"dd if=/dev/zero of={path} bs=1M count=30; "
+                                             "sync", "--user", user)
+            assert "No space left on device" in proc.stderr, proc.stderr
+            written = (sdir / "upper" / path.lstrip("/")).stat().st_size
+            assert 6 * MiB <= written <= 10 * MiB, written
+            assert before - free_bytes(node.root) <= 10 * MiB  # the image's, at most
+            proc = run(node, "runc", writer, f"rm {path}")  # and it is the writer's again
+            assert proc.returncode == 0, proc.stderr
+        proc = run(node, "crun", other, "dd if=/dev/zero of=/five bs=1M count=5; sync")
+        assert proc.returncode == 0, proc.stderr
+        assert (node.root / "sandboxes" / other / "upper" / "five").stat().st_size == 5 * MiB
+        up(node, "after")  # the node goes on: ups and runs, with no quota too
+        node_is_fine(node, "runc", "after")
+        node.cli("down", "after")
+        kept = node.root / "sandboxes" / other
+        node.cli("down", other, "--keep-upper")  # its image stays, the upper inside, unmounted
+        assert (kept / "quota.img").is_file() and mounts_at(kept) == 0 and loops_released(kept)
+        shutil.rmtree(kept)
+    finally:
+        node.cli("down", writer)
+        node.cli("down", other, check=False)
+    assert not sdir.exists() and mounts_at(sdir) == 0 and loops_released(sdir)
+
+
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.daemon: unmounted stale ")
+def test_an_ext4_quota_outlives_stops_and_kills_and_commit_reads_it(ext4_node):
+    """The image is mounted once after a stop and start, a kill -9 (the keeper
+    keeps it), a --takeover and a kill -9 of the daemon and its keeper; its
+    file and its quota are still there; commit reads the upper in it; down
+    frees its mount and loop device."""
+    node = ext4_node
+    sdir = node.root / "sandboxes" / "kept"
+    up(node, "kept", "--disk-quota", "10M")
+    try:
+        proc = run(node, "runc", "kept", "echo kept > /note; sync")
+        assert proc.returncode == 0, proc.stderr
+        for restart in (restart_after_stop, restart_after_kill, restart_by_takeover,
+                        restart_without_keeper):
+            restart(node)
+            record = Client(node.root).sandbox("kept")
+            assert record is not None and record.state == "up", (restart, record)
+            assert mounts_at(sdir) == 1 and len(loops_of(sdir)) == 1, restart
+            proc = run(node, "runc", "kept", "cat /note; dd if=/dev/zero of=/big bs=1M count=30")
+            assert proc.stdout == "kept\n" and "No space left" in proc.stderr, (restart, proc)
+            run(node, "runc", "kept", "rm /big")
+        answer = json.loads(node.cli("commit", "kept", "--name", "kept", "--version", "1",
+                                     "--json").stdout)
+        assert answer["files"] == 1 and answer["file_bytes"] == len("kept\n"), answer
+    finally:
+        node.cli("down", "kept")
+    assert not sdir.exists() and mounts_at(sdir) == 0 and loops_released(sdir)
+
+
+def restart_after_stop(node: NodeDaemon) -> None:
+    """A stop unmounts the image; the start mounts it again."""
+    assert node.stop() == 0
+    assert mounts_at(node.root / "sandboxes" / "kept") == 0
+    node.start()
+
+
+def restart_after_kill(node: NodeDaemon) -> None:
+    """kill -9: the keeper keeps every mount, the next daemon takes them over."""
+    node.kill()
+    node.start()
+
+
+def restart_by_takeover(node: NodeDaemon) -> None:
+    """``daemon --takeover``: the old daemon exits, leaving every mount to the new one."""
+    old = node.proc
+    assert old is not None
+    node.extra_args = ["--takeover"]
+    node.start()  # returns once a daemon answers: maybe still the old one
+    assert old.wait(60) == 0
+    proc = node.proc
+    assert wait_ready(node.root, lambda: proc.poll() is None, 60), node.log()[-4000:]
+    node.extra_args = []
+
+
+def restart_without_keeper(node: NodeDaemon) -> None:
+    """kill -9 of the daemon and its FUSE keeper: the next daemon detaches
+    what is left and mounts it again."""
+    keepers = re.findall(r"the FUSE connection is kept by pid (\d+)", node.log())
+    node.kill()
+    os.kill(int(keepers[-1]), signal.SIGKILL)
+    node.start()
+
+
+def test_btrfs_with_quotas_off_gets_an_ext4_image(tmp_path):
+    """ROOT on btrfs whose quotas are off: a quota is an image too, not a refusal."""
+    need_root()
+    image, point = tmp_path / "off.img", tmp_path / "off"
+    with open(image, "wb") as f:
+        f.truncate(256 * MiB)
+    subprocess.run(["mkfs.btrfs", "-q", str(image)], check=True, capture_output=True)
+    point.mkdir()
+    subprocess.run(["mount", "-o", "loop", str(image), str(point)], check=True)
+    try:
+        sdir = point / "sandboxes" / "s"
+        sdir.parent.mkdir()
+        quota.make_quota_dir(sdir, 8 * MiB)
+        assert fs_type(sdir) == "ext4" and mounts_at(sdir) == 1
+        with pytest.raises(OSError) as full, open(sdir / "big", "wb") as f:
+            for _ in range(16):
+                f.write(b"\0" * MiB)
+                os.fsync(f.fileno())
+        assert full.value.errno == errno.ENOSPC
+        remove_sandbox_dir(sdir, keep_upper=False)
+        assert not sdir.exists() and mounts_at(sdir) == 0
+    finally:
+        subprocess.run(["umount", "-R", str(point)], check=True)

@@ -1,4 +1,4 @@
-"""The code stays ruff- and mypy-clean (DESIGN.md conventions), and mypy sees it whole.
+"""The code stays ruff- and mypy-clean (docs/design.md conventions), and mypy sees it whole.
 
 ``builder/``, ``cache/`` and ``tools/`` are installed as ``layerfs.builder``,
 ``layerfs.cache`` and ``layerfs.tools`` (pyproject's ``package-dir``); the

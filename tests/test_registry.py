@@ -443,6 +443,20 @@ def test_closed_port_is_unreachable_in_bounded_time() -> None:
     assert len(lines) == 1 and lines[0].startswith(f"layerfs: error: registry 127.0.0.1:{port}")
 
 
+def test_tls_to_a_plain_http_registry_names_plain_http(tmp_path) -> None:
+    """An import without --plain-http from a registry that answers plain HTTP:
+    OpenSSL's "wrong version number", and the option that fixes it, in one line."""
+    with FakeServer(lambda path, headers: Answer(200, b"{}")) as fake:
+        proc = subprocess.run(
+            [sys.executable, "-m", "layerfs.tools.main", "import", f"docker://{fake.host}/app:v1",
+             "--name", "app", "--version", "1", "--timeout", "5",
+             "--store", f"file://{tmp_path / 'store'}"],
+            capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 8 and len(lines) == 1, proc.stderr
+    assert "WRONG_VERSION_NUMBER" in lines[0] and "give --plain-http" in lines[0], lines[0]
+
+
 # -- a registry that trickles: the import ends within --timeout --
 
 TRICKLE_PAUSE = 2.0  # a byte every 2 s: no socket timeout ever trips

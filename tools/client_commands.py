@@ -34,7 +34,8 @@ def up(env_ref: str | None, layers: Sequence[str], sid: str, prefetch: str,
        cpus: str | None = None, pids: str | None = None,
        disk_quota: str | None = None) -> None:
     if bool(env_ref) == bool(layers):
-        raise UsageError("give ENV_REF or --layer refs (not both)")
+        raise UsageError("give ENV_REF or --layer refs (not both; several layers: repeat "
+                         "--layer, --layer A --layer B)")
     record = Client(root).up(sid, env=env_ref, layers=layers, prefetch=prefetch,
                              bundle_dir=bundle_dir,
                              memory=limit_value("--memory", memory, size),

@@ -23,6 +23,8 @@ TYPE_CHECKING = False  # (typing is not imported at run time: a node command sta
 if TYPE_CHECKING:
     from typing import NoReturn
 
+    import click
+
 NODE_CLIENT_COMMANDS = ("up", "down", "ps", "stats", "run")  # the ones :mod:`.fastpath` parses
 
 
@@ -77,7 +79,7 @@ def run_click(args: list[str], as_json: bool = False) -> None:
         from layerfs.bounds import MAX_ERROR_LINE, cut
 
         # (the message may quote an argument whole; click declares it Final, for its own use)
-        exc.message = cut(exc.message, MAX_ERROR_LINE)  # type: ignore[misc]
+        exc.message = cut(with_hint(exc, args), MAX_ERROR_LINE)  # type: ignore[misc]
         if as_json:
             kind = "UsageError" if isinstance(exc, click.UsageError) else type(exc).__name__
             json_error(exc.format_message(), exc.exit_code, kind)
@@ -85,6 +87,19 @@ def run_click(args: list[str], as_json: bool = False) -> None:
         sys.exit(exc.exit_code)
     except click.Abort:
         fail("aborted", 130, "Aborted", as_json, line="layerfs: aborted")
+
+
+def with_hint(exc: click.ClickException, args: list[str]) -> str:
+    """Click's message, and the hint for a slip it stems from (:mod:`.hints`)."""
+    import click
+
+    from .hints import EXTRA_ARGUMENTS, repeat_hint
+
+    if isinstance(exc, click.UsageError) and EXTRA_ARGUMENTS in exc.message:
+        hint = repeat_hint(args, exc.ctx.command if exc.ctx is not None else None)
+        if hint is not None:
+            return f"{exc.message}; {hint}"
+    return exc.message
 
 
 if __name__ == "__main__":

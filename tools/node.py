@@ -169,7 +169,7 @@ def group_id(group: str) -> int:
 @click.option("--cpus", metavar="N", help="CPU time limit of its containers, e.g. 0.5.")
 @click.option("--pids", metavar="N", help="Process (and thread) limit of its containers.")
 @click.option("--disk-quota", metavar="SIZE",
-              help="Bytes its writable layer may hold, e.g. 10G (ROOT on btrfs with quotas).")
+              help="Bytes its writable layer may hold, e.g. 10G (a btrfs qgroup or an ext4 image).")
 @root_option
 @json_option
 def up(env_ref: str | None, layers: tuple[str, ...], sid: str, prefetch: str,

@@ -439,11 +439,20 @@ def _release(reply: Any) -> None:
     reply.release_conn()
 
 
+PLAIN_HTTP_HINT = ("it answers plain HTTP, not TLS: give --plain-http (plain_http=True) "
+                   "for a registry served over HTTP")
+
+
 def _reason(exc: Exception) -> str:
-    """A short cause for a connection failure (urllib3's text names the URL: no secrets there)."""
+    """A short cause for a connection failure (urllib3's text names the URL: no
+    secrets there); a TLS handshake that a plain HTTP server answered
+    (OpenSSL's "wrong version number") names the option for such a registry."""
     reason = getattr(exc, "reason", None) or exc
     text = str(reason)
-    return text.split(": ", 1)[-1] if "object at 0x" in text else text
+    text = text.split(": ", 1)[-1] if "object at 0x" in text else text
+    if "WRONG_VERSION_NUMBER" in text:
+        text += f"; {PLAIN_HTTP_HINT}"
+    return text
 
 
 def _read_bounded(reply: Any, what: str, host: str, timeout: float) -> bytes:

@@ -1,6 +1,6 @@
 """OverlayBD LSMT block layers: header/trailer, index entries, sealed files.
 
-Layout notes are in ``../shared/FORMATS.md``. A sealed layer written here is::
+Layout notes are in ``docs/formats.md``. A sealed layer written here is::
 
     header (4096: flags header|data|sealed, index_offset 0)
     data   (from byte 4096: the disk image itself at offset 4096 + disk offset,

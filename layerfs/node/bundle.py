@@ -25,7 +25,7 @@ import signal
 import stat
 from collections.abc import Mapping, Sequence
 
-from ..errors import LayerfsError
+from ..errors import BundleError, UnsafeBundleDir
 from ..imageconfig import ImageConfig
 from ..records import Record, field, fields
 from ..safeopen import DIR_FLAGS
@@ -97,12 +97,6 @@ class ProcessSpec(Record):
 
 
 STOP_SIGNAL_ANNOTATION = "org.opencontainers.image.stopSignal"
-
-
-class BundleError(LayerfsError):
-    """cannot make the container's process: {}"""
-
-    exit_code = 2
 
 
 def image_config_from(data: Mapping[str, Any] | None) -> ImageConfig | None:
@@ -293,12 +287,6 @@ def seccomp_profile() -> dict[str, Any]:
     if arches:
         profile["architectures"] = arches
     return profile
-
-
-class UnsafeBundleDir(LayerfsError):
-    """unsafe bundle directory {}: {}"""
-
-    exit_code = 2
 
 
 class MountPoint(Record):

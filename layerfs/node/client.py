@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
-from ..errors import SandboxNotFound, UsageError
+from ..errors import SandboxNotFound, SandboxNotUp, UsageError
 from . import protocol
 from .control import DEFAULT_ROOT, call
 from .protocol import (
@@ -34,11 +34,8 @@ TYPE_CHECKING = False  # (typing is not imported at run time)
 if TYPE_CHECKING:
     from typing import Any
 
+    from .limits import OomWatch
     from .runner import Container, RunResult
-
-
-class SandboxNotUp(UsageError):
-    """sandbox {} is not up"""
 
 
 class Client:
@@ -64,8 +61,8 @@ class Client:
         in bytes (swap included), ``cpus`` (CPU time, 0.5: half of one),
         ``pids`` (processes and threads), enforced in every ``run`` and
         ``bundle_dir`` bundle, and ``disk_quota``, the bytes its writable
-        layer may hold (ROOT on btrfs with quotas); a limit the node cannot
-        enforce is refused (:class:`~layerfs.errors.LimitUnsupported`, exit
+        layer may hold (a btrfs qgroup or an ext4 image: docs/node.md); a
+        limit the node cannot enforce is refused (:class:`~layerfs.errors.LimitUnsupported`, exit
         17). With ``bundle_dir``, also write an
         OCI runtime bundle for it there (``runc run -b DIR ID``), or take it
         down again if that fails. A bundle directory another user could change
@@ -194,13 +191,21 @@ class Client:
 
         what = f"a container in sandbox {sandbox_id}"
         rootspace.check_room(self.root, what)  # the runtime's state and the bundle go there
+        watch = oom_watch(container.container_id, config)
         try:
-            return runner.run(container, config, stdin=stdin, capture=capture, timeout=timeout,
-                              max_output=runner.MAX_OUTPUT if max_output is None else max_output)
+            result = runner.run(container, config, stdin=stdin, capture=capture,
+                                timeout=timeout, max_output=runner.MAX_OUTPUT
+                                if max_output is None else max_output)
+            if watch is not None and watch.killed():
+                say_memory_limit(result, config, capture)
         except OSError as exc:
             if exc.errno in NO_SPACE:
                 raise rootspace.no_room_for(self.root, what) from None
             raise
+        finally:
+            if watch is not None:
+                watch.close()
+        return result
 
     def prepare_run(self, sandbox_id: str, command: Sequence[str] = (), *,
                     runtime: str | None = None, network: str = "none",
@@ -221,6 +226,10 @@ class Client:
                                         env=env, cwd=cwd)
         container = runner.prepare(self.root, runtime or runner.DEFAULT_RUNTIME, sandbox_id,
                                    stop_signal=stop)
+        if record.limits.memory is not None:  # in a cgroup of the run's: its OOM kills read
+            from .limits import container_cgroup
+
+            config["linux"]["cgroupsPath"] = container_cgroup(container.container_id)
         return container, config
 
 
@@ -249,3 +258,26 @@ def container_config(record: SandboxRecord, network: str, command: tuple[str, ..
                                        swap=record.limits.memory is not None
                                        and limits.swap_accounted()))
     return config, bundle.stop_signal(image)
+
+
+def oom_watch(container_id: str, config: dict[str, Any]) -> OomWatch | None:
+    """For a run with a memory limit (in a cgroup of its own: :meth:`Client.prepare_run`),
+    what tells whether the OOM killer ended it."""
+    if "cgroupsPath" not in config["linux"]:
+        return None
+    from .limits import OomWatch
+
+    return OomWatch(container_id)
+
+
+def say_memory_limit(result: RunResult, config: dict[str, Any], capture: bool) -> None:
+    """The line saying the run was killed at its memory limit, on its stderr:
+    the captured one, or ours."""
+    from .limits import memory_limit_line
+
+    memory = config["linux"]["resources"]["memory"]["limit"]
+    line = memory_limit_line(memory, result.exit_code).encode() + b"\n"
+    if capture:
+        result.stderr = (result.stderr or b"") + line
+    else:
+        os.write(2, line)

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable
 
-from ..errors import ControlSocketDenied, LayerfsError
+from ..errors import ControlSocketDenied, DaemonNotRunning, LayerfsError, RemoteError
 from .protocol import Ping, Request
 
 TYPE_CHECKING = False  # (typing is not imported at run time)
@@ -26,21 +26,6 @@ if TYPE_CHECKING:
     A = TypeVar("A", bound=Message)
 
 DEFAULT_ROOT = "/var/lib/layerfs"
-
-
-class DaemonNotRunning(LayerfsError):
-    """no layerfs daemon answers at {} (start one with `layerfs daemon --root {}`)"""
-
-    exit_code = 10
-
-
-class RemoteError(LayerfsError):
-    """{}"""
-
-    def __init__(self, message: str, code: int, kind: str = "RemoteError") -> None:
-        LayerfsError.__init__(self, message)  # (not the kind's own constructor: remote_error)
-        self.exit_code = code
-        self.kind = kind
 
 
 _REMOTE_CLASSES: dict[str, type[RemoteError]] = {}

@@ -16,24 +16,12 @@ import errno
 import os
 import stat
 
-from ..errors import LayerfsError
+from ..errors import ImageFileError, ImageUserError
 from ..records import Record
 from ..safeopen import READ_FLAGS, RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, openat2
 
 MAX_DB_BYTES = 4 << 20  # /etc/passwd and /etc/group: real ones are far smaller
 MAX_ID = (1 << 32) - 2  # (uid_t) -1 means "no change" to the kernel
-
-
-class ImageUserError(LayerfsError):
-    """image user {!r}: {}"""
-
-    exit_code = 2
-
-
-class ImageFileError(LayerfsError):
-    """the image's {}: {}"""
-
-    exit_code = 2
 
 
 class PasswdEntry(Record):

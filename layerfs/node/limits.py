@@ -12,6 +12,7 @@ the runtime, so ``up`` refuses it (:class:`~layerfs.errors.LimitUnsupported`).
 
 from __future__ import annotations
 
+import errno
 import os
 
 from ..errors import LimitUnsupported, UsageError
@@ -135,3 +136,96 @@ def describe(limits: Limits) -> str:
     if limits.disk_quota is not None:
         parts.append(f"disk={size_arg(limits.disk_quota)}")
     return " ".join(parts) or "-"
+
+
+# -- a run with a memory limit: did the OOM killer end it? Its container's
+# cgroup is put inside one of the run's own (RUN_CGROUPS/<container id>/container),
+# which the runtime leaves when it removes the container's. cgroup2 counts the
+# OOM kills of the children in the parent's memory.events; cgroup v1 counts
+# them in the container's cgroup alone (memory.oom_control), gone with it, so
+# there the kernel's log is read for the kill's line, which names the cgroup.
+RUN_CGROUPS = "layerfs"
+KMSG = "/dev/kmsg"
+
+
+def run_cgroup(container_id: str) -> str:
+    """The run's own cgroup (a path from each hierarchy's root)."""
+    return f"/{RUN_CGROUPS}/{container_id}"
+
+
+def container_cgroup(container_id: str) -> str:
+    """The container's cgroup, config.json's ``linux.cgroupsPath``."""
+    return run_cgroup(container_id) + "/container"
+
+
+class OomWatch:
+    """Whether the OOM killer ends a process of one run; made before the run
+    starts, closed after it ended (its cgroups removed)."""
+
+    def __init__(self, container_id: str) -> None:
+        self.container_id = container_id
+        self.unified = cgroup_mounts().get(CGROUP_ROOT) == "cgroup2"
+        self.kmsg: int | None = None
+        if not self.unified:  # the log from now on (root's; none: nothing is said)
+            try:
+                self.kmsg = os.open(KMSG, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                os.lseek(self.kmsg, 0, os.SEEK_END)
+            except OSError:
+                self.close()
+
+    def killed(self) -> bool:
+        """Whether the OOM killer ended a process in the run's cgroups."""
+        if self.unified:
+            events = CGROUP_ROOT + run_cgroup(self.container_id) + "/memory.events"
+            return oom_kill_count(events) > 0
+        wanted = f"oom_memcg={container_cgroup(self.container_id)},".encode()
+        while self.kmsg is not None:
+            try:
+                record = os.read(self.kmsg, 8192)  # one record a read
+            except BlockingIOError:
+                break
+            except OSError as exc:  # EPIPE: records were overwritten; the next one follows
+                if exc.errno == errno.EPIPE:
+                    continue
+                break
+            if not record:
+                break
+            if b"oom-kill:" in record and wanted in record:
+                return True
+        return False
+
+    def close(self) -> None:
+        """The kernel's log closed, the run's cgroups removed from every
+        hierarchy (the container's too, if the runtime left it); one still in
+        use, or never made, stays as it is."""
+        if self.kmsg is not None:
+            os.close(self.kmsg)
+            self.kmsg = None
+        for point in cgroup_mounts():
+            for path in (container_cgroup(self.container_id), run_cgroup(self.container_id)):
+                try:
+                    os.rmdir(point + path)
+                except OSError:
+                    pass
+
+
+def oom_kill_count(path: str) -> int:
+    """The ``oom_kill`` count of a memory.events file, 0 if unknown."""
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def memory_limit_line(memory: int, exit_code: int) -> str:
+    """The line that says the OOM killer ended a process of a run at its
+    memory limit: the run's own (SIGKILL: 137), or one of its children."""
+    if exit_code == 128 + 9:
+        return f"layerfs: run killed: memory limit {size_arg(memory)} reached (OOM kill)"
+    return (f"layerfs: run: memory limit {size_arg(memory)} reached: the kernel's OOM "
+            "killer ended a process of it")

@@ -19,7 +19,7 @@ have defaults).
 from __future__ import annotations
 
 from .. import schema
-from ..errors import UsageError
+from ..errors import BadMessage, UsageError
 from ..records import Record, field
 
 TYPE_CHECKING = False  # typing is not imported at run time: a client starts faster
@@ -30,10 +30,6 @@ if TYPE_CHECKING:
 
 DEFAULT_VM_DISK = 10 << 30
 LAYER_ROLES = ("base", "toolchain", "workspace")  # what a committed upper may be
-
-
-class BadMessage(UsageError):
-    """bad request {}: {}"""
 
 
 class Message(Record):

@@ -260,6 +260,7 @@ class Sandboxes:
             await recorded.wait()
         overlay = Overlay(distinct([str(m.path) for m in mounted]), str(sdir / "upper"),
                           str(sdir / "work"), OVERLAY_OPTIONS)
+        self.layers.adopt(sdir)  # its quota's image, kept mounted across a live restart
         adopted = self.layers.adopt(sdir / "rootfs")
         try:
             await trio.to_thread.run_sync(make_rootfs, sdir, fresh,
@@ -461,6 +462,7 @@ class Sandboxes:
             self.records[sid] = record
             if state is SandboxState.STARTING:
                 log.info("sandbox %s: rolling back its unfinished up", sid)
+                self.layers.adopt(self._dir(sid))  # its image: unmounted by the roll back
                 if self.layers.adopt(self._dir(sid) / "rootfs"):
                     await detach(str(self._dir(sid) / "rootfs"))
                 await self._roll_back(record)
@@ -503,6 +505,9 @@ class Sandboxes:
         for sid, held in list(self.mounts.items()):
             if held.rootfs and await unmount_or_detach(self._dir(sid) / "rootfs"):
                 held.rootfs = False
+        dirs = [self._dir(sid) for sid in self.records]  # quota images (a lost sandbox's too)
+        for sdir in await trio.to_thread.run_sync(quota.mounted_among, dirs):
+            await unmount_or_detach(sdir)
 
     async def ps(self, only: str | None = None) -> list[SandboxStatus]:
         """Every sandbox's status, or only sandbox ``only``'s (none if unknown)."""
@@ -545,21 +550,29 @@ def busy_mount(sid: str, path: Path) -> Iterator[None]:
 
 def remove_sandbox_dir(sdir: Path, keep_upper: bool) -> None:
     """Worker thread: the sandbox's directory gone (``keep_upper``: all but
-    upper and rootfs), or gone already; never while its rootfs is mounted."""
+    upper and rootfs, or its quota's image, the upper inside), or gone
+    already; never while its rootfs is mounted. A quota's image is unmounted
+    first (EBUSY while a process uses it)."""
     if os.path.ismount(sdir / "rootfs"):
         raise OSError(errno.EBUSY, f"{sdir / 'rootfs'} is still mounted")
-    shutil.rmtree(sdir / "work" if keep_upper else sdir, ignore_errors=True)
+    if keep_upper:
+        shutil.rmtree(sdir / "work", ignore_errors=True)
+    quota.unmount_image(sdir)
+    if not keep_upper:
+        shutil.rmtree(sdir, ignore_errors=True)
 
 
 def make_rootfs(sdir: Path, fresh: bool, overlay: Overlay | None,
                 disk_quota: int | None = None) -> None:
     """Worker thread: the sandbox's directories (a fresh one with a
-    ``disk_quota``: a quota-limited subvolume, :mod:`.quota`), then ``overlay``
-    on its rootfs (None: the overlay is mounted already, kept across a live
-    restart)."""
+    ``disk_quota``: a quota-limited subvolume or file system, :mod:`.quota`;
+    a restored one's file system mounted again), then ``overlay`` on its
+    rootfs (None: the overlay is mounted already, kept across a live restart)."""
     if fresh and disk_quota is not None:
         sdir.parent.mkdir(parents=True, exist_ok=True)
         quota.make_quota_dir(sdir, disk_quota)
+    elif not fresh:
+        quota.remount(sdir)
     make_dirs(sdir, fresh)
     if overlay is not None:
         mount_overlay(overlay, str(sdir / "rootfs"), SAFE_FLAGS)
