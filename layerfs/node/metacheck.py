@@ -400,4 +400,8 @@ def serve(stdin: IO[bytes], stdout: IO[bytes], uid: int | None) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.stdin.buffer, sys.stdout.buffer, int(sys.argv[1]) if sys.argv[1:] else None)
+    try:
+        serve(sys.stdin.buffer, sys.stdout.buffer, int(sys.argv[1]) if sys.argv[1:] else None)
+    except BrokenPipeError:  # the daemon is gone (killed mid-check): nobody to answer
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        sys.exit(0)
