@@ -48,7 +48,8 @@ def test_put_if_absent_does_not_win_where_link_ignores_an_existing_key(tmp_path,
 
     def link_replaces(src: str, dst: str, src_dir_fd: int, dst_dir_fd: int,
                       follow_symlinks: bool) -> None:
-        os.replace(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)  # replace(2), not link(2): an existing key is overwritten
+        # replace(2), not link(2): an existing key is overwritten
+        os.replace(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 
     monkeypatch.setattr(file_store.os, "link", link_replaces)
     assert store.put_if_absent(KEY, b"sha256:second\n") is False
