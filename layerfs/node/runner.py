@@ -487,9 +487,12 @@ class Reaper:
     the mark means the run died: the watcher kills the container (``RUNTIME
     kill ID KILL``, again until the runtime ends, at most
     :data:`STOP_SECONDS`), then the runtime, deletes the container's state
-    and removes its bundle. Everything it runs is computed before the fork."""
+    and removes its bundle. Everything it runs is computed before the fork.
+    A watcher that has not exited yet when the run ends is reaped by the next
+    run of this process (:data:`_UNREAPED`), not waited for."""
 
     def __init__(self, container: Container) -> None:
+        _reap_finished()
         kill_argv = container.command("kill", container.container_id, "KILL")
         delete_argv = container.command("delete", "--force", container.container_id)
         read_end, self.writer = os.pipe()
@@ -511,12 +514,27 @@ class Reaper:
             os.write(self.writer, REAPER_PID + str(pid).encode() + b"\n")
 
     def done(self) -> None:
-        """The run ended as it should: let the watcher go, and reap it."""
+        """The run ended as it should: let the watcher go (reaped now if it has
+        exited already, else later)."""
         with contextlib.suppress(OSError):
             os.write(self.writer, REAPER_DONE)
         os.close(self.writer)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
+        _UNREAPED.append(self.pid)
+        _reap_finished()
+
+
+_UNREAPED: list[int] = []  # watchers told to go that had not exited yet
+
+
+def _reap_finished() -> None:
+    """Reap the watchers of earlier runs that have exited by now."""
+    for pid in list(_UNREAPED):
+        try:
+            ended, _status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped by someone else
+            ended = pid
+        if ended == pid:
+            _UNREAPED.remove(pid)
 
 
 def _watch(read_end: int, kill_argv: list[str], delete_argv: list[str],
