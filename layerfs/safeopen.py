@@ -94,7 +94,8 @@ def open_dir(dir_fd: int, path: str) -> int:
     """A read-only descriptor of the directory ``path`` beneath ``dir_fd``
     (``""`` or ``"."``: ``dir_fd`` itself, duplicated), no symlink on the way;
     ENOTDIR if it is something else (a FIFO there is not opened)."""
-    return openat2(dir_fd, path or ".", DIR_FLAGS | os.O_NONBLOCK, STRICT)
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC
+    return openat2(dir_fd, path or ".", flags, STRICT)  # a symlink: ELOOP (O_NOFOLLOW: ENOTDIR)
 
 
 def open_regular_path(path: str) -> int:

@@ -24,6 +24,7 @@ from nodes import NodeDaemon, serving
 from support import build, need_root
 from users import LocalUser, local_user  # noqa: F401 - a fixture
 
+from layerfs.errors import StoreError
 from layerfs.refstore import RefStore, ref_key
 from layerfs.store.base import blob_key
 from layerfs.store.file import FileStore
@@ -188,3 +189,28 @@ def test_a_symlinked_folder_below_the_store_root_is_not_followed(tmp_path):
     one_line(layerfs("inspect", "evil@1", "--store", url), "a symlink")
     listing = layerfs("ls", "--store", url)
     assert SECRET.decode() not in listing.stdout + listing.stderr
+
+
+def test_a_writer_follows_no_planted_symlink(tmp_path):
+    """A root writer (push, gc) neither writes through a symlinked folder nor
+    touches a symlinked object's target: the folder is refused in one error,
+    the object is no object (a put replaces the link itself)."""
+    store_dir = tmp_path / "store"
+    store = FileStore(store_dir)
+    store.put("refs/layers/x/1", b"sha256:" + b"0" * 64 + b"\n")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (store_dir / "blobs").symlink_to(outside)
+    with pytest.raises(StoreError, match=r"blobs/sha256/\w+: a symlink or a path leaving"):
+        store.put_blob(b"data")
+    assert os.listdir(outside) == []
+    target = tmp_path / "target"
+    target.write_bytes(SECRET)
+    os.utime(target, (1, 1))
+    (store_dir / "refs" / "layers" / "x" / "2").symlink_to(target)
+    assert store.head("refs/layers/x/2") is None
+    assert store.refresh("refs/layers/x/2") is False and target.stat().st_mtime == 1
+    assert [o.key for o in store.list("refs/")] == ["refs/layers/x/1"]
+    store.put("refs/layers/x/2", b"new")
+    assert not (store_dir / "refs" / "layers" / "x" / "2").is_symlink()
+    assert target.read_bytes() == SECRET and store.get("refs/layers/x/2") == b"new"

@@ -437,7 +437,7 @@ class FileStore(Store):
                     os.fsync(fd)
                 except FileExistsError:
                     pass
-                sub = os.open(part, DIR_FLAGS | os.O_NONBLOCK, dir_fd=fd)
+                sub = open_dir(fd, part)  # ELOOP if a symlink
                 os.close(fd)
                 fd = sub
         except BaseException:
