@@ -176,9 +176,6 @@ class FileStore(Store):
             return IntegrityError(str(self.root / key), _describe(exc))
         return self._error(exc, key, "read", reading=True)
 
-    def _path(self, key: str) -> Path:
-        return self.root / check_key(key)
-
     # -- descriptors: the root followed (the operator's path), nothing below it --
     @contextmanager
     def _root_fd(self) -> Iterator[int]:
@@ -299,7 +296,7 @@ class FileStore(Store):
 
     def _temporary_key(self, key: str) -> tuple[str, str]:
         folder, name = _split(key)
-        if not name.startswith(TEMP_MARK) or "\0" in name or "/" in name:
+        if not name.startswith(TEMP_MARK) or "\0" in name:
             raise ValueError(f"not a temporary file key: {key!r}")
         if folder:
             check_key(folder)
