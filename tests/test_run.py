@@ -639,6 +639,20 @@ def test_a_timeout_kills_the_container_and_every_process_in_it(node, runtime):
     no_container_left(node, runtime, "s1")
 
 
+@RUNTIMES
+@pytest.mark.parametrize(("cwd", "why"), [("/bin/busybox", "not a directory"),
+                                          ("/etc/os-release/x", "a file on its way")])
+def test_a_working_directory_that_cannot_be_made_is_one_line(node, runtime, cwd, why):
+    """runc and crun fail with their own line on such a cwd: one ``layerfs:
+    run:`` line and 126 instead (a missing cwd is made, as the runtimes do)."""
+    proc = run(node, "pwd", "--runtime", runtime, "--cwd", cwd)
+    assert (proc.returncode, proc.stdout) == (126, "")
+    assert proc.stderr == f"layerfs: run: working directory {cwd}: {why}\n"
+    assert bundles_left(node) == []
+    made = run(node, "pwd", "--runtime", runtime, "--cwd", f"/tmp/made-{runtime}/here")
+    assert (made.returncode, made.stdout) == (0, f"/tmp/made-{runtime}/here\n"), made.stderr
+
+
 def test_the_longest_timeout_is_taken(node):
     """A timeout as long as the option takes (366 days, beyond what one
     poll(2) can wait) runs the command, through the CLI and the API."""
