@@ -12,6 +12,14 @@ compression undone here. Python's ``tarfile`` parses the headers behind guards
 pax records are parsed in linear time and their numbers checked, and a bad
 header is an error rather than the end of the archive.
 
+The tree an archive makes does not depend on who reads it: an entry below a
+name that an earlier entry of the same archive made a symlink, a file or
+another non-directory ("symlink ``s`` -> ``d``, then ``s/f``") is refused
+(:func:`check_parents`). GNU tar and containerd's applier would write it
+through the symlink (to ``d/f``, or into a lower layer's ``d``), a lazy mount
+would show a directory ``s``: no single layer tree is both. A whiteout there
+(``.wh.s``, then ``s/f``) is not such a name: the new directory replaces it.
+
 Where the archive may end is decided as Go's ``archive/tar`` (and so containerd)
 decides: at a header's place, with or without end-of-archive blocks, or inside
 the padding after an entry's data; a header or an entry's data cut short is an
@@ -34,7 +42,7 @@ from typing import BinaryIO, Protocol, cast
 import zstandard
 
 from layerfs.errors import SourceError, UnsafeTarEntry
-from layerfs.tree import FsNode
+from layerfs.tree import FileTree, FsNode
 
 from .assembler import LayerAssembler
 
@@ -417,6 +425,26 @@ def check_symlink(parts: list[bytes], target: bytes, name: str) -> None:
             raise UnsafeTarEntry(name, f"symlink target {shown!r} escapes the root")
 
 
+def check_parents(tree: FileTree, parts: list[bytes], name: str) -> None:
+    """Refuse an entry below a non-directory an earlier entry made (a symlink
+    above all: readers differ on what that tree is); a whiteout is no such
+    entry (a directory at its name replaces it, as in every reader)."""
+    node = tree.root
+    for depth, part in enumerate(parts[:-1]):
+        assert node.children is not None
+        child = node.children.get(part)
+        if child is None:
+            return
+        if not child.is_dir:
+            if stat.S_ISCHR(child.mode) and (child.rdev_major, child.rdev_minor) == (0, 0):
+                return  # a whiteout
+            above = b"/".join(parts[:depth + 1]).decode(errors="replace")
+            kind = "a symlink" if stat.S_ISLNK(child.mode) else "not a directory"
+            raise UnsafeTarEntry(name, f"below {above!r}, which an earlier entry made "
+                                       f"{kind} (readers would unpack it differently)")
+        node = child
+
+
 def pax_mtime(member: tarfile.TarInfo) -> tuple[int, int]:
     """Seconds and nanoseconds; ``parse_pax`` checked the syntax. A time with more
     digits than any inode holds comes out as 10**30, for the assembler to clamp."""
@@ -522,12 +550,16 @@ class TarSource:
             asm.add(parts[:-1] + [base[len(WHITEOUT) :]], wh)
             return
         if member.islnk():
-            asm.link(parts, split_name(member.linkname, "hard link target"))
+            target = split_name(member.linkname, "hard link target")
+            check_parents(asm.tree, parts, member.name)
+            check_parents(asm.tree, target, member.linkname)
+            asm.link(parts, target)
             return
         node = node_from_member(member)
         if not parts:
             asm.set_root(node)
             return
+        check_parents(asm.tree, parts, member.name)
         if node.target:
             check_symlink(parts, node.target, member.name)
         if self.observer and member.isreg() and not member.issparse():

@@ -69,15 +69,17 @@ def ref_key(kind: str, name: str, version: str) -> str:
 
 
 def parse_ref_file(data: bytes, what: str) -> str:
-    """The digest a ref file holds: one ``sha256:<hex>`` line, else an integrity error."""
+    """The digest a ref file holds: one ``sha256:<hex>`` line, else an
+    integrity error that quotes none of its bytes (nothing vouches for them:
+    a ref may have been made to show another file's secret)."""
     if len(data) > MAX_REF_BYTES:
         raise IntegrityError(what, f"ref file of {len(data)} bytes is not a digest")
     try:
         text = data.decode("ascii").strip()
     except UnicodeDecodeError:
-        raise IntegrityError(what, "ref file is not ASCII text") from None
+        raise IntegrityError(what, "ref file is not a digest (not ASCII text)") from None
     if not DIGEST_RE.fullmatch(text):
-        raise IntegrityError(what, f"ref file holds {text[:80]!r}, not sha256:<64 hex>")
+        raise IntegrityError(what, "ref file is not a digest (expected one sha256:<64 hex> line)")
     return text
 
 

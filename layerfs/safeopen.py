@@ -4,7 +4,10 @@ with the ``RESOLVE_*`` flags that keep the walk where it belongs
 (``RESOLVE_IN_ROOT``: symlinks resolve inside; ``RESOLVE_BENEATH`` with
 ``RESOLVE_NO_SYMLINKS``: no symlink anywhere on the way, no escape by ``..``),
 and :func:`open_regular` (beneath a directory) and :func:`open_regular_path`,
-which open a file that must be a regular one without blocking on a FIFO.
+which open a file that must be a regular one without blocking on a FIFO
+(:func:`open_regular` looks first through an ``O_PATH`` descriptor, so a
+device node or a FIFO is never opened at all), and :func:`open_dir`, a
+directory beneath a directory with no symlink on the way.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ RESOLVE_BENEATH = 0x08
 RESOLVE_IN_ROOT = 0x10
 READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # a directory, not a link
+PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC  # a look at what is there, opening nothing
 STRICT = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
 
 _libc = ctypes.CDLL(None, use_errno=True)  # libc, already loaded: no `ldconfig -p` run
@@ -50,15 +54,48 @@ def openat2(dir_fd: int, path: str, flags: int, resolve: int, mode: int = 0) -> 
 
 
 class NotRegular(OSError):
-    """The path names something other than a regular file."""
+    """The path names something other than a regular file (``mode``: what it is)."""
+
+    mode = 0
+
+
+def not_regular(mode: int, path: str) -> NotRegular:
+    """The :class:`NotRegular` error of ``path``, whose fstat mode is ``mode``."""
+    exc = NotRegular(errno.EINVAL, f"not a regular file ({describe_mode(mode)})", path)
+    exc.mode = mode
+    return exc
+
+
+def lookup(dir_fd: int, path: str) -> os.stat_result:
+    """What ``path`` beneath ``dir_fd`` is (no symlink on the way, none
+    followed at the end), seen through an ``O_PATH`` descriptor: nothing is
+    opened, so a FIFO or a device node costs nothing and blocks nothing."""
+    fd = openat2(dir_fd, path, PATH_FLAGS, STRICT)
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
 
 
 def open_regular(dir_fd: int, path: str) -> int:
     """A blocking read-only descriptor of the regular file ``path`` beneath
-    ``dir_fd``, no symlink on the way (ELOOP/EXDEV otherwise); opened with
-    ``O_NONBLOCK`` so that a FIFO does not hang the open, then checked with
-    fstat (:class:`NotRegular`) and switched back to blocking reads."""
+    ``dir_fd``, no symlink on the way (ELOOP/EXDEV otherwise). Looked at first
+    through ``O_PATH`` (:func:`lookup`: a FIFO or a device is refused without
+    being opened), then opened with ``O_NONBLOCK`` (a FIFO swapped in between
+    does not hang the open), checked again with fstat (:class:`NotRegular`)
+    and switched back to blocking reads."""
+    mode = lookup(dir_fd, path).st_mode
+    if not stat.S_ISREG(mode):
+        raise not_regular(mode, path)
     return _regular(openat2(dir_fd, path, READ_FLAGS, STRICT), path)
+
+
+def open_dir(dir_fd: int, path: str) -> int:
+    """A read-only descriptor of the directory ``path`` beneath ``dir_fd``
+    (``""`` or ``"."``: ``dir_fd`` itself, duplicated), no symlink on the way;
+    ENOTDIR if it is something else (a FIFO there is not opened)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC
+    return openat2(dir_fd, path or ".", flags, STRICT)  # a symlink: ELOOP (O_NOFOLLOW: ENOTDIR)
 
 
 def open_regular_path(path: str) -> int:
@@ -73,7 +110,7 @@ def _regular(fd: int, path: str) -> int:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise NotRegular(errno.EINVAL, f"not a regular file ({describe_mode(mode)})", path)
+            raise not_regular(mode, path)
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)

@@ -48,6 +48,7 @@ SERVER_FIXTURES = frozenset({
 # umoci, tar programs) end to end, a process per step: not in the fast tier
 END_TO_END_MODULES = frozenset({
     "test_bounds", "test_cli", "test_client", "test_durability", "test_errors", "test_export",
+    "test_hostilestore",
     "test_import", "test_input", "test_keeper", "test_offline", "test_registry",
     "test_remotetrust", "test_storefaults", "test_install", "test_systemd"})
 

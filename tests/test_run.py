@@ -39,6 +39,8 @@ DOCKER_CAPS = {"CHOWN": 0, "DAC_OVERRIDE": 1, "FOWNER": 3, "FSETID": 4, "KILL": 
 MASKED = ("/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
           "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
           "/sys/firmware", "/sys/devices/virtual/powercap")
+RUNTIMES = pytest.mark.parametrize("runtime", ["runc", "crun"])
+TIMEOUT_EXPECTED = "expected a positive number of seconds, at most 31622400 (366 days)"
 READ_ONLY = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
 
 # The classic chroot escape: chroot into a subdirectory while the working
@@ -348,6 +350,73 @@ def test_down_refuses_a_sandbox_a_container_runs_in(node, runtime, via):
     assert os.listdir(node.root / "run" / "bundles") == []
 
 
+def run_children(pid: int) -> tuple[int, int]:
+    """A ``layerfs run``'s two children: its watcher (a fork of it) and the runtime."""
+    kids = [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    assert len(kids) == 2, kids
+    own = Path(f"/proc/{pid}/exe").resolve()
+    (reaper,) = [k for k in kids if Path(f"/proc/{k}/exe").resolve() == own]
+    (runtime,) = [k for k in kids if k != reaper]
+    return reaper, runtime
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie counts as ended), waiting up to 30 s."""
+    for _ in range(600):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def container_init(node: NodeDaemon, runtime: str, cid: str) -> int:
+    proc = subprocess.run(runner.runtime_command(
+        runtime, str(node.root / "run" / "state" / runtime), "state", cid),
+        capture_output=True, text=True, timeout=60, check=True)
+    return int(json.loads(proc.stdout)["pid"])
+
+
+@RUNTIMES
+def test_a_killed_run_takes_its_container_with_it(node, runtime):
+    """SIGKILL of `layerfs run` (no signal forwarded, no cleanup of its own):
+    the container's process, the runtime, the container's state and its
+    bundle are gone shortly after, and a plain `down` goes through."""
+    sid = f"killed-{runtime}"
+    with busy_sandbox(node, sid, runtime) as (proc, cid):
+        _reaper, runtime_pid = run_children(proc.pid)
+        init = container_init(node, runtime, cid)
+        proc.kill()
+        proc.wait(timeout=60)
+        assert gone(init) and gone(runtime_pid)
+        for _ in range(200):
+            if runtime_state(node, runtime, cid) == "gone" and cid not in bundles_left(node):
+                break
+            time.sleep(0.05)
+        assert runtime_state(node, runtime, cid) == "gone"
+        assert cid not in bundles_left(node)
+        node.cli("down", sid)
+
+
+def test_down_force_leaves_no_bundle_behind(node):
+    """A run killed with its watcher leaves its container running: `down`
+    refuses, `down --force` kills it and leaves neither state nor bundle."""
+    sid = "forced"
+    with busy_sandbox(node, sid, "runc") as (proc, cid):
+        reaper, _runtime = run_children(proc.pid)
+        os.kill(reaper, signal.SIGKILL)
+        proc.kill()
+        proc.wait(timeout=60)
+        assert runtime_state(node, "runc", cid) == "running"
+        refused_down(node, sid, cid, "cli")
+        node.cli("down", "--force", sid)
+        assert runtime_state(node, "runc", cid) == "gone"
+        assert cid not in bundles_left(node)
+
+
 def test_a_stopped_containers_state_left_behind_does_not_block_down(node):
     """Busy is what the runtime reports at `down` time: once the container's
     process is gone (its runtime and its run killed too, so that its state is
@@ -356,10 +425,11 @@ def test_a_stopped_containers_state_left_behind_does_not_block_down(node):
     state_root = str(node.root / "run" / "state" / "runc")
     with busy_sandbox(node, sid, "runc") as (proc, cid):
         refused_down(node, sid, cid, "cli")
-        runtime_pid = int(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text())
+        reaper, runtime_pid = run_children(proc.pid)
         init = json.loads(subprocess.run(["runc", "--root", state_root, "state", cid],
                                          capture_output=True, check=True).stdout)["pid"]
-        for pid in (proc.pid, runtime_pid, init):  # the run first: it would delete the state
+        # the run's watcher and the run first: either would delete the state
+        for pid in (reaper, proc.pid, runtime_pid, init):
             os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=60)
         for _ in range(200):  # until init is reaped (by the host's init)
@@ -418,7 +488,6 @@ def test_crun_runs_the_same_bundle(node):
     assert listed.stdout == ""
 
 
-RUNTIMES = pytest.mark.parametrize("runtime", ["runc", "crun"])
 
 
 def rootfs_of(node: NodeDaemon, sid: str) -> Path:
@@ -465,8 +534,14 @@ def test_env_cwd_and_user_given_to_run_are_what_the_command_sees(node, runtime):
     (("--env", "=x"), "--env '=x': expected KEY=VALUE"),
     (("--cwd", "tmp"), "cannot make the container's process: the working directory 'tmp' "
                        "is not an absolute path"),
-    (("--timeout", "0"), "--timeout '0': expected a positive number of seconds"),
-    (("--timeout", "soon"), "--timeout 'soon': expected a positive number of seconds"),
+    (("--timeout", "0"), f"--timeout '0': {TIMEOUT_EXPECTED}"),
+    (("--timeout", "soon"), f"--timeout 'soon': {TIMEOUT_EXPECTED}"),
+    (("--timeout", "31622401"), f"--timeout '31622401': {TIMEOUT_EXPECTED}"),
+    (("--timeout", "1e10"), f"--timeout '1e10': {TIMEOUT_EXPECTED}"),
+    (("--timeout", "1e308"), f"--timeout '1e308': {TIMEOUT_EXPECTED}"),
+    (("--env", "A\nB=x"), "cannot make the container's process: bad environment variable "
+                          "'A\\nB': a name must be non-empty, without '=', whitespace or "
+                          "control characters, and a value may not hold a NUL"),
 ])
 def test_bad_run_options_are_one_line(node, options, message):
     proc = run(node, "echo ran", *options)
@@ -479,6 +554,10 @@ def test_bad_run_options_are_one_line(node, options, message):
     ({"env": {"": "x"}}, BundleError, "bad environment variable ''"),
     ({"env": {"A=B": "x"}}, BundleError, "bad environment variable 'A=B'"),
     ({"env": {"A": "x\0y"}}, BundleError, "bad environment variable 'A'"),
+    ({"env": {"A\nB": "x"}}, BundleError, "bad environment variable 'A\\nB'"),
+    ({"env": {"A B": "x"}}, BundleError, "bad environment variable 'A B'"),
+    ({"timeout": runner.MAX_TIMEOUT * 2}, UsageError, "timeout must be a positive number of"
+                                                      " seconds up to 3.16224e+07"),
     ({"timeout": 0}, UsageError, "timeout must be a positive number of seconds, not 0"),
     ({"timeout": float("inf")}, UsageError, "timeout must be a positive number of seconds"),
     ({"capture": True, "terminal": True}, UsageError, "a run on a terminal neither captures"),
@@ -558,6 +637,46 @@ def test_a_timeout_kills_the_container_and_every_process_in_it(node, runtime):
     proc = run(node, f"sleep {marker}", "--runtime", runtime, "--timeout", "1")
     assert (proc.returncode, proc.stderr) == (124, "")
     no_container_left(node, runtime, "s1")
+
+
+@RUNTIMES
+@pytest.mark.parametrize(("cwd", "why"), [("/bin/busybox", "not a directory"),
+                                          ("/etc/os-release/x", "a file on its way")])
+def test_a_working_directory_that_cannot_be_made_is_one_line(node, runtime, cwd, why):
+    """runc and crun fail with their own line on such a cwd: one ``layerfs:
+    run:`` line and 126 instead (a missing cwd is made, as the runtimes do)."""
+    proc = run(node, "pwd", "--runtime", runtime, "--cwd", cwd)
+    assert (proc.returncode, proc.stdout) == (126, "")
+    assert proc.stderr == f"layerfs: run: working directory {cwd}: {why}\n"
+    assert bundles_left(node) == []
+    made = run(node, "pwd", "--runtime", runtime, "--cwd", f"/tmp/made-{runtime}/here")
+    assert (made.returncode, made.stdout) == (0, f"/tmp/made-{runtime}/here\n"), made.stderr
+
+
+def test_the_longest_timeout_is_taken(node):
+    """A timeout as long as the option takes (366 days, beyond what one
+    poll(2) can wait) runs the command, through the CLI and the API."""
+    proc = run(node, "echo ran; exit 3", "--timeout", "31622400")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "ran\n", "")
+    result = Client(node.root).run("s1", ["sh", "-c", "exit 5"], timeout=runner.MAX_TIMEOUT)
+    assert (result.exit_code, result.timed_out) == (5, False)
+    assert bundles_left(node) == []
+
+
+@RUNTIMES
+@pytest.mark.parametrize("user", ["4294967294", "7:2147483648"])
+def test_an_id_the_runtimes_refuse_is_one_line(node, runtime, user):
+    """A uid or gid beyond what runc and crun set up (they fail, runc in its
+    own words) is refused first: one ``layerfs:`` line, nothing left behind."""
+    proc = run(node, "echo ran", "--runtime", runtime, "--user", user)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    number = user.rpartition(":")[2]
+    assert proc.stderr == (f"layerfs: error: image user {user!r}: "
+                           f"{'gid' if ':' in user else 'uid'} {number} is out of range "
+                           "(0 to 2147483647, what the OCI runtimes take)\n"), proc.stderr
+    assert bundles_left(node) == []
+    highest = run(node, "id -u; id -g", "--runtime", runtime, "--user", "2147483647:2147483647")
+    assert (highest.returncode, highest.stdout) == (0, "2147483647\n2147483647\n"), highest.stderr
 
 
 @pytest.fixture(scope="module")

@@ -30,9 +30,9 @@ def test_put_if_absent_loses_when_another_clients_create_lands_over_its_link(tmp
     "succeeded"; the one whose bytes are not there afterwards must not win."""
     real_link = os.link
 
-    def link_then_other_client_writes(src: str, dst: str) -> None:
-        real_link(src, dst)
-        Path(dst).write_bytes(b"sha256:the other client's digest\n")
+    def link_then_other_client_writes(src: str, dst: str, **at: object) -> None:
+        real_link(src, dst, **at)  # type: ignore[arg-type]
+        (tmp_path / "store" / KEY).write_bytes(b"sha256:the other client's digest\n")
 
     monkeypatch.setattr(file_store.os, "link", link_then_other_client_writes)
     store = FileStore(tmp_path / "store")
@@ -46,8 +46,10 @@ def test_put_if_absent_does_not_win_where_link_ignores_an_existing_key(tmp_path,
     store = FileStore(tmp_path / "store")
     assert store.put_if_absent(KEY, b"sha256:first\n") is True
 
-    def link_replaces(src: str, dst: str) -> None:
-        os.replace(src, dst)  # replace(2), not link(2): an existing key is overwritten
+    def link_replaces(src: str, dst: str, src_dir_fd: int, dst_dir_fd: int,
+                      follow_symlinks: bool) -> None:
+        # replace(2), not link(2): an existing key is overwritten
+        os.replace(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 
     monkeypatch.setattr(file_store.os, "link", link_replaces)
     assert store.put_if_absent(KEY, b"sha256:second\n") is False
@@ -57,9 +59,9 @@ def test_put_if_absent_does_not_win_where_link_ignores_an_existing_key(tmp_path,
 def test_a_put_that_reads_back_torn_bytes_is_a_transient_error(tmp_path, monkeypatch):
     real_replace = os.replace
 
-    def replace_torn(src: str, dst: str) -> None:
-        real_replace(src, dst)
-        with open(dst, "r+b") as f:
+    def replace_torn(src: str, dst: str, **at: int) -> None:
+        real_replace(src, dst, **at)
+        with open(tmp_path / "store" / "traces" / dst, "r+b") as f:
             f.truncate(10)
 
     monkeypatch.setattr(file_store.os, "replace", replace_torn)

@@ -18,6 +18,7 @@ from nodes import NodeDaemon
 from support import need_root
 from test_node import publish_base_env
 from test_offline import wait_for_log
+from users import LocalUser, local_user  # noqa: F401 - a fixture
 
 from layerfs.errors import AccessDenied, StoreError
 from layerfs.refstore import ENVS, RefStore
@@ -53,7 +54,8 @@ def one_error_line(proc: subprocess.CompletedProcess, code: int) -> str:
 def test_init_creates_the_directory_and_again_is_idempotent(tmp_path):
     root = tmp_path / "new" / "store"
     url = "file://" + str(root)
-    assert usable(layerfs("store", "init", url)) == (url, True)
+    first = layerfs("store", "init", url)
+    assert usable(first) == (url, True) and first.stderr == ""  # no warning
     assert root.is_dir() and not (root / "check").exists()  # its probe keys are gone
     assert usable(layerfs("store", "init", url)) == (url, False)
     doc = json.loads(layerfs("store", "init", url, "--json").stdout)
@@ -101,6 +103,31 @@ def test_init_under_a_read_only_directory_is_one_line_exit_12(tmp_path):
         assert "read-only file system" in line and "writable" in line, line
     finally:
         subprocess.run(["umount", str(parent)], check=True)
+
+
+@pytest.mark.parametrize("how", ["owned", "world-writable", "group-writable folder"])
+def test_init_warns_of_a_directory_another_user_can_change(tmp_path, local_user, how):  # noqa: F811
+    """Root's `store init` on a directory a local user owns, or others may
+    write (the store's, or a folder of it): usable, and one warning line."""
+    root = tmp_path / "store"
+    url = "file://" + str(root)
+    assert usable(layerfs("store", "init", url)) == (url, True)
+    changed = root / "blobs" if how == "group-writable folder" else root
+    changed.mkdir(exist_ok=True)
+    if how == "owned":
+        os.chown(root, local_user.uid, local_user.gid)
+        expected = f"{root} belongs to uid {local_user.uid}, not root: that user can plant"
+    else:
+        changed.chmod(0o777 if how == "world-writable" else 0o775)
+        mode = "0777" if how == "world-writable" else "0775"
+        whom = "others" if how == "world-writable" else "its group"
+        expected = f"{changed} is writable by {whom} (mode {mode}): they can plant"
+    proc = layerfs("store", "init", url)
+    assert usable(proc) == (url, False)
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"layerfs: warning: {expected}"), line
+    doc = json.loads(layerfs("store", "init", url, "--json").stdout)
+    assert doc["usable"] and len(doc["warnings"]) == 1 and expected in doc["warnings"][0]
 
 
 def test_a_put_if_absent_that_does_not_refuse_a_second_create_is_not_usable(tmp_path):

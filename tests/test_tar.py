@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -123,13 +124,52 @@ def test_whiteouts_become_overlayfs_whiteouts(tmp_path, fstore):
     ([("a/../../b", b"x", {})], "'..' in path"),
     ([("l", None, {"type": tarfile.LNKTYPE, "linkname": "../outside"})], "hard link target"),
     ([("d/l", None, {"type": tarfile.SYMTYPE, "linkname": "../../etc/shadow"})], "escapes"),
+    ([("d", None, {"type": tarfile.DIRTYPE, "mode": 0o755}),
+      ("s", None, {"type": tarfile.SYMTYPE, "linkname": "d"}), ("s/f", b"x", {})],
+     "below 's', which an earlier entry made a symlink"),
+    ([("s", None, {"type": tarfile.SYMTYPE, "linkname": "/etc"}), ("s/cron.d/f", b"x", {})],
+     "below 's', which an earlier entry made a symlink"),
+    ([("a", None, {"type": tarfile.DIRTYPE, "mode": 0o755}),
+      ("a/s", None, {"type": tarfile.SYMTYPE, "linkname": "."}),
+      ("f", b"x", {}), ("a/s/l", None, {"type": tarfile.LNKTYPE, "linkname": "f"})],
+     "below 'a/s', which an earlier entry made a symlink"),
+    ([("f", b"x", {}), ("f/g", b"y", {})], "below 'f', which an earlier entry made not a"),
 ])
 def test_unsafe_entries_are_refused(tmp_path, fstore, entries, why):
     path = tmp_path / "bad.tar"
     path.write_bytes(tar_of(entries))
-    with pytest.raises(UnsafeTarEntry, match=why.split()[0]):
+    with pytest.raises(UnsafeTarEntry, match=re.escape(why)):
         build(fstore, str(path))
     assert RefStore(fstore).list_refs(LAYERS) == []
+
+
+def test_a_reader_dependent_tree_is_one_error_line(tmp_path):
+    """"symlink s -> d, then s/f": GNU tar writes d/f, a lazy mount would show
+    a directory s; the build refuses it in one line, exit 3, nothing published."""
+    path = tmp_path / "odd.tar"
+    path.write_bytes(tar_of([("d", None, {"type": tarfile.DIRTYPE, "mode": 0o755}),
+                             ("s", None, {"type": tarfile.SYMTYPE, "linkname": "d"}),
+                             ("s/f", b"x", {})]))
+    unpacked = tmp_path / "gnu"
+    unpacked.mkdir()
+    subprocess.run(["tar", "-xf", str(path), "-C", str(unpacked)], check=True)
+    assert (unpacked / "d" / "f").read_bytes() == b"x"  # through the symlink
+    url = f"file://{tmp_path}/store"
+    proc = subprocess.run([sys.executable, "-m", "layerfs.tools.main", "build", str(path),
+                           "--name", "odd", "--version", "1", "--store", url],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == UnsafeTarEntry.exit_code
+    assert proc.stderr == ("layerfs: error: unsafe tar entry 's/f': below 's', which an "
+                           "earlier entry made a symlink (readers would unpack it "
+                           "differently)\n")
+    assert RefStore(FileStore(str(tmp_path / "store"))).list_refs(LAYERS) == []
+
+
+def test_a_whiteout_then_a_directory_at_its_name_is_taken(tmp_path, fstore):
+    path = tmp_path / "replace.tar"
+    path.write_bytes(tar_of([(".wh.s", b"", {}), ("s/f", b"x", {})]))
+    result = build(fstore, str(path))
+    assert result.manifest.stats.files == 1
 
 
 def test_hard_link_to_missing_target(tmp_path, fstore):

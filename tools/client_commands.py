@@ -156,13 +156,16 @@ def env_pairs(items: Sequence[str]) -> dict[str, str]:
 
 
 def seconds(text: str | None) -> float | None:
-    """``--timeout SECONDS``: a positive number, or None if not given."""
+    """``--timeout SECONDS``: a positive number up to the runner's bound, or None."""
     if text is None:
         return None
+    from layerfs.node.runner import MAX_TIMEOUT
+
     try:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not 0 < value < float("inf"):
-        raise UsageError(f"--timeout {text!r}: expected a positive number of seconds")
+    if not 0 < value <= MAX_TIMEOUT:
+        raise UsageError(f"--timeout {text!r}: expected a positive number of seconds,"
+                         f" at most {MAX_TIMEOUT:.0f} (366 days)")
     return value

@@ -15,7 +15,7 @@ from layerfs.store.check import (
     run_check,
 )
 
-from .common import Output, check_store_url
+from .common import Output, check_store_url, warn
 
 
 @click.group()
@@ -39,7 +39,10 @@ def init(url: str, s3_endpoint: str | None, timeout: float, as_json: bool) -> No
     Creates the bucket (s3://) or directory (file://) unless it exists, then
     checks that the credentials list it, that a conditional put creates a key
     and refuses a second create of it, and that a put is read back and listed.
-    Idempotent. Exit 0 if usable, else the store error's code (12: access
+    A file store's directory, its folders or a directory above it that a user
+    other than root (and you) owns or others may write is named in a warning
+    line (they could plant objects every node reads). Idempotent. Exit 0 if
+    usable, else the store error's code (12: access
     denied, 8: unreachable, 13: not safe to share, 7: another error).
     """
     check_store_url(url)
@@ -55,10 +58,14 @@ def _report(result: QuickCheck, as_json: bool) -> None:
     """The verdict on stdout (text, or a JSON document that is also the error's)."""
     doc: dict[str, object] = {"usable": result.usable, "url": result.url,
                               "created": result.created, "passed": list(result.passed),
-                              "failed": result.failed or None, "advice": result.advice or None}
+                              "failed": result.failed or None, "advice": result.advice or None,
+                              "warnings": list(result.warnings)}
     refusal = result.refusal()
     if refusal is not None:
         doc |= {"error": str(refusal), "exit": refusal.exit_code, "kind": refusal.kind}
+    if not as_json:
+        for line in result.warnings:
+            warn(line)
     if as_json or refusal is None:
         Output(as_json).emit(doc, result.verdict())
     if refusal is not None:

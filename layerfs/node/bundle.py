@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import posixpath
+import re
 import signal
 import stat
 from collections.abc import Mapping, Sequence
@@ -53,6 +54,7 @@ MASKED_PATHS = (
 READONLY_PATHS = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
 
 NETWORK_MODES = ("none", "host")
+ENV_NAME = re.compile(r"[^=\s\x00-\x1f\x7f]+")  # an environment variable's name
 
 # System calls refused with EPERM: those Docker's default seccomp profile does not
 # allow a container without CAP_SYS_ADMIN and friends, and that reach kernel state
@@ -139,12 +141,15 @@ def image_env(config: ImageConfig | None, user: ImageUser, hostname: str,
 
 
 def checked_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` as given, if every name is non-empty without ``=`` and no name
-    or value holds a NUL (which the process could not receive)."""
+    """``env`` as given, if every name is non-empty, without ``=``, whitespace
+    (a newline would forge another ``NAME=value`` line in what reads the
+    environment as lines) or another control character, and no value holds a
+    NUL (which the process could not receive)."""
     for key, value in env.items():
-        if not key or "=" in key or "\0" in key or "\0" in value:
+        if not ENV_NAME.fullmatch(key) or "\0" in value:
             raise BundleError(f"bad environment variable {key!r}: a name must be non-empty, "
-                              "without '=', and neither name nor value may hold a NUL")
+                              "without '=', whitespace or control characters, and a value "
+                              "may not hold a NUL")
     return dict(env)
 
 

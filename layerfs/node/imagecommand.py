@@ -13,6 +13,10 @@ any user). The rootfs is hostile: every path is opened with
 read, a FIFO does not block), so its symlinks resolve inside it as they do in
 the container. Paths under the container's own mounts (``/proc``, ``/dev``,
 ``/sys``) are not on the rootfs and are left to the runtime.
+
+The working directory is checked the same way: the runtimes make a missing
+one, but fail with their own line when it, or a directory on its way, is a
+file; that is one ``layerfs: run:`` line and 126 here.
 """
 
 from __future__ import annotations
@@ -44,11 +48,31 @@ def check_command(rootfs: str, program: str, path: str, cwd: str) -> CommandProb
     directory), else what is wrong with it."""
     rootfs_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
+        problem = _check_cwd(rootfs_fd, cwd)
+        if problem is not None:
+            return problem
         if "/" in program:
             return _check_path(rootfs_fd, program, posixpath.join(cwd, program))
         return _search(rootfs_fd, program, path, cwd)
     finally:
         os.close(rootfs_fd)
+
+
+def _check_cwd(rootfs_fd: int, cwd: str) -> CommandProblem | None:
+    """A working directory that is, or lies below, something other than a
+    directory cannot be made (a missing one is the runtime's to make)."""
+    if _not_on_rootfs(cwd):
+        return None
+    try:
+        mode = _mode(rootfs_fd, cwd)
+    except OSError as exc:
+        if exc.errno == errno.ENOTDIR:
+            return CommandProblem(COMMAND_NOT_EXECUTABLE,
+                                  f"working directory {cwd}: a file on its way")
+        return None  # missing (made by the runtime), or the runtime's to say
+    if stat.S_ISDIR(mode):
+        return None
+    return CommandProblem(COMMAND_NOT_EXECUTABLE, f"working directory {cwd}: not a directory")
 
 
 def _check_path(rootfs_fd: int, program: str, full: str) -> CommandProblem | None:

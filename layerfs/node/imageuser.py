@@ -21,7 +21,7 @@ from ..records import Record
 from ..safeopen import READ_FLAGS, RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, openat2
 
 MAX_DB_BYTES = 4 << 20  # /etc/passwd and /etc/group: real ones are far smaller
-MAX_ID = (1 << 32) - 2  # (uid_t) -1 means "no change" to the kernel
+MAX_ID = (1 << 31) - 1  # the largest uid/gid runc and crun set up (the kernel's is 2^32 - 2)
 
 
 class PasswdEntry(Record):
@@ -139,16 +139,25 @@ def _passwd_entry(spec: str, user: str, passwd: list[PasswdEntry]) -> PasswdEntr
     uid = parse_id(user)
     if uid is not None:
         return next((e for e in passwd if e.uid == uid), None)
+    _check_range(spec, "uid", user)
     entry = next((e for e in passwd if e.name == user), None)
     if entry is None:
         raise ImageUserError(spec, f"no user {user!r} in the image's /etc/passwd")
     return entry
 
 
+def _check_range(spec: str, what: str, text: str) -> None:
+    """A number too large for an id is one error, not a name to look up."""
+    if text.isascii() and text.isdigit():
+        raise ImageUserError(spec, f"{what} {text} is out of range (0 to {MAX_ID},"
+                                   " what the OCI runtimes take)")
+
+
 def _group_id(spec: str, group: str, groups: list[GroupEntry]) -> int:
     gid = parse_id(group)
     if gid is not None:
         return gid
+    _check_range(spec, "gid", group)
     entry = next((g for g in groups if g.name == group), None)
     if entry is None:
         raise ImageUserError(spec, f"no group {group!r} in the image's /etc/group")

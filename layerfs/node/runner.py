@@ -16,6 +16,13 @@ not executable (126) is found so before the runtime runs
 While it runs, the runtime's own state says so: :func:`running_containers`
 asks it (``RUNTIME state``) for the daemon's ``down``, which refuses such a
 sandbox or, forced, kills the container first (:func:`kill`).
+A run cannot outlive its ``layerfs run``: before the runtime starts, a
+watcher is forked off (:class:`Reaper`, in a session of its own, holding only
+the read end of a pipe); if the run ends without saying so on that pipe (it
+was SIGKILLed, or crashed), the watcher kills the container and the runtime,
+deletes the container's state and removes its bundle. A timeout may be as
+long as :data:`MAX_TIMEOUT`; it is waited for in bounded steps (``poll(2)``
+takes an int of milliseconds).
 The runtime is started with ``posix_spawn`` (``subprocess``, with the
 threading and locale machinery it imports, would add ~5 ms to the start of
 every ``layerfs run``), its signal dispositions reset as ``subprocess`` does.
@@ -65,6 +72,10 @@ PIPE_WRITE = 1 << 16
 DRAIN_SECONDS = 1.0  # after the runtime ends, how long the pipes may stay silent
 STOP_SECONDS = 10.0  # after the timeout, how long the runtime has to end
 STOP_POLL_MS = 250
+MAX_TIMEOUT = 366 * 86400.0  # seconds: the longest timeout a run takes (a leap year)
+WAIT_STEP = 3600.0  # seconds: the longest single poll(2) of a run's supervision
+REAPER_PID = b"P"  # the reaper's messages: the runtime's pid follows
+REAPER_DONE = b"D"  # the run ended as it should: nothing to clean up
 
 
 class Container(Record):
@@ -191,7 +202,10 @@ def kill(container: Container) -> bool:
     with contextlib.suppress(OSError, subprocess.TimeoutExpired):
         subprocess.run(container.command("delete", "--force", container.container_id),
                        capture_output=True, timeout=60)
-    return container_status(container) not in (*LIVE_STATES, None)
+    gone = container_status(container) not in (*LIVE_STATES, None)
+    if gone:
+        remove_bundle(container.bundle_dir)
+    return gone
 
 
 def prepare(root: str, runtime_name: str, sandbox_id: str,
@@ -274,20 +288,28 @@ def run(container: Container, config: dict[str, Any], *, stdin: bytes | int | No
             os.write(2, line)
         return RunResult(exit_code=problem.exit_code, stdout=b"" if capture else None,
                          stderr=line if capture else None)
-    write_bundle(container.bundle_dir, config)
-    streams = Streams(stdin, capture, max_output)
+    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT:
+        raise UsageError(f"timeout must be a positive number of seconds up to {MAX_TIMEOUT:g},"
+                         f" not {timeout:g}")
+    argv = container.command("run", "--bundle", container.bundle_dir, container.container_id)
+    reaper = Reaper(container)
     try:
-        # Without a terminal, a Ctrl-C meant for us reaches the runtime only by our
-        # forwarding (once); with one, the runtime owns the terminal's foreground.
-        pid = spawn(container.command("run", "--bundle", container.bundle_dir,
-                                      container.container_id),
-                    own_group=not config["process"]["terminal"], stdio=streams.child_fds())
-        streams.started()
-        with forwarding_signals(container, pid):
-            status, timed_out = supervise(container, pid, streams, timeout)
+        write_bundle(container.bundle_dir, config)
+        streams = Streams(stdin, capture, max_output)
+        try:
+            # Without a terminal, a Ctrl-C meant for us reaches the runtime only by our
+            # forwarding (once); with one, the runtime owns the terminal's foreground.
+            pid = spawn(argv, own_group=not config["process"]["terminal"],
+                        stdio=streams.child_fds())
+            reaper.runtime_started(pid)
+            streams.started()
+            with forwarding_signals(container, pid):
+                status, timed_out = supervise(container, pid, streams, timeout)
+        finally:
+            streams.close()
+            delete(container)
     finally:
-        streams.close()
-        delete(container)
+        reaper.done()
     return RunResult(exit_code=TIMED_OUT if timed_out else
                      status if status >= 0 else 128 - status,
                      stdout=streams.output(1), stderr=streams.output(2),
@@ -423,7 +445,8 @@ def supervise(container: Container, pid: int, streams: Streams,
                 poller.register(pidfd, select.POLLIN)
             for fd, awaited in streams.watched().items():
                 poller.register(fd, awaited)
-            ready = poller.poll(None if left is None else max(int(left * 1000), 1))
+            step = WAIT_STEP if left is None else min(left, WAIT_STEP)
+            ready = poller.poll(max(int(step * 1000), 1))
             if ended and not ready:
                 break
             for fd, _ in ready:
@@ -451,6 +474,114 @@ def stop(container: Container, pid: int, pidfd: int) -> int:
             return wait(pid)
     _signal_quietly(pid, signal.SIGKILL)
     return wait(pid)
+
+
+class Reaper:
+    """The watcher that ends a run's container if the run itself is killed.
+
+    Forked off before the bundle is written; it sets up a session of its own
+    (no terminal's signal reaches it), keeps no descriptor of ours but the read
+    end of a pipe, and waits on it. The run writes the runtime's pid once it
+    has spawned it (:meth:`runtime_started`) and, at its end, a done mark
+    (:meth:`done`), then waits for the watcher to exit. End of file without
+    the mark means the run died: the watcher kills the container (``RUNTIME
+    kill ID KILL``, again until the runtime ends, at most
+    :data:`STOP_SECONDS`), then the runtime, deletes the container's state
+    and removes its bundle. Everything it runs is computed before the fork.
+    A watcher that has not exited yet when the run ends is reaped by the next
+    run of this process (:data:`_UNREAPED`), not waited for."""
+
+    def __init__(self, container: Container) -> None:
+        _reap_finished()
+        kill_argv = container.command("kill", container.container_id, "KILL")
+        delete_argv = container.command("delete", "--force", container.container_id)
+        read_end, self.writer = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the watcher
+            code = 0
+            try:
+                os.close(self.writer)
+                _watch(read_end, kill_argv, delete_argv, container.bundle_dir)
+            except BaseException:  # noqa: BLE001 - nothing to report to, nowhere to go
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(read_end)
+
+    def runtime_started(self, pid: int) -> None:
+        """Tell the watcher the runtime's pid."""
+        with contextlib.suppress(OSError):
+            os.write(self.writer, REAPER_PID + str(pid).encode() + b"\n")
+
+    def done(self) -> None:
+        """The run ended as it should: let the watcher go (reaped now if it has
+        exited already, else later)."""
+        with contextlib.suppress(OSError):
+            os.write(self.writer, REAPER_DONE)
+        os.close(self.writer)
+        _UNREAPED.append(self.pid)
+        _reap_finished()
+
+
+_UNREAPED: list[int] = []  # watchers told to go that had not exited yet
+
+
+def _reap_finished() -> None:
+    """Reap the watchers of earlier runs that have exited by now."""
+    for pid in list(_UNREAPED):
+        try:
+            ended, _status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped by someone else
+            ended = pid
+        if ended == pid:
+            _UNREAPED.remove(pid)
+
+
+def _watch(read_end: int, kill_argv: list[str], delete_argv: list[str],
+           bundle_dir: str) -> None:
+    """The watcher's life (:class:`Reaper`): wait for the run's word or its death."""
+    os.setsid()
+    for signum in (*FORWARDED_SIGNALS, signal.SIGPIPE):
+        signal.signal(signum, signal.SIG_DFL)
+    null = os.open(os.devnull, os.O_RDWR)
+    for target in (0, 1, 2):
+        os.dup2(null, target)
+    os.closerange(3, read_end)
+    os.closerange(read_end + 1, os.sysconf("SC_OPEN_MAX"))
+    heard = b""
+    runtime: int | None = None
+    while True:
+        chunk = os.read(read_end, 64)
+        if not chunk:
+            break
+        heard += chunk
+        if REAPER_DONE in heard:
+            return
+        if runtime is None and heard.startswith(REAPER_PID) and b"\n" in heard:
+            with contextlib.suppress(OSError, ValueError):
+                runtime = os.pidfd_open(int(heard[1:heard.index(b"\n")]))
+    _end_container(runtime, kill_argv, delete_argv)
+    remove_bundle(bundle_dir)
+
+
+def _end_container(runtime: int | None, kill_argv: list[str], delete_argv: list[str]) -> None:
+    """Kill the container until its runtime (a pidfd, if known) ends, then the
+    runtime itself; delete the container's state."""
+    give_up = time.monotonic() + (STOP_SECONDS if runtime is not None else 1.0)
+    while time.monotonic() < give_up:
+        wait(spawn(kill_argv, quiet=True))
+        if runtime is None:  # the run died before it could say: a few tries
+            time.sleep(STOP_POLL_MS / 1000)
+            continue
+        poller = select.poll()
+        poller.register(runtime, select.POLLIN)
+        if poller.poll(STOP_POLL_MS):
+            break
+    else:
+        if runtime is not None:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(runtime, signal.SIGKILL)
+    wait(spawn(delete_argv, quiet=True))
 
 
 @contextmanager

@@ -26,10 +26,13 @@ this is a CLI tool's blocking code.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import multiprocessing
+import os
 import secrets
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.synchronize import Barrier
@@ -240,6 +243,7 @@ class QuickCheck:
     failed: str = ""  # the check that failed
     error: StoreError | None = None
     advice: str = ""
+    warnings: tuple[str, ...] = ()  # a usable store's risks (a directory others can change)
 
     @property
     def usable(self) -> bool:
@@ -389,9 +393,47 @@ def _read_after_write(store: Store, key: str) -> None:
 
 
 def init_store(store: Store) -> QuickCheck:
-    """``store init``: create the bucket or directory, then the quick checks."""
+    """``store init``: create the bucket or directory, then the quick checks,
+    and for a file store the warnings of :func:`directory_warnings`."""
     try:
         created = create_store(store)
     except StoreError as exc:
         return QuickCheck(store.url, False, (), "create", exc, advice_for(exc, store.url))
-    return quick_check(store, created)
+    result = quick_check(store, created)
+    root = getattr(store, "root", None)
+    if result.usable and isinstance(root, Path):
+        result = dataclasses.replace(result, warnings=directory_warnings(root))
+    return result
+
+
+def directory_warnings(root: Path) -> tuple[str, ...]:
+    """Who else could change a file store's objects: the store directory, its
+    folders and the directories above it must belong to root (or to the
+    caller) and be writable by no one else (an ancestor with the sticky bit,
+    such as /tmp, may be); one line per directory that is not so. Whoever
+    can write there can plant refs and blobs that every node then reads."""
+    trusted = {0, os.geteuid()}
+    paths = [root, *sorted(_folders(root)), *root.parents]
+    found = []
+    for path in paths:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        ancestor = path != root and root.is_relative_to(path)
+        if st.st_uid not in trusted:
+            found.append(f"{path} belongs to uid {st.st_uid}, not root: that user can plant "
+                         "objects every node reads (chown root)")
+        elif st.st_mode & 0o022 and not (ancestor and st.st_mode & stat.S_ISVTX):
+            found.append(f"{path} is writable by {'others' if st.st_mode & 0o002 else 'its group'}"
+                         f" (mode {stat.S_IMODE(st.st_mode):04o}): they can plant objects every"
+                         " node reads (chmod go-w)")
+    return tuple(found)
+
+
+def _folders(root: Path) -> list[Path]:
+    """The store's top folders (refs, blobs, ...), not followed if symlinks."""
+    try:
+        return [Path(e.path) for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []

@@ -19,6 +19,18 @@ daemon, the commands that only read) it is an unreachable store, for every
 call: a store directory moved away, deleted or not mounted is not an empty
 store, and nothing is written at its old place.
 
+Whoever can write the store is not trusted by its readers: below the root
+directory (the operator's path, followed) every object, folder and temporary
+file is reached through descriptors, by ``openat2(2)`` with no symlink on the
+way (layerfs/safeopen.py) or ``O_NOFOLLOW`` per name, never by a path the
+kernel resolves again. A read looks at its key through an ``O_PATH``
+descriptor first and opens only a regular file, without blocking: a symlink
+(at the key or on the way), a FIFO, a device or a socket is an integrity error
+naming only its kind, a directory a missing object; neither is listed,
+``head`` says there is no object and ``refresh`` makes none young (a put
+then replaces it). Writes create folders with ``mkdirat`` and refuse a
+symlinked one, so a planted link never steers a root writer out of the store.
+
 A shared file system may not keep the promises of ``link(2)`` and
 ``rename(2)`` between its clients (two clients both "create" a key, a reader
 sees a torn file), so every write reads the object back and compares:
@@ -37,11 +49,13 @@ import os
 import secrets
 import stat
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from ..errors import (
     AccessDenied,
+    IntegrityError,
     NoAnswerInTime,
     ObjectUnavailable,
     StoreError,
@@ -49,6 +63,7 @@ from ..errors import (
     TransientStoreError,
     UsageError,
 )
+from ..safeopen import DIR_FLAGS, NotRegular, lookup, open_dir, open_error, open_regular
 from .base import BLOB_PREFIX, TEMP_MARK, ObjectInfo, RetryPolicy, Store, check_key, check_prefix
 
 DENIED = {errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
@@ -71,17 +86,11 @@ def path_from_url(url: str) -> Path:
 
 
 def _describe(exc: OSError) -> str:
+    if exc.errno in (errno.ELOOP, errno.EXDEV) or isinstance(exc, NotRegular):
+        return open_error(exc)
     code = exc.errno or 0
     text = DENIED.get(code) or (os.strerror(code) if code else str(exc))
     return text[:1].lower() + text[1:]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
@@ -91,17 +100,23 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[written:]
 
 
-def _read_back(path: Path) -> bytes:
-    """What a reader sees at ``path`` now."""
-    with open(path, "rb", buffering=0) as f:
+def _read_back(dir_fd: int, name: str) -> bytes:
+    """What a reader sees at ``name`` in ``dir_fd`` now (a regular file, no symlink)."""
+    with open(open_regular(dir_fd, name), "rb", buffering=0) as f:
         return f.read()
 
 
-def _holds(path: Path, data: bytes | memoryview, whole: bool) -> bool:
-    """Whether ``path`` holds ``data`` now (``whole``: its bytes, else its size)."""
+def _holds(dir_fd: int, name: str, data: bytes | memoryview, whole: bool) -> bool:
+    """Whether ``name`` in ``dir_fd`` holds ``data`` now (``whole``: its bytes, else its size)."""
     if whole:
-        return _read_back(path) == data
-    return os.stat(path).st_size == memoryview(data).nbytes
+        return _read_back(dir_fd, name) == data
+    return lookup(dir_fd, name).st_size == memoryview(data).nbytes
+
+
+def _split(key: str) -> tuple[str, str]:
+    """A key's folder (``""`` at the top) and last name."""
+    folder, _, name = key.rpartition("/")
+    return folder, name
 
 
 class FileStore(Store):
@@ -136,10 +151,10 @@ class FileStore(Store):
         if reading and code in NOT_AN_OBJECT:
             self._check_root()
             return self.missing(key)
-        where = str(self.root / key)
+        where = str(self.root / key) if key else str(self.root)
         detail = _describe(exc)
         culprit = str(exc.filename or where)
-        if culprit != where and TEMP_MARK not in culprit:
+        if culprit.startswith("/") and culprit != where and TEMP_MARK not in culprit:
             detail = f"{culprit}: {detail}"
         message = f"cannot {action} {where}: {detail}"
         if code in DENIED:
@@ -150,60 +165,111 @@ class FileStore(Store):
             return StoreUnreachable(message)
         return StoreError(message)
 
-    def _path(self, key: str) -> Path:
-        return self.root / check_key(key)
+    def _hostile(self, exc: OSError, key: str) -> StoreError | IntegrityError:
+        """The error of a read that met something other than an object: a
+        symlink (at the key or on the way), a FIFO, a device or a socket is
+        corrupt (one line, naming only its kind), a directory a missing object."""
+        if isinstance(exc, NotRegular) and stat.S_ISDIR(exc.mode):
+            self._check_root()
+            return self.missing(key)
+        if isinstance(exc, NotRegular) or exc.errno in (errno.ELOOP, errno.EXDEV):
+            return IntegrityError(str(self.root / key), _describe(exc))
+        return self._error(exc, key, "read", reading=True)
+
+    # -- descriptors: the root followed (the operator's path), nothing below it --
+    @contextmanager
+    def _root_fd(self) -> Iterator[int]:
+        """A descriptor of the root directory, for the duration of one call."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def _folder(self, folder: str, create: bool = False) -> Iterator[int]:
+        """A descriptor of ``folder`` below the root, reached without following a
+        symlink (ELOOP) or leaving the root; ``create``: made first where missing."""
+        if create:
+            self._make_root()
+        with self._root_fd() as root:
+            fd = self._make_dirs(root, folder) if create else open_dir(root, folder)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     # -- reads --
     def _get(self, key: str, start: int | None, end: int | None) -> bytes:
-        path = self._path(key)
+        check_key(key)
         first = start or 0
         if first < 0 or (end is not None and end < 0):
             raise ValueError(f"bad range [{start}, {end}) for {key}")
         try:
-            with open(path, "rb", buffering=0) as f:
+            with self._root_fd() as root:
+                fd = open_regular(root, key)
+            with open(fd, "rb", buffering=0) as f:
                 if end is None:
                     f.seek(first)
                     return f.read()
                 return os.pread(f.fileno(), max(0, end - first), first)
         except OSError as exc:
-            raise self._error(exc, key, "read", reading=True) from exc
+            raise self._hostile(exc, key) from exc
 
     def _head(self, key: str) -> ObjectInfo | None:
-        path = self._path(key)
+        check_key(key)
         try:
-            st = os.stat(path)
+            with self._root_fd() as root:
+                st = lookup(root, key)
         except OSError as exc:
-            if exc.errno in NOT_AN_OBJECT:
+            if exc.errno in NOT_AN_OBJECT or exc.errno in (errno.ELOOP, errno.EXDEV):
                 self._check_root()
-                return None
+                return None  # nothing, or a symlink on the way: no object
             raise self._error(exc, key, "stat", reading=True) from exc
         if not stat.S_ISREG(st.st_mode):
-            return None
+            return None  # a symlink, a directory, a FIFO, a device: no object
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
     def _list(self, prefix: str) -> Iterator[ObjectInfo]:
         check_prefix(prefix)
         self._check_root()
-        folder, _, start = prefix.rpartition("/")
-        base = self.root / folder if folder else self.root
+        folder, start = _split(prefix)
         try:
-            yield from self._walk(base, folder + "/" if folder else "", start)
+            with self._folder(folder) as fd:
+                yield from self._walk(fd, folder + "/" if folder else "", start, temps=False)
+        except (FileNotFoundError, NotADirectoryError):
+            self._check_root()
+            return
         except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EXDEV):
+                raise IntegrityError(str(self.root / folder), _describe(exc)) from exc
             raise self._error(exc, prefix, "list", reading=False) from exc
 
-    def _walk(self, directory: Path, key_prefix: str, start: str) -> Iterator[ObjectInfo]:
-        """Objects under ``directory`` whose first name component starts with ``start``."""
-        try:
-            entries = list(os.scandir(directory))
-        except (FileNotFoundError, NotADirectoryError):
-            return
+    def _walk(self, dir_fd: int, key_prefix: str, start: str, temps: bool) -> Iterator[ObjectInfo]:
+        """Regular files under ``dir_fd`` whose first name component starts with
+        ``start``: the objects, or (``temps``) the temporary files. Symlinks are
+        neither listed nor followed, subdirectories opened with ``O_NOFOLLOW``."""
+        with os.scandir(dir_fd) as it:
+            entries = list(it)
         for entry in entries:
-            if not entry.name.startswith(start) or entry.name.startswith(TEMP_MARK):
+            if not entry.name.startswith(start):
                 continue
             key = key_prefix + entry.name
-            if entry.is_dir(follow_symlinks=False):
-                yield from self._walk(Path(entry.path), key + "/", "")
-            elif entry.is_file():
+            temp = entry.name.startswith(TEMP_MARK)
+            if entry.is_dir(follow_symlinks=False) and not temp:
+                try:
+                    sub = os.open(entry.name, DIR_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
+                except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                    continue  # gone, or swapped, while we listed
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:
+                        continue  # swapped for a symlink: not followed
+                    raise
+                try:
+                    yield from self._walk(sub, key + "/", "", temps)
+                finally:
+                    os.close(sub)
+            elif temp == temps and entry.is_file(follow_symlinks=False):
                 info = self._entry_info(entry, key)
                 if info is not None:
                     yield info
@@ -211,44 +277,43 @@ class FileStore(Store):
     @staticmethod
     def _entry_info(entry: os.DirEntry[str], key: str) -> ObjectInfo | None:
         try:
-            st = entry.stat()
+            st = entry.stat(follow_symlinks=False)
         except FileNotFoundError:  # deleted while we listed
+            return None
+        if not stat.S_ISREG(st.st_mode):
             return None
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
     def _temporaries(self) -> Iterator[ObjectInfo]:
         self._check_root()
         try:
-            yield from self._walk_temporaries(self.root, "")
+            with self._folder("") as fd:
+                yield from self._walk(fd, "", "", temps=True)
+        except FileNotFoundError:
+            return
         except OSError as exc:
             raise self._error(exc, "", "list temporary files in", reading=False) from exc
 
-    def _walk_temporaries(self, directory: Path, key_prefix: str) -> Iterator[ObjectInfo]:
-        try:
-            entries = list(os.scandir(directory))
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        for entry in entries:
-            key = key_prefix + entry.name
-            if entry.name.startswith(TEMP_MARK):
-                if entry.is_file(follow_symlinks=False):
-                    info = self._entry_info(entry, key)
-                    if info is not None:
-                        yield info
-            elif entry.is_dir(follow_symlinks=False):
-                yield from self._walk_temporaries(Path(entry.path), key + "/")
-
-    def _temporary_path(self, key: str) -> Path:
-        folder, _, name = key.rpartition("/")
+    def _temporary_key(self, key: str) -> tuple[str, str]:
+        folder, name = _split(key)
         if not name.startswith(TEMP_MARK) or "\0" in name:
             raise ValueError(f"not a temporary file key: {key!r}")
-        return (self.root / check_key(folder) if folder else self.root) / name
+        if folder:
+            check_key(folder)
+        return folder, name
 
     def _delete_temporary(self, key: str) -> None:
+        folder, name = self._temporary_key(key)
+        self._unlink(folder, name, key)
+
+    def _unlink(self, folder: str, name: str, key: str) -> None:
+        """Remove ``name`` from ``folder`` (a symlink there is removed, not followed);
+        nothing to remove, or a symlink on the way, is not an error."""
         try:
-            self._temporary_path(key).unlink()
+            with self._folder(folder) as fd:
+                os.unlink(name, dir_fd=fd)
         except OSError as exc:
-            if exc.errno in NOT_AN_OBJECT:
+            if exc.errno in NOT_AN_OBJECT or exc.errno in (errno.ELOOP, errno.EXDEV):
                 return
             raise self._error(exc, key, "delete", reading=False) from exc
 
@@ -258,82 +323,87 @@ class FileStore(Store):
                               f" in time ({timeout:g}s without progress)")
 
     def _refresh(self, key: str) -> bool:
-        path = self._path(key)
+        """``utime`` of a regular file at ``key`` (never of a symlink's target);
+        False if there is none (a symlink or a FIFO there is no object: a put
+        replaces it)."""
+        folder, name = _split(check_key(key))
         try:
-            os.utime(path)
+            with self._folder(folder) as fd:
+                if not stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    return False
+                os.utime(name, dir_fd=fd, follow_symlinks=False)
         except OSError as exc:
-            if exc.errno in NOT_AN_OBJECT:
+            if exc.errno in NOT_AN_OBJECT or exc.errno in (errno.ELOOP, errno.EXDEV):
                 self._check_root()
                 return False
             raise self._error(exc, key, "refresh", reading=False) from exc
         return True
 
     def _put(self, key: str, data: bytes | memoryview) -> None:
-        path = self._path(key)
+        folder, name = _split(check_key(key))
         try:
-            self._make_dirs(path.parent)
-            temp = self._write_temp(path.parent, data)
-            try:
-                os.replace(temp, path)
-            except BaseException:
-                temp.unlink(missing_ok=True)
-                raise
-            _fsync_dir(path.parent)
-            same = _holds(path, data, whole=not key.startswith(BLOB_PREFIX))
+            with self._folder(folder, create=True) as fd:
+                temp = self._write_temp(fd, data)
+                try:
+                    os.replace(temp, name, src_dir_fd=fd, dst_dir_fd=fd)
+                except BaseException:
+                    _unlink_quietly(fd, temp)
+                    raise
+                os.fsync(fd)
+                same = _holds(fd, name, data, whole=not key.startswith(BLOB_PREFIX))
         except OSError as exc:
             raise self._error(exc, key, "write", reading=False) from exc
         if not same:
-            raise TransientStoreError(f"wrote {path} but read back other bytes"
+            raise TransientStoreError(f"wrote {self.root / key} but read back other bytes"
                                       " (a concurrent writer, or a torn write on a shared"
                                       " file system)")
 
     def _put_if_absent(self, key: str, data: bytes) -> bool:
         """Hard-link a temporary file to the key; True only if the key then
         holds ``data`` (a shared file system whose ``link(2)`` let another
-        client's create win too shows here as other bytes, and this call lost)."""
-        path = self._path(key)
+        client's create win too shows here as other bytes, and this call lost).
+        Anything at the key (a symlink too) is there already: this call lost."""
+        folder, name = _split(check_key(key))
         try:
-            if path.exists():  # a client whose link(2) ignores other clients' files
-                return False
-            self._make_dirs(path.parent)
-            temp = self._write_temp(path.parent, data)
-            try:
-                os.link(temp, path)
-            except FileExistsError:
-                return False
-            finally:
-                temp.unlink(missing_ok=True)
-            _fsync_dir(path.parent)
-            return _read_back(path) == data
+            with self._folder(folder, create=True) as fd:
+                if _entry_exists(fd, name):  # a client whose link(2) ignores others' files
+                    return False
+                temp = self._write_temp(fd, data)
+                try:
+                    os.link(temp, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+                except FileExistsError:
+                    return False
+                finally:
+                    _unlink_quietly(fd, temp)
+                os.fsync(fd)
+                return _read_back(fd, name) == data
         except OSError as exc:
             raise self._error(exc, key, "write", reading=False) from exc
 
     def _delete(self, key: str) -> None:
-        path = self._path(key)
-        try:
-            path.unlink()
-        except OSError as exc:
-            if exc.errno in NOT_AN_OBJECT:
-                return
-            raise self._error(exc, key, "delete", reading=False) from exc
+        folder, name = _split(check_key(key))
+        self._unlink(folder, name, key)
 
-    def _write_temp(self, directory: Path, data: bytes | memoryview) -> Path:
-        """A new fsynced file in ``directory`` holding ``data``."""
-        temp = directory / f"{TEMP_MARK}{secrets.token_hex(8)}"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+    @staticmethod
+    def _write_temp(dir_fd: int, data: bytes | memoryview) -> str:
+        """The name of a new fsynced file in ``dir_fd`` holding ``data``."""
+        temp = f"{TEMP_MARK}{secrets.token_hex(8)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(temp, flags, FILE_MODE, dir_fd=dir_fd)
         try:
             _write_all(fd, data)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
-            temp.unlink(missing_ok=True)
+            _unlink_quietly(dir_fd, temp)
             raise
         os.close(fd)
         return temp
 
-    def _make_dirs(self, directory: Path) -> None:
-        """Create ``directory`` and missing parents, fsyncing each new entry's parent;
-        the root only if the store need not exist."""
+    def _make_root(self) -> None:
+        """Create the root directory and missing parents (the operator's path),
+        fsyncing each new entry's parent; only if the store need not exist."""
+        directory = self.root
         if directory.is_dir():
             return
         self._check_root()
@@ -350,4 +420,48 @@ class FileStore(Store):
                 if not new.is_dir():
                     raise
                 continue
-            _fsync_dir(new.parent)
+            _fsync_path(new.parent)
+
+    @staticmethod
+    def _make_dirs(root: int, folder: str) -> int:
+        """A descriptor of ``folder`` below ``root``, each missing component
+        created (and its parent fsynced), none followed if it is a symlink."""
+        fd = os.dup(root)
+        try:
+            for part in folder.split("/") if folder else ():
+                try:
+                    os.mkdir(part, dir_fd=fd)
+                    os.fsync(fd)
+                except FileExistsError:
+                    pass
+                sub = open_dir(fd, part)  # ELOOP if a symlink
+                os.close(fd)
+                fd = sub
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _entry_exists(dir_fd: int, name: str) -> bool:
+    """Whether ``dir_fd`` has an entry ``name`` (of any kind, symlinks not followed)."""
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _unlink_quietly(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
