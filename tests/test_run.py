@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -606,6 +607,17 @@ def test_a_run_from_another_thread(node):
     worker.start()
     worker.join(120)
     assert [(r.exit_code, r.stdout) for r in results] == [(0, b"from-thread\n")]
+
+
+def test_runs_from_many_threads_at_once(node):
+    """A scheduler runs containers from many threads of one process at once:
+    each run's watcher is forked and reaped without racing the others'."""
+    client = Client(node.root)
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(
+            lambda k: client.run("s1", ["sh", "-c", f"echo run-{k}"], capture=True), range(160)))
+    assert [(r.exit_code, r.stdout) for r in results] == [
+        (0, f"run-{k}\n".encode()) for k in range(160)]
 
 
 def processes_with(marker: str) -> list[str]:

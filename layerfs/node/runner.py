@@ -42,6 +42,7 @@ import os
 import re
 import select
 import signal
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -519,22 +520,25 @@ class Reaper:
         with contextlib.suppress(OSError):
             os.write(self.writer, REAPER_DONE)
         os.close(self.writer)
-        _UNREAPED.append(self.pid)
+        with _UNREAPED_LOCK:
+            _UNREAPED.append(self.pid)
         _reap_finished()
 
 
 _UNREAPED: list[int] = []  # watchers told to go that had not exited yet
+_UNREAPED_LOCK = threading.Lock()  # runs in several threads of one scheduler share the list
 
 
 def _reap_finished() -> None:
     """Reap the watchers of earlier runs that have exited by now."""
-    for pid in list(_UNREAPED):
-        try:
-            ended, _status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:  # reaped by someone else
-            ended = pid
-        if ended == pid:
-            _UNREAPED.remove(pid)
+    with _UNREAPED_LOCK:
+        for pid in list(_UNREAPED):
+            try:
+                ended, _status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else
+                ended = pid
+            if ended == pid:
+                _UNREAPED.remove(pid)
 
 
 def _watch(read_end: int, kill_argv: list[str], delete_argv: list[str],
