@@ -1,6 +1,7 @@
 """The daemon's Prometheus metrics for real: a daemon with ``--metrics``, its
 ``/metrics`` parsed with prometheus_client's text parser, moving with the
-work (a cold read, a warm one, ups and downs, live restarts)."""
+work (a cold read, a warm one, ups and downs, live restarts); and the server
+held against an unprivileged user's 2,000 idle and half-sent connections."""
 
 from __future__ import annotations
 
@@ -18,10 +19,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import build, need_root
 from test_restart import wait_for
 
+from users import LocalUser
+
 from harness.daemonproc import LAYERFS
 from harness.registryserver import free_port
 from layerfs.builder.env import create_env
 from layerfs.node.control import wait_ready
+from layerfs.node.metrics import MAX_CONNECTIONS
 from layerfs.refstore import RefStore
 from layerfs.store.base import blob_key
 
@@ -171,3 +175,77 @@ def test_json_logs_are_one_object_a_line(tmp_path, store_location):
             "waiting on its mounts fail"} in [{k: r[k] for k in ("logger", "level", "message")}
                                              for r in records]
     assert records[-1]["message"] == "layerfs daemon stopped"
+
+
+# as an unprivileged user: open N connections to the port, the odd ones with a
+# request cut short (no blank line), hold them until stdin closes; prints how
+# many connected and how many could not
+FLOOD = """
+import resource, socket, sys
+port, n = int(sys.argv[1]), int(sys.argv[2])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+held, failed = [], 0
+for i in range(n):
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    except OSError:
+        failed += 1
+        continue
+    held.append(s)
+    if i % 2:
+        try:  # (the server may have closed it already)
+            s.sendall(b"GET /metrics HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\nX-Slow: ")
+        except OSError:
+            pass
+print(len(held), failed, flush=True)
+sys.stdin.read()
+"""
+FLOOD_CONNECTIONS = 2000
+
+
+def daemon_counts(pid: int) -> tuple[int, int]:
+    """The daemon's threads and open file descriptors."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    threads = int(re.search(r"^Threads:\s+(\d+)", status, re.M)[1])
+    return threads, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_a_connection_flood_adds_no_thread(metered, local_user: LocalUser):
+    """prometheus_client's server made a thread per connection and kept it:
+    3,000 connections were 3,000 threads, and a pids bound then failed `up`,
+    `ps` and cold reads. Served by the trio loop, the connections cost the
+    daemon no thread and at most MAX_CONNECTIONS descriptors, and the work
+    goes on meanwhile."""
+    node, port = metered, metered.port
+    node.cli("up", "e@1", "--id", "s1")
+    pid = node.proc.pid
+    threads, fds = daemon_counts(pid)
+    flood = subprocess.Popen(["runuser", "-u", local_user.name, "--", "/usr/bin/python3", "-c",
+                              FLOOD, str(port), str(FLOOD_CONNECTIONS)], cwd="/",
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        held, failed = map(int, flood.stdout.readline().split())
+        assert (held, failed) == (FLOOD_CONNECTIONS, 0)  # every connection was made
+        peak = daemon_counts(pid)
+        node.cli("up", "e@1", "--id", "s2")
+        assert "s2" in node.cli("ps").stdout
+        data = node.root / "sandboxes" / "s2" / "rootfs" / "data"
+        assert len(read_cold(data)) == FILE_SIZE
+        during = daemon_counts(pid)
+    finally:
+        flood.stdin.close()
+        flood.wait(60)
+    assert flood.returncode == 0
+    # the trio loop's worker threads (bounded by its limiter) serve the up and
+    # the reads; the connections add none, and no more descriptors than the bound
+    for count in (peak, during):
+        assert count[0] <= threads + 40, (threads, count)
+        assert count[1] <= fds + MAX_CONNECTIONS + 16, (fds, count)
+    print(f"threads {threads}, flooded {peak[0]}, with the work {during[0]}; "
+          f"descriptors {fds}, {peak[1]}, {during[1]}")
+    samples = scrape(port)  # the server answers again
+    assert value(samples, "layerfs_sandboxes") == 2
+    assert value(samples, "layerfs_up_seconds_count") == 2
+    node.cli("down", "s1")
+    node.cli("down", "s2")

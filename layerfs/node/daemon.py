@@ -61,7 +61,8 @@ from .forget import LayerForgetter
 from .fusefs import NodeFS
 from .layermounts import LayerMounts
 from .metacheck import MetaChecker
-from .metrics import CountingLog, MetricsAddress, NodeMetrics, NodeReadings
+from .metrics import (CountingLog, MetricsAddress, MetricsServer, NodeMetrics, NodeReadings,
+                      listen)
 from .prefetch import Prefetcher
 from .refs import NodeRefs
 from .replica import Replica
@@ -291,6 +292,7 @@ class Daemon:
         self.restarts = (self.replica.count(RESTARTS) if self.conn is not None
                          else self.replica.counter(RESTARTS))
         self.metrics = NodeMetrics()
+        self.metrics_server: MetricsServer | None = None
         if cfg.metrics is not None:
             self._serve_metrics(cfg.metrics)
         self.notifier = systemd.Notifier()  # READY, STATUS, STOPPING for systemd (Type=notify)
@@ -300,7 +302,8 @@ class Daemon:
         self.stopping = False
 
     def _serve_metrics(self, address: MetricsAddress) -> None:
-        """Observe what has no counter of its own, and serve /metrics in a thread."""
+        """Observe what has no counter of its own, and listen for /metrics
+        (served by the trio loop once it runs)."""
         self.fetcher.fetch_timed = self.metrics.fetch_seconds.observe
         self.fetcher.store_log = CountingLog(self.fetcher.store_log.logger,
                                              self.metrics.store_errors)
@@ -311,7 +314,7 @@ class Daemon:
             layer_bytes_read=lambda: {d: m.blob.bytes_read
                                       for d, m in dict(self.layers.mounted).items()}))
         try:
-            self.metrics.serve(address)
+            self.metrics_server = MetricsServer(listen(address), self.metrics.text)
         except OSError as exc:
             raise UsageError(f"--metrics {address.host}:{address.port}: cannot listen there "
                              f"({exc.strerror or exc})") from None
@@ -395,6 +398,8 @@ class Daemon:
                 self.fetcher.nursery = nursery
                 nursery.start_soon(self._serve_fuse)
                 nursery.start_soon(self.health.watch)  # never waited for: serve without it
+                if self.metrics_server is not None:
+                    nursery.start_soon(self.metrics_server.serve)
                 if self.conn is not None and await self._keep_connection(self.conn):
                     nursery.start_soon(self._replace_dead_keepers, self.conn)
                 await self._set_readahead()

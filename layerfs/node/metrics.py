@@ -1,7 +1,13 @@
 """The node daemon's Prometheus metrics (``layerfs daemon --metrics HOST:PORT``).
 
-Served at ``/metrics`` by prometheus_client's own HTTP server thread, off the
-trio loop, bound to the given host only. Most values are read when scraped
+Served at ``/metrics`` from the daemon's own trio loop (:class:`MetricsServer`),
+bound to the given host only: at most MAX_CONNECTIONS connections at once
+(one more is closed at once), a request's head read within REQUEST_TIMEOUT
+seconds of its connection (an idle or a half-sent request is closed then) and
+the answer written within RESPONSE_TIMEOUT; the text is made in one thread
+at a time. So no client, however many connections it opens, adds a thread
+or more than MAX_CONNECTIONS file descriptors to the daemon (prometheus_client's
+own server started a thread per connection, with no timeout). Most values are read when scraped
 from what the daemon already counts (the cache's stats, the sandbox records,
 the mounted layers' blob files); the daemon's code only observes what has no
 counter of its own: a store fetch's duration, an ``up``'s duration, a store
@@ -19,12 +25,16 @@ served (``layerfs_layer_read_bytes_total{layer}``).
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+import trio
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -33,6 +43,13 @@ from ..ratelog import RateLimitedLog
 
 FETCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 UP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+MAX_CONNECTIONS = 32  # open at once; one more is closed as soon as it is accepted
+REQUEST_TIMEOUT = 5.0  # seconds from the connection to the end of its request's head
+RESPONSE_TIMEOUT = 10.0  # seconds to make the answer and write it
+MAX_HEAD = 8192  # bytes of a request's head (request line and header lines)
+BACKLOG = 1024  # connections the kernel holds until accepted (no file descriptor of ours)
+ACCEPT_BACKOFF = 0.1  # seconds to wait when accept() finds no file descriptor left
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -132,9 +149,9 @@ class NodeMetrics:
     def read_from(self, readings: NodeReadings) -> None:
         self.registry.register(NodeCollector(readings))
 
-    def serve(self, address: MetricsAddress) -> None:
-        """Start the HTTP server thread (a daemon thread: it ends with the process)."""
-        start_http_server(address.port, addr=address.host, registry=self.registry)
+    def text(self) -> bytes:
+        """The Prometheus text of every metric (collectors read under their own locks)."""
+        return generate_latest(self.registry)
 
 
 class CountingLog(RateLimitedLog):
@@ -148,3 +165,128 @@ class CountingLog(RateLimitedLog):
     def log(self, level: int, kind: str, msg: str, *args: object) -> None:
         self.errors.labels(kind).inc()
         super().log(level, kind, msg, *args)
+
+
+def listen(address: MetricsAddress) -> socket.socket:
+    """A listening TCP socket at ``address`` (OSError if it cannot be had)."""
+    family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((address.host, address.port))
+        sock.listen(BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: str
+    content_type: str
+    body: bytes
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP/1.0-style connections (one request, one answer,
+    then closed), served by the trio loop. The listening socket is made
+    before the loop runs (:func:`listen`), so a port that cannot be had
+    stops the start."""
+
+    def __init__(self, sock: socket.socket, render: Callable[[], bytes]) -> None:
+        self.sock = sock
+        self.render = render
+        self.open = 0  # connections being served
+        self.refused = 0  # connections closed at once (MAX_CONNECTIONS open)
+        self.render_limit = trio.CapacityLimiter(1)  # one thread makes the text
+
+    async def serve(self) -> None:
+        listener = trio.socket.from_stdlib_socket(self.sock)
+        with listener:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    try:
+                        conn, _ = await listener.accept()
+                    except OSError as exc:
+                        if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
+                                             errno.ENOMEM, errno.ECONNABORTED):
+                            raise
+                        await trio.sleep(ACCEPT_BACKOFF)
+                        continue
+                    if self.open >= MAX_CONNECTIONS:
+                        self.refused += 1
+                        conn.close()
+                        continue
+                    self.open += 1
+                    nursery.start_soon(self._serve_one, conn)
+
+    async def _serve_one(self, conn: trio.socket.SocketType) -> None:
+        try:
+            with conn:
+                head = None
+                with trio.move_on_after(REQUEST_TIMEOUT):
+                    head = await read_head(conn)
+                if head is None:
+                    return  # idle, half-sent, too long or closed: no answer
+                with trio.move_on_after(RESPONSE_TIMEOUT):
+                    answer = await self._answer(head)
+                    await send_all(conn, http_response(answer, head.startswith(b"HEAD ")))
+        except OSError:
+            pass  # the client went away
+        except Exception:  # a scrape must never end the daemon's loop
+            log.exception("metrics: cannot answer a request")
+        finally:
+            self.open -= 1
+
+    async def _answer(self, head: bytes) -> Answer:
+        method, path = request_target(head)
+        if method is None:
+            return Answer("400 Bad Request", "text/plain", b"bad request\n")
+        if method not in ("GET", "HEAD"):
+            return Answer("405 Method Not Allowed", "text/plain", b"GET /metrics\n")
+        if path.split("?", 1)[0] not in ("/metrics", "/"):
+            return Answer("404 Not Found", "text/plain", b"GET /metrics\n")
+        body = await trio.to_thread.run_sync(self.render, limiter=self.render_limit)
+        return Answer("200 OK", CONTENT_TYPE_LATEST, body)
+
+
+async def read_head(conn: trio.socket.SocketType) -> bytes | None:
+    """The request's head (up to its blank line), or None if the client
+    closed first or sent more than MAX_HEAD bytes without one."""
+    data = b""
+    while b"\r\n\r\n" not in data and b"\n\n" not in data:
+        if len(data) >= MAX_HEAD:
+            return None
+        chunk = await conn.recv(MAX_HEAD)
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def request_target(head: bytes) -> tuple[str | None, str]:
+    """The request line's method and path ((None, "") if it is not one)."""
+    line = head.split(b"\n", 1)[0].rstrip(b"\r")
+    parts = line.split(b" ")
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/") or not parts[1].startswith(b"/"):
+        return None, ""
+    try:
+        return parts[0].decode("ascii"), parts[1].decode("ascii")
+    except UnicodeDecodeError:
+        return None, ""
+
+
+def http_response(answer: Answer, head_only: bool) -> bytes:
+    head = (f"HTTP/1.1 {answer.status}\r\nContent-Type: {answer.content_type}\r\n"
+            f"Content-Length: {len(answer.body)}\r\nConnection: close\r\n\r\n").encode()
+    return head if head_only else head + answer.body
+
+
+async def send_all(conn: trio.socket.SocketType, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        sent = await conn.send(view)
+        view = view[sent:]
