@@ -18,7 +18,6 @@ from nodes import NodeDaemon
 from prometheus_client.parser import text_string_to_metric_families
 from support import build, need_root
 from test_restart import wait_for
-
 from users import LocalUser
 
 from harness.daemonproc import LAYERFS

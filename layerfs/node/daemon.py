@@ -61,8 +61,7 @@ from .forget import LayerForgetter
 from .fusefs import NodeFS
 from .layermounts import LayerMounts
 from .metacheck import MetaChecker
-from .metrics import (CountingLog, MetricsAddress, MetricsServer, NodeMetrics, NodeReadings,
-                      listen)
+from .metrics import CountingLog, MetricsAddress, MetricsServer, NodeMetrics, NodeReadings, listen
 from .prefetch import Prefetcher
 from .refs import NodeRefs
 from .replica import Replica

@@ -34,8 +34,8 @@ from typing import Any
 
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.exposition import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from ..errors import UsageError
