@@ -20,6 +20,7 @@ from support import build, need_root
 from test_restart import wait_for
 from users import LocalUser
 
+import layerfs
 from harness.daemonproc import LAYERFS
 from harness.registryserver import free_port
 from layerfs.builder.env import create_env
@@ -96,6 +97,11 @@ def test_metrics_move_with_the_work(metered, tmp_path):
     assert value(cold, "layerfs_layer_read_bytes_total", layer=node.digest) >= FILE_SIZE
     # what ps can count is the layers' bytes read (by every sandbox using them), named so
     assert node.cli("ps").stdout.split()[:5] == ["ID", "STATE", "UPPER", "LAYERS", "READ"]
+    assert value(cold, "layerfs_store_up") == 1
+    assert value(cold, "layerfs_sandboxes_by_state", state="up") == 1
+    assert value(cold, "layerfs_sandboxes_by_state", state="lost") == 0
+    [info] = [labels for name, labels in cold if name == "layerfs_build_info"]
+    assert dict(info)["version"] == layerfs.__version__
 
     node.kill()  # kill -9; the next daemon takes the FUSE connection over
     node.start()
@@ -129,7 +135,10 @@ def test_store_errors_are_counted_by_kind(metered, store):
         store.delete(blob_key(pack))
     with pytest.raises(OSError):
         read_cold(node.root / "sandboxes" / "s1" / "rootfs" / "data")
-    assert value(scrape(node.port), "layerfs_store_errors_total", kind="ObjectNotFound") >= 1
+    samples = scrape(node.port)
+    assert value(samples, "layerfs_store_errors_total", kind="ObjectNotFound") >= 1
+    # what the sandbox got instead of its bytes, by layer
+    assert value(samples, "layerfs_read_errors_total", layer=node.digest) >= 1
     node.cli("down", "s1")
 
 
@@ -166,14 +175,75 @@ def test_json_logs_are_one_object_a_line(tmp_path, store_location):
         left = node.cleanup()
     assert not left, f"left mounted: {left}"
     records = [json.loads(line) for line in node.log().splitlines()]
-    assert {tuple(sorted(r)) for r in records} == {("level", "logger", "message", "time")}
+    assert all({"level", "logger", "message", "time"} <= set(r) for r in records)
     ready = [r for r in records if r["message"].startswith("layerfs daemon ready at ")]
-    assert ready and ready[0]["level"] == "INFO" and ready[0]["logger"] == "layerfs.node.daemon"
+    assert ready and ready[0]["level"] == "INFO" and ready[0]["logger"] == "layerfs.node.events"
+    assert ready[0]["version"] == layerfs.__version__ and ready[0]["sandboxes"] == 0
     assert {"logger": "layerfs.node.keeper", "level": "WARNING",
             "message": "no daemon took the FUSE connection within 1 s: letting it go; reads "
             "waiting on its mounts fail"} in [{k: r[k] for k in ("logger", "level", "message")}
                                              for r in records]
-    assert records[-1]["message"] == "layerfs daemon stopped"
+    assert records[-1]["message"] == (f"layerfs daemon stopped: version {layerfs.__version__}, "
+                                      "0 sandboxes and 0 vms unmounted, their vms' drives closed")
+
+
+def test_lifecycle_lines_carry_their_fields(metered, tmp_path):
+    """A sandbox's up, commit and down, a restart and a stop: each one INFO line
+    whose JSON object names the sandbox, its env, its layers (names and
+    digests) and the duration; the start and stop summaries count the
+    sandboxes restored, handed over and unmounted; botocore's note about
+    the credentials it found is not among them."""
+    node = metered
+    node.cli("up", "e@1", "--id", "s1")
+    (node.root / "sandboxes" / "s1" / "rootfs" / "new").write_bytes(b"committed\n")
+    node.cli("commit", "s1", "--name", "c", "--version", "1")
+    node.cli("down", "s1")
+    node.cli("up", "e@1", "--id", "s2")
+    node.extra_args = ["--metrics", f"127.0.0.1:{node.port}", "--takeover", "--log-format",
+                       "json"]
+    old = node.proc
+    node.start()  # returns once a daemon answers: maybe still the old one
+    assert old.wait(60) == 0
+    proc = node.proc
+    assert wait_ready(node.root, lambda: proc.poll() is None, 60), node.log()[-4000:]
+    assert node.stop() == 0
+    text = [line for line in node.log().splitlines() if not line.startswith("{")]
+    records = [json.loads(line) for line in node.log().splitlines() if line.startswith("{")]
+    short = node.digest.removeprefix("sha256:")[:12]
+    assert any(re.search(r"INFO layerfs\.node\.events: sandbox s1 up in \d+\.\d\d s: env e@1, "
+                         rf"layer {short}$", line) for line in text), text
+    assert any(re.search(r"INFO layerfs\.node\.events: sandbox s1 committed as c@1 sha256:",
+                         line) for line in text), text
+    assert any(re.search(r"INFO layerfs\.node\.events: sandbox s1 down in .* s \(down\)",
+                         line) for line in text), text
+    assert any(re.search(r"layerfs daemon stopped: .* 1 sandbox and 0 vms handed over", line)
+               for line in text), text
+    assert not any("Found credentials" in line for line in text)
+    # the next daemon's lines are JSON, with the fields
+    [ready] = [r for r in records if r["message"].startswith("layerfs daemon ready at ")]
+    assert (ready["sandboxes"], ready["states"], ready["vms"]) == (1, {"up": 1}, 0)
+    assert ready["version"] == layerfs.__version__ and ready["duration"] >= 0
+    [stopped] = [r for r in records if r["message"].startswith("layerfs daemon stopped")]
+    assert (stopped["sandboxes"], stopped["handed_over"]) == (1, False)
+    assert not any("Found credentials" in r["message"] for r in records)
+
+
+def test_lifecycle_fields_in_json(metered):
+    node = metered
+    node.stop()
+    node.extra_args = ["--metrics", f"127.0.0.1:{node.port}", "--log-format", "json"]
+    node.start()
+    node.cli("up", "--layer", "m@1", "--id", "s1")
+    node.cli("down", "s1")
+    records = [json.loads(line) for line in node.log().splitlines() if line.startswith("{")]
+    [up] = [r for r in records if r["message"].startswith("sandbox s1 up in ")]
+    assert up["logger"] == "layerfs.node.events" and up["level"] == "INFO"
+    assert up["message"].endswith(": layer m@1"), up
+    assert (up["sandbox"], up["env"], up["layers"], up["layer_refs"], up["state"]) == (
+        "s1", None, [node.digest], ["m@1"], "up")
+    assert isinstance(up["duration"], float) and up["duration"] > 0
+    [down] = [r for r in records if r["message"].startswith("sandbox s1 down in ")]
+    assert (down["sandbox"], down["layers"], down["state"]) == ("s1", [node.digest], "down")
 
 
 # as an unprivileged user: open N connections to the port, the odd ones with a

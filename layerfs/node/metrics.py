@@ -27,19 +27,24 @@ from __future__ import annotations
 
 import errno
 import logging
+import platform
 import socket
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import pyfuse3
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
+from .. import __version__
 from ..errors import UsageError
 from ..ratelog import RateLimitedLog
+from .fusefs import NodeFS
+from .lifecycle import SandboxState
 
 FETCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 UP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -82,12 +87,15 @@ def _is_ip(host: str) -> bool:
 
 @dataclass(frozen=True)
 class NodeReadings:
-    """What the daemon counts already, read at scrape time (from the HTTP thread)."""
+    """What the daemon counts already, read at scrape time (from the render thread)."""
 
     cache: Callable[[], dict[str, int]]  # the chunk cache's stats (taken under its lock)
     sandboxes: Callable[[], int]
     restarts: Callable[[], int]
     layer_bytes_read: Callable[[], dict[str, int]]  # layer digest → bytes its blob file served
+    sandbox_states: Callable[[], dict[str, int]]  # state → sandboxes in it
+    store_reachable: Callable[[], bool]  # the store health's verdict
+    read_errors: Callable[[], dict[str, int]]  # layer digest → reads answered with an error
 
 
 class NodeCollector(Collector):
@@ -112,6 +120,17 @@ class NodeCollector(Collector):
                       "live restarts of this ROOT's daemon (a takeover, or a start after a crash)",
                       self.readings.restarts())
         yield layer_counter(self.readings.layer_bytes_read().items())
+        yield gauge("layerfs_store_up", "1 while the store answers, 0 while the node finds it "
+                    "away (reads of uncached chunks fail, ups use the node's resolutions)",
+                    1 if self.readings.store_reachable() else 0)
+        yield state_gauge(self.readings.sandbox_states())
+        errors = CounterMetricFamily(
+            "layerfs_read_errors", "reads of a layer's blob file answered with an error "
+            "(EIO or a timeout: a sandbox or vm saw it), by layer", labels=["layer"])
+        for digest, count in sorted(self.readings.read_errors().items()):
+            errors.add_metric([digest], count)
+        yield errors
+        yield build_info()
 
 
 def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
@@ -120,6 +139,23 @@ def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
+
+
+def state_gauge(states: dict[str, int]) -> GaugeMetricFamily:
+    """Sandboxes by lifecycle state, every state named (0 when none is in it)."""
+    family = GaugeMetricFamily("layerfs_sandboxes_by_state", "sandboxes on this node by "
+                               "state (lost: its mounts could not be brought back)",
+                               labels=["state"])
+    for state in SandboxState:
+        family.add_metric([state.value], states.get(state.value, 0))
+    return family
+
+
+def build_info() -> GaugeMetricFamily:
+    family = GaugeMetricFamily("layerfs_build_info", "the daemon's version (always 1)",
+                               labels=["version", "python"])
+    family.add_metric([__version__, platform.python_version()], 1)
+    return family
 
 
 def layer_counter(layers: Iterable[tuple[str, int]]) -> CounterMetricFamily:
@@ -152,6 +188,25 @@ class NodeMetrics:
     def text(self) -> bytes:
         """The Prometheus text of every metric (collectors read under their own locks)."""
         return generate_latest(self.registry)
+
+
+class MeteredFS(NodeFS):
+    """The node's FUSE file system, counting the reads of each blob file it
+    answers with an error (by the blob's digest): what a sandbox or a vm
+    reading that layer got instead of its bytes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read_errors: dict[str, int] = {}
+
+    async def read(self, fh: int, off: int, size: int) -> Any:  # type: ignore[override]
+        try:
+            return await super().read(fh, off, size)
+        except pyfuse3.FUSEError:
+            blob = self.blobs.by_inode.get(fh)
+            if blob is not None:
+                self.read_errors[blob.digest] = self.read_errors.get(blob.digest, 0) + 1
+            raise
 
 
 class CountingLog(RateLimitedLog):

@@ -1,0 +1,101 @@
+"""The daemon's lifecycle lines for on-call: one INFO line per sandbox or vm
+``up``, ``down`` and ``commit`` (with its duration), and the summaries of a
+start and a stop (the version, the sandboxes and vms restored, unmounted or
+handed over).
+
+Each line carries its facts twice: in its text, for a reader of the journal,
+and as ``extra=`` fields, which ``--log-format json`` writes as keys of the
+line's object (layerfs/node/jsonlog.py) for a log pipeline to filter on:
+``sandbox``, ``vm``, ``env`` (the ref asked for), ``layers`` (the layers'
+manifest digests, top first), ``layer_refs`` (their names, ``name@version``,
+where the node knows them), ``digest``, ``ref``, ``duration`` (seconds),
+``version``, ``sandboxes``, ``vms``, ``states``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable
+
+from .. import __version__
+from .protocol import CommitAnswer, SandboxRecord, VmRecord
+
+log = logging.getLogger(__name__)
+
+
+def sandbox_fields(record: SandboxRecord) -> dict[str, object]:
+    return {"sandbox": record.id, "env": record.env, "layers": list(record.layers),
+            "layer_refs": list(record.layer_refs), "state": record.state}
+
+
+def what_of(record: SandboxRecord) -> str:
+    """``env e@1, layers a@1 b@2`` (names where known, else short digests)."""
+    names = record.layer_refs or [d.removeprefix("sha256:")[:12] for d in record.layers]
+    env = f"env {record.env}, " if record.env else ""
+    return f"{env}layer{'' if len(names) == 1 else 's'} {' '.join(names)}"
+
+
+def sandbox_up(record: SandboxRecord, seconds: float) -> None:
+    log.info("sandbox %s up in %.2f s: %s", record.id, seconds, what_of(record),
+             extra={**sandbox_fields(record), "duration": round(seconds, 4)})
+
+
+def sandbox_down(record: SandboxRecord, seconds: float) -> None:
+    log.info("sandbox %s down in %.2f s (%s): %s", record.id, seconds, record.state,
+             what_of(record), extra={**sandbox_fields(record), "duration": round(seconds, 4)})
+
+
+def sandbox_committed(answer: CommitAnswer, seconds: float) -> None:
+    log.info("sandbox %s committed as %s %s in %.2f s (%s uploaded, %d chunks new)",
+             answer.id, answer.ref, answer.digest, seconds, f"{answer.uploaded_bytes:,} B",
+             answer.unique_chunks,
+             extra={"sandbox": answer.id, "ref": answer.ref, "digest": answer.digest,
+                    "duration": round(seconds, 4), "uploaded_bytes": answer.uploaded_bytes})
+
+
+def vm_fields(record: VmRecord) -> dict[str, object]:
+    return {"vm": record.id, "layers": list(record.blobs), "disk": record.disk,
+            "state": record.state}
+
+
+def vm_up(record: VmRecord, seconds: float) -> None:
+    log.info("vm %s up in %.2f s: %d layer drive%s, disk %s", record.id, seconds,
+             len(record.blobs), "" if len(record.blobs) == 1 else "s", record.disk,
+             extra={**vm_fields(record), "duration": round(seconds, 4)})
+
+
+def vm_down(record: VmRecord, seconds: float) -> None:
+    log.info("vm %s down in %.2f s: disk %s", record.id, seconds, record.disk,
+             extra={**vm_fields(record), "duration": round(seconds, 4)})
+
+
+def states_text(states: dict[str, int]) -> str:
+    return ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+
+
+def count_states(records: Iterable[SandboxRecord]) -> dict[str, int]:
+    return dict(Counter(r.state for r in records))
+
+
+def ready(root: str, store_url: str, sandboxes: Iterable[SandboxRecord], vms: int,
+          seconds: float) -> None:
+    """The start's summary (its text begins ``layerfs daemon ready at ROOT``)."""
+    states = count_states(sandboxes)
+    count = sum(states.values())
+    log.info("layerfs daemon ready at %s (store %s): version %s, %d sandbox%s restored%s, "
+             "%d vm%s, in %.2f s", root, store_url, __version__, count,
+             "" if count == 1 else "es", f" ({states_text(states)})" if states else "",
+             vms, "" if vms == 1 else "s", seconds,
+             extra={"version": __version__, "sandboxes": count, "states": states, "vms": vms,
+                    "duration": round(seconds, 4)})
+
+
+def stopped(handed_over: bool, sandboxes: int, vms: int) -> None:
+    """The stop's summary: what was unmounted, or handed to the next daemon."""
+    done = ("handed over to the next daemon" if handed_over
+            else "unmounted, their vms' drives closed")
+    log.info("layerfs daemon stopped: version %s, %d sandbox%s and %d vm%s %s", __version__,
+             sandboxes, "" if sandboxes == 1 else "es", vms, "" if vms == 1 else "s", done,
+             extra={"version": __version__, "sandboxes": sandboxes, "vms": vms,
+                    "handed_over": handed_over})
