@@ -209,9 +209,8 @@ def test_lifecycle_lines_carry_their_fields(metered, tmp_path):
     assert node.stop() == 0
     text = [line for line in node.log().splitlines() if not line.startswith("{")]
     records = [json.loads(line) for line in node.log().splitlines() if line.startswith("{")]
-    short = node.digest.removeprefix("sha256:")[:12]
     assert any(re.search(r"INFO layerfs\.node\.events: sandbox s1 up in \d+\.\d\d s: env e@1, "
-                         rf"layer {short}$", line) for line in text), text
+                         r"layer m@1$", line) for line in text), text
     assert any(re.search(r"INFO layerfs\.node\.events: sandbox s1 committed as c@1 sha256:",
                          line) for line in text), text
     assert any(re.search(r"INFO layerfs\.node\.events: sandbox s1 down in .* s \(down\)",
@@ -229,11 +228,15 @@ def test_lifecycle_lines_carry_their_fields(metered, tmp_path):
 
 
 def test_lifecycle_fields_in_json(metered):
+    """An up and a down as JSON objects with their fields; `stats` with names."""
     node = metered
     node.stop()
     node.extra_args = ["--metrics", f"127.0.0.1:{node.port}", "--log-format", "json"]
     node.start()
     node.cli("up", "--layer", "m@1", "--id", "s1")
+    # `stats` names each layer beside its digest
+    assert f"layer m@1 {node.digest[:19]}: read " in node.cli("stats").stdout
+    assert node.request("stats")["layers"][node.digest]["name"] == "m@1"
     node.cli("down", "s1")
     records = [json.loads(line) for line in node.log().splitlines() if line.startswith("{")]
     [up] = [r for r in records if r["message"].startswith("sandbox s1 up in ")]

@@ -546,7 +546,9 @@ class Daemon:
         try:
             record = await self.sandboxes.up(r.id, r.env, r.layers, r.prefetch, r.limits)
             self.metrics.up_seconds.observe(time.monotonic() - started)
-            events.sandbox_up(record, time.monotonic() - started)
+            names = await trio.to_thread.run_sync(events.layer_names, self.replica,
+                                                  record.layers)
+            events.sandbox_up(record, names, time.monotonic() - started)
             return protocol.SandboxAnswer(record)
         except OSError as exc:
             if exc.errno in NO_SPACE:
@@ -557,7 +559,9 @@ class Daemon:
         started = time.monotonic()
         try:
             record = await self.sandboxes.down(r.id, r.keep_upper, r.force)
-            events.sandbox_down(record, time.monotonic() - started)
+            names = await trio.to_thread.run_sync(events.layer_names, self.replica,
+                                                  record.layers)
+            events.sandbox_down(record, names, time.monotonic() - started)
             return protocol.SandboxAnswer(record)
         finally:
             await trio.to_thread.run_sync(self.space.retake)
@@ -603,10 +607,13 @@ class Daemon:
         return protocol.PingAnswer(str(self.root), self.store.url, os.getpid())
 
     async def stats(self, _: protocol.Stats) -> protocol.StatsAnswer:
+        mounted = dict(self.layers.mounted)
+        names = await trio.to_thread.run_sync(events.layer_names, self.replica, list(mounted))
         layers = {d: protocol.LayerStats(users=m.users, bytes_read=m.blob.bytes_read,
                                          chunks_touched=len(m.blob.touched),
-                                         chunks=len(m.blob.table), blob_bytes=m.blob.size)
-                  for d, m in self.layers.mounted.items()}
+                                         chunks=len(m.blob.table), blob_bytes=m.blob.size,
+                                         name=name)
+                  for (d, m), name in zip(mounted.items(), names, strict=True)}
         return protocol.StatsAnswer(self.cache.snapshot(), layers, len(self.sandboxes.records),
                                     self.store.requests())
 

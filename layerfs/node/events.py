@@ -8,8 +8,9 @@ and as ``extra=`` fields, which ``--log-format json`` writes as keys of the
 line's object (layerfs/node/jsonlog.py) for a log pipeline to filter on:
 ``sandbox``, ``vm``, ``env`` (the ref asked for), ``layers`` (the layers'
 manifest digests, top first), ``layer_refs`` (their names, ``name@version``,
-where the node knows them), ``digest``, ``ref``, ``duration`` (seconds),
-``version``, ``sandboxes``, ``vms``, ``states``.
+from the manifests the node holds; "" where it holds none), ``digest``,
+``ref``, ``duration`` (seconds), ``version``, ``sandboxes``, ``vms``,
+``states``.
 """
 
 from __future__ import annotations
@@ -19,31 +20,54 @@ from collections import Counter
 from collections.abc import Iterable
 
 from .. import __version__
+from ..errors import LayerfsError
+from ..manifest import manifest_head
 from .protocol import CommitAnswer, SandboxRecord, VmRecord
+from .replica import Replica
 
 log = logging.getLogger(__name__)
 
 
-def sandbox_fields(record: SandboxRecord) -> dict[str, object]:
+def layer_name(replica: Replica, digest: str) -> str:
+    """``name@version`` of a layer the node holds the manifest of, else ""
+    (a blocking LMDB read: call it in a thread)."""
+    data = replica.manifest(digest)
+    if data is None:
+        return ""
+    try:
+        head = manifest_head(data, digest)
+    except LayerfsError:
+        return ""
+    return f"{head.name}@{head.version}"
+
+
+def layer_names(replica: Replica, digests: Iterable[str]) -> list[str]:
+    return [layer_name(replica, d) for d in digests]
+
+
+def sandbox_fields(record: SandboxRecord, names: list[str]) -> dict[str, object]:
     return {"sandbox": record.id, "env": record.env, "layers": list(record.layers),
-            "layer_refs": list(record.layer_refs), "state": record.state}
+            "layer_refs": names, "state": record.state}
 
 
-def what_of(record: SandboxRecord) -> str:
+def what_of(record: SandboxRecord, names: list[str]) -> str:
     """``env e@1, layers a@1 b@2`` (names where known, else short digests)."""
-    names = record.layer_refs or [d.removeprefix("sha256:")[:12] for d in record.layers]
+    shown = [name or digest.removeprefix("sha256:")[:12]
+             for name, digest in zip(names, record.layers, strict=False)]
     env = f"env {record.env}, " if record.env else ""
-    return f"{env}layer{'' if len(names) == 1 else 's'} {' '.join(names)}"
+    return f"{env}layer{'' if len(shown) == 1 else 's'} {' '.join(shown)}"
 
 
-def sandbox_up(record: SandboxRecord, seconds: float) -> None:
-    log.info("sandbox %s up in %.2f s: %s", record.id, seconds, what_of(record),
-             extra={**sandbox_fields(record), "duration": round(seconds, 4)})
+def sandbox_up(record: SandboxRecord, names: list[str], seconds: float) -> None:
+    """``names``: the layers' ``name@version`` (:func:`layer_names`), top first."""
+    log.info("sandbox %s up in %.2f s: %s", record.id, seconds, what_of(record, names),
+             extra={**sandbox_fields(record, names), "duration": round(seconds, 4)})
 
 
-def sandbox_down(record: SandboxRecord, seconds: float) -> None:
+def sandbox_down(record: SandboxRecord, names: list[str], seconds: float) -> None:
     log.info("sandbox %s down in %.2f s (%s): %s", record.id, seconds, record.state,
-             what_of(record), extra={**sandbox_fields(record), "duration": round(seconds, 4)})
+             what_of(record, names),
+             extra={**sandbox_fields(record, names), "duration": round(seconds, 4)})
 
 
 def sandbox_committed(answer: CommitAnswer, seconds: float) -> None:

@@ -304,6 +304,7 @@ class LayerStats(Message):
     chunks_touched: int
     chunks: int
     blob_bytes: int
+    name: str = ""  # name@version, from the manifest the node holds ("" if none)
 
 
 class StatsAnswer(Message):
