@@ -227,6 +227,7 @@ def test_lifecycle_lines_carry_their_fields(metered, tmp_path):
     assert not any("Found credentials" in r["message"] for r in records)
 
 
+@pytest.mark.parametrize("store_location", ["file"], indirect=True)
 def test_lifecycle_fields_in_json(metered):
     """An up and a down as JSON objects with their fields; `stats` with names."""
     node = metered
@@ -247,6 +248,52 @@ def test_lifecycle_fields_in_json(metered):
     assert isinstance(up["duration"], float) and up["duration"] > 0
     [down] = [r for r in records if r["message"].startswith("sandbox s1 down in ")]
     assert (down["sandbox"], down["layers"], down["state"]) == ("s1", [node.digest], "down")
+
+    node.cli("vm", "up", "--layer", "m@1", "--id", "v1", "--disk-size", "16M")
+    node.cli("vm", "down", "v1")
+    records = [json.loads(line) for line in node.log().splitlines() if line.startswith("{")]
+    [vm_up] = [r for r in records if r["message"].startswith("vm v1 up in ")]
+    assert (vm_up["vm"], vm_up["layers"], vm_up["state"]) == ("v1", [node.digest], "up")
+    assert vm_up["message"].endswith(": 1 layer drive, disk " + vm_up["disk"]), vm_up
+    [vm_down] = [r for r in records if r["message"].startswith("vm v1 down in ")]
+    assert vm_down["vm"] == "v1" and vm_down["duration"] >= 0
+
+
+def raw_exchange(port: int, data: bytes) -> bytes:
+    """Send ``data`` on a fresh connection; everything the server answers
+    until it closes the connection (a close with bytes of ours unread is a reset)."""
+    got = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as conn:
+        try:
+            if data:
+                conn.sendall(data)
+            while chunk := conn.recv(65536):
+                got += chunk
+        except ConnectionResetError:
+            pass
+    return got
+
+
+@pytest.mark.parametrize("store_location", ["file"], indirect=True)  # (the server alone)
+def test_the_server_answers_one_request_and_closes_the_rest(metered):
+    """One request, one answer, closed; a wrong method or path is answered
+    so; an idle connection, a half-sent request and a head past 8 KiB are
+    closed by the server with no answer (the client does not close them)."""
+    port = metered.port
+    answer = raw_exchange(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"Connection: close" in head
+    assert int(re.search(rb"Content-Length: (\d+)", head)[1]) == len(body)
+    assert b"layerfs_sandboxes 0.0" in body
+    assert raw_exchange(port, b"HEAD /metrics HTTP/1.0\r\n\r\n").endswith(b"\r\n\r\n")
+    assert raw_exchange(port, b"POST /metrics HTTP/1.1\r\n\r\n").startswith(
+        b"HTTP/1.1 405 ")
+    assert raw_exchange(port, b"GET /other HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 404 ")
+    assert raw_exchange(port, b"\x16\x03\x01 tls?\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    assert raw_exchange(port, b"") == b""  # idle: closed after the request timeout
+    assert raw_exchange(port, b"GET /metrics HTTP/1.1\r\nHost:") == b""  # half-sent
+    assert raw_exchange(port, b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 9000) == b""
+    assert value(scrape(port), "layerfs_sandboxes") == 0
 
 
 # as an unprivileged user: open N connections to the port, the odd ones with a
@@ -283,6 +330,7 @@ def daemon_counts(pid: int) -> tuple[int, int]:
     return threads, len(os.listdir(f"/proc/{pid}/fd"))
 
 
+@pytest.mark.parametrize("store_location", ["file"], indirect=True)  # (the server alone)
 def test_a_connection_flood_adds_no_thread(metered, local_user: LocalUser):
     """prometheus_client's server made a thread per connection and kept it:
     3,000 connections were 3,000 threads, and a pids bound then failed `up`,
