@@ -259,19 +259,29 @@ def test_lifecycle_fields_in_json(metered):
     assert vm_down["vm"] == "v1" and vm_down["duration"] >= 0
 
 
-def raw_exchange(port: int, data: bytes) -> bytes:
-    """Send ``data`` on a fresh connection; everything the server answers
-    until it closes the connection (a close with bytes of ours unread is a reset)."""
+def raw_send(port: int, data: bytes) -> socket.socket:
+    """A fresh connection with ``data`` sent on it."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=60)
+    if data:
+        conn.sendall(data)
+    return conn
+
+
+def raw_answer(conn: socket.socket) -> bytes:
+    """Everything the server answers until it closes the connection (a close
+    with bytes of ours unread is a reset)."""
     got = b""
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as conn:
+    with conn:
         try:
-            if data:
-                conn.sendall(data)
             while chunk := conn.recv(65536):
                 got += chunk
         except ConnectionResetError:
             pass
     return got
+
+
+def raw_exchange(port: int, data: bytes) -> bytes:
+    return raw_answer(raw_send(port, data))
 
 
 @pytest.mark.parametrize("store_location", ["file"], indirect=True)  # (the server alone)
@@ -280,6 +290,7 @@ def test_the_server_answers_one_request_and_closes_the_rest(metered):
     so; an idle connection, a half-sent request and a head past 8 KiB are
     closed by the server with no answer (the client does not close them)."""
     port = metered.port
+    idle, half = raw_send(port, b""), raw_send(port, b"GET /metrics HTTP/1.1\r\nHost:")
     answer = raw_exchange(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"Connection: close" in head
@@ -290,8 +301,8 @@ def test_the_server_answers_one_request_and_closes_the_rest(metered):
         b"HTTP/1.1 405 ")
     assert raw_exchange(port, b"GET /other HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 404 ")
     assert raw_exchange(port, b"\x16\x03\x01 tls?\r\n\r\n").startswith(b"HTTP/1.1 400 ")
-    assert raw_exchange(port, b"") == b""  # idle: closed after the request timeout
-    assert raw_exchange(port, b"GET /metrics HTTP/1.1\r\nHost:") == b""  # half-sent
+    assert raw_answer(idle) == b""  # closed after the request timeout
+    assert raw_answer(half) == b""
     assert raw_exchange(port, b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 9000) == b""
     assert value(scrape(port), "layerfs_sandboxes") == 0
 
