@@ -347,7 +347,7 @@ def test_a_connection_flood_adds_no_thread(metered, local_user: LocalUser):
     3,000 connections were 3,000 threads, and a pids bound then failed `up`,
     `ps` and cold reads. Served by the trio loop, the connections cost the
     daemon no thread and at most MAX_CONNECTIONS descriptors, and the work
-    goes on meanwhile."""
+    goes on meanwhile, scrapes included."""
     node, port = metered, metered.port
     node.cli("up", "e@1", "--id", "s1")
     pid = node.proc.pid
@@ -364,6 +364,8 @@ def test_a_connection_flood_adds_no_thread(metered, local_user: LocalUser):
         data = node.root / "sandboxes" / "s2" / "rootfs" / "data"
         assert len(read_cold(data)) == FILE_SIZE
         during = daemon_counts(pid)
+        # a scrape gets in: it closes the oldest connection still without a request
+        assert value(scrape(port), "layerfs_sandboxes") == 2
     finally:
         flood.stdin.close()
         flood.wait(60)
@@ -375,7 +377,7 @@ def test_a_connection_flood_adds_no_thread(metered, local_user: LocalUser):
         assert count[1] <= fds + MAX_CONNECTIONS + 16, (fds, count)
     print(f"threads {threads}, flooded {peak[0]}, with the work {during[0]}; "
           f"descriptors {fds}, {peak[1]}, {during[1]}")
-    samples = scrape(port)  # the server answers again
+    samples = scrape(port)  # and after
     assert value(samples, "layerfs_sandboxes") == 2
     assert value(samples, "layerfs_up_seconds_count") == 2
     node.cli("down", "s1")

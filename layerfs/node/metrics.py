@@ -1,12 +1,15 @@
 """The node daemon's Prometheus metrics (``layerfs daemon --metrics HOST:PORT``).
 
 Served at ``/metrics`` from the daemon's own trio loop (:class:`MetricsServer`),
-bound to the given host only: at most MAX_CONNECTIONS connections at once
-(one more is closed at once), a request's head read within REQUEST_TIMEOUT
-seconds of its connection (an idle or a half-sent request is closed then) and
-the answer written within RESPONSE_TIMEOUT; the text is made in one thread
-at a time. So no client, however many connections it opens, adds a thread
-or more than MAX_CONNECTIONS file descriptors to the daemon (prometheus_client's
+bound to the given host only: at most MAX_CONNECTIONS connections at once, a
+request's head read within REQUEST_TIMEOUT seconds of its connection (an
+idle or a half-sent request is closed then) and the answer written within
+RESPONSE_TIMEOUT; the text is made in one thread at a time. A connection
+past the bound closes the oldest one still waiting for its request (a
+client sends its request as soon as it connects, so an idle flood cannot
+keep a scraper out), or, if every one has sent its request, is closed
+itself. So no client, however many connections it opens, adds a thread or
+more than MAX_CONNECTIONS file descriptors to the daemon (prometheus_client's
 own server started a thread per connection, with no timeout). Most values are read when scraped
 from what the daemon already counts (the cache's stats, the sandbox records,
 the mounted layers' blob files); the daemon's code only observes what has no
@@ -48,7 +51,7 @@ from .lifecycle import SandboxState
 
 FETCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 UP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-MAX_CONNECTIONS = 32  # open at once; one more is closed as soon as it is accepted
+MAX_CONNECTIONS = 32  # open at once (one more evicts the oldest still waiting for its request)
 REQUEST_TIMEOUT = 5.0  # seconds from the connection to the end of its request's head
 RESPONSE_TIMEOUT = 10.0  # seconds to make the answer and write it
 MAX_HEAD = 8192  # bytes of a request's head (request line and header lines)
@@ -255,7 +258,11 @@ class MetricsServer:
         self.sock = sock
         self.render = render
         self.open = 0  # connections being served
-        self.refused = 0  # connections closed at once (MAX_CONNECTIONS open)
+        # the connections still waiting for their request, oldest first
+        self.waiting: dict[int, trio.CancelScope] = {}
+        self.serial = 0
+        self.evicted = 0  # waiting connections closed for a newer one
+        self.refused = 0  # new connections closed at once (all open ones answering)
         self.render_limit = trio.CapacityLimiter(1)  # one thread makes the text
 
     async def serve(self) -> None:
@@ -271,19 +278,34 @@ class MetricsServer:
                             raise
                         await trio.sleep(ACCEPT_BACKOFF)
                         continue
-                    if self.open >= MAX_CONNECTIONS:
+                    if self.open >= MAX_CONNECTIONS and not await self._evict():
                         self.refused += 1
                         conn.close()
                         continue
                     self.open += 1
-                    nursery.start_soon(self._serve_one, conn)
+                    self.serial += 1
+                    nursery.start_soon(self._serve_one, conn, self.serial)
 
-    async def _serve_one(self, conn: trio.socket.SocketType) -> None:
+    async def _evict(self) -> bool:
+        """Close the oldest connection still waiting for its request and wait
+        until it is gone; False if every open connection has sent its own."""
+        if not self.waiting:
+            return False
+        oldest = next(iter(self.waiting))
+        self.waiting.pop(oldest).cancel()
+        self.evicted += 1
+        while self.open >= MAX_CONNECTIONS:  # its task ends at its next checkpoint
+            await trio.sleep(0)
+        return True
+
+    async def _serve_one(self, conn: trio.socket.SocketType, serial: int) -> None:
         try:
             with conn:
                 head = None
-                with trio.move_on_after(REQUEST_TIMEOUT):
+                with trio.move_on_after(REQUEST_TIMEOUT) as scope:
+                    self.waiting[serial] = scope
                     head = await read_head(conn)
+                self.waiting.pop(serial, None)
                 if head is None:
                     return  # idle, half-sent, too long or closed: no answer
                 with trio.move_on_after(RESPONSE_TIMEOUT):
@@ -294,6 +316,7 @@ class MetricsServer:
         except Exception:  # a scrape must never end the daemon's loop
             log.exception("metrics: cannot answer a request")
         finally:
+            self.waiting.pop(serial, None)
             self.open -= 1
 
     async def _answer(self, head: bytes) -> Answer:
