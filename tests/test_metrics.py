@@ -142,6 +142,30 @@ def test_store_errors_are_counted_by_kind(metered, store):
     node.cli("down", "s1")
 
 
+@pytest.mark.daemon_log(r"\"level\": \"ERROR\", \"logger\": \"layerfs\.node\.(fusefs|fetcher)\"")
+@pytest.mark.parametrize("store_location", ["file"], indirect=True)
+def test_read_error_lines_name_the_layer(metered, store):
+    """A read that fails: its JSON error lines (the FUSE read's, the fetch's)
+    carry the layer's digest and the read's offset and size."""
+    node = metered
+    node.stop()
+    node.extra_args = ["--metrics", f"127.0.0.1:{node.port}", "--log-format", "json"]
+    node.start()
+    node.cli("up", "e@1", "--id", "s1")
+    refstore = RefStore(store)
+    for pack in {e.pack for e in refstore.chunk_table(refstore.layer(node.digest)).entries}:
+        store.delete(blob_key(pack))
+    with pytest.raises(OSError):
+        read_cold(node.root / "sandboxes" / "s1" / "rootfs" / "data")
+    records = [json.loads(line) for line in node.log().splitlines() if line.startswith("{")]
+    errors = [r for r in records if r["level"] == "ERROR"]
+    assert {r["logger"] for r in errors} == {"layerfs.node.fusefs", "layerfs.node.fetcher"}
+    for record in errors:
+        assert record["layer"] == node.digest, record
+        assert record["offset"] >= 0 and record["size"] > 0, record
+    node.cli("down", "s1")
+
+
 def test_metrics_listen_on_the_given_host_only(metered):
     assert value(scrape(metered.port), "layerfs_sandboxes") == 0
     with pytest.raises(ConnectionRefusedError):

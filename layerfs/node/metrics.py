@@ -47,6 +47,7 @@ from .. import __version__
 from ..errors import UsageError
 from ..ratelog import RateLimitedLog
 from .fusefs import NodeFS
+from .jsonlog import LOG_CONTEXT
 from .lifecycle import SandboxState
 
 FETCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -196,20 +197,26 @@ class NodeMetrics:
 class MeteredFS(NodeFS):
     """The node's FUSE file system, counting the reads of each blob file it
     answers with an error (by the blob's digest): what a sandbox or a vm
-    reading that layer got instead of its bytes."""
+    reading that layer got instead of its bytes. A read of a blob file is
+    done with the layer, offset and size as its log context (JSON lines
+    logged by it, or by the fetches it starts, carry them)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.read_errors: dict[str, int] = {}
 
     async def read(self, fh: int, off: int, size: int) -> Any:  # type: ignore[override]
+        blob = self.blobs.by_inode.get(fh)
+        token = LOG_CONTEXT.set(None if blob is None else
+                                {"layer": blob.digest, "offset": off, "size": size})
         try:
             return await super().read(fh, off, size)
         except pyfuse3.FUSEError:
-            blob = self.blobs.by_inode.get(fh)
             if blob is not None:
                 self.read_errors[blob.digest] = self.read_errors.get(blob.digest, 0) + 1
             raise
+        finally:
+            LOG_CONTEXT.reset(token)
 
 
 class CountingLog(RateLimitedLog):
