@@ -247,7 +247,7 @@ def test_lifecycle_lines_carry_their_fields(metered, tmp_path):
     assert (ready["sandboxes"], ready["states"], ready["vms"]) == (1, {"up": 1}, 0)
     assert ready["version"] == layerfs.__version__ and ready["duration"] >= 0
     [stopped] = [r for r in records if r["message"].startswith("layerfs daemon stopped")]
-    assert (stopped["sandboxes"], stopped["handed_over"]) == (1, False)
+    assert (stopped["sandboxes"], stopped["ending"]) == (1, "unmounted")
     assert not any("Found credentials" in r["message"] for r in records)
 
 

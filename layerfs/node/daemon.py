@@ -413,7 +413,7 @@ class Daemon:
 
     async def _main(self) -> None:
         started = time.monotonic()
-        handed_over, kept = False, (0, 0)  # (sandboxes, vms) at the stop
+        ending, kept = events.FAILED, (0, 0)  # how it ends, and the (sandboxes, vms) then
         try:
             async with trio.open_nursery() as nursery:
                 self.fetcher.nursery = nursery
@@ -452,7 +452,7 @@ class Daemon:
                              "connection over")
                     signum = HANDOVER
                 await self._stop_snapshots()
-                handed_over = signum == HANDOVER
+                ending = events.HANDED_OVER if signum == HANDOVER else events.UNMOUNTED
                 if signum == HANDOVER:
                     log.info("handing the FUSE connection over: exiting, nothing unmounted")
                     self.notifier.set_status("handing the FUSE connection over")
@@ -475,7 +475,9 @@ class Daemon:
             self.checker.close()
             self.replica.close()
             self.store.close()
-            events.stopped(handed_over, *kept)
+            if ending == events.FAILED:
+                kept = (len(self.sandboxes.records), len(self.vms.records))
+            events.stopped(ending, *kept)
 
     async def _stop_snapshots(self) -> None:
         """containerd's snapshotter stops answering (before anything is unmounted)."""

@@ -10,7 +10,7 @@ line's object (layerfs/node/jsonlog.py) for a log pipeline to filter on:
 manifest digests, top first), ``layer_refs`` (their names, ``name@version``,
 from the manifests the node holds; "" where it holds none), ``digest``,
 ``ref``, ``duration`` (seconds), ``version``, ``sandboxes``, ``vms``,
-``states``.
+``states``, ``ending``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from collections import Counter
 from collections.abc import Iterable
 
 from .. import __version__
-from ..errors import LayerfsError
 from ..manifest import manifest_head
 from .protocol import CommitAnswer, SandboxRecord, VmRecord
 from .replica import Replica
@@ -31,14 +30,12 @@ log = logging.getLogger(__name__)
 def layer_name(replica: Replica, digest: str) -> str:
     """``name@version`` of a layer the node holds the manifest of, else ""
     (a blocking LMDB read: call it in a thread)."""
-    data = replica.manifest(digest)
-    if data is None:
+    try:  # a name for a log line: never a reason for the work to fail
+        data = replica.manifest(digest)
+        head = manifest_head(data, digest) if data is not None else None
+    except Exception:  # (a damaged manifest, a replica closing)
         return ""
-    try:
-        head = manifest_head(data, digest)
-    except LayerfsError:
-        return ""
-    return f"{head.name}@{head.version}"
+    return f"{head.name}@{head.version}" if head is not None else ""
 
 
 def layer_names(replica: Replica, digests: Iterable[str]) -> list[str]:
@@ -115,11 +112,16 @@ def ready(root: str, store_url: str, sandboxes: Iterable[SandboxRecord], vms: in
                     "duration": round(seconds, 4)})
 
 
-def stopped(handed_over: bool, sandboxes: int, vms: int) -> None:
-    """The stop's summary: what was unmounted, or handed to the next daemon."""
-    done = ("handed over to the next daemon" if handed_over
-            else "unmounted, their vms' drives closed")
+UNMOUNTED, HANDED_OVER, FAILED = "unmounted", "handed_over", "failed"  # how a daemon ends
+ENDINGS = {UNMOUNTED: "unmounted, their vms' drives closed",
+           HANDED_OVER: "handed over to the next daemon",
+           FAILED: "left mounted for the next daemon (it failed)"}
+
+
+def stopped(how: str, sandboxes: int, vms: int) -> None:
+    """The stop's summary: what was unmounted, handed to the next daemon, or
+    left as a crash leaves it (``how``: one of ENDINGS)."""
     log.info("layerfs daemon stopped: version %s, %d sandbox%s and %d vm%s %s", __version__,
-             sandboxes, "" if sandboxes == 1 else "es", vms, "" if vms == 1 else "s", done,
-             extra={"version": __version__, "sandboxes": sandboxes, "vms": vms,
-                    "handed_over": handed_over})
+             sandboxes, "" if sandboxes == 1 else "es", vms, "" if vms == 1 else "s",
+             ENDINGS[how], extra={"version": __version__, "sandboxes": sandboxes, "vms": vms,
+                                  "ending": how})
