@@ -98,7 +98,8 @@ install: wheel
 	  --force-reinstall --no-deps $(DIST)/layerfs-*.whl
 	install -d $(BINDIR) $(UNITDIR) $(CONFDIR)
 	ln -sfn $(PREFIX)/bin/layerfs $(BINDIR)/layerfs
-	sed 's|/usr/local/bin/layerfs|$(BINDIR)/layerfs|' deploy/systemd/layerfs.service \
+	sed -e 's|/usr/local/bin/layerfs|$(BINDIR)/layerfs|' \
+	  -e 's|/etc/layerfs/daemon.env|$(CONFDIR)/daemon.env|' deploy/systemd/layerfs.service \
 	  > $(UNITDIR)/layerfs.service
 	chmod 0644 $(UNITDIR)/layerfs.service
 	[ -e $(CONFDIR)/daemon.env ] || \

@@ -43,7 +43,7 @@ BUCKET_TIMEOUT = 30.0
 SERVER_FIXTURES = frozenset({
     "s3_server", "own_s3_server", "unavailable_endpoint", "cluster", "registries", "registry",
     "containerd", "node", "node2", "layer_node", "hostile_node", "hostile", "node_parent",
-    "live", "odd_programs", "machine", "ctrd", "ext4_node"})
+    "live", "odd_programs", "machine", "ctrd", "ext4_node", "metered"})
 # the modules that drive the command line, registries and outside tools (skopeo,
 # umoci, tar programs) end to end, a process per step: not in the fast tier
 END_TO_END_MODULES = frozenset({

@@ -265,6 +265,7 @@ def read_all(path: Path, size: int) -> bytes:
 @pytest.mark.daemon_log(
     r"write of \d+ bytes failed: \[Errno 28\]",
     r"ERROR layerfs\.node\.fusefs: write: \[Errno 28\]",
+    r"WARNING layerfs\.node\.daemon: cache bound lowered from ",  # a 24 MiB ROOT
 )
 def test_writable_disk_on_a_full_root_fails_writes_and_keeps_what_it_acknowledged(tmp_path):
     need_root()

@@ -25,6 +25,7 @@ from layerfs.store.file import FileStore
 
 CACHE_WARNING = r"cannot write cache file for chunk \w+: \[Errno 28\]"
 HELD_GIVEN_UP = r"gave up the \d+ MiB held for the daemon's state"
+CACHE_LOWERED = r"WARNING layerfs\.node\.daemon: cache bound lowered from "
 
 
 def fill_up(path: Path) -> None:
@@ -45,7 +46,7 @@ def one_line_exit_16(proc) -> None:
     assert len(lines) == 1 and "ROOT is full" in lines[0], proc.stderr
 
 
-@pytest.mark.daemon_log(CACHE_WARNING, HELD_GIVEN_UP)
+@pytest.mark.daemon_log(CACHE_WARNING, HELD_GIVEN_UP, CACHE_LOWERED)
 def test_a_sandbox_filling_root_leaves_the_node_serving(tmp_path):
     need_root()
     src = tmp_path / "big"

@@ -1,7 +1,8 @@
 """`make install` for real: the wheel (with the compiled `_erofscheck`) built
 from this checkout, installed into a fresh venv of the system Python
 (/usr/bin/python3) under a temporary PREFIX, the command linked into BINDIR,
-the unit and its environment file written; then the installed command run by
+the unit (naming BINDIR's command and CONFDIR's environment file) and its
+environment file written; then the installed command run by
 an unprivileged user the test makes: `--help`, a build into a store of theirs,
 `ls` and `verify` (which checks the meta image with the compiled module,
 shown to be the wheel's)."""
@@ -66,7 +67,12 @@ def test_make_install_runs_for_another_user(open_dir: Path, local_user: LocalUse
     assert (prefix / "bin" / "python").resolve() == SYSTEM_PYTHON.resolve()
     assert os.readlink(bindir / "layerfs") == str(prefix / "bin" / "layerfs")
     unit = (unitdir / "layerfs.service").read_text()
-    assert f"ExecStart={bindir}/layerfs daemon $LAYERFS_DAEMON_ARGS" in unit
+    assert f"ExecStart={bindir}/layerfs daemon --store=${{LAYERFS_STORE}} $LAYERFS_DAEMON_ARGS" \
+        in unit.splitlines()
+    # the unit reads the environment file CONFDIR has, and a missing one fails its start
+    [env_line] = [line for line in unit.splitlines() if line.startswith("EnvironmentFile=")]
+    assert env_line == f"EnvironmentFile={confdir}/daemon.env"
+    assert "/etc/layerfs" not in unit
     assert (confdir / "daemon.env").stat().st_mode & 0o777 == 0o600
 
     layerfs = str(bindir / "layerfs")

@@ -131,7 +131,8 @@ def fill(path: Path, leave: int) -> None:
         os.fsync(f.fileno())
 
 
-@pytest.mark.daemon_log(r"removing stale temporary \S+0123\.tmp4242", r"No space left on device")
+@pytest.mark.daemon_log(r"removing stale temporary \S+0123\.tmp4242", r"No space left on device",
+                        r"WARNING layerfs\.node\.daemon: cache bound lowered from ")
 def test_a_full_root_leaves_no_temporary_meta_images(tmp_path, store, store_location,
                                                       small_root):
     src = tmp_path / "many"

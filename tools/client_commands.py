@@ -127,7 +127,8 @@ def stats(root: str, as_json: bool) -> None:
             lines.append("store requests: " + ", ".join(f"{kind} {n}" for kind, n
                                                          in sorted(res.store.items())))
         for digest, layer in res.layers.items():
-            lines.append(f"layer {digest[:19]}: read {human_bytes(layer.bytes_read)} of "
+            name = f"{layer.name} " if layer.name else ""
+            lines.append(f"layer {name}{digest[:19]}: read {human_bytes(layer.bytes_read)} of "
                          f"{human_bytes(layer.blob_bytes)}, chunks {layer.chunks_touched}"
                          f"/{layer.chunks}, used by {layer.users}")
         return "\n".join(lines)

@@ -7,12 +7,15 @@ lmdb or boto3 (tests/test_client.py checks it)."""
 
 from __future__ import annotations
 
+import functools
 import grp
 import os
+from collections.abc import Callable
+from typing import Any
 
 import click
 
-from layerfs.errors import UsageError
+from layerfs.errors import LayerfsError, UsageError
 from layerfs.node.client import Client
 from layerfs.node.control import DEFAULT_ROOT
 from layerfs.node.protocol import LAYER_ROLES, utc_time
@@ -29,6 +32,21 @@ def root_option(fn):
 
 def json_option(fn):
     return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(fn)
+
+
+def failure_status(command: Callable[..., None]) -> Callable[..., None]:
+    """The daemon's command, its layerfs errors also sent to systemd as
+    STATUS= (:func:`layerfs.node.systemd.report_failure`)."""
+    @functools.wraps(command)
+    def reporting(*args: Any, **kwargs: Any) -> None:
+        try:
+            command(*args, **kwargs)
+        except LayerfsError as exc:
+            from layerfs.node.systemd import report_failure
+
+            report_failure(exc)
+            raise
+    return reporting
 
 
 @click.command()
@@ -97,6 +115,7 @@ def json_option(fn):
               show_default=True, help="json: one JSON object per log line.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@failure_status
 def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size: str,
            reserve: str, cache_form: str, read_timeout: float, readahead: str, layer_readahead: str,
            miss_span: str, fetch_whole_below: str, local_blobs: str, store_fetches: int,
@@ -116,6 +135,9 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
         from layerfs.node.jsonlog import log_json
 
         log_json()
+    if store_url == "":  # the unit's --store=${LAYERFS_STORE}, the variable unset
+        raise UsageError("no store: --store is empty (set LAYERFS_STORE, file:///path or "
+                         "s3://bucket/prefix, in the daemon's environment file)")
     if store_fetches < 1:
         raise UsageError(f"--store-fetches {store_fetches}: at least 1")
     if not 0 <= restart_grace <= 86400:

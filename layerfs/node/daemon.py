@@ -58,18 +58,25 @@ from ..sizes import NO_SPACE, mib
 from ..store import open_store
 from ..store.counting import CountingStore
 from ..tree import FileTree
-from . import fuseconn, protocol, systemd
+from . import events, fuseconn, protocol, systemd
 from .blobfiles import BlobDirectory
 from .control import DEFAULT_ROOT, DaemonNotRunning, call, socket_path
 from .controlserver import ControlServer
 from .diskmanager import DiskManager
 from .fetcher import ChunkFetcher
 from .forget import LayerForgetter
-from .fusefs import NodeFS
 from .layermounts import LayerMounts
 from .localblobs import LocalBlobs
 from .metacheck import MetaChecker
-from .metrics import CountingLog, MetricsAddress, NodeMetrics, NodeReadings
+from .metrics import (
+    CountingLog,
+    MeteredFS,
+    MetricsAddress,
+    MetricsServer,
+    NodeMetrics,
+    NodeReadings,
+    listen,
+)
 from .prefetch import Prefetcher
 from .refs import NodeRefs
 from .replica import Replica
@@ -230,17 +237,18 @@ def retire_running(root: Path, takeover: bool) -> None:
 
 def cap_cache(cache: ChunkCache, space: RootSpace) -> None:
     """Lower the cache's bound to what ROOT's file system has room for (its
-    free space and the cache's own files, less the reserve), in one line."""
+    free space and the cache's own files, less the reserve), in one warning
+    (the node caches less than its operator asked for)."""
     wanted, cached = cache.limit, cache.stats.size
     room = space.cache_room(cached)
     if room >= wanted:
         return
     cache.cap(room)
     usage = fs_usage(space.root)
-    log.info("cache bound lowered from %s (--cache-size) to %s: ROOT's file system has %s "
-             "free of %s and the cache %s, less a reserve of %s (--reserve)", mib(wanted),
-             mib(cache.limit), mib(usage.free), mib(usage.total), mib(cached),
-             mib(space.reserve))
+    log.warning("cache bound lowered from %s (--cache-size) to %s: ROOT's file system has %s "
+                "free of %s and the cache %s, less a reserve of %s (--reserve)", mib(wanted),
+                mib(cache.limit), mib(usage.free), mib(usage.total), mib(cached),
+                mib(space.reserve))
 
 
 def kept_mounts(root: Path) -> set[str]:
@@ -248,8 +256,16 @@ def kept_mounts(root: Path) -> set[str]:
     return set(mounts_under(root)) - {str(root), str(root / "fuse")}
 
 
+# botocore's INFO line at every start with the credentials in the environment
+# ("Found credentials in environment variables"): kept for --log-level debug
+QUIET_LOGGERS = ("botocore.credentials",)
+
+
 class Daemon:
     def __init__(self, cfg: DaemonConfig) -> None:
+        if not logging.getLogger().isEnabledFor(logging.DEBUG):
+            for name in QUIET_LOGGERS:
+                logging.getLogger(name).setLevel(logging.WARNING)
         self.cfg = cfg
         self.root = Path(cfg.root).resolve()
         retire_running(self.root, cfg.takeover)
@@ -281,7 +297,8 @@ class Daemon:
         # refs resolved through the store or, while it is away, the node's last resolution
         self.refs = NodeRefs(self.refstore, self.replica, self.health)
         self.disks = DiskManager(self.root, self.refs, self.replica, self.blobs, self.fetcher)
-        self.fs = NodeFS(self.blobs, self.disks, cfg.fuse_group)
+        # (counting the reads it answers with an error, for the metrics)
+        self.fs = MeteredFS(self.blobs, self.disks, cfg.fuse_group)
         self.local_blobs = LocalBlobs(self.root, self.fetcher, cfg.fetch_whole_below,
                                       cfg.local_blobs)
         self.local_blobs.prepare()
@@ -306,6 +323,7 @@ class Daemon:
         self.restarts = (self.replica.count(RESTARTS) if self.conn is not None
                          else self.replica.counter(RESTARTS))
         self.metrics = NodeMetrics()
+        self.metrics_server: MetricsServer | None = None
         if cfg.metrics is not None:
             self._serve_metrics(cfg.metrics)
         self.notifier = systemd.Notifier()  # READY, STATUS, STOPPING for systemd (Type=notify)
@@ -315,7 +333,8 @@ class Daemon:
         self.stopping = False
 
     def _serve_metrics(self, address: MetricsAddress) -> None:
-        """Observe what has no counter of its own, and serve /metrics in a thread."""
+        """Observe what has no counter of its own, and listen for /metrics
+        (served by the trio loop once it runs)."""
         self.fetcher.fetch_timed = self.metrics.fetch_seconds.observe
         self.fetcher.store_log = CountingLog(self.fetcher.store_log.logger,
                                              self.metrics.store_errors)
@@ -324,9 +343,12 @@ class Daemon:
             sandboxes=lambda: len(self.sandboxes.records),
             restarts=lambda: self.restarts,
             layer_bytes_read=lambda: {d: m.blob.bytes_read
-                                      for d, m in dict(self.layers.mounted).items()}))
+                                      for d, m in dict(self.layers.mounted).items()},
+            sandbox_states=lambda: events.count_states(list(self.sandboxes.records.values())),
+            store_reachable=lambda: self.health.reachable,
+            read_errors=lambda: dict(self.fs.read_errors)))
         try:
-            self.metrics.serve(address)
+            self.metrics_server = MetricsServer(listen(address), self.metrics.text)
         except OSError as exc:
             raise UsageError(f"--metrics {address.host}:{address.port}: cannot listen there "
                              f"({exc.strerror or exc})") from None
@@ -405,11 +427,15 @@ class Daemon:
                               paused=lambda: bool(self.vms.records))
 
     async def _main(self) -> None:
+        started = time.monotonic()
+        ending, kept = events.FAILED, (0, 0)  # how it ends, and the (sandboxes, vms) then
         try:
             async with trio.open_nursery() as nursery:
                 self.fetcher.nursery = nursery
                 nursery.start_soon(self._serve_fuse)
                 nursery.start_soon(self.health.watch)  # never waited for: serve without it
+                if self.metrics_server is not None:
+                    nursery.start_soon(self.metrics_server.serve)
                 if self.conn is not None and await self._keep_connection(self.conn):
                     nursery.start_soon(self._replace_dead_keepers, self.conn)
                 await self._set_readahead()
@@ -428,10 +454,12 @@ class Daemon:
                     await trio.to_thread.run_sync(self.snapshots.start,
                                                   trio.lowlevel.current_trio_token())
                 self.accepting = True
-                log.info("layerfs daemon ready at %s (store %s)", self.root, self.store.url)
+                events.ready(str(self.root), self.store.url, self.sandboxes.records.values(),
+                             len(self.vms.records), time.monotonic() - started)
                 self.notifier.ready(self._status())
                 signum = await wait_for_signal()
                 self.accepting = False
+                kept = (len(self.sandboxes.records), len(self.vms.records))
                 self.notifier.stopping("stopping")
                 if signum == signal.SIGTERM and await trio.to_thread.run_sync(
                         systemd.restart_queued):
@@ -439,6 +467,7 @@ class Daemon:
                              "connection over")
                     signum = HANDOVER
                 await self._stop_snapshots()
+                ending = events.HANDED_OVER if signum == HANDOVER else events.UNMOUNTED
                 if signum == HANDOVER:
                     log.info("handing the FUSE connection over: exiting, nothing unmounted")
                     self.notifier.set_status("handing the FUSE connection over")
@@ -461,7 +490,9 @@ class Daemon:
             self.checker.close()
             self.replica.close()
             self.store.close()
-            log.info("layerfs daemon stopped")
+            if ending == events.FAILED:
+                kept = (len(self.sandboxes.records), len(self.vms.records))
+            events.stopped(ending, *kept)
 
     async def _stop_snapshots(self) -> None:
         """containerd's snapshotter stops answering (before anything is unmounted)."""
@@ -537,6 +568,9 @@ class Daemon:
         try:
             record = await self.sandboxes.up(r.id, r.env, r.layers, r.prefetch, r.limits)
             self.metrics.up_seconds.observe(time.monotonic() - started)
+            names = await trio.to_thread.run_sync(events.layer_names, self.replica,
+                                                  record.layers)
+            events.sandbox_up(record, names, time.monotonic() - started)
             return protocol.SandboxAnswer(record)
         except OSError as exc:
             if exc.errno in NO_SPACE:
@@ -544,9 +578,13 @@ class Daemon:
             raise
 
     async def down(self, r: protocol.Down) -> protocol.SandboxAnswer:
+        started = time.monotonic()
         try:
-            return protocol.SandboxAnswer(await self.sandboxes.down(r.id, r.keep_upper,
-                                                                    r.force))
+            record = await self.sandboxes.down(r.id, r.keep_upper, r.force)
+            names = await trio.to_thread.run_sync(events.layer_names, self.replica,
+                                                  record.layers)
+            events.sandbox_down(record, names, time.monotonic() - started)
+            return protocol.SandboxAnswer(record)
         finally:
             await trio.to_thread.run_sync(self.space.retake)
 
@@ -558,7 +596,10 @@ class Daemon:
         return protocol.PsAnswer(sandboxes, rows, count)
 
     async def commit(self, r: protocol.Commit) -> protocol.CommitAnswer:
-        return await self.sandboxes.commit(r.id, r.name, r.version, r.role, r.expire)
+        started = time.monotonic()
+        answer = await self.sandboxes.commit(r.id, r.name, r.version, r.role, r.expire)
+        events.sandbox_committed(answer, time.monotonic() - started)
+        return answer
 
     async def disk_create(self, r: protocol.DiskCreate) -> protocol.DiskAnswer:
         return protocol.DiskAnswer(await self.disks.create(r.id, r.size, r.base))
@@ -574,11 +615,16 @@ class Daemon:
         return await self.disks.commit(r.id, r.name, r.version)
 
     async def vm_up(self, r: protocol.VmUp) -> protocol.VmAnswer:
-        return protocol.VmAnswer(await self.vms.up(r.id, r.env, r.layers, r.disk_size,
-                                                   r.base_disk))
+        started = time.monotonic()
+        record = await self.vms.up(r.id, r.env, r.layers, r.disk_size, r.base_disk)
+        events.vm_up(record, time.monotonic() - started)
+        return protocol.VmAnswer(record)
 
     async def vm_down(self, r: protocol.VmDown) -> protocol.VmAnswer:
-        return protocol.VmAnswer(await self.vms.down(r.id, r.keep))
+        started = time.monotonic()
+        record = await self.vms.down(r.id, r.keep)
+        events.vm_down(record, time.monotonic() - started)
+        return protocol.VmAnswer(record)
 
     async def vm_ps(self, _: protocol.VmPs) -> protocol.VmList:
         return protocol.VmList(self.vms.ps())
@@ -587,11 +633,13 @@ class Daemon:
         return protocol.PingAnswer(str(self.root), self.store.url, os.getpid())
 
     async def stats(self, _: protocol.Stats) -> protocol.StatsAnswer:
+        mounted = dict(self.layers.mounted)
+        names = await trio.to_thread.run_sync(events.layer_names, self.replica, list(mounted))
         layers = {d: protocol.LayerStats(users=m.users, bytes_read=m.blob.bytes_read,
                                          chunks_touched=len(m.blob.touched),
                                          chunks=len(m.blob.table), blob_bytes=m.blob.size,
-                                         local=m.local)
-                  for d, m in self.layers.mounted.items()}
+                                         local=m.local, name=name)
+                  for (d, m), name in zip(mounted.items(), names, strict=True)}
         return protocol.StatsAnswer(self.cache.snapshot(), layers, len(self.sandboxes.records),
                                     self.store.requests())
 

@@ -314,6 +314,7 @@ class LayerStats(Message):
     chunks: int
     blob_bytes: int
     local: bool = False  # fetched whole into a local file: the kernel serves its reads
+    name: str = ""  # name@version, from the manifest the node holds ("" if none)
 
 
 class StatsAnswer(Message):

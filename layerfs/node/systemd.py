@@ -1,6 +1,6 @@
 """The daemon as a systemd service (deploy/systemd/layerfs.service, docs/deploy.md).
 
-Three things, each a no-op outside a systemd service:
+Four things, each a no-op outside a systemd service:
 
 * :class:`Notifier`: the service notification protocol (``sd_notify(3)``):
   ``READY=1`` once the control socket answers and the replica is loaded,
@@ -13,6 +13,7 @@ Three things, each a no-op outside a systemd service:
   libraries for it either compile against libsystemd (systemd-python,
   cysystemd) or are not kept (sdnotify), and the daemon needs nothing else of
   libsystemd.
+* :func:`report_failure`: a start that fails says why in STATUS= too.
 * :func:`keeper_command`: where the FUSE keeper runs. In a service, in a
   transient scope unit of its own (``systemd-run --scope``), so that a
   ``systemctl restart`` or an upgrade, which ends every process of the
@@ -38,6 +39,11 @@ log = logging.getLogger(__name__)
 SYSTEMCTL_TIMEOUT = 5.0  # seconds `systemctl list-jobs` may take at a stop
 CGROUP = Path("/proc/self/cgroup")
 _SCOPES = itertools.count(1)  # a daemon's keepers: one scope name each
+# the keeper's scope's cgroup bounds: one single-threaded process of the standard
+# library holding a few descriptors (its system call filter, capability bounding
+# set and no-new-privileges are the daemon's, inherited: the scope's process is
+# the daemon's child)
+KEEPER_LIMITS = (("TasksMax", "8"), ("MemoryMax", "128M"))
 
 
 def in_service() -> bool:
@@ -91,6 +97,13 @@ class Notifier:
     def stopping(self, status: str) -> None:
         self.status = status
         self.send("STOPPING=1", f"STATUS={status}")
+
+
+def report_failure(exc: Exception) -> None:
+    """A start refused (no store named, a port taken, ROOT unsuitable) is the
+    service's STATUS= too: the line ``systemctl status`` shows beside
+    ``failed`` (the error itself goes on to the command's one error line)."""
+    Notifier().send(f"STATUS=layerfs: error: {exc}")
 
 
 def sandboxes_status(count: int, store_url: str) -> str:
@@ -170,6 +183,7 @@ def keeper_command(command: list[str]) -> list[str]:
         unit = None
     scope = f"layerfs-keeper-{os.getpid()}-{next(_SCOPES)}.scope"
     properties = [f"--property=Before={unit}"] if unit else []
+    properties += [f"--property={name}={value}" for name, value in KEEPER_LIMITS]
     return [systemd_run, "--scope", "--quiet", "--collect", f"--unit={scope}",
             f"--description=layerfs FUSE keeper (of {unit or 'the layerfs daemon'})",
             *properties, "--", *command]
