@@ -40,17 +40,47 @@ class OpenHow(ctypes.Structure):
 
 
 def openat2(dir_fd: int, path: str, flags: int, resolve: int, mode: int = 0) -> int:
-    """``openat2(dir_fd, path, {flags, mode, resolve})``: a descriptor, or OSError."""
+    """``openat2(dir_fd, path, {flags, mode, resolve})``: a descriptor, or
+    OSError. Where the call is missing (ENOSYS: an older kernel, or a seccomp
+    filter that does not know it, such as systemd-nspawn's), the strict walk
+    (``STRICT``) is done name by name instead (:func:`walk_strict`)."""
     number = SYS_OPENAT2.get(os.uname().machine)
     if number is None:
-        raise OSError(errno.ENOSYS, f"openat2 is not known on {os.uname().machine}")
-    how = OpenHow(flags=flags, mode=mode, resolve=resolve)
-    fd = _libc.syscall(number, dir_fd, os.fsencode(path), ctypes.byref(how),
-                       ctypes.sizeof(how))
-    if fd < 0:
+        err = errno.ENOSYS
+    else:
+        how = OpenHow(flags=flags, mode=mode, resolve=resolve)
+        fd = _libc.syscall(number, dir_fd, os.fsencode(path), ctypes.byref(how),
+                           ctypes.sizeof(how))
+        if fd >= 0:
+            return int(fd)
         err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), path)
-    return int(fd)
+    if err == errno.ENOSYS and resolve == STRICT:
+        return walk_strict(dir_fd, path, flags, mode)
+    raise OSError(err, os.strerror(err), path)
+
+
+def walk_strict(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
+    """What ``openat2`` with ``STRICT`` opens, name by name: each directory on
+    the way opened ``O_NOFOLLOW | O_DIRECTORY`` from the one before (a symlink
+    there: ENOTDIR), the last name ``O_NOFOLLOW`` (a symlink: ELOOP, or with
+    ``O_PATH`` the link itself, as openat2 gives it), no absolute path and no
+    ``..`` (EXDEV)."""
+    names = [n for n in path.split("/") if n not in ("", ".")]
+    if path.startswith("/") or ".." in names:
+        raise OSError(errno.EXDEV, "the path leaves the directory", path)
+    if not names:
+        return os.open(".", flags, mode, dir_fd=dir_fd)
+    opened: list[int] = []
+    try:
+        at = dir_fd
+        for name in names[:-1]:
+            at = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC,
+                         dir_fd=at)
+            opened.append(at)
+        return os.open(names[-1], flags | os.O_NOFOLLOW, mode, dir_fd=at)
+    finally:
+        for each in opened:
+            os.close(each)
 
 
 class NotRegular(OSError):

@@ -146,7 +146,8 @@ def test_store_errors_are_counted_by_kind(metered, store):
 @pytest.mark.parametrize("store_location", ["file"], indirect=True)
 def test_read_error_lines_name_the_layer(metered, store):
     """A read that fails: its JSON error lines (the FUSE read's, the fetch's)
-    carry the layer's digest and the read's offset and size."""
+    carry the layer's digest and the read's offset and size; the fetch's also
+    what it fetched and the store key."""
     node = metered
     node.stop()
     node.extra_args = ["--metrics", f"127.0.0.1:{node.port}", "--log-format", "json"]
@@ -163,6 +164,9 @@ def test_read_error_lines_name_the_layer(metered, store):
     for record in errors:
         assert record["layer"] == node.digest, record
         assert record["offset"] >= 0 and record["size"] > 0, record
+    fetches = [r for r in errors if r["logger"] == "layerfs.node.fetcher"]
+    assert fetches and all(r["store_key"].startswith("blobs/sha256/") and r["fetch"]
+                           for r in fetches)
     node.cli("down", "s1")
 
 

@@ -521,8 +521,8 @@ class Daemon:
         try:
             await trio.to_thread.run_sync(set_fuse_background, str(self.root / "fuse"),
                                           self.cfg.fuse_background)
-        except OSError as exc:
-            log.warning("cannot raise the FUSE connection's background requests: %s", exc)
+        except OSError as exc:  # no fusectl here (a container's /sys): a tuning, not a fault
+            log.info("the FUSE connection keeps the kernel's 12 background requests: %s", exc)
 
     async def _serve_fuse(self) -> None:
         await pyfuse3.main()

@@ -41,9 +41,10 @@ from ..chunks import FetchedChunk, fetch_chunk_frame, fetch_run_frames, pack_run
 from ..errors import IntegrityError, LayerfsError, StoreError, StoreUnreachable
 from ..formats.chunktable import ChunkEntry
 from ..ratelog import RateLimitedLog
-from ..store.base import Store
+from ..store.base import Store, blob_key
 from .chunkstate import ChunkStates, Claim, FetchError, Flight, MemoryChunks
 from .failfast import STORE_COOLDOWN, FailFast
+from .jsonlog import LOG_CONTEXT
 
 __all__ = ["STORE_COOLDOWN", "Buffer", "ChunkFetcher", "FetchError", "MemoryChunks"]
 
@@ -259,6 +260,9 @@ class ChunkFetcher:
         self._refuse(where, pack)
         self._reader_fetches += for_reader
         started = trio.current_time()
+        # the JSON log lines of this request name what it fetched and its store key
+        context = LOG_CONTEXT.set({**(LOG_CONTEXT.get() or {}), "fetch": where,
+                                   "store_key": blob_key(pack)})
         try:
             async with self._store_slot(where, deadline) as thread:
                 self._refuse(where, pack)  # the store may have been found down meanwhile
@@ -290,6 +294,7 @@ class ChunkFetcher:
             log.error("%s: %s", where, exc)
             raise FetchError(where, str(exc)) from exc
         finally:
+            LOG_CONTEXT.reset(context)
             self._reader_fetches -= for_reader
             if self._reader_fetches <= QUIET:
                 self._quiet.unpark_all()
@@ -367,7 +372,8 @@ class ChunkFetcher:
     @staticmethod
     def _failed_chunk(entry: ChunkEntry, exc: IntegrityError) -> FetchError:
         sha = entry.sha256.hex()
-        log.error("chunk %s: %s", sha[:16], exc)
+        log.error("chunk %s: %s", sha[:16], exc,
+                  extra={"chunk": sha, "store_key": blob_key(entry.pack)})
         error = FetchError(f"chunk {sha[:16]}", str(exc))
         error.__cause__ = exc  # the daemon's answer exits with the cause's code
         return error
