@@ -45,7 +45,7 @@ import random
 import shutil
 import statistics
 import subprocess
-import sys
+import sysconfig
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -90,7 +90,7 @@ def ensure_toolchain(work: Path) -> dict:
     if info and tc.is_dir() and info.get("gen") == GEN:
         return info
     shutil.rmtree(tc, ignore_errors=True)
-    site = Path(next(p for p in sys.path if p.endswith("site-packages")))
+    site = Path(sysconfig.get_paths()["purelib"])
     dest = tc / "opt" / "tc"
     dest.mkdir(parents=True)
     for name in TOOLCHAIN_PACKAGES:
