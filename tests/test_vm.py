@@ -32,11 +32,12 @@ from test_restart import take_over, wait_for
 
 from harness import guest
 from layerfs.builder.disk import build_disk
+from layerfs.builder.env import create_env
 from layerfs.chunks import materialize_blob
 from layerfs.node import Client
 from layerfs.node.protocol import VmRecord
 from layerfs.node.replica import Replica
-from layerfs.node.vmm import guest_device, qemu_drive_args
+from layerfs.node.vmm import guest_device, qemu_drive_args, qemu_memory_args
 from layerfs.refstore import RefStore
 
 MiB = 1 << 20
@@ -144,7 +145,8 @@ def test_vm_up_hands_out_roles_and_qemu_arguments_and_survives_restarts(node, st
     assert doc["state"] == "up" and doc["disk"] == "v1-rw"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", doc["created"])
     assert doc["qemu"] == qemu_drive_args(VmRecord.from_json(
-        {k: v for k, v in doc.items() if k not in ("qemu", "created")}).drives)
+        {k: v for k, v in doc.items()
+         if k not in ("qemu", "created", "cloud_hypervisor", "firecracker")}).drives)
     assert doc["qemu"][:4] == [
         "-drive", f"file={doc['drives'][0]['path_on_host']},format=raw,if=none,"
         "id=layer0-meta,cache=none,aio=threads,readonly=on",
@@ -206,12 +208,16 @@ def test_vm_up_hands_out_roles_and_qemu_arguments_and_survives_restarts(node, st
 @FILE_STORE
 @pytest.mark.daemon_log(r"ERROR layerfs\.node\.vms: vm v-damaged not restored: its record "
                         r"is damaged", r"ERROR layerfs\.node\.vms: vm v-lost restored broken: "
-                        r"layer sha256:0{64}: .*; disk v-lost-rw: it is gone")
+                        r"layer sha256:0{64}: .*; disk v-lost-rw: it is gone",
+                        r"ERROR layerfs\.node\.vms: vm v-thief restored broken: its record "
+                        r"names disk 'v-ok-rw', not its own 'v-thief-rw' \(left alone\)")
 def test_restore_rolls_back_an_unfinished_up_and_reports_what_it_cannot_bring_back(
         node, store, tmp_path):
     """Records a crash can leave: an up that did not finish (its disk made) is
     rolled back; a damaged record, and a vm whose layer and disk are gone,
-    are broken, listed with the reason, and ``vm down`` removes them."""
+    are broken, listed with the reason, and ``vm down`` removes them. A
+    tampered record naming another vm's disk is broken too, and its ``vm
+    down`` (and a tampered unfinished up naming it) leaves that disk alone."""
     src = tmp_path / "src"
     layer_tree(src, 2)
     build(store, str(src), name="vmdata", chunk_size=MiB)
@@ -226,13 +232,19 @@ def test_restore_rolls_back_an_unfinished_up_and_reports_what_it_cannot_bring_ba
         replica.put_vm("v-damaged", {"id": "v-damaged", "drives": "not a list"})
         lost = VmRecord("v-lost", [], [], disk="v-lost-rw", blobs=["sha256:" + "0" * 64])
         replica.put_vm("v-lost", lost.to_json())
+        thief = VmRecord("v-thief", [], [], disk="v-ok-rw", blobs=[])
+        replica.put_vm("v-thief", thief.to_json())
+        half_thief = VmRecord("v-half2", [], [], disk="v-ok2-rw", blobs=[], state="starting")
+        replica.put_vm("v-half2", half_thief.to_json())
     finally:
         replica.close()
     node.start()
     assert "vm v-half: rolling back its unfinished up" in node.log()
     rows = {r["id"]: r for r in json.loads(node.cli("vm", "ps", "--json").stdout)}
-    assert sorted(rows) == ["v-damaged", "v-lost", "v-ok", "v-ok2"]
-    assert [rows[v]["state"] for v in sorted(rows)] == ["broken", "broken", "up", "up"]
+    assert sorted(rows) == ["v-damaged", "v-lost", "v-ok", "v-ok2", "v-thief"]
+    assert [rows[v]["state"] for v in sorted(rows)] == ["broken", "broken", "up", "up",
+                                                        "broken"]
+    node.cli("vm", "down", "v-thief")
     assert "disk v-lost-rw: it is gone" in rows["v-lost"]["error"]
     assert rows["v-damaged"]["error"].startswith("its record is damaged: ")
     assert [d["id"] for d in json.loads(node.cli("disk", "ls", "--json").stdout)] == [
@@ -387,3 +399,99 @@ def test_a_guest_reads_a_layer_through_kill_9_and_takeover(kernel, node, store, 
     assert json.loads(node.cli("vm", "ps", "--json").stdout)[0]["state"] == "up"
     node.cli("vm", "down", "g1")
 
+
+
+# -- pmem drives --
+
+PMEM_READ = """set -o pipefail
+mkdir -p /l0 /l1 /up /merged
+cached() { sed -n 's/^Cached: *\\([0-9]*\\) kB/\\1/p' /proc/meminfo; }
+echo "CACHED-BEFORE $(cached)"
+mount -t erofs -o ro,dax=always,device=/dev/pmem1 /dev/pmem0 /l0 || echo "GUEST-ERROR mount top"
+mount -t erofs -o ro,dax=always,device=/dev/pmem3 /dev/pmem2 /l1 || echo "GUEST-ERROR mount base"
+grep erofs /proc/mounts | while read -r line; do echo "MOUNT $line"; done
+mount -t tmpfs tmpfs /up && mkdir /up/u /up/w
+mount -t overlay overlay -o lowerdir=/l0:/l1,upperdir=/up/u,workdir=/up/w /merged \\
+    || echo "GUEST-ERROR overlay"
+cd /merged
+find . -type f ! -name 'unread*' | sort | while read -r f; do echo "FILE $(sha256sum "$f")"; done
+echo "written in the guest" > new.txt && echo "UPPER $(cat /up/u/new.txt)"
+cd /
+echo "CACHED-AFTER $(cached)"
+"""
+
+
+@FILE_STORE
+def test_a_guest_stacks_an_envs_layers_from_pmem_drives_with_dax(kernel, node, store, tmp_path):
+    """``vm up ENV --pmem``: each layer's meta image (a padded copy) and lazy
+    blob (a padded FUSE file, ``fuse/pmem/``) as pmem drives, the VMMs'
+    arguments in ``--json``; the drive set comes back after ``kill -9`` and a
+    start (same files, same inodes). A q35 guest maps them (QEMU's
+    ``virtio-pmem-pci``), mounts both layers' EROFS with ``dax=always``,
+    stacks them with overlayfs under a tmpfs upper, and reads every file
+    with the right sha256, the top layer's where both have one; its page
+    cache grows by a fraction of what it read (the pages are the host's),
+    and the layer's file it never read is not fetched whole."""
+    base_files = layer_tree(tmp_path / "base", 5)
+    (tmp_path / "base" / "unread.bin").write_bytes(random.Random(6).randbytes(8 * MiB))
+    top = tmp_path / "top"
+    (top / "etc").mkdir(parents=True)
+    (top / "etc" / "motd").write_bytes(b"the top layer's motd\n")
+    (top / "top.txt").write_bytes(b"only in the top layer\n" * 100)
+    build(store, str(tmp_path / "base"), name="pm/base", chunk_size=MiB)
+    build(store, str(top), name="pm/top", chunk_size=MiB)
+    create_env(RefStore(store), "pm/env", "1", ["pm/top@1", "pm/base@1"])
+    doc = vm_up(node, "pm/env@1", "--id", "p1", "--disk-size", "4M", "--pmem")
+    kinds = [(d["drive_id"], d.get("kind", "block"), d["size"] % (2 * MiB) if "size" in d else 0)
+             for d in doc["drives"]]
+    assert kinds == [("layer0-meta", "pmem", 0), ("layer0-blob", "pmem", 0),
+                     ("layer1-meta", "pmem", 0), ("layer1-blob", "pmem", 0),
+                     ("rw", "block", 0)]
+    blob = Path(doc["drives"][3]["path_on_host"])
+    assert blob.parent == node.root / "fuse" / "pmem"
+    assert doc["pmem_bytes"] == sum(d["size"] for d in doc["drives"][:4])
+    assert doc["qemu"][:4] == [
+        "-object", f"memory-backend-file,id=mem-layer0-meta,mem-path="
+        f"{doc['drives'][0]['path_on_host']},size={doc['drives'][0]['size']},share=on,"
+        "readonly=on", "-device", "virtio-pmem-pci,memdev=mem-layer0-meta,id=layer0-meta"]
+    assert "virtio-blk-pci,drive=rw,serial=rw" in doc["qemu"]
+    assert [p["id"] for p in doc["firecracker"]["pmem"]] == [d["drive_id"]
+                                                              for d in doc["drives"][:4]]
+    assert doc["cloud_hypervisor"][doc["cloud_hypervisor"].index("--pmem") + 1].endswith(
+        ",discard_writes=on")
+    blob_size = RefStore(store).chunk_table(RefStore(store).layer(
+        doc["layers"][1]["digest"])).blob_size
+    assert blob.stat().st_size == -(-blob_size // (2 * MiB)) * 2 * MiB
+    with open(blob, "rb") as f:  # past the blob's end: zeros
+        f.seek(blob_size)
+        assert f.read() == bytes(blob.stat().st_size - blob_size)
+    inode = blob.stat().st_ino
+    node.kill()
+    node.start()
+    assert blob.stat().st_ino == inode
+    assert [r["state"] for r in json.loads(node.cli("vm", "ps", "--json").stdout)] == ["up"]
+    requests_before = Client(node.root).stats().store.get("get", 0)
+
+    record = Client(node.root).vm_ps()[0]
+    memory = qemu_memory_args(record.drives, 256)
+    with guest.running_guest(kernel, PMEM_READ, qemu_drive_args(record.drives), tmp_path,
+                             "pmem", machine="q35", memory_args=memory) as g:
+        assert g.finish() == 0
+    assert [line for line in g.lines if "GUEST-ERROR" in line] == []
+    mounts = [line for line in g.lines if line.startswith("MOUNT ")]
+    assert len(mounts) == 2 and all("dax=always" in m for m in mounts), mounts
+    seen = {m.group(2): m.group(1) for line in g.lines if (m := FILE_LINE.match(line))}
+    want = {**base_files, "etc/motd": hashlib.sha256(b"the top layer's motd\n").hexdigest(),
+            "top.txt": hashlib.sha256(b"only in the top layer\n" * 100).hexdigest()}
+    assert seen == want
+    assert "UPPER written in the guest" in g.lines
+    before, after = (int(next(line.split()[1] for line in g.lines if line.startswith(w)))
+                     for w in ("CACHED-BEFORE", "CACHED-AFTER"))
+    read = 12 * MiB + sum((tmp_path / "base" / f).stat().st_size for f in base_files)
+    assert (after - before) * 1024 < read // 4, (before, after)
+    fetched = Client(node.root).stats().store.get("get", 0) - requests_before
+    assert 0 < fetched < len(RefStore(store).chunk_table(RefStore(store).layer(
+        doc["layers"][1]["digest"])).entries), fetched
+    node.cli("vm", "down", "p1")
+    assert os.listdir(node.root / "fuse" / "pmem") == []
+    assert os.listdir(node.root / "meta" / "pmem") == []

@@ -141,13 +141,15 @@ class Client:
 
     def vm_up(self, vm_id: str, env: str | None = None, layers: Sequence[str] = (),
               disk_size: int = protocol.DEFAULT_VM_DISK,
-              base_disk: str | None = None) -> VmRecord:
+              base_disk: str | None = None, pmem: str = "") -> VmRecord:
         """A microVM's drive set: each layer's meta image and lazy blob file,
         read-only, and a writable disk of ``disk_size`` bytes (or over the
         snapshot ``base_disk``); :func:`.vmm.qemu_drive_args` makes QEMU's
-        arguments of its ``drives``. Kept across daemon restarts."""
+        arguments of its ``drives``. ``pmem`` ``shared`` (or ``private``):
+        the layers as pmem files to map, the ones other vms map (or its own).
+        Kept across daemon restarts."""
         request = protocol.VmUp(id=vm_id, env=env, layers=list(layers), disk_size=disk_size,
-                                base_disk=base_disk)
+                                base_disk=base_disk, pmem=pmem)
         return call(self.root, request, protocol.VmAnswer, self.timeout).vm
 
     def vm_ps(self) -> list[VmRecord]:

@@ -62,6 +62,7 @@ from .fusefs import NodeFS
 from .layermounts import LayerMounts
 from .metacheck import MetaChecker
 from .metrics import CountingLog, MetricsAddress, NodeMetrics, NodeReadings
+from .pmem import PmemDirectory
 from .prefetch import Prefetcher
 from .refs import NodeRefs
 from .replica import Replica
@@ -269,12 +270,13 @@ class Daemon:
         # refs resolved through the store or, while it is away, the node's last resolution
         self.refs = NodeRefs(self.refstore, self.replica, self.health)
         self.disks = DiskManager(self.root, self.refs, self.replica, self.blobs, self.fetcher)
-        self.fs = NodeFS(self.blobs, self.disks, cfg.fuse_group)
+        self.pmem = PmemDirectory()  # blobs padded for a VMM to map (vm up --pmem)
+        self.fs = NodeFS(self.blobs, self.disks, cfg.fuse_group, self.pmem)
         self.layers = LayerMounts(self.root, self.refstore, self.replica, self.blobs, self.fetcher,
                                   readahead=cfg.layer_readahead)
         self.sandboxes = Sandboxes(self.root, self.refs, self.replica, self.layers)
         self.vms = Vms(self.root, self.refs, self.replica, self.blobs, self.fetcher,
-                       self.disks)
+                       self.disks, self.pmem)
         if self.conn is not None:
             self.layers.kept = kept_mounts(self.root)
         self.snapshots: SnapshotServer | None = None
@@ -551,7 +553,7 @@ class Daemon:
 
     async def vm_up(self, r: protocol.VmUp) -> protocol.VmAnswer:
         return protocol.VmAnswer(await self.vms.up(r.id, r.env, r.layers, r.disk_size,
-                                                   r.base_disk))
+                                                   r.base_disk, r.pmem))
 
     async def vm_down(self, r: protocol.VmDown) -> protocol.VmAnswer:
         return protocol.VmAnswer(await self.vms.down(r.id, r.keep))

@@ -175,6 +175,7 @@ class VmUp(Request):
     layers: list[str] = field(default_factory=list)
     disk_size: int = DEFAULT_VM_DISK
     base_disk: str | None = None
+    pmem: str = ""  # the layers as pmem drives: "shared" or "private" (VM_PMEM); "": block
 
 
 class VmDown(Request):
@@ -371,19 +372,32 @@ class DiskCommitAnswer(Message):
 
 
 VM_DRIVE_ROLES = ("meta", "device", "disk")
+VM_PMEM = ("shared", "private")  # a vm's layers as pmem files other vms map too, or its own
 
 
 class VmDrive(Message):
     """One drive of a microVM, as Firecracker's drive API names its fields,
     and its role (:data:`VM_DRIVE_ROLES`): ``meta``, a layer's EROFS meta
     image (the guest's mount source); ``device``, a layer's lazy blob file
-    (the mount's ``device=``); ``disk``, the writable disk."""
+    (the mount's ``device=``); ``disk``, the writable disk. ``kind`` ``pmem``:
+    a file to map as a virtio-pmem device of ``size`` bytes (else a block
+    drive; both left out of the JSON then)."""
 
     drive_id: str
     path_on_host: str
     is_read_only: bool
     is_root_device: bool = False
     role: str = ""
+    kind: str = "block"
+    size: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        doc = super().to_json()
+        if self.kind == "block":
+            del doc["kind"]
+        if not self.size:
+            del doc["size"]
+        return doc
 
 
 class VmLayer(Message):
@@ -408,6 +422,7 @@ class VmRecord(Message):
     created: float = 0.0
     error: str | None = None  # why it is broken
     offline: list[OfflineRef] = field(default_factory=list)  # refs the store did not resolve
+    pmem: str = ""  # its layers as pmem drives: shared or private (VM_PMEM); "": block
 
     def to_json(self) -> dict[str, Any]:
         doc = super().to_json()
@@ -415,6 +430,8 @@ class VmRecord(Message):
             del doc["error"]
         if not self.offline:
             del doc["offline"]
+        if not self.pmem:
+            del doc["pmem"]
         return doc
 
 

@@ -35,9 +35,10 @@ from ..formats.chunktable import ChunkTable
 from .blobfiles import BlobDirectory
 from .diskmanager import DiskManager, check_disk_size
 from .fetcher import ChunkFetcher
-from .protocol import BadMessage, OfflineRef, VmDrive, VmLayer, VmRecord
+from .pmem import PmemDirectory, padded_copy
+from .protocol import VM_PMEM, BadMessage, OfflineRef, VmDrive, VmLayer, VmRecord
 from .refs import NodeRefs
-from .replica import Replica
+from .replica import Replica, ReplicaLayer
 
 log = logging.getLogger(__name__)
 VM_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,124}")  # ID-rw is still a disk id
@@ -53,7 +54,8 @@ class Vms:
     """Bring microVM drive sets up and down; their records live in the replica."""
 
     def __init__(self, root: Path, refs: NodeRefs, replica: Replica, blobs: BlobDirectory,
-                 fetcher: ChunkFetcher, disks: DiskManager) -> None:
+                 fetcher: ChunkFetcher, disks: DiskManager,
+                 pmem: PmemDirectory | None = None) -> None:
         self.root = root
         self.refs = refs  # the sandboxes' resolution: through the store or, away, the node's
         self.refstore = refs.refstore
@@ -61,8 +63,11 @@ class Vms:
         self.blobs = blobs
         self.fetcher = fetcher
         self.disks = disks
+        self.pmem = pmem or PmemDirectory()
         self.records: dict[str, VmRecord] = {}
         self.held: dict[str, list[str]] = {}  # the blob files each vm holds served
+        self.held_pmem: dict[str, list[str]] = {}  # the pmem files (and meta copies) it holds
+        self.meta_users: dict[str, int] = {}  # pmem meta copy name -> vms holding it
         self._busy: set[str] = set()  # an up or a down under way
 
     async def _save(self, record: VmRecord) -> None:
@@ -71,6 +76,9 @@ class Vms:
     async def _release(self, vid: str, disk: str | None) -> None:
         """Let go of the blob files vm ``vid`` holds and, if ``disk``, delete
         that writable disk (registered or broken)."""
+        for name in self.held_pmem.pop(vid, []):
+            self.pmem.remove(name)
+            await self._drop_meta_copy(name)
         for digest in self.held.pop(vid, []):
             self.blobs.remove(digest)
         if disk:  # (a damaged record names none)
@@ -79,7 +87,7 @@ class Vms:
 
     # -- commands --
     async def up(self, vid: str, env: str | None, layer_refs: list[str], disk_size: int,
-                 base_disk: str | None) -> VmRecord:
+                 base_disk: str | None, pmem: str = "") -> VmRecord:
         if not VM_ID.fullmatch(vid or ""):
             raise UsageError(f"invalid vm id {vid!r} (expected [A-Za-z0-9][A-Za-z0-9._-]*, "
                              "at most 125 characters)")
@@ -87,16 +95,18 @@ class Vms:
             raise VmExists(vid)
         if env and layer_refs or not (env or layer_refs or base_disk):
             raise UsageError("give an env or --layer refs (not both), or --base-disk alone")
+        if pmem and pmem not in VM_PMEM:
+            raise UsageError(f"pmem {pmem!r}: expected one of {', '.join(VM_PMEM)}")
         check_disk_size(disk_size)
         self.disks.check_free(disk_of(vid))
         self._busy.add(vid)
         try:
-            return await self._up(vid, env, layer_refs, disk_size, base_disk)
+            return await self._up(vid, env, layer_refs, disk_size, base_disk, pmem)
         finally:
             self._busy.discard(vid)
 
     async def _up(self, vid: str, env: str | None, layer_refs: list[str], disk_size: int,
-                  base_disk: str | None) -> VmRecord:
+                  base_disk: str | None, pmem: str) -> VmRecord:
         """Record the vm as starting, hold its layers' blob files, make its
         disk, record it as up; anything that fails or is cancelled on the
         way is undone and the record deleted."""
@@ -108,9 +118,10 @@ class Vms:
 
         digests, offline = await trio.to_thread.run_sync(resolve)
         record = VmRecord(vid, [], [], disk=disk_of(vid), blobs=digests, state=STARTING,
-                          created=time.time(), offline=offline)
+                          created=time.time(), offline=offline, pmem=pmem)
         held: list[str] = []
         self.held[vid] = held
+        self.held_pmem[vid] = []
         made_disk = False
         try:
             await self._save(record)  # from here a crash is rolled back at the next start
@@ -121,13 +132,12 @@ class Vms:
                                                    digest)
                 self.blobs.add(digest, rl.table, self.fetcher)
                 held.append(digest)
-                meta_id, blob_id = f"layer{i}-meta", f"layer{i}-blob"
-                drives.append(VmDrive(meta_id, str(rl.meta_path), is_read_only=True,
-                                      role="meta"))
-                drives.append(VmDrive(blob_id, str(self.root / "fuse" / "blobs" / rl.hex),
-                                      is_read_only=True, role="device"))
+                layer_drives = await (self._pmem_drives(record, i, rl) if pmem else
+                                      self._block_drives(i, rl))
+                drives += layer_drives
                 layers.append(VmLayer(f"{rl.manifest.name}@{rl.manifest.version}", digest,
-                                      meta_drive=meta_id, device_drives=[blob_id]))
+                                      meta_drive=layer_drives[0].drive_id,
+                                      device_drives=[layer_drives[1].drive_id]))
             disk = await self.disks.create(record.disk, None if base_disk else disk_size,
                                            base_disk)
             made_disk = True
@@ -147,6 +157,45 @@ class Vms:
         self.records[vid] = record
         return record
 
+    async def _block_drives(self, i: int, rl: ReplicaLayer) -> list[VmDrive]:
+        """Layer ``i``'s meta image and lazy blob file as read-only block drives."""
+        return [VmDrive(f"layer{i}-meta", str(rl.meta_path), is_read_only=True, role="meta"),
+                VmDrive(f"layer{i}-blob", str(self.root / "fuse" / "blobs" / rl.hex),
+                        is_read_only=True, role="device")]
+
+    async def _pmem_drives(self, record: VmRecord, i: int, rl: ReplicaLayer) -> list[VmDrive]:
+        """Layer ``i``'s meta image (a padded copy) and its lazy blob (a padded
+        FUSE file over it) as pmem drives; shared: the files every vm with
+        shared pmem maps, private: files of this vm's own."""
+        name = rl.hex if record.pmem == "shared" else f"{record.id}.{rl.hex}"
+        meta = self.pmem_meta(name)
+        self.meta_users[name] = self.meta_users.get(name, 0) + 1  # (before: a down keeps it)
+        try:
+            meta_size = await trio.to_thread.run_sync(padded_copy, rl.meta_path, meta)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self._drop_meta_copy(name)
+            raise
+        pm = self.pmem.add(name, self.blobs.by_name[rl.hex])
+        self.held_pmem[record.id].append(name)
+        return [VmDrive(f"layer{i}-meta", str(meta), is_read_only=True, role="meta",
+                        kind="pmem", size=meta_size),
+                VmDrive(f"layer{i}-blob", str(self.root / "fuse" / "pmem" / name),
+                        is_read_only=True, role="device", kind="pmem", size=pm.size)]
+
+    def pmem_meta(self, name: str) -> Path:
+        """Where pmem name ``name``'s meta image copy is."""
+        return self.root / "meta" / "pmem" / f"{name}.erofs"
+
+    async def _drop_meta_copy(self, name: str) -> None:
+        """One vm less holds pmem meta copy ``name``: deleted with its last."""
+        left = self.meta_users.get(name, 0) - 1
+        if left > 0:
+            self.meta_users[name] = left
+            return
+        self.meta_users.pop(name, None)
+        await trio.to_thread.run_sync(lambda: self.pmem_meta(name).unlink(missing_ok=True))
+
     async def down(self, vid: str, keep: bool) -> VmRecord:
         record = self.records.get(vid)
         if record is None:
@@ -155,8 +204,9 @@ class Vms:
             raise VmBusy(vid)
         self._busy.add(vid)
         try:
-            await self._release(vid, None if keep else record.disk)
-            if keep:
+            own = record.disk == disk_of(vid)  # (a tampered record may name another's)
+            await self._release(vid, record.disk if own and not keep else None)
+            if keep and own:
                 self.disks.owners.pop(record.disk, None)
             await trio.to_thread.run_sync(self.replica.delete_vm, vid)
             del self.records[vid]
@@ -187,7 +237,7 @@ class Vms:
                 continue
             if record.state == STARTING:
                 log.info("vm %s: rolling back its unfinished up", vid)
-                await self._release(vid, record.disk)
+                await self._release(vid, record.disk if record.disk == disk_of(vid) else None)
                 await trio.to_thread.run_sync(self.replica.delete_vm, vid)
                 continue
             await self._bring_back(record)
@@ -206,7 +256,11 @@ class Vms:
                 continue
             self.blobs.add(digest, table, self.fetcher)
             held.append(digest)
-        if record.disk in self.disks.disks:
+        await self._bring_back_pmem(record, problems)
+        if record.disk != disk_of(vid):  # only a tampered record names another's disk
+            problems.append(f"its record names disk {record.disk!r}, not its own "
+                            f"{disk_of(vid)!r} (left alone)")
+        elif record.disk in self.disks.disks:
             self.disks.owners[record.disk] = vid
         else:
             why = self.disks.broken.get(record.disk, "it is gone")
@@ -215,6 +269,33 @@ class Vms:
             record.state, record.error = BROKEN, "; ".join(problems)
             log.error("vm %s restored broken: %s", vid, record.error)
         self.records[vid] = record
+
+    async def _bring_back_pmem(self, record: VmRecord, problems: list[str]) -> None:
+        """A vm's pmem files served again under the same names (and inodes),
+        and its meta copies made again where they are gone."""
+        by_id = {d.drive_id: d for d in record.drives}
+        held = self.held_pmem.setdefault(record.id, [])
+        for layer in record.layers:
+            meta, device = by_id.get(layer.meta_drive), by_id.get(layer.device_drives[0])
+            if not (meta and device and meta.kind == device.kind == "pmem"):
+                continue
+            name = Path(device.path_on_host).name
+            blob = self.blobs.by_name.get(layer.digest.removeprefix("sha256:"))
+            if blob is None or layer.digest not in self.held[record.id]:
+                continue  # (its blob's problem is reported)
+            self.meta_users[name] = self.meta_users.get(name, 0) + 1
+            try:
+                source = await trio.to_thread.run_sync(self.replica.layer, layer.digest)
+                if source is None:
+                    raise ValueError("the node does not hold the layer any more")
+                await trio.to_thread.run_sync(padded_copy, source.meta_path,
+                                              self.pmem_meta(name))
+            except (LayerfsError, OSError, ValueError) as exc:
+                problems.append(f"layer {layer.digest}: its pmem meta image: {exc}")
+                await self._drop_meta_copy(name)
+                continue
+            self.pmem.add(name, blob)
+            held.append(name)
 
     def _table(self, digest: str) -> ChunkTable:
         """Worker thread: a held layer's chunk table from the replica (its
