@@ -3,14 +3,17 @@ the drives ``vm up`` hands out.
 
 * **Kernel.** Debian's cloud kernel (the package ``linux-image-cloud-amd64``
   depends on), fetched once with ``apt-get download`` and kept with the
-  modules a guest needs (virtio-mmio, virtio-blk, EROFS and what they depend
-  on: the cloud kernel has them as modules; ext4 is built in) in
-  :data:`CACHE_DIR`, outside any checkout. Concurrent fetches (test workers)
+  modules a guest needs (:data:`GUEST_MODULES`: virtio-mmio and virtio-pci,
+  virtio-blk, virtio-pmem, EROFS, overlayfs and what they depend on: the
+  cloud kernel has them as modules; ext4 is built in) in
+  :data:`CACHE_DIR`, outside any checkout; fetched again when that list
+  changes. Concurrent fetches (test workers)
   take a lock; a cached kernel is used without asking APT again.
 * **Initramfs.** A newc cpio archive made here: the host's static busybox,
   those modules, and an ``/init`` that mounts ``/proc``, ``/sys`` and
   ``/dev``, loads the modules and runs the caller's script.
-* **Machine.** ``qemu-system-x86_64 -M microvm -accel tcg``: this machine's
+* **Machine.** ``qemu-system-x86_64 -M microvm -accel tcg`` (``q35`` for
+  pmem drives, which are PCI only): this machine's
   ``/dev/kvm`` runs only PVM guest kernels at speed, so guests are emulated.
   ``tsc_early_khz`` on the command line: under TCG the TSC calibration can
   fail and hang the guest silently. microvm's virtio-mmio devices are

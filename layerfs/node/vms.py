@@ -6,7 +6,11 @@ blob file as read-only drives, plus one writable disk (``ID-rw``, a disk of
 anything is set up (state ``starting``) and again once it all is (``up``);
 a failed or cancelled ``up`` undoes every step and deletes the record.
 ``vm down`` releases the blob files, deletes the writable disk (unless
-``--keep``) and deletes the record last.
+``--keep``) and deletes the record last. With ``pmem`` (``vm up --pmem``)
+the layers are pmem drives instead (:mod:`.pmem`): a padded copy of each
+meta image under ``ROOT/meta/pmem`` and a padded FUSE file over each blob
+under ``ROOT/fuse/pmem``, named by the layer (``shared``: the files every
+such vm maps) or by the vm and the layer (``private``).
 
 A restarted daemon (a crash or ``kill -9``, a ``--takeover``, a stop and a
 start) brings every ``up`` record back before it answers a FUSE request for
@@ -18,7 +22,9 @@ next one (docs/node.md, Live restart). An up the last daemon did not finish
 is rolled back; a vm whose blob files or disk cannot be brought back, or
 whose record does not parse, is ``broken``, listed by ``vm ps`` with the
 reason (its record is kept, so the next start tries again), and ``vm down``
-releases what it holds and deletes the record.
+releases what it holds and deletes the record. A record can only name its
+own disk (``ID-rw``); one that names another (a tampered record) is broken
+and never owns or deletes that disk.
 """
 
 from __future__ import annotations
