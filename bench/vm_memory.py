@@ -225,7 +225,7 @@ def report(args, size: int, built, rows: dict, runs: DaemonRuns, oddities: list[
             summary[side][str(n)] = {
                 "guest_page_cache": cache, "guest_cache_of_read": cache / (n * size),
                 "host_added": added, "added_per_extra_guest_of_read": extra,
-                "fetched_bytes": fetched, "store_gets": store_gets}
+                "fetched_bytes": fetched}
             print(f"{side:5} {n:>2} {cache / MiB:16.1f} {cache / (n * size):8.1%} "
                   f"{added / MiB:15.1f} {'' if extra is None else f'{extra:.2f}x':>20} "
                   f"{fetched / MiB:12.1f}")

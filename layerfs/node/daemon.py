@@ -395,6 +395,7 @@ class Daemon:
         try:
             async with trio.open_nursery() as nursery:
                 self.fetcher.nursery = nursery
+                self.vms.nursery = nursery  # (a resumed vm's state loads in the background)
                 nursery.start_soon(self._serve_fuse)
                 nursery.start_soon(self.health.watch)  # never waited for: serve without it
                 if self.conn is not None and await self._keep_connection(self.conn):
@@ -511,6 +512,8 @@ class Daemon:
             protocol.VmUp: self.vm_up,
             protocol.VmDown: self.vm_down,
             protocol.VmPs: self.vm_ps,
+            protocol.VmSuspend: self.vm_suspend,
+            protocol.VmResume: self.vm_resume,
         }
 
     async def up(self, r: protocol.Up) -> protocol.SandboxAnswer:
@@ -553,7 +556,13 @@ class Daemon:
 
     async def vm_up(self, r: protocol.VmUp) -> protocol.VmAnswer:
         return protocol.VmAnswer(await self.vms.up(r.id, r.env, r.layers, r.disk_size,
-                                                   r.base_disk, r.pmem))
+                                                   r.base_disk, r.pmem, r.ram))
+
+    async def vm_suspend(self, r: protocol.VmSuspend) -> protocol.VmAnswer:
+        return protocol.VmAnswer(await self.vms.suspend(r.id, r.name, r.version))
+
+    async def vm_resume(self, r: protocol.VmResume) -> protocol.VmAnswer:
+        return protocol.VmAnswer(await self.vms.resume(r.ref, r.id))
 
     async def vm_down(self, r: protocol.VmDown) -> protocol.VmAnswer:
         return protocol.VmAnswer(await self.vms.down(r.id, r.keep))

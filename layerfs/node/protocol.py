@@ -176,6 +176,20 @@ class VmUp(Request):
     disk_size: int = DEFAULT_VM_DISK
     base_disk: str | None = None
     pmem: str = ""  # the layers as pmem drives: "shared" or "private" (VM_PMEM); "": block
+    ram: int = 0  # bytes of guest RAM in a file the node keeps (what vm suspend needs)
+
+
+class VmSuspend(Request):
+    op = "vm-suspend"
+    id: str = ""
+    name: str = ""
+    version: str = ""
+
+
+class VmResume(Request):
+    op = "vm-resume"
+    ref: str = ""
+    id: str = ""
 
 
 class VmDown(Request):
@@ -190,7 +204,7 @@ class VmPs(Request):
 
 REQUESTS: dict[str, type[Request]] = {cls.op: cls for cls in (
     Ping, Up, Down, Ps, Commit, Stats, TracePush,
-    DiskCreate, DiskLs, DiskRm, DiskCommit, VmUp, VmDown, VmPs)}
+    DiskCreate, DiskLs, DiskRm, DiskCommit, VmUp, VmDown, VmPs, VmSuspend, VmResume)}
 
 
 def parse_request(data: object) -> Request:
@@ -409,6 +423,20 @@ class VmLayer(Message):
     device_drives: list[str]
 
 
+class VmRam(Message):
+    """A vm's guest RAM as a file the VMM maps (``vm up --ram``): a local
+    file mapped shared while it runs (what a suspend saves), or on a resumed
+    vm the snapshot's RAM served lazily (``ROOT/fuse/disks/ID-ram``) and
+    mapped private, with the device state to load (``incoming``). ``qmp``:
+    the VMM's QMP socket, which ``vm suspend`` drives."""
+
+    path: str
+    size: int
+    share: bool
+    qmp: str
+    incoming: str = ""
+
+
 class VmRecord(Message):
     """A microVM's drive set: the layers' drives, then its writable disk's.
     Also what ``replica.lmdb`` keeps of it (``state`` starting or up)."""
@@ -423,15 +451,15 @@ class VmRecord(Message):
     error: str | None = None  # why it is broken
     offline: list[OfflineRef] = field(default_factory=list)  # refs the store did not resolve
     pmem: str = ""  # its layers as pmem drives: shared or private (VM_PMEM); "": block
+    ram: VmRam | None = None  # its RAM file (vm up --ram, vm resume)
+    snapshot: str = ""  # the ref a vm suspend saved it as (state suspended)
 
     def to_json(self) -> dict[str, Any]:
         doc = super().to_json()
-        if self.error is None:
-            del doc["error"]
-        if not self.offline:
-            del doc["offline"]
-        if not self.pmem:
-            del doc["pmem"]
+        for key, empty in (("error", None), ("offline", []), ("pmem", ""), ("ram", None),
+                           ("snapshot", "")):
+            if doc[key] == empty:
+                del doc[key]
         return doc
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # typing is not imported at run time: a client starts faster
 if TYPE_CHECKING:
-    from .protocol import VmDrive
+    from .protocol import VmDrive, VmRam
 
 QEMU_DEVICE = "virtio-blk-device"  # virtio-mmio; virtio-blk-pci on a PCI machine
 QEMU_PCI_DEVICE = "virtio-blk-pci"
@@ -81,6 +81,24 @@ def qemu_memory_args(drives: list[VmDrive], memory_mb: int) -> list[str]:
     if not pmem:
         return ["-m", str(memory_mb)]
     return ["-m", f"{memory_mb}M,maxmem={memory_mb + -(-pmem // (1 << 20))}M"]
+
+
+def qemu_ram_args(ram: VmRam) -> list[str]:
+    """A vm's RAM file as QEMU's RAM (``-m`` must be its size), its QMP
+    socket (``vm suspend`` drives it), and for a resumed vm the device state
+    to load: a new vm's file is mapped shared (its pages stay in the file,
+    so the migration stream leaves them out: ``x-ignore-shared``), a resumed
+    vm's private (pages fault in from the snapshot, writes stay in QEMU)
+    and started with ``-incoming defer``: the daemon sets ``x-ignore-shared``
+    and loads the state (``migrate-incoming``) through the QMP socket as soon
+    as QEMU listens on it, and the guest goes on."""
+    backend = (f"memory-backend-file,id=ram0,mem-path={qemu_value(ram.path)},size={ram.size},"
+               f"share={'on' if ram.share else 'off'}")
+    args = ["-object", backend, "-machine", "memory-backend=ram0",
+            "-qmp", f"unix:{qemu_value(ram.qmp)},server=on,wait=off"]
+    if ram.incoming:  # the daemon loads the state through the QMP socket once it is there
+        args += ["-incoming", "defer"]
+    return args
 
 
 def cloud_hypervisor_args(drives: list[VmDrive]) -> list[str]:

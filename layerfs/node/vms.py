@@ -30,30 +30,60 @@ and never owns or deletes that disk.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
+from ..builder.disk import publish_disk
 from ..errors import LayerfsError, UsageError, VmBusy, VmExists, VmNotFound
 from ..formats.chunktable import ChunkTable
 from .blobfiles import BlobDirectory
 from .diskmanager import DiskManager, check_disk_size
 from .fetcher import ChunkFetcher
-from .pmem import PmemDirectory, padded_copy
-from .protocol import VM_PMEM, BadMessage, OfflineRef, VmDrive, VmLayer, VmRecord
+from .pmem import PmemDirectory, like_parent, padded_copy
+from .protocol import VM_PMEM, BadMessage, OfflineRef, VmDrive, VmLayer, VmRam, VmRecord
 from .refs import NodeRefs
 from .replica import Replica, ReplicaLayer
+from .vmsnap import (
+    HEADER_BYTES,
+    SnapshotHeader,
+    load_state,
+    save_state,
+    snapshot_source,
+    write_private,
+)
 
 log = logging.getLogger(__name__)
 VM_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,124}")  # ID-rw is still a disk id
-STARTING, UP, BROKEN = "starting", "up", "broken"
+STARTING, UP, BROKEN, SUSPENDED = "starting", "up", "broken", "suspended"
+RAM_ALIGN = 2 << 20  # a RAM size is a whole number of 2 MiB
+INCOMING_WAIT = 600.0  # seconds a resumed vm's state waits for its VMM
 
 
 def disk_of(vid: str) -> str:
     """The id of vm ``vid``'s writable disk."""
     return f"{vid}-rw"
+
+
+def ram_disk_of(vid: str) -> str:
+    """The id of the disk that serves a resumed vm ``vid``'s RAM."""
+    return f"{vid}-ram"
+
+
+@dataclass
+class Resuming:
+    """What a resume hands ``_up``: the snapshot's header, its RAM disk, the
+    state file written from it."""
+
+    header: SnapshotHeader
+    ram_path: str
+    state: Path
+    ref: str
 
 
 class Vms:
@@ -75,44 +105,61 @@ class Vms:
         self.held_pmem: dict[str, list[str]] = {}  # the pmem files (and meta copies) it holds
         self.meta_users: dict[str, int] = {}  # pmem meta copy name -> vms holding it
         self._busy: set[str] = set()  # an up or a down under way
+        self.nursery: trio.Nursery | None = None  # the daemon's: resumed vms' state loads
 
     async def _save(self, record: VmRecord) -> None:
         await trio.to_thread.run_sync(self.replica.put_vm, record.id, record.to_json())
 
     async def _release(self, vid: str, disk: str | None) -> None:
         """Let go of the blob files vm ``vid`` holds and, if ``disk``, delete
-        that writable disk (registered or broken)."""
+        that writable disk (registered or broken), the vm's RAM disk and its
+        directory (RAM file, state, QMP socket)."""
         for name in self.held_pmem.pop(vid, []):
             self.pmem.remove(name)
             await self._drop_meta_copy(name)
         for digest in self.held.pop(vid, []):
             self.blobs.remove(digest)
         if disk:  # (a damaged record names none)
-            self.disks.owners.pop(disk, None)
-            await self.disks.discard(disk)
+            for sid in (disk, ram_disk_of(vid)):
+                self.disks.owners.pop(sid, None)
+                await self.disks.discard(sid)
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(shutil.rmtree, self.vm_dir(vid), True)
+
+    def vm_dir(self, vid: str) -> Path:
+        """``ROOT/vms/ID``: a vm's RAM file, device state and QMP socket."""
+        return self.root / "vms" / vid
 
     # -- commands --
     async def up(self, vid: str, env: str | None, layer_refs: list[str], disk_size: int,
-                 base_disk: str | None, pmem: str = "") -> VmRecord:
+                 base_disk: str | None, pmem: str = "", ram: int = 0) -> VmRecord:
+        self._check_new(vid)
+        if env and layer_refs or not (env or layer_refs or base_disk):
+            raise UsageError("give an env or --layer refs (not both), or --base-disk alone")
+        if pmem and pmem not in VM_PMEM:
+            raise UsageError(f"pmem {pmem!r}: expected one of {', '.join(VM_PMEM)}")
+        if ram < 0 or ram % RAM_ALIGN:
+            raise UsageError(f"RAM size {ram} is not a whole number of 2 MiB")
+        check_disk_size(disk_size)
+        self._busy.add(vid)
+        try:
+            return await self._up(vid, env, layer_refs, disk_size, base_disk, pmem, ram)
+        finally:
+            self._busy.discard(vid)
+
+    def _check_new(self, vid: str) -> None:
+        """UsageError or VmExists unless ``vid`` is a free, valid vm id."""
         if not VM_ID.fullmatch(vid or ""):
             raise UsageError(f"invalid vm id {vid!r} (expected [A-Za-z0-9][A-Za-z0-9._-]*, "
                              "at most 125 characters)")
         if vid in self.records or vid in self._busy:
             raise VmExists(vid)
-        if env and layer_refs or not (env or layer_refs or base_disk):
-            raise UsageError("give an env or --layer refs (not both), or --base-disk alone")
-        if pmem and pmem not in VM_PMEM:
-            raise UsageError(f"pmem {pmem!r}: expected one of {', '.join(VM_PMEM)}")
-        check_disk_size(disk_size)
         self.disks.check_free(disk_of(vid))
-        self._busy.add(vid)
-        try:
-            return await self._up(vid, env, layer_refs, disk_size, base_disk, pmem)
-        finally:
-            self._busy.discard(vid)
+        self.disks.check_free(ram_disk_of(vid))
 
     async def _up(self, vid: str, env: str | None, layer_refs: list[str], disk_size: int,
-                  base_disk: str | None, pmem: str) -> VmRecord:
+                  base_disk: str | None, pmem: str, ram: int = 0,
+                  resuming: Resuming | None = None) -> VmRecord:
         """Record the vm as starting, hold its layers' blob files, make its
         disk, record it as up; anything that fails or is cancelled on the
         way is undone and the record deleted."""
@@ -150,6 +197,8 @@ class Vms:
             record.offline += disk.offline
             self.disks.owners[record.disk] = vid
             drives.append(VmDrive("rw", disk.path, is_read_only=False, role="disk"))
+            if ram or resuming:
+                record.ram = await self._ram(vid, ram, resuming)
             record.drives, record.layers, record.state = drives, layers, UP
             await self._save(record)
         except BaseException:
@@ -162,6 +211,134 @@ class Vms:
             raise
         self.records[vid] = record
         return record
+
+    async def _ram(self, vid: str, size: int, resuming: Resuming | None) -> VmRam:
+        """A new vm's RAM file (sparse, in ``ROOT/vms/ID``, mapped shared), or
+        a resumed one's snapshot RAM (mapped private) and its state file."""
+        home = self.vm_dir(vid)
+        qmp = str(home / "qmp")
+        if resuming is not None:
+            return VmRam(resuming.ram_path, resuming.header.ram_size, share=False, qmp=qmp,
+                         incoming=str(resuming.state))
+
+        def make() -> str:
+            self.vm_home(vid)
+            path = home / "ram"
+            with open(path, "wb") as f:
+                f.truncate(size)
+                os.fchown(f.fileno(), 0, home.stat().st_gid)
+                os.fchmod(f.fileno(), 0o660)
+            return str(path)
+
+        return VmRam(await trio.to_thread.run_sync(make), size, share=True, qmp=qmp)
+
+    def vm_home(self, vid: str) -> Path:
+        """Worker thread: ``ROOT/vms/ID`` made, writable by the FUSE group
+        (the VMM makes its QMP socket there)."""
+        like_parent(self.root / "vms")
+        home = self.vm_dir(vid)
+        home.mkdir(exist_ok=True)
+        gid = home.parent.stat().st_gid
+        os.chown(home, 0, gid)
+        os.chmod(home, 0o770 if gid else 0o700)
+        return home
+
+    # -- suspend and resume --
+    async def suspend(self, vid: str, name: str, version: str) -> VmRecord:
+        """Save vm ``vid`` (its VMM running on the drive set with its RAM
+        file) into the store as ``name@version``: device state through QMP,
+        the writable disk committed (``name-disk@version``), RAM, state and a
+        header sealed into one layer. The VMM ends; the vm is ``suspended``
+        (its drive set kept until ``vm down``)."""
+        record = self.records.get(vid)
+        if record is None:
+            raise VmNotFound(vid)
+        if vid in self._busy:
+            raise VmBusy(vid)
+        if record.state != UP or record.ram is None:
+            raise UsageError(f"vm {vid}: only an up vm with a RAM file (vm up --ram, or a "
+                             "resumed vm) can be suspended")
+        ram = record.ram
+        self._busy.add(vid)
+        try:
+            state = await trio.to_thread.run_sync(self.vm_home, vid) / "state.out"
+            await trio.to_thread.run_sync(save_state, ram.qmp, state)
+            disk = await self.disks.commit(record.disk, f"{name}-disk", version)
+            parent = None if ram.share else self.disks.disks[ram_disk_of(vid)].state.base_ref
+            raw_state = await trio.to_thread.run_sync(Path(state).read_bytes)
+            header = SnapshotHeader(ram.size, len(raw_state), record.blobs, disk.digest,
+                                    record.pmem, drives=[d.drive_id for d in record.drives])
+            source = snapshot_source(Path(ram.path) if ram.share else None, ram.size, raw_state,
+                                     header)
+            result = await trio.to_thread.run_sync(
+                lambda: publish_disk(self.refstore, source, name, version, parent,
+                                     chunk_size=1 << 20))
+            record.state, record.snapshot = SUSPENDED, result.ref
+            await self._save(record)
+        finally:
+            self._busy.discard(vid)
+        log.info("vm %s suspended as %s (%d bytes of device state)", vid, result.ref,
+                 len(raw_state))
+        return record
+
+    async def resume(self, ref: str, vid: str) -> VmRecord:
+        """Vm ``vid`` from snapshot ``ref``: its RAM a disk over the snapshot
+        (read lazily), its device state a local file, its layers and a
+        writable disk over the snapshot's commit, as ``vm up`` makes them."""
+        self._check_new(vid)
+        self._busy.add(vid)
+        try:
+            ram_disk = await self.disks.create(ram_disk_of(vid), None, ref)
+            try:
+                header, state = await self._read_snapshot(vid, ref)
+                record = await self._up(vid, None, header.layers, 0, header.disk, header.pmem,
+                                        resuming=Resuming(header, ram_disk.path, state, ref))
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await self.disks.discard(ram_disk_of(vid))
+                    await trio.to_thread.run_sync(shutil.rmtree, self.vm_dir(vid), True)
+                raise
+        finally:
+            self._busy.discard(vid)
+        if self.nursery is not None:
+            self.nursery.start_soon(self._load_state, vid, record)
+        return record
+
+    async def _load_state(self, vid: str, record: VmRecord) -> None:
+        """Once the VMM of resumed vm ``vid`` listens on its QMP socket (it
+        was started with ``-incoming defer``), load the device state; the
+        guest goes on. Gives up when the vm goes down or after
+        :data:`INCOMING_WAIT` seconds."""
+        assert record.ram is not None
+        qmp, state = record.ram.qmp, record.ram.incoming
+        deadline = trio.current_time() + INCOMING_WAIT
+        while not os.path.exists(qmp):
+            if self.records.get(vid) is not record or trio.current_time() > deadline:
+                log.warning("vm %s: no VMM came for its device state", vid)
+                return
+            await trio.sleep(0.02)
+        try:
+            took = await trio.to_thread.run_sync(load_state, qmp, state)
+        except (LayerfsError, OSError, ValueError) as exc:
+            log.error("vm %s: its device state did not load: %s", vid, exc)
+            return
+        log.info("vm %s resumed from its snapshot (device state loaded in %.3f s)", vid, took)
+
+    async def _read_snapshot(self, vid: str, ref: str) -> tuple[SnapshotHeader, Path]:
+        """The header and the device state of snapshot ``ref`` (through the
+        RAM disk just made over it); the state written to ``ROOT/vms/ID``."""
+        disk = self.disks.disks[ram_disk_of(vid)]
+        if disk.size < HEADER_BYTES:
+            raise UsageError(f"{ref} is not a vm snapshot")
+        header = SnapshotHeader.unpack(bytes(await disk.read(disk.size - HEADER_BYTES,
+                                                             HEADER_BYTES)), ref)
+        if header.ram_size + header.state_bytes + HEADER_BYTES > disk.size:
+            raise UsageError(f"{ref}: its header does not fit the snapshot")
+        state = bytes(await disk.read(header.ram_size, header.state_bytes))
+        home = await trio.to_thread.run_sync(self.vm_home, vid)
+        await trio.to_thread.run_sync(write_private, home / "state", state)
+        self.disks.owners[ram_disk_of(vid)] = vid
+        return header, home / "state"
 
     async def _block_drives(self, i: int, rl: ReplicaLayer) -> list[VmDrive]:
         """Layer ``i``'s meta image and lazy blob file as read-only block drives."""
@@ -234,7 +411,7 @@ class Vms:
         for vid, data in sorted(stored.items()):
             try:
                 record = VmRecord.from_json(data, f"vm record {vid}", extra_fields=True)
-                if record.id != vid or record.state not in (STARTING, UP):
+                if record.id != vid or record.state not in (STARTING, UP, SUSPENDED):
                     raise ValueError(f"id {record.id!r}, state {record.state!r}")
             except (BadMessage, ValueError) as exc:
                 log.error("vm %s not restored: its record is damaged: %s", vid, exc)
@@ -268,6 +445,8 @@ class Vms:
                             f"{disk_of(vid)!r} (left alone)")
         elif record.disk in self.disks.disks:
             self.disks.owners[record.disk] = vid
+            if ram_disk_of(vid) in self.disks.disks:
+                self.disks.owners[ram_disk_of(vid)] = vid
         else:
             why = self.disks.broken.get(record.disk, "it is gone")
             problems.append(f"disk {record.disk}: {why}")

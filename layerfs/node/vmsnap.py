@@ -1,0 +1,198 @@
+"""A vm suspended into the store, and what a resume reads back.
+
+``vm suspend`` drives the VMM (QEMU) through its QMP socket: the migration
+capability ``x-ignore-shared`` on, the guest stopped, its device state
+migrated into a file (``exec:cat > STATE``: a few hundred KB, since RAM
+mapped shared from a file is left out of the stream), QEMU told to quit.
+The snapshot is then one sealed block layer (an LSMT layer, as ``disk
+commit`` makes) laid out as::
+
+    [0, ram_size)                      the guest's RAM (zero pages not stored)
+    [ram_size, ram_size + state_len)   the device state (the migration stream)
+    the last 4096 bytes                a JSON header (:class:`SnapshotHeader`)
+
+and the writable disk is committed as ``NAME-disk@VERSION``. A resume
+makes a disk over the snapshot layer (``ID-ram``, served lazily through
+FUSE like any disk), reads the header and the state from it, and hands the
+VMM that file as its RAM, mapped private (``share=off``: a page faults in
+from the store on first touch, the guest's writes stay in the VMM and never
+reach the file), with ``-incoming 'exec:cat STATE'``.
+
+A second suspend of a resumed vm: its RAM is private to the VMM, so the
+migration stream carries the pages (zero pages as flags); the snapshot's
+parent is the one it resumed from, so its RAM range is inherited, not
+stored again, and the stream holds what the guest has in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..builder.disk import DiskSource, scan_image
+from ..errors import UsageError
+from ..formats import lsmt
+
+HEADER_BYTES = 4096
+SNAPSHOT_KIND = "layerfs-vm-snapshot"
+MIGRATE_TIMEOUT = 600.0  # seconds a device-state save may take
+
+
+class QmpError(UsageError):
+    """the VMM's QMP socket answered an error, or could not be reached"""
+
+
+@dataclass
+class SnapshotHeader:
+    """What a resume needs besides the RAM and the state."""
+
+    ram_size: int
+    state_bytes: int
+    layers: list[str]  # the env's layer digests, top first
+    disk: str  # the writable disk's commit (digest)
+    pmem: str = ""
+    kind: str = SNAPSHOT_KIND
+    drives: list[str] = field(default_factory=list)  # the drive ids, in order
+
+    def pack(self) -> bytes:
+        raw = json.dumps(asdict(self)).encode()
+        if len(raw) >= HEADER_BYTES:
+            raise UsageError("the vm has too many layers for a snapshot header")
+        return raw.ljust(HEADER_BYTES, b"\0")
+
+    @classmethod
+    def unpack(cls, raw: bytes, what: str) -> SnapshotHeader:
+        try:
+            doc = json.loads(bytes(raw).rstrip(b"\0"))
+            header = cls(**doc)
+        except (ValueError, TypeError) as exc:
+            raise UsageError(f"{what} is not a vm snapshot ({exc})") from None
+        if header.kind != SNAPSHOT_KIND:
+            raise UsageError(f"{what} is not a vm snapshot")
+        return header
+
+
+class Qmp:
+    """A QMP connection (worker thread): commands in, answers out, events skipped."""
+
+    def __init__(self, path: str, timeout: float = 30.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(path)
+        except OSError as exc:
+            self.sock.close()
+            raise QmpError(f"cannot reach the VMM's QMP socket {path}: {exc.strerror}") from None
+        self.file = self.sock.makefile("rwb")
+        self._answer()  # the greeting
+        self.cmd("qmp_capabilities")
+
+    def _answer(self) -> dict:
+        while True:
+            line = self.file.readline()
+            if not line:
+                raise QmpError("the VMM closed its QMP socket")
+            doc = json.loads(line)
+            if "event" not in doc:
+                return doc
+
+    def cmd(self, name: str, **arguments: object) -> object:
+        self.file.write(json.dumps({"execute": name, "arguments": arguments}).encode() + b"\n")
+        self.file.flush()
+        doc = self._answer()
+        if "error" in doc:
+            raise QmpError(f"QMP {name}: {doc['error'].get('desc', doc['error'])}")
+        return doc.get("return", doc.get("QMP"))
+
+    def close(self) -> None:
+        self.file.close()
+        self.sock.close()
+
+
+def save_state(qmp_path: str, state: Path) -> None:
+    """Worker thread: stop the guest, migrate its device state (RAM mapped
+    shared left out) into ``state``, and end QEMU."""
+    q = Qmp(qmp_path)
+    try:
+        q.cmd("migrate-set-capabilities",
+              capabilities=[{"capability": "x-ignore-shared", "state": True}])
+        q.cmd("stop")
+        q.cmd("migrate", uri=f"exec:cat > {shlex.quote(str(state))}")
+        deadline = time.monotonic() + MIGRATE_TIMEOUT
+        while True:
+            info = q.cmd("query-migrate")
+            status = info.get("status") if isinstance(info, dict) else None
+            if status == "completed":
+                break
+            if status in ("failed", "cancelled") or time.monotonic() > deadline:
+                q.cmd("cont")
+                raise QmpError(f"the VMM's migration to {state} {status or 'timed out'}: "
+                               f"{info}")
+            time.sleep(0.05)
+        try:
+            q.cmd("quit")
+        except (QmpError, OSError):
+            pass  # it quits before it answers, or just after
+    finally:
+        q.close()
+
+
+def load_state(qmp_path: str, state: str) -> float:
+    """Worker thread: load device state file ``state`` into a QEMU started
+    with ``-incoming defer`` (its RAM the snapshot's, so ``x-ignore-shared``
+    as on the side that saved it), then let it run (it comes back paused,
+    the state the saved side was stopped in). Seconds taken."""
+    started = time.monotonic()
+    q = Qmp(qmp_path)
+    try:
+        q.cmd("migrate-set-capabilities",
+              capabilities=[{"capability": "x-ignore-shared", "state": True}])
+        q.cmd("migrate-incoming", uri=f"exec:cat {shlex.quote(state)}")
+        deadline = time.monotonic() + MIGRATE_TIMEOUT
+        while True:
+            info = q.cmd("query-migrate")
+            status = info.get("status") if isinstance(info, dict) else None
+            if status == "completed":  # paused, as the saved side was: go on
+                q.cmd("cont")
+                return time.monotonic() - started
+            if status in ("failed", "cancelled") or time.monotonic() > deadline:
+                raise QmpError(f"loading {state}: {status or 'timed out'}: {info}")
+            time.sleep(0.01)
+    finally:
+        q.close()
+
+
+def snapshot_source(ram: Path | None, ram_size: int, state: bytes,
+                    header: SnapshotHeader) -> DiskSource:
+    """The snapshot layer's contents: the RAM file's non-zero blocks (none
+    with ``ram`` None: a parent has them), the state, the header."""
+    state_len = -(-len(state) // lsmt.SECTOR) * lsmt.SECTOR
+    size = ram_size + state_len + HEADER_BYTES
+    tail = state.ljust(state_len, b"\0") + header.pack()
+    ram_src = scan_image(str(ram), False) if ram is not None else None
+    maps = [m for m in (ram_src.mappings if ram_src else []) if m.offset * lsmt.SECTOR < ram_size]
+    first = ram_size // lsmt.SECTOR
+    maps += lsmt.split_extent(first, len(tail) // lsmt.SECTOR,
+                              first + lsmt.HT_SPACE // lsmt.SECTOR)
+
+    def read(offset: int, length: int) -> bytes:
+        if offset >= ram_size:
+            return tail[offset - ram_size : offset - ram_size + length]
+        assert ram_src is not None and offset + length <= ram_size
+        return ram_src.read(offset, length)
+
+    return DiskSource(size, maps, read)
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Worker thread: ``data`` at ``path`` (made whole, then renamed)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        os.fchmod(f.fileno(), 0o640)
+    os.rename(tmp, path)
