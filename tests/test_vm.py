@@ -513,6 +513,8 @@ while read -r line; do
         kill -0 $bg && echo "ALIVE $bg"
         echo "DISK $(dd if=/dev/vdc bs=512 count=1 iflag=direct status=none | tr -d '\\000')"
         ;;
+    more) echo "written after the resume" > /tmp/more; echo MORE ;;
+    again) echo "AGAIN $(cat /tmp/note) / $(cat /tmp/more)" ;;
     stop) break ;;
     esac
 done
@@ -530,7 +532,10 @@ def test_a_guest_suspended_on_one_node_resumes_on_another(kernel, node, node2, s
     ``vm resume`` on a second node root with its own cache: a new QEMU on
     the RAM served lazily from the store (mapped private) and the device
     state goes on: the tmpfs file, the process (still counting) and the
-    fsynced sector are there, and the node fetched less than the RAM."""
+    fsynced sector are there, and the node fetched less than the RAM. The
+    resumed guest writes more and is suspended again (its RAM is private to
+    QEMU now: the state carries it, over the first snapshot as parent) and
+    resumed on the first node: both writes are there."""
     src = tmp_path / "src"
     layer_tree(src, 7)
     build(store, str(src), name="sr/data", chunk_size=MiB)
@@ -569,16 +574,37 @@ def test_a_guest_suspended_on_one_node_resumes_on_another(kernel, node, node2, s
         _, count2 = g2.wait_for(r"^COUNT (\d+)")
         _, alive = g2.wait_for(r"^ALIVE (\d+)")
         _, disk = g2.wait_for(r"^DISK (.*)$")
-        g2.send("stop")
-        assert g2.finish() == 0
+        fetched = Client(node2.root).stats().cache["bytes_fetched"]
+        g2.send("more")
+        g2.wait_for(r"^MORE")
+        again = Client(node2.root).vm_suspend("s2", "sr/snap", "2")  # its RAM: private
+        assert g2.proc.wait(60) == 0
     finally:
         g2.stop()
     assert note.group(1) == "written to tmpfs before the suspend"
     assert int(count2.group(1)) >= int(count.group(1))
     assert disk.group(1) == "fsynced-before-suspend"
-    assert [line for line in g1.lines + g2.lines if "GUEST-ERROR" in line] == []
-    fetched = Client(node2.root).stats().cache["bytes_fetched"]
     assert 0 < fetched < ram // 2, fetched
+    assert again.snapshot == "sr/snap@2"
+
+    third = Client(node.root).vm_resume("sr/snap@2", "s3")  # back on the first node
+    assert third.ram is not None
+    argv = guest.qemu_argv(kernel, initramfs, qemu_drive_args(third.drives)
+                           + qemu_ram_args(third.ram), memory_mb=ram // MiB)
+    g3 = guest.Guest(argv, tmp_path / "sr3.log")
+    try:
+        wait_for(lambda: "vm s3 resumed from its snapshot" in node.log(), "the state", 90)
+        g3.send("again")
+        _, both = g3.wait_for(r"^AGAIN (.*)$")
+        g3.send("stop")
+        assert g3.finish() == 0
+    finally:
+        g3.stop()
+    assert both.group(1) == "written to tmpfs before the suspend / written after the resume"
+    assert [line for line in g1.lines + g2.lines + g3.lines if "GUEST-ERROR" in line] == []
     node2.cli("vm", "down", "s2")
-    node.cli("vm", "down", "s1")
-    assert json.loads(node2.cli("disk", "ls", "--json").stdout) == []
+    for vid in ("s1", "s3"):
+        node.cli("vm", "down", vid)
+    for n in (node, node2):
+        assert json.loads(n.cli("disk", "ls", "--json").stdout) == []
+        assert os.listdir(n.root / "vms") == []
