@@ -535,7 +535,10 @@ def test_a_guest_suspended_on_one_node_resumes_on_another(kernel, node, node2, s
     fsynced sector are there, and the node fetched less than the RAM. The
     resumed guest writes more and is suspended again (its RAM is private to
     QEMU now: the state carries it, over the first snapshot as parent) and
-    resumed on the first node: both writes are there."""
+    resumed on the first node: both writes are there. The first resume
+    pushed the chunks it touched in its first seconds as the snapshot's
+    working set, which the last resume (its chain has the first snapshot)
+    prefetches."""
     src = tmp_path / "src"
     layer_tree(src, 7)
     build(store, str(src), name="sr/data", chunk_size=MiB)
@@ -577,6 +580,7 @@ def test_a_guest_suspended_on_one_node_resumes_on_another(kernel, node, node2, s
         fetched = Client(node2.root).stats().cache["bytes_fetched"]
         g2.send("more")
         g2.wait_for(r"^MORE")
+        wait_for(lambda: "vm s2: working set of " in node2.log(), "the working set", 60)
         again = Client(node2.root).vm_suspend("s2", "sr/snap", "2")  # its RAM: private
         assert g2.proc.wait(60) == 0
     finally:
@@ -601,6 +605,7 @@ def test_a_guest_suspended_on_one_node_resumes_on_another(kernel, node, node2, s
     finally:
         g3.stop()
     assert both.group(1) == "written to tmpfs before the suspend / written after the resume"
+    assert "vm s3: prefetching the working set of sr/snap@2" in node.log()  # (its parent's)
     assert [line for line in g1.lines + g2.lines + g3.lines if "GUEST-ERROR" in line] == []
     node2.cli("vm", "down", "s2")
     for vid in ("s1", "s3"):

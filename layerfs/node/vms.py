@@ -42,13 +42,15 @@ import trio
 from ..builder.disk import publish_disk
 from ..errors import LayerfsError, UsageError, VmBusy, VmExists, VmNotFound
 from ..formats.chunktable import ChunkTable
-from .blobfiles import BlobDirectory
+from .blobfiles import BlobDirectory, BlobFile
 from .diskmanager import DiskManager, check_disk_size
 from .fetcher import ChunkFetcher
 from .pmem import PmemDirectory, like_parent, padded_copy
 from .protocol import VM_PMEM, BadMessage, OfflineRef, VmDrive, VmLayer, VmRam, VmRecord
 from .refs import NodeRefs
 from .replica import Replica, ReplicaLayer
+from .tracereplay import pushed_trace
+from .traces import trace_bytes, trace_key
 from .vmsnap import (
     HEADER_BYTES,
     SnapshotHeader,
@@ -63,6 +65,7 @@ VM_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,124}")  # ID-rw is still a disk
 STARTING, UP, BROKEN, SUSPENDED = "starting", "up", "broken", "suspended"
 RAM_ALIGN = 2 << 20  # a RAM size is a whole number of 2 MiB
 INCOMING_WAIT = 600.0  # seconds a resumed vm's state waits for its VMM
+WORKING_SET_SECONDS = 5.0  # a resume's first seconds: the chunks touched are its working set
 
 
 def disk_of(vid: str) -> str:
@@ -290,6 +293,8 @@ class Vms:
         try:
             ram_disk = await self.disks.create(ram_disk_of(vid), None, ref)
             try:
+                if await self._prefetch_working_set(vid):
+                    log.info("vm %s: prefetching the working set of %s", vid, ref)
                 header, state = await self._read_snapshot(vid, ref)
                 record = await self._up(vid, None, header.layers, 0, header.disk, header.pmem,
                                         resuming=Resuming(header, ram_disk.path, state, ref))
@@ -323,6 +328,45 @@ class Vms:
             log.error("vm %s: its device state did not load: %s", vid, exc)
             return
         log.info("vm %s resumed from its snapshot (device state loaded in %.3f s)", vid, took)
+        await trio.sleep(WORKING_SET_SECONDS)
+        if self.records.get(vid) is record:
+            await self._push_working_set(vid)
+
+    def _ram_blobs(self, vid: str) -> list[tuple[str, BlobFile]]:
+        """The blob files of resumed vm ``vid``'s RAM disk chain (top first)."""
+        digests = self.disks.chain_digests.get(ram_disk_of(vid), [])
+        return [(d, b) for d in digests if (b := self.blobs.by_name.get(d.removeprefix(
+            "sha256:"))) is not None]
+
+    async def _push_working_set(self, vid: str) -> None:
+        """The chunks of the snapshot the resume touched so far (loading the
+        state, the guest's first seconds), in first-touch order, pushed as
+        the snapshot's working set where none is pushed yet: the next resume
+        of it anywhere fetches them before the guest asks."""
+        store = self.refstore.store
+        for digest, blob in self._ram_blobs(vid):
+            order = list(blob.trace)
+            try:
+                if not order or await trio.to_thread.run_sync(pushed_trace, store, digest):
+                    continue
+                await trio.to_thread.run_sync(store.put, trace_key(digest), trace_bytes(order))
+            except (LayerfsError, OSError) as exc:
+                log.warning("vm %s: its working set of %s is not pushed: %s", vid, digest, exc)
+                continue
+            log.info("vm %s: working set of %s pushed (%d chunks)", vid, digest, len(order))
+
+    async def _prefetch_working_set(self, vid: str) -> int:
+        """Start fetching, in the background, the working set pushed for the
+        layers of resumed vm ``vid``'s RAM; the chunks it names."""
+        count = 0
+        for digest, blob in self._ram_blobs(vid):
+            order = await trio.to_thread.run_sync(pushed_trace, self.refstore.store, digest)
+            entries = blob.table.entries
+            wanted = [entries[i] for i in order or [] if 0 <= i < len(entries)]
+            if wanted:
+                self.blobs.prefetcher.fetch_ahead(wanted)
+                count += len(wanted)
+        return count
 
     async def _read_snapshot(self, vid: str, ref: str) -> tuple[SnapshotHeader, Path]:
         """The header and the device state of snapshot ``ref`` (through the
