@@ -57,7 +57,6 @@ from .vmsnap import (
     load_state,
     save_state,
     snapshot_source,
-    write_private,
 )
 
 log = logging.getLogger(__name__)
@@ -65,6 +64,7 @@ VM_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,124}")  # ID-rw is still a disk
 STARTING, UP, BROKEN, SUSPENDED = "starting", "up", "broken", "suspended"
 RAM_ALIGN = 2 << 20  # a RAM size is a whole number of 2 MiB
 INCOMING_WAIT = 600.0  # seconds a resumed vm's state waits for its VMM
+STATE_PIECE = 1 << 20  # the device state is read from a snapshot this much at a time
 WORKING_SET_SECONDS = 5.0  # a resume's first seconds: the chunks touched are its working set
 
 
@@ -378,9 +378,12 @@ class Vms:
                                                              HEADER_BYTES)), ref)
         if header.ram_size + header.state_bytes + HEADER_BYTES > disk.size:
             raise UsageError(f"{ref}: its header does not fit the snapshot")
-        state = bytes(await disk.read(header.ram_size, header.state_bytes))
         home = await trio.to_thread.run_sync(self.vm_home, vid)
-        await trio.to_thread.run_sync(write_private, home / "state", state)
+        async with await trio.open_file(home / "state", "wb") as out:  # (a second
+            for pos in range(0, header.state_bytes, STATE_PIECE):  # suspend's holds RAM)
+                await out.write(await disk.read(header.ram_size + pos,
+                                                min(STATE_PIECE, header.state_bytes - pos)))
+        await trio.to_thread.run_sync(os.chmod, home / "state", 0o640)
         self.disks.owners[ram_disk_of(vid)] = vid
         return header, home / "state"
 

@@ -27,7 +27,6 @@ stored again, and the stream holds what the guest has in memory.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import socket
 import time
@@ -74,6 +73,12 @@ class SnapshotHeader:
             raise UsageError(f"{what} is not a vm snapshot ({exc})") from None
         if header.kind != SNAPSHOT_KIND:
             raise UsageError(f"{what} is not a vm snapshot")
+        ints = (header.ram_size, header.state_bytes)
+        strs = [header.disk, header.pmem, *header.layers, *header.drives]
+        if (not all(type(n) is int and n >= 0 for n in ints) or header.ram_size % lsmt.SECTOR
+                or not isinstance(header.layers, list) or not isinstance(header.drives, list)
+                or not all(isinstance(x, str) for x in strs)):
+            raise UsageError(f"{what}: its vm snapshot header is damaged")
         return header
 
 
@@ -187,12 +192,3 @@ def snapshot_source(ram: Path | None, ram_size: int, state: bytes,
         return ram_src.read(offset, length)
 
     return DiskSource(size, maps, read)
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Worker thread: ``data`` at ``path`` (made whole, then renamed)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        os.fchmod(f.fileno(), 0o640)
-    os.rename(tmp, path)
