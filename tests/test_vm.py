@@ -565,7 +565,8 @@ def test_a_guest_suspended_on_one_node_resumes_on_another(kernel, node, node2, s
     assert stored.stats.stored_bytes < ram // 2  # zero pages are not stored
 
     second = Client(node2.root).vm_resume("sr/snap@1", "s2")
-    assert second.ram is not None and not second.ram.share and second.ram.incoming
+    assert second.ram is not None and second.ram.share and second.ram.incoming
+    assert second.ram.path == str(node2.root / "fuse" / "disks" / "s2-ram")
     assert [d.drive_id for d in second.drives] == [d.drive_id for d in first.drives]
     argv = guest.qemu_argv(kernel, initramfs, qemu_drive_args(second.drives)
                            + qemu_ram_args(second.ram), memory_mb=ram // MiB)
@@ -590,6 +591,8 @@ def test_a_guest_suspended_on_one_node_resumes_on_another(kernel, node, node2, s
     assert disk.group(1) == "fsynced-before-suspend"
     assert 0 < fetched < ram // 2, fetched
     assert again.snapshot == "sr/snap@2"
+    again_stored = RefStore(store).disk(RefStore(store).resolve("layers", "sr/snap@2"))
+    assert again_stored.stats.stored_bytes < stored.stats.stored_bytes // 4  # what changed
 
     third = Client(node.root).vm_resume("sr/snap@2", "s3")  # back on the first node
     assert third.ram is not None

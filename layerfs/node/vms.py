@@ -44,6 +44,7 @@ from ..errors import LayerfsError, UsageError, VmBusy, VmExists, VmNotFound
 from ..formats.chunktable import ChunkTable
 from .blobfiles import BlobDirectory, BlobFile
 from .diskmanager import DiskManager, check_disk_size
+from .disks import SECTOR
 from .fetcher import ChunkFetcher
 from .pmem import PmemDirectory, like_parent, padded_copy
 from .protocol import VM_PMEM, BadMessage, OfflineRef, VmDrive, VmLayer, VmRam, VmRecord
@@ -54,6 +55,7 @@ from .traces import trace_bytes, trace_key
 from .vmsnap import (
     HEADER_BYTES,
     SnapshotHeader,
+    flush_file,
     load_state,
     save_state,
     snapshot_source,
@@ -220,8 +222,8 @@ class Vms:
         a resumed one's snapshot RAM (mapped private) and its state file."""
         home = self.vm_dir(vid)
         qmp = str(home / "qmp")
-        if resuming is not None:
-            return VmRam(resuming.ram_path, resuming.header.ram_size, share=False, qmp=qmp,
+        if resuming is not None:  # (its writes reach the disk: a next suspend commits them)
+            return VmRam(resuming.ram_path, resuming.header.ram_size, share=True, qmp=qmp,
                          incoming=str(resuming.state))
 
         def make() -> str:
@@ -267,22 +269,39 @@ class Vms:
             state = await trio.to_thread.run_sync(self.vm_home, vid) / "state.out"
             await trio.to_thread.run_sync(save_state, ram.qmp, state)
             disk = await self.disks.commit(record.disk, f"{name}-disk", version)
-            parent = None if ram.share else self.disks.disks[ram_disk_of(vid)].state.base_ref
             raw_state = await trio.to_thread.run_sync(Path(state).read_bytes)
             header = SnapshotHeader(ram.size, len(raw_state), record.blobs, disk.digest,
                                     record.pmem, drives=[d.drive_id for d in record.drives])
-            source = snapshot_source(Path(ram.path) if ram.share else None, ram.size, raw_state,
-                                     header)
-            result = await trio.to_thread.run_sync(
-                lambda: publish_disk(self.refstore, source, name, version, parent,
-                                     chunk_size=1 << 20))
-            record.state, record.snapshot = SUSPENDED, result.ref
+            if ram_disk_of(vid) in self.disks.disks:  # resumed: its RAM is that disk
+                ref = await self._commit_ram(vid, ram, raw_state, header, name, version)
+            else:
+                source = snapshot_source(Path(ram.path), ram.size, raw_state, header)
+                ref = (await trio.to_thread.run_sync(
+                    lambda: publish_disk(self.refstore, source, name, version,
+                                         chunk_size=1 << 20))).ref
+            record.state, record.snapshot = SUSPENDED, ref
             await self._save(record)
         finally:
             self._busy.discard(vid)
-        log.info("vm %s suspended as %s (%d bytes of device state)", vid, result.ref,
-                 len(raw_state))
+        log.info("vm %s suspended as %s (%d bytes of device state)", vid, ref, len(raw_state))
         return record
+
+    async def _commit_ram(self, vid: str, ram: VmRam, state: bytes, header: SnapshotHeader,
+                          name: str, version: str) -> str:
+        """A resumed vm's snapshot: what its VMM wrote to the RAM disk (flushed
+        from the page cache first), the state and the header written to the
+        disk, committed over the snapshot it resumed from: only the pages
+        written since, the state and the header are stored."""
+        sid = ram_disk_of(vid)
+        disk = self.disks.disks[sid]
+        if ram.size + len(state) + HEADER_BYTES > disk.size:
+            raise UsageError(f"vm {vid}: its device state ({len(state)} bytes) does not fit "
+                             "the snapshot's state area")
+        await trio.to_thread.run_sync(flush_file, ram.path)  # (dirty pages: FUSE writes)
+        padded = state.ljust(-(-len(state) // SECTOR) * SECTOR, b"\0")
+        await disk.write(ram.size, padded)
+        await disk.write(disk.size - HEADER_BYTES, header.pack())
+        return (await self.disks.commit(sid, name, version)).ref
 
     async def resume(self, ref: str, vid: str) -> VmRecord:
         """Vm ``vid`` from snapshot ``ref``: its RAM a disk over the snapshot

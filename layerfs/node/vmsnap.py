@@ -27,6 +27,7 @@ stored again, and the stream holds what the guest has in memory.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import socket
 import time
@@ -38,6 +39,7 @@ from ..errors import UsageError
 from ..formats import lsmt
 
 HEADER_BYTES = 4096
+STATE_AREA = 64 << 20  # room for the device state in a snapshot (a hole where unused)
 SNAPSHOT_KIND = "layerfs-vm-snapshot"
 MIGRATE_TIMEOUT = 600.0  # seconds a device-state save may take
 
@@ -147,6 +149,17 @@ def save_state(qmp_path: str, state: Path) -> None:
         q.close()
 
 
+def flush_file(path: str) -> None:
+    """Worker thread: the dirty pages of ``path`` (a RAM disk's FUSE file a
+    VMM mapped shared) written back (the daemon serves those writes on its
+    loop meanwhile)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def load_state(qmp_path: str, state: str) -> float:
     """Worker thread: load device state file ``state`` into a QEMU started
     with ``-incoming defer`` (its RAM the snapshot's, so ``x-ignore-shared``
@@ -172,23 +185,27 @@ def load_state(qmp_path: str, state: str) -> float:
         q.close()
 
 
-def snapshot_source(ram: Path | None, ram_size: int, state: bytes,
+def snapshot_source(ram: Path, ram_size: int, state: bytes,
                     header: SnapshotHeader) -> DiskSource:
-    """The snapshot layer's contents: the RAM file's non-zero blocks (none
-    with ``ram`` None: a parent has them), the state, the header."""
+    """The snapshot layer's contents: the RAM file's non-zero blocks, the
+    state, the header; room for a larger state between them (a hole)."""
     state_len = -(-len(state) // lsmt.SECTOR) * lsmt.SECTOR
-    size = ram_size + state_len + HEADER_BYTES
-    tail = state.ljust(state_len, b"\0") + header.pack()
-    ram_src = scan_image(str(ram), False) if ram is not None else None
-    maps = [m for m in (ram_src.mappings if ram_src else []) if m.offset * lsmt.SECTOR < ram_size]
-    first = ram_size // lsmt.SECTOR
-    maps += lsmt.split_extent(first, len(tail) // lsmt.SECTOR,
-                              first + lsmt.HT_SPACE // lsmt.SECTOR)
+    size = ram_size + max(state_len, STATE_AREA) + HEADER_BYTES  # (a resumed vm's next)
+    header_at = size - HEADER_BYTES - ram_size
+    tail = state.ljust(state_len, b"\0")
+    ram_src = scan_image(str(ram), False)
+    maps = [m for m in ram_src.mappings if m.offset * lsmt.SECTOR < ram_size]
+    for at, part in ((ram_size, tail), (ram_size + header_at, header.pack())):
+        first = at // lsmt.SECTOR
+        maps += lsmt.split_extent(first, len(part) // lsmt.SECTOR,
+                                  first + lsmt.HT_SPACE // lsmt.SECTOR)
 
     def read(offset: int, length: int) -> bytes:
+        if offset >= ram_size + header_at:
+            return header.pack()[offset - ram_size - header_at:][:length]
         if offset >= ram_size:
             return tail[offset - ram_size : offset - ram_size + length]
-        assert ram_src is not None and offset + length <= ram_size
+        assert offset + length <= ram_size
         return ram_src.read(offset, length)
 
     return DiskSource(size, maps, read)
