@@ -558,9 +558,12 @@ def test_a_guest_suspended_on_one_node_resumes_on_another(kernel, node, node2, s
     finally:
         g1.stop()
     assert (suspended.state, suspended.snapshot) == ("suspended", "sr/snap@1")
+    node.kill()  # a suspended vm is node state too
+    node.start()
     rows = json.loads(node.cli("vm", "ps", "--json").stdout)
     assert [(r["id"], r["state"], r["snapshot"]) for r in rows] == [
         ("s1", "suspended", "sr/snap@1")]
+    assert "suspended as sr/snap@1" in node.cli("vm", "ps").stdout
     stored = RefStore(store).disk(RefStore(store).resolve("layers", "sr/snap@1"))
     assert stored.stats.stored_bytes < ram // 2  # zero pages are not stored
 

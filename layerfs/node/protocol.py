@@ -426,8 +426,9 @@ class VmLayer(Message):
 class VmRam(Message):
     """A vm's guest RAM as a file the VMM maps (``vm up --ram``): a local
     file mapped shared while it runs (what a suspend saves), or on a resumed
-    vm the snapshot's RAM served lazily (``ROOT/fuse/disks/ID-ram``) and
-    mapped private, with the device state to load (``incoming``). ``qmp``:
+    vm the snapshot's RAM served lazily (``ROOT/fuse/disks/ID-ram``, a
+    writable disk over it) and mapped shared too, with the device state to
+    load (``incoming``). ``qmp``:
     the VMM's QMP socket, which ``vm suspend`` drives."""
 
     path: str

@@ -86,10 +86,10 @@ def qemu_memory_args(drives: list[VmDrive], memory_mb: int) -> list[str]:
 def qemu_ram_args(ram: VmRam) -> list[str]:
     """A vm's RAM file as QEMU's RAM (``-m`` must be its size), its QMP
     socket (``vm suspend`` drives it), and for a resumed vm the device state
-    to load: a new vm's file is mapped shared (its pages stay in the file,
-    so the migration stream leaves them out: ``x-ignore-shared``), a resumed
-    vm's private (pages fault in from the snapshot, writes stay in QEMU)
-    and started with ``-incoming defer``: the daemon sets ``x-ignore-shared``
+    to load: the file is mapped shared (its pages stay in the file, so the
+    migration stream leaves them out: ``x-ignore-shared``; a resumed vm's is
+    its RAM disk, pages faulting in from the snapshot), and a resumed vm's
+    QEMU is started with ``-incoming defer``: the daemon sets ``x-ignore-shared``
     and loads the state (``migrate-incoming``) through the QMP socket as soon
     as QEMU listens on it, and the guest goes on."""
     backend = (f"memory-backend-file,id=ram0,mem-path={qemu_value(ram.path)},size={ram.size},"

@@ -22,8 +22,10 @@ next one (docs/node.md, Live restart). An up the last daemon did not finish
 is rolled back; a vm whose blob files or disk cannot be brought back, or
 whose record does not parse, is ``broken``, listed by ``vm ps`` with the
 reason (its record is kept, so the next start tries again), and ``vm down``
-releases what it holds and deletes the record. A record can only name its
-own disk (``ID-rw``); one that names another (a tampered record) is broken
+releases what it holds and deletes the record. ``vm up --ram`` gives a vm a RAM file and a QMP socket
+(``ROOT/vms/ID``); ``vm suspend`` saves it into the store and ``vm resume``
+brings it back on any node (:mod:`.vmsnap`): state ``suspended`` between.
+A record can only name its own disk (``ID-rw``); one that names another (a tampered record) is broken
 and never owns or deletes that disk.
 """
 
@@ -219,7 +221,7 @@ class Vms:
 
     async def _ram(self, vid: str, size: int, resuming: Resuming | None) -> VmRam:
         """A new vm's RAM file (sparse, in ``ROOT/vms/ID``, mapped shared), or
-        a resumed one's snapshot RAM (mapped private) and its state file."""
+        a resumed one's RAM disk (mapped shared too) and its state file."""
         home = self.vm_dir(vid)
         qmp = str(home / "qmp")
         if resuming is not None:  # (its writes reach the disk: a next suspend commits them)

@@ -8,20 +8,21 @@ The snapshot is then one sealed block layer (an LSMT layer, as ``disk
 commit`` makes) laid out as::
 
     [0, ram_size)                      the guest's RAM (zero pages not stored)
-    [ram_size, ram_size + state_len)   the device state (the migration stream)
+    [ram_size, ...)                    the device state (the migration stream),
+                                       in a state area of at least STATE_AREA
     the last 4096 bytes                a JSON header (:class:`SnapshotHeader`)
 
 and the writable disk is committed as ``NAME-disk@VERSION``. A resume
-makes a disk over the snapshot layer (``ID-ram``, served lazily through
-FUSE like any disk), reads the header and the state from it, and hands the
-VMM that file as its RAM, mapped private (``share=off``: a page faults in
-from the store on first touch, the guest's writes stay in the VMM and never
-reach the file), with ``-incoming 'exec:cat STATE'``.
+makes a writable disk over the snapshot layer (``ID-ram``, served lazily
+through FUSE like any disk), reads the header and the state from it, and
+hands the VMM that file as its RAM, mapped shared (a page faults in from
+the store on first touch; a page the guest writes is written back to the
+disk), with ``-incoming defer``; the daemon loads the state through QMP.
 
-A second suspend of a resumed vm: its RAM is private to the VMM, so the
-migration stream carries the pages (zero pages as flags); the snapshot's
-parent is the one it resumed from, so its RAM range is inherited, not
-stored again, and the stream holds what the guest has in memory.
+A second suspend of a resumed vm: its RAM is that disk (left out of the
+stream again); the dirty pages flushed, the state and the header written
+into the disk, the disk is committed over the snapshot it resumed from:
+only the pages written since are stored.
 """
 
 from __future__ import annotations
