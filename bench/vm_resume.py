@@ -21,8 +21,9 @@ order alternating between reps; each measures
 Last, a resumed guest changes ``--change`` of memory and is suspended
 again: what that second snapshot stored, against what changed.
 
-Needs root and ``qemu-system-x86_64``. ``python -m bench.vm_resume [--reps 3]``;
-prints a table and writes bench/results/vm_resume.json.
+Needs root and ``qemu-system-x86_64``. ``python -m bench.vm_resume [--reps 3]
+[--readahead 4M] [--out FILE]``; prints a table and writes
+bench/results/vm_resume.json (or ``--out``).
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ def main() -> None:
     ap.add_argument("--change", default="10M", help="memory changed before a second suspend")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--work", type=Path, default=WORK / "vm_resume")
+    ap.add_argument("--readahead", default=None,
+                    help="the daemons' --readahead (the fault read-around of the RAM disk)")
+    ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     ram, touch, change = (parse_size(x) for x in (args.ram, args.touch, args.change))
     t0 = time.monotonic()
@@ -138,7 +142,8 @@ def main() -> None:
     built = build_layer(RefStore(store), str(tree), BuildOptions("bench/resume", "1"))
     initramfs = guest.make_initramfs(work / "guest.cpio", kernel, SCRIPT.format(
         touch=touch // MiB, change=change // MiB))
-    runs = DaemonRuns(work, oddities, cache_size="4G")
+    runs = DaemonRuns(work, oddities, cache_size="4G", daemon_args=(
+        ["--readahead", args.readahead] if args.readahead else []))
     results: dict = {"without": [], "with": []}
     try:
         root = clear_dir(work / "root-first", oddities)
@@ -216,13 +221,14 @@ def report(args, ram: int, touch: int, change: int, suspend_s: float, snap, resu
     print(f"second suspend after changing {change // MiB} MiB: stored "
           f"{second['stored_bytes'] / MiB:.1f} MiB ({second['stored_bytes'] / change:.1f}x)")
     doc = {"commit": git_head(), "reps": args.reps, "ram_bytes": ram, "touched_bytes": touch,
+           "readahead": args.readahead,
            "suspend_s": round(suspend_s, 3), "snapshot_stored_bytes": snap.stats.stored_bytes,
            "snapshot_nonzero_bytes": snap.stats.file_bytes, "medians": med, "runs": results,
            "second_suspend": {**second, "changed_bytes": change}, "oddities": oddities}
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(doc, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print_footer(runs.scan_logs(), oddities, f"{total:.0f} s")
-    print(f"wrote {OUT}")
+    print(f"wrote {args.out}")
     shutil.rmtree(args.work, ignore_errors=True)
 
 
