@@ -22,11 +22,12 @@ next one (docs/node.md, Live restart). An up the last daemon did not finish
 is rolled back; a vm whose blob files or disk cannot be brought back, or
 whose record does not parse, is ``broken``, listed by ``vm ps`` with the
 reason (its record is kept, so the next start tries again), and ``vm down``
-releases what it holds and deletes the record. ``vm up --ram`` gives a vm a RAM file and a QMP socket
-(``ROOT/vms/ID``); ``vm suspend`` saves it into the store and ``vm resume``
-brings it back on any node (:mod:`.vmsnap`): state ``suspended`` between.
-A record can only name its own disk (``ID-rw``); one that names another (a tampered record) is broken
-and never owns or deletes that disk.
+releases what it holds and deletes the record. ``vm up --ram`` gives a vm
+a RAM file and a QMP socket (``ROOT/vms/ID``); ``vm suspend`` saves it into
+the store and ``vm resume`` brings it back on any node (:mod:`.vmsnap`):
+state ``suspended`` between. A record can only name its own disk
+(``ID-rw``); one that names another (a tampered record) is broken and never
+owns or deletes that disk.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ log = logging.getLogger(__name__)
 VM_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,124}")  # ID-rw is still a disk id
 STARTING, UP, BROKEN, SUSPENDED = "starting", "up", "broken", "suspended"
 RAM_ALIGN = 2 << 20  # a RAM size is a whole number of 2 MiB
+RAM_CHUNK = 256 << 10  # a snapshot's chunks: a resume fetches what the guest touches
 INCOMING_WAIT = 600.0  # seconds a resumed vm's state waits for its VMM
 STATE_PIECE = 1 << 20  # the device state is read from a snapshot this much at a time
 WORKING_SET_SECONDS = 5.0  # a resume's first seconds: the chunks touched are its working set
@@ -280,7 +282,7 @@ class Vms:
                 source = snapshot_source(Path(ram.path), ram.size, raw_state, header)
                 ref = (await trio.to_thread.run_sync(
                     lambda: publish_disk(self.refstore, source, name, version,
-                                         chunk_size=1 << 20))).ref
+                                         chunk_size=RAM_CHUNK))).ref
             record.state, record.snapshot = SUSPENDED, ref
             await self._save(record)
         finally:
@@ -303,7 +305,7 @@ class Vms:
         padded = state.ljust(-(-len(state) // SECTOR) * SECTOR, b"\0")
         await disk.write(ram.size, padded)
         await disk.write(disk.size - HEADER_BYTES, header.pack())
-        return (await self.disks.commit(sid, name, version)).ref
+        return (await self.disks.commit(sid, name, version, RAM_CHUNK)).ref
 
     async def resume(self, ref: str, vid: str) -> VmRecord:
         """Vm ``vid`` from snapshot ``ref``: its RAM a disk over the snapshot

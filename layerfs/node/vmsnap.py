@@ -46,7 +46,7 @@ MIGRATE_TIMEOUT = 600.0  # seconds a device-state save may take
 
 
 class QmpError(UsageError):
-    """the VMM's QMP socket answered an error, or could not be reached"""
+    """the VMM's QMP socket: {}"""
 
 
 @dataclass
@@ -88,14 +88,22 @@ class SnapshotHeader:
 class Qmp:
     """A QMP connection (worker thread): commands in, answers out, events skipped."""
 
-    def __init__(self, path: str, timeout: float = 30.0) -> None:
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.settimeout(timeout)
-        try:
-            self.sock.connect(path)
-        except OSError as exc:
-            self.sock.close()
-            raise QmpError(f"cannot reach the VMM's QMP socket {path}: {exc.strerror}") from None
+    def __init__(self, path: str, timeout: float = 30.0, wait: float = 0.0) -> None:
+        """Connect to ``path``, trying again for ``wait`` seconds while it is
+        not there or not listening yet (QEMU binds, then listens)."""
+        deadline = time.monotonic() + wait
+        while True:
+            self.sock = socket.socket(socket.AF_UNIX)
+            self.sock.settimeout(timeout)
+            try:
+                self.sock.connect(path)
+                break
+            except OSError as exc:
+                self.sock.close()
+                if time.monotonic() >= deadline or not isinstance(
+                        exc, (ConnectionRefusedError, FileNotFoundError)):
+                    raise QmpError(f"cannot reach {path}: {exc.strerror}") from None
+                time.sleep(0.02)
         self.file = self.sock.makefile("rwb")
         self._answer()  # the greeting
         self.cmd("qmp_capabilities")
@@ -104,7 +112,7 @@ class Qmp:
         while True:
             line = self.file.readline()
             if not line:
-                raise QmpError("the VMM closed its QMP socket")
+                raise QmpError("closed by the VMM")
             doc = json.loads(line)
             if "event" not in doc:
                 return doc
@@ -139,8 +147,7 @@ def save_state(qmp_path: str, state: Path) -> None:
                 break
             if status in ("failed", "cancelled") or time.monotonic() > deadline:
                 q.cmd("cont")
-                raise QmpError(f"the VMM's migration to {state} {status or 'timed out'}: "
-                               f"{info}")
+                raise QmpError(f"the migration to {state} {status or 'timed out'}: {info}")
             time.sleep(0.05)
         try:
             q.cmd("quit")
@@ -167,7 +174,7 @@ def load_state(qmp_path: str, state: str) -> float:
     as on the side that saved it), then let it run (it comes back paused,
     the state the saved side was stopped in). Seconds taken."""
     started = time.monotonic()
-    q = Qmp(qmp_path)
+    q = Qmp(qmp_path, wait=10.0)
     try:
         q.cmd("migrate-set-capabilities",
               capabilities=[{"capability": "x-ignore-shared", "state": True}])
