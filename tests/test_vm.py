@@ -619,3 +619,29 @@ def test_a_guest_suspended_on_one_node_resumes_on_another(kernel, node, node2, s
     for n in (node, node2):
         assert json.loads(n.cli("disk", "ls", "--json").stdout) == []
         assert os.listdir(n.root / "vms") == []
+
+
+@FILE_STORE
+def test_suspend_and_resume_refuse_what_they_cannot_do(node, store, tmp_path):
+    """One error line each and nothing left behind: a RAM size that is not a
+    whole number of 2 MiB, a suspend of a vm without a RAM file, a resume
+    of a disk layer that is no vm snapshot (its disk made and removed
+    again), a resume onto an id in use."""
+    image, _ = base_disk_image(tmp_path)
+    build_disk(RefStore(store), str(image), "guest/base", "1")
+    node.cli("vm", "up", "--base-disk", "guest/base@1", "--id", "v1")
+    for args, code, words in (
+            (("up", "--base-disk", "guest/base@1", "--id", "v2", "--ram", "3M"), 2,
+             "RAM size 3145728 is not a whole number of 2 MiB"),
+            (("suspend", "v1", "--name", "x/snap", "--version", "1"), 2,
+             "vm v1: only an up vm with a RAM file"),
+            (("resume", "guest/base@1", "--id", "v3"), 2,
+             "guest/base@1 is not a vm snapshot"),
+            (("resume", "guest/base@1", "--id", "v1"), 9, "vm v1: already exists")):
+        proc = node.cli("vm", *args, check=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == code and len(lines) == 1 and words in lines[0], proc.stderr
+    assert [vm.id for vm in Client(node.root).vm_ps()] == ["v1"]
+    assert [d["id"] for d in json.loads(node.cli("disk", "ls", "--json").stdout)] == ["v1-rw"]
+    assert not (node.root / "vms" / "v3").exists()
+    node.cli("vm", "down", "v1")

@@ -322,7 +322,8 @@ class Vms:
                 record = await self._up(vid, None, header.layers, 0, header.disk, header.pmem,
                                         resuming=Resuming(header, ram_disk.path, state, ref))
             except BaseException:
-                with trio.CancelScope(shield=True):
+                with trio.CancelScope(shield=True):  # (_up undid its own part)
+                    self.disks.owners.pop(ram_disk_of(vid), None)
                     await self.disks.discard(ram_disk_of(vid))
                     await trio.to_thread.run_sync(shutil.rmtree, self.vm_dir(vid), True)
                 raise
