@@ -371,7 +371,8 @@ class Vms:
         for digest, blob in self._ram_blobs(vid):
             order = list(blob.trace)
             try:
-                if not order or await trio.to_thread.run_sync(pushed_trace, store, digest):
+                pushed = await trio.to_thread.run_sync(pushed_trace, store, digest)
+                if not order or pushed:
                     continue
                 await trio.to_thread.run_sync(store.put, trace_key(digest), trace_bytes(order))
             except (LayerfsError, OSError) as exc:
