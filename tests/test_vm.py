@@ -38,6 +38,7 @@ from layerfs.node import Client
 from layerfs.node.protocol import VmRecord
 from layerfs.node.replica import Replica
 from layerfs.node.vmm import guest_device, qemu_drive_args, qemu_memory_args, qemu_ram_args
+from layerfs.node.vmsnap import Qmp, QmpError, new_private_file, read_state
 from layerfs.refstore import RefStore
 
 MiB = 1 << 20
@@ -645,3 +646,30 @@ def test_suspend_and_resume_refuse_what_they_cannot_do(node, store, tmp_path):
     assert [d["id"] for d in json.loads(node.cli("disk", "ls", "--json").stdout)] == ["v1-rw"]
     assert not (node.root / "vms" / "v3").exists()
     node.cli("vm", "down", "v1")
+
+
+def test_what_the_vmms_user_may_write_is_never_followed(tmp_path):
+    """A vm's directory is writable by the FUSE group (QEMU's socket and
+    state go there): the daemon reads the state QEMU wrote only as a regular
+    file, never through a link to a file only root may read; it makes its
+    own files there new (a link or file put there first is replaced, never
+    written through); a QMP "socket" that is a link is refused."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root only")
+    secret.chmod(0o600)
+    state = tmp_path / "state.out"
+    state.symlink_to(secret)
+    with pytest.raises(OSError):
+        read_state(state)
+    state.unlink()
+    os.mkfifo(state)
+    with pytest.raises(QmpError, match="not a regular file"):
+        read_state(state)
+    planted = tmp_path / "state"
+    planted.symlink_to(secret)
+    os.close(new_private_file(planted, 0o640))
+    assert not planted.is_symlink() and secret.read_bytes() == b"root only"
+    qmp = tmp_path / "qmp"
+    qmp.symlink_to(secret)
+    with pytest.raises(QmpError, match="is not a socket"):
+        Qmp(str(qmp))

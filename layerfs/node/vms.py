@@ -47,7 +47,7 @@ from ..errors import LayerfsError, UsageError, VmBusy, VmExists, VmNotFound
 from ..formats.chunktable import ChunkTable
 from .blobfiles import BlobDirectory, BlobFile
 from .diskmanager import DiskManager, check_disk_size
-from .disks import SECTOR
+from .disks import SECTOR, pwrite_all
 from .fetcher import ChunkFetcher
 from .pmem import PmemDirectory, like_parent, padded_copy
 from .protocol import VM_PMEM, BadMessage, OfflineRef, VmDrive, VmLayer, VmRam, VmRecord
@@ -60,6 +60,8 @@ from .vmsnap import (
     SnapshotHeader,
     flush_file,
     load_state,
+    new_private_file,
+    read_state,
     save_state,
     snapshot_source,
 )
@@ -233,10 +235,13 @@ class Vms:
         def make() -> str:
             self.vm_home(vid)
             path = home / "ram"
-            with open(path, "wb") as f:
-                f.truncate(size)
-                os.fchown(f.fileno(), 0, home.stat().st_gid)
-                os.fchmod(f.fileno(), 0o660)
+            fd = new_private_file(path, 0o660)
+            try:
+                os.ftruncate(fd, size)
+                os.fchown(fd, 0, home.stat().st_gid)
+                os.fchmod(fd, 0o660)
+            finally:
+                os.close(fd)
             return str(path)
 
         return VmRam(await trio.to_thread.run_sync(make), size, share=True, qmp=qmp)
@@ -273,7 +278,7 @@ class Vms:
             state = await trio.to_thread.run_sync(self.vm_home, vid) / "state.out"
             await trio.to_thread.run_sync(save_state, ram.qmp, state)
             disk = await self.disks.commit(record.disk, f"{name}-disk", version)
-            raw_state = await trio.to_thread.run_sync(Path(state).read_bytes)
+            raw_state = await trio.to_thread.run_sync(read_state, state)
             header = SnapshotHeader(ram.size, len(raw_state), record.blobs, disk.digest,
                                     record.pmem, drives=[d.drive_id for d in record.drives])
             if ram_disk_of(vid) in self.disks.disks:  # resumed: its RAM is that disk
@@ -404,11 +409,14 @@ class Vms:
         if header.ram_size + header.state_bytes + HEADER_BYTES > disk.size:
             raise UsageError(f"{ref}: its header does not fit the snapshot")
         home = await trio.to_thread.run_sync(self.vm_home, vid)
-        async with await trio.open_file(home / "state", "wb") as out:  # (a second
-            for pos in range(0, header.state_bytes, STATE_PIECE):  # suspend's holds RAM)
-                await out.write(await disk.read(header.ram_size + pos,
-                                                min(STATE_PIECE, header.state_bytes - pos)))
-        await trio.to_thread.run_sync(os.chmod, home / "state", 0o640)
+        fd = await trio.to_thread.run_sync(new_private_file, home / "state", 0o640)
+        try:
+            for pos in range(0, header.state_bytes, STATE_PIECE):
+                piece = await disk.read(header.ram_size + pos,
+                                        min(STATE_PIECE, header.state_bytes - pos))
+                await trio.to_thread.run_sync(pwrite_all, fd, bytes(piece), pos)
+        finally:
+            os.close(fd)
         self.disks.owners[ram_disk_of(vid)] = vid
         return header, home / "state"
 

@@ -31,6 +31,7 @@ import json
 import os
 import shlex
 import socket
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -93,6 +94,11 @@ class Qmp:
         not there or not listening yet (QEMU binds, then listens)."""
         deadline = time.monotonic() + wait
         while True:
+            try:  # (the VMM's user may write its directory: a socket, not a link to one)
+                if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                    raise QmpError(f"{path} is not a socket")
+            except FileNotFoundError:
+                pass
             self.sock = socket.socket(socket.AF_UNIX)
             self.sock.settimeout(timeout)
             try:
@@ -135,6 +141,7 @@ def save_state(qmp_path: str, state: Path) -> None:
     shared left out) into ``state``, and end QEMU."""
     q = Qmp(qmp_path)
     try:
+        state.unlink(missing_ok=True)
         q.cmd("migrate-set-capabilities",
               capabilities=[{"capability": "x-ignore-shared", "state": True}])
         q.cmd("stop")
@@ -155,6 +162,27 @@ def save_state(qmp_path: str, state: Path) -> None:
             pass  # it quits before it answers, or just after
     finally:
         q.close()
+
+
+def read_state(path: Path) -> bytes:
+    """Worker thread: the device state QEMU wrote (as the VMM's user, in a
+    directory that user may write): a regular file, never through a link."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise QmpError(f"{path} is not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
+def new_private_file(path: Path, mode: int) -> int:
+    """Worker thread: ``path`` made new for writing (never through a link or
+    over a file the VMM's user put there), its descriptor."""
+    path.unlink(missing_ok=True)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   mode)
 
 
 def flush_file(path: str) -> None:
