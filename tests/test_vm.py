@@ -432,7 +432,9 @@ def test_a_guest_stacks_an_envs_layers_from_pmem_drives_with_dax(kernel, node, s
     stacks them with overlayfs under a tmpfs upper, and reads every file
     with the right sha256, the top layer's where both have one; its page
     cache grows by a fraction of what it read (the pages are the host's),
-    and the layer's file it never read is not fetched whole."""
+    and the layer's file it never read is not fetched whole. ``--pmem-private``
+    gives a vm pmem files of its own (no path another vm maps), and ``vm
+    up``'s text names the guest's devices and the DAX mount."""
     base_files = layer_tree(tmp_path / "base", 5)
     (tmp_path / "base" / "unread.bin").write_bytes(random.Random(6).randbytes(8 * MiB))
     top = tmp_path / "top"
@@ -493,6 +495,15 @@ def test_a_guest_stacks_an_envs_layers_from_pmem_drives_with_dax(kernel, node, s
     fetched = Client(node.root).stats().store.get("get", 0) - requests_before
     assert 0 < fetched < len(RefStore(store).chunk_table(RefStore(store).layer(
         doc["layers"][1]["digest"])).entries), fetched
+    text = node.cli("vm", "up", "pm/env@1", "--id", "p2", "--pmem-private").stdout
+    assert "mount -t erofs -o ro,dax=always,device=/dev/pmem1 /dev/pmem0 DIR" in text
+    assert "qemu machine: -M q35 -m 512M,maxmem=" in text and "/dev/vda " in text
+    private = {d.path_on_host for d in Client(node.root).vm_ps()[1].drives}
+    assert str(node.root / "fuse" / "pmem" / f"p2.{blob.name}") in private  # its own
+    assert not private & {d.path_on_host for d in record.drives}
+    node.cli("vm", "down", "p2")
+    assert sorted(os.listdir(node.root / "fuse" / "pmem")) == sorted(
+        Path(d.path_on_host).name for d in record.drives if d.role == "device")
     node.cli("vm", "down", "p1")
     assert os.listdir(node.root / "fuse" / "pmem") == []
     assert os.listdir(node.root / "meta" / "pmem") == []
