@@ -3,14 +3,17 @@ the drives ``vm up`` hands out.
 
 * **Kernel.** Debian's cloud kernel (the package ``linux-image-cloud-amd64``
   depends on), fetched once with ``apt-get download`` and kept with the
-  modules a guest needs (virtio-mmio, virtio-blk, EROFS and what they depend
-  on: the cloud kernel has them as modules; ext4 is built in) in
-  :data:`CACHE_DIR`, outside any checkout. Concurrent fetches (test workers)
+  modules a guest needs (:data:`GUEST_MODULES`: virtio-mmio and virtio-pci,
+  virtio-blk, virtio-pmem, EROFS, overlayfs and what they depend on: the
+  cloud kernel has them as modules; ext4 is built in) in
+  :data:`CACHE_DIR`, outside any checkout; fetched again when that list
+  changes. Concurrent fetches (test workers)
   take a lock; a cached kernel is used without asking APT again.
 * **Initramfs.** A newc cpio archive made here: the host's static busybox,
   those modules, and an ``/init`` that mounts ``/proc``, ``/sys`` and
   ``/dev``, loads the modules and runs the caller's script.
-* **Machine.** ``qemu-system-x86_64 -M microvm -accel tcg``: this machine's
+* **Machine.** ``qemu-system-x86_64 -M microvm -accel tcg`` (``q35`` for
+  pmem drives, which are PCI only): this machine's
   ``/dev/kvm`` runs only PVM guest kernels at speed, so guests are emulated.
   ``tsc_early_khz`` on the command line: under TCG the TSC calibration can
   fail and hang the guest silently. microvm's virtio-mmio devices are
@@ -36,11 +39,16 @@ from pathlib import Path
 
 CACHE_DIR = Path(os.environ.get("LAYERFS_GUEST_CACHE", "/var/cache/layerfs-tests"))
 KERNEL_PACKAGE = "linux-image-cloud-amd64"  # a metapackage: depends on the kernel's own
-GUEST_MODULES = ("virtio_mmio", "virtio_blk", "erofs")  # loaded with what they depend on
+# loaded with what they depend on: virtio-mmio (microvm) and virtio-pci (q35) transports,
+# block and pmem drives, EROFS and overlayfs (a guest stacks the layers it mounted)
+GUEST_MODULES = ("virtio_mmio", "virtio_pci", "virtio_blk", "virtio_pmem", "nd_pmem", "erofs",
+                 "overlay")
 QEMU = "qemu-system-x86_64"
-QEMU_MACHINE = ["-M", "microvm", "-accel", "tcg", "-cpu", "max", "-smp", "1", "-nodefaults",
+QEMU_MACHINE = ["-accel", "tcg", "-cpu", "max", "-smp", "1", "-nodefaults",
                 "-no-reboot", "-nographic", "-serial", "stdio"]
-KERNEL_ARGS = "console=ttyS0 tsc_early_khz=2000000 panic=-1 quiet loglevel=4"
+# no_timer_check: under TCG on a loaded host the kernel's check of the IO-APIC timer can
+# fail and panic a q35 guest ("IO-APIC + timer doesn't work!")
+KERNEL_ARGS = "console=ttyS0 tsc_early_khz=2000000 no_timer_check panic=-1 quiet loglevel=4"
 BOOT_TIMEOUT = 90.0  # seconds from start to the first line of the caller's script
 END = "GUEST-END"  # what /init prints after the caller's script, before powering off
 
@@ -79,9 +87,16 @@ def guest_kernel(cache_dir: Path = CACHE_DIR) -> GuestKernel:
         return kernel
 
 
+def wanted() -> str:
+    return "\n".join(GUEST_MODULES) + "\n"
+
+
 def cached_kernel(cache_dir: Path) -> GuestKernel | None:
-    """The newest complete kernel in the cache (one has a ``modules.order``)."""
-    found = sorted(p.parent for p in cache_dir.glob("kernel-*/modules.order"))
+    """The newest complete kernel in the cache (one has a ``modules.order``)
+    kept with today's :data:`GUEST_MODULES` (its ``modules.wanted``)."""
+    found = sorted(p.parent for p in cache_dir.glob("kernel-*/modules.order")
+                   if (p.parent / "modules.wanted").exists()
+                   and (p.parent / "modules.wanted").read_text() == wanted())
     if not found:
         return None
     home = found[-1]
@@ -130,7 +145,9 @@ def fetch_kernel(cache_dir: Path) -> None:
         shutil.copy(vmlinuz, home / "vmlinuz")
         for name in order:
             shutil.copy(found[name], home / "modules" / f"{name}.ko")
+        (home / "modules.wanted").write_text(wanted())
         (home / "modules.order").write_text("\n".join(order) + "\n")
+        shutil.rmtree(cache_dir / home.name, ignore_errors=True)  # kept with other modules
         os.rename(home, cache_dir / home.name)
 
 
@@ -237,13 +254,18 @@ def make_initramfs(path: Path, kernel: GuestKernel, script: str) -> Path:
 # -- the machine --
 
 def qemu_argv(kernel: GuestKernel, initramfs: Path, drive_args: list[str],
-              memory_mb: int = 512, kernel_args: str = "") -> list[str]:
+              memory_mb: int = 512, kernel_args: str = "", machine: str = "microvm",
+              memory_args: list[str] | None = None, extra: list[str] | None = None
+              ) -> list[str]:
+    """QEMU's command line: ``machine`` (microvm; ``q35`` for pmem drives),
+    ``-m memory_mb`` or ``memory_args`` (a maxmem for pmem drives), the
+    kernel, the initramfs and the drives."""
     qemu = qemu_or_none()
     if qemu is None:
         raise GuestUnavailable(f"no {QEMU} (Debian qemu-system-x86)")
-    return [qemu, *QEMU_MACHINE, "-m", str(memory_mb), "-kernel", str(kernel.vmlinuz),
-            "-initrd", str(initramfs), "-append", f"{KERNEL_ARGS} {kernel_args}".strip(),
-            *drive_args]
+    return [qemu, "-M", machine, *QEMU_MACHINE, *(memory_args or ["-m", str(memory_mb)]),
+            "-kernel", str(kernel.vmlinuz), "-initrd", str(initramfs),
+            "-append", f"{KERNEL_ARGS} {kernel_args}".strip(), *drive_args, *(extra or [])]
 
 
 class Guest:

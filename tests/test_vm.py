@@ -32,11 +32,13 @@ from test_restart import take_over, wait_for
 
 from harness import guest
 from layerfs.builder.disk import build_disk
+from layerfs.builder.env import create_env
 from layerfs.chunks import materialize_blob
 from layerfs.node import Client
 from layerfs.node.protocol import VmRecord
 from layerfs.node.replica import Replica
-from layerfs.node.vmm import guest_device, qemu_drive_args
+from layerfs.node.vmm import guest_device, qemu_drive_args, qemu_memory_args, qemu_ram_args
+from layerfs.node.vmsnap import Qmp, QmpError, new_private_file, read_state
 from layerfs.refstore import RefStore
 
 MiB = 1 << 20
@@ -144,7 +146,8 @@ def test_vm_up_hands_out_roles_and_qemu_arguments_and_survives_restarts(node, st
     assert doc["state"] == "up" and doc["disk"] == "v1-rw"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", doc["created"])
     assert doc["qemu"] == qemu_drive_args(VmRecord.from_json(
-        {k: v for k, v in doc.items() if k not in ("qemu", "created")}).drives)
+        {k: v for k, v in doc.items()
+         if k not in ("qemu", "created", "cloud_hypervisor", "firecracker")}).drives)
     assert doc["qemu"][:4] == [
         "-drive", f"file={doc['drives'][0]['path_on_host']},format=raw,if=none,"
         "id=layer0-meta,cache=none,aio=threads,readonly=on",
@@ -206,12 +209,16 @@ def test_vm_up_hands_out_roles_and_qemu_arguments_and_survives_restarts(node, st
 @FILE_STORE
 @pytest.mark.daemon_log(r"ERROR layerfs\.node\.vms: vm v-damaged not restored: its record "
                         r"is damaged", r"ERROR layerfs\.node\.vms: vm v-lost restored broken: "
-                        r"layer sha256:0{64}: .*; disk v-lost-rw: it is gone")
+                        r"layer sha256:0{64}: .*; disk v-lost-rw: it is gone",
+                        r"ERROR layerfs\.node\.vms: vm v-thief restored broken: its record "
+                        r"names disk 'v-ok-rw', not its own 'v-thief-rw' \(left alone\)")
 def test_restore_rolls_back_an_unfinished_up_and_reports_what_it_cannot_bring_back(
         node, store, tmp_path):
     """Records a crash can leave: an up that did not finish (its disk made) is
     rolled back; a damaged record, and a vm whose layer and disk are gone,
-    are broken, listed with the reason, and ``vm down`` removes them."""
+    are broken, listed with the reason, and ``vm down`` removes them. A
+    tampered record naming another vm's disk is broken too, and its ``vm
+    down`` (and a tampered unfinished up naming it) leaves that disk alone."""
     src = tmp_path / "src"
     layer_tree(src, 2)
     build(store, str(src), name="vmdata", chunk_size=MiB)
@@ -226,13 +233,19 @@ def test_restore_rolls_back_an_unfinished_up_and_reports_what_it_cannot_bring_ba
         replica.put_vm("v-damaged", {"id": "v-damaged", "drives": "not a list"})
         lost = VmRecord("v-lost", [], [], disk="v-lost-rw", blobs=["sha256:" + "0" * 64])
         replica.put_vm("v-lost", lost.to_json())
+        thief = VmRecord("v-thief", [], [], disk="v-ok-rw", blobs=[])
+        replica.put_vm("v-thief", thief.to_json())
+        half_thief = VmRecord("v-half2", [], [], disk="v-ok2-rw", blobs=[], state="starting")
+        replica.put_vm("v-half2", half_thief.to_json())
     finally:
         replica.close()
     node.start()
     assert "vm v-half: rolling back its unfinished up" in node.log()
     rows = {r["id"]: r for r in json.loads(node.cli("vm", "ps", "--json").stdout)}
-    assert sorted(rows) == ["v-damaged", "v-lost", "v-ok", "v-ok2"]
-    assert [rows[v]["state"] for v in sorted(rows)] == ["broken", "broken", "up", "up"]
+    assert sorted(rows) == ["v-damaged", "v-lost", "v-ok", "v-ok2", "v-thief"]
+    assert [rows[v]["state"] for v in sorted(rows)] == ["broken", "broken", "up", "up",
+                                                        "broken"]
+    node.cli("vm", "down", "v-thief")
     assert "disk v-lost-rw: it is gone" in rows["v-lost"]["error"]
     assert rows["v-damaged"]["error"].startswith("its record is damaged: ")
     assert [d["id"] for d in json.loads(node.cli("disk", "ls", "--json").stdout)] == [
@@ -387,3 +400,287 @@ def test_a_guest_reads_a_layer_through_kill_9_and_takeover(kernel, node, store, 
     assert json.loads(node.cli("vm", "ps", "--json").stdout)[0]["state"] == "up"
     node.cli("vm", "down", "g1")
 
+
+
+# -- pmem drives --
+
+PMEM_READ = """set -o pipefail
+mkdir -p /l0 /l1 /up /merged
+cached() { sed -n 's/^Cached: *\\([0-9]*\\) kB/\\1/p' /proc/meminfo; }
+echo "CACHED-BEFORE $(cached)"
+mount -t erofs -o ro,dax=always,device=/dev/pmem1 /dev/pmem0 /l0 || echo "GUEST-ERROR mount top"
+mount -t erofs -o ro,dax=always,device=/dev/pmem3 /dev/pmem2 /l1 || echo "GUEST-ERROR mount base"
+grep erofs /proc/mounts | while read -r line; do echo "MOUNT $line"; done
+mount -t tmpfs tmpfs /up && mkdir /up/u /up/w
+mount -t overlay overlay -o lowerdir=/l0:/l1,upperdir=/up/u,workdir=/up/w /merged \\
+    || echo "GUEST-ERROR overlay"
+cd /merged
+find . -type f ! -name 'unread*' | sort | while read -r f; do echo "FILE $(sha256sum "$f")"; done
+echo "written in the guest" > new.txt && echo "UPPER $(cat /up/u/new.txt)"
+cd /
+echo "CACHED-AFTER $(cached)"
+"""
+
+
+@FILE_STORE
+def test_a_guest_stacks_an_envs_layers_from_pmem_drives_with_dax(kernel, node, store, tmp_path):
+    """``vm up ENV --pmem``: each layer's meta image (a padded copy) and lazy
+    blob (a padded FUSE file, ``fuse/pmem/``) as pmem drives, the VMMs'
+    arguments in ``--json``; the drive set comes back after ``kill -9`` and a
+    start (same files, same inodes). A q35 guest maps them (QEMU's
+    ``virtio-pmem-pci``), mounts both layers' EROFS with ``dax=always``,
+    stacks them with overlayfs under a tmpfs upper, and reads every file
+    with the right sha256, the top layer's where both have one; its page
+    cache grows by a fraction of what it read (the pages are the host's),
+    and the layer's file it never read is not fetched whole. ``--pmem-private``
+    gives a vm pmem files of its own (no path another vm maps), and ``vm
+    up``'s text names the guest's devices and the DAX mount."""
+    base_files = layer_tree(tmp_path / "base", 5)
+    (tmp_path / "base" / "unread.bin").write_bytes(random.Random(6).randbytes(8 * MiB))
+    top = tmp_path / "top"
+    (top / "etc").mkdir(parents=True)
+    (top / "etc" / "motd").write_bytes(b"the top layer's motd\n")
+    (top / "top.txt").write_bytes(b"only in the top layer\n" * 100)
+    build(store, str(tmp_path / "base"), name="pm/base", chunk_size=MiB)
+    build(store, str(top), name="pm/top", chunk_size=MiB)
+    create_env(RefStore(store), "pm/env", "1", ["pm/top@1", "pm/base@1"])
+    doc = vm_up(node, "pm/env@1", "--id", "p1", "--disk-size", "4M", "--pmem")
+    kinds = [(d["drive_id"], d.get("kind", "block"), d["size"] % (2 * MiB) if "size" in d else 0)
+             for d in doc["drives"]]
+    assert kinds == [("layer0-meta", "pmem", 0), ("layer0-blob", "pmem", 0),
+                     ("layer1-meta", "pmem", 0), ("layer1-blob", "pmem", 0),
+                     ("rw", "block", 0)]
+    blob = Path(doc["drives"][3]["path_on_host"])
+    assert blob.parent == node.root / "fuse" / "pmem"
+    assert doc["pmem_bytes"] == sum(d["size"] for d in doc["drives"][:4])
+    assert doc["qemu"][:4] == [
+        "-object", f"memory-backend-file,id=mem-layer0-meta,mem-path="
+        f"{doc['drives'][0]['path_on_host']},size={doc['drives'][0]['size']},share=on,"
+        "readonly=on", "-device", "virtio-pmem-pci,memdev=mem-layer0-meta,id=layer0-meta"]
+    assert "virtio-blk-pci,drive=rw,serial=rw" in doc["qemu"]
+    assert [p["id"] for p in doc["firecracker"]["pmem"]] == [d["drive_id"]
+                                                              for d in doc["drives"][:4]]
+    assert doc["cloud_hypervisor"][doc["cloud_hypervisor"].index("--pmem") + 1].endswith(
+        ",discard_writes=on")
+    blob_size = RefStore(store).chunk_table(RefStore(store).layer(
+        doc["layers"][1]["digest"])).blob_size
+    assert blob.stat().st_size == -(-blob_size // (2 * MiB)) * 2 * MiB
+    with open(blob, "rb") as f:  # past the blob's end: zeros
+        f.seek(blob_size)
+        assert f.read() == bytes(blob.stat().st_size - blob_size)
+    inode = blob.stat().st_ino
+    node.kill()
+    node.start()
+    assert blob.stat().st_ino == inode
+    assert [r["state"] for r in json.loads(node.cli("vm", "ps", "--json").stdout)] == ["up"]
+    requests_before = Client(node.root).stats().store.get("get", 0)
+
+    record = Client(node.root).vm_ps()[0]
+    memory = qemu_memory_args(record.drives, 256)
+    with guest.running_guest(kernel, PMEM_READ, qemu_drive_args(record.drives), tmp_path,
+                             "pmem", machine="q35", memory_args=memory) as g:
+        assert g.finish() == 0
+    assert [line for line in g.lines if "GUEST-ERROR" in line] == []
+    mounts = [line for line in g.lines if line.startswith("MOUNT ")]
+    assert len(mounts) == 2 and all("dax=always" in m for m in mounts), mounts
+    seen = {m.group(2): m.group(1) for line in g.lines if (m := FILE_LINE.match(line))}
+    want = {**base_files, "etc/motd": hashlib.sha256(b"the top layer's motd\n").hexdigest(),
+            "top.txt": hashlib.sha256(b"only in the top layer\n" * 100).hexdigest()}
+    assert seen == want
+    assert "UPPER written in the guest" in g.lines
+    before, after = (int(next(line.split()[1] for line in g.lines if line.startswith(w)))
+                     for w in ("CACHED-BEFORE", "CACHED-AFTER"))
+    read = 12 * MiB + sum((tmp_path / "base" / f).stat().st_size for f in base_files)
+    assert (after - before) * 1024 < read // 4, (before, after)
+    fetched = Client(node.root).stats().store.get("get", 0) - requests_before
+    assert 0 < fetched < len(RefStore(store).chunk_table(RefStore(store).layer(
+        doc["layers"][1]["digest"])).entries), fetched
+    text = node.cli("vm", "up", "pm/env@1", "--id", "p2", "--pmem-private").stdout
+    assert "mount -t erofs -o ro,dax=always,device=/dev/pmem1 /dev/pmem0 DIR" in text
+    assert "qemu machine: -M q35 -m 512M,maxmem=" in text and "/dev/vda " in text
+    private = {d.path_on_host for d in Client(node.root).vm_ps()[1].drives}
+    assert str(node.root / "fuse" / "pmem" / f"p2.{blob.name}") in private  # its own
+    assert not private & {d.path_on_host for d in record.drives}
+    node.cli("vm", "down", "p2")
+    assert sorted(os.listdir(node.root / "fuse" / "pmem")) == sorted(
+        Path(d.path_on_host).name for d in record.drives if d.role == "device")
+    node.cli("vm", "down", "p1")
+    assert os.listdir(node.root / "fuse" / "pmem") == []
+    assert os.listdir(node.root / "meta" / "pmem") == []
+
+
+# -- suspend and resume --
+
+SUSPENDED_WORK = """echo "written to tmpfs before the suspend" > /tmp/note
+printf 'fsynced-before-suspend' | dd of=/dev/vdc bs=512 conv=sync,fsync oflag=direct \\
+    status=none || echo "GUEST-ERROR disk write"
+(n=0; while true; do n=$((n + 1)); echo $n > /tmp/count; sleep 0.2; done) &
+bg=$!
+echo READY
+while read -r line; do
+    case "$line" in
+    check)
+        echo "NOTE $(cat /tmp/note)"
+        echo "COUNT $(cat /tmp/count)"
+        kill -0 $bg && echo "ALIVE $bg"
+        echo "DISK $(dd if=/dev/vdc bs=512 count=1 iflag=direct status=none | tr -d '\\000')"
+        ;;
+    more) echo "written after the resume" > /tmp/more; echo MORE ;;
+    again) echo "AGAIN $(cat /tmp/note) / $(cat /tmp/more)" ;;
+    stop) break ;;
+    esac
+done
+"""
+
+
+@FILE_STORE
+def test_a_guest_suspended_on_one_node_resumes_on_another(kernel, node, node2, store,
+                                                          tmp_path):
+    """``vm up --ram``: the guest's RAM a file the node keeps, QEMU's QMP
+    socket; the guest writes tmpfs, fsyncs a sector of its writable disk and
+    starts a background process. ``vm suspend`` saves it (device state
+    through QMP, RAM with its zero pages left out, the disk committed) into
+    the store and QEMU ends; ``vm ps`` shows it suspended with its ref.
+    ``vm resume`` on a second node root with its own cache: a new QEMU on
+    the RAM served lazily from the store (mapped private) and the device
+    state goes on: the tmpfs file, the process (still counting) and the
+    fsynced sector are there, and the node fetched less than the RAM. The
+    resumed guest writes more and is suspended again (its RAM is private to
+    QEMU now: the state carries it, over the first snapshot as parent) and
+    resumed on the first node: both writes are there. The first resume
+    pushed the chunks it touched in its first seconds as the snapshot's
+    working set, which the last resume (its chain has the first snapshot)
+    prefetches."""
+    src = tmp_path / "src"
+    layer_tree(src, 7)
+    build(store, str(src), name="sr/data", chunk_size=MiB)
+    ram = 256 * MiB
+    first = Client(node.root).vm_up("s1", layers=["sr/data@1"], disk_size=4 * MiB, ram=ram)
+    assert first.ram is not None and first.ram.share
+    initramfs = guest.make_initramfs(tmp_path / "sr.cpio", kernel, SUSPENDED_WORK)
+    argv = guest.qemu_argv(kernel, initramfs, qemu_drive_args(first.drives)
+                           + qemu_ram_args(first.ram), memory_mb=ram // MiB)
+    g1 = guest.Guest(argv, tmp_path / "sr1.log")
+    try:
+        g1.wait_for(r"^READY")
+        g1.send("check")
+        _, count = g1.wait_for(r"^COUNT (\d+)")
+        suspended = Client(node.root).vm_suspend("s1", "sr/snap", "1")
+        assert g1.proc.wait(60) == 0  # QEMU quit
+    finally:
+        g1.stop()
+    assert (suspended.state, suspended.snapshot) == ("suspended", "sr/snap@1")
+    node.kill()  # a suspended vm is node state too
+    node.start()
+    rows = json.loads(node.cli("vm", "ps", "--json").stdout)
+    assert [(r["id"], r["state"], r["snapshot"]) for r in rows] == [
+        ("s1", "suspended", "sr/snap@1")]
+    assert "suspended as sr/snap@1" in node.cli("vm", "ps").stdout
+    stored = RefStore(store).disk(RefStore(store).resolve("layers", "sr/snap@1"))
+    assert stored.stats.stored_bytes < ram // 2  # zero pages are not stored
+
+    second = Client(node2.root).vm_resume("sr/snap@1", "s2")
+    assert second.ram is not None and second.ram.share and second.ram.incoming
+    assert second.ram.path == str(node2.root / "fuse" / "disks" / "s2-ram")
+    assert [d.drive_id for d in second.drives] == [d.drive_id for d in first.drives]
+    argv = guest.qemu_argv(kernel, initramfs, qemu_drive_args(second.drives)
+                           + qemu_ram_args(second.ram), memory_mb=ram // MiB)
+    g2 = guest.Guest(argv, tmp_path / "sr2.log")
+    try:  # (a line sent while the state loads is lost: the serial port's state is loaded)
+        wait_for(lambda: "vm s2 resumed from its snapshot" in node2.log(), "the state", 90)
+        g2.send("check")
+        _, note = g2.wait_for(r"^NOTE (.*)$")
+        _, count2 = g2.wait_for(r"^COUNT (\d+)")
+        _, alive = g2.wait_for(r"^ALIVE (\d+)")
+        _, disk = g2.wait_for(r"^DISK (.*)$")
+        fetched = Client(node2.root).stats().cache["bytes_fetched"]
+        g2.send("more")
+        g2.wait_for(r"^MORE")
+        wait_for(lambda: "vm s2: working set of " in node2.log(), "the working set", 60)
+        again = Client(node2.root).vm_suspend("s2", "sr/snap", "2")  # its RAM: private
+        assert g2.proc.wait(60) == 0
+    finally:
+        g2.stop()
+    assert note.group(1) == "written to tmpfs before the suspend"
+    assert int(count2.group(1)) >= int(count.group(1))
+    assert disk.group(1) == "fsynced-before-suspend"
+    assert 0 < fetched < ram // 2, fetched
+    assert again.snapshot == "sr/snap@2"
+    again_stored = RefStore(store).disk(RefStore(store).resolve("layers", "sr/snap@2"))
+    assert again_stored.stats.stored_bytes < stored.stats.stored_bytes // 4  # what changed
+
+    third = Client(node.root).vm_resume("sr/snap@2", "s3")  # back on the first node
+    assert third.ram is not None
+    argv = guest.qemu_argv(kernel, initramfs, qemu_drive_args(third.drives)
+                           + qemu_ram_args(third.ram), memory_mb=ram // MiB)
+    g3 = guest.Guest(argv, tmp_path / "sr3.log")
+    try:
+        wait_for(lambda: "vm s3 resumed from its snapshot" in node.log(), "the state", 90)
+        g3.send("again")
+        _, both = g3.wait_for(r"^AGAIN (.*)$")
+        g3.send("stop")
+        assert g3.finish() == 0
+    finally:
+        g3.stop()
+    assert both.group(1) == "written to tmpfs before the suspend / written after the resume"
+    assert "vm s3: prefetching the working set of sr/snap@2" in node.log()  # (its parent's)
+    assert [line for line in g1.lines + g2.lines + g3.lines if "GUEST-ERROR" in line] == []
+    node2.cli("vm", "down", "s2")
+    for vid in ("s1", "s3"):
+        node.cli("vm", "down", vid)
+    for n in (node, node2):
+        assert json.loads(n.cli("disk", "ls", "--json").stdout) == []
+        assert os.listdir(n.root / "vms") == []
+
+
+@FILE_STORE
+def test_suspend_and_resume_refuse_what_they_cannot_do(node, store, tmp_path):
+    """One error line each and nothing left behind: a RAM size that is not a
+    whole number of 2 MiB, a suspend of a vm without a RAM file, a resume
+    of a disk layer that is no vm snapshot (its disk made and removed
+    again), a resume onto an id in use."""
+    image, _ = base_disk_image(tmp_path)
+    build_disk(RefStore(store), str(image), "guest/base", "1")
+    node.cli("vm", "up", "--base-disk", "guest/base@1", "--id", "v1")
+    for args, code, words in (
+            (("up", "--base-disk", "guest/base@1", "--id", "v2", "--ram", "3M"), 2,
+             "RAM size 3145728 is not a whole number of 2 MiB"),
+            (("suspend", "v1", "--name", "x/snap", "--version", "1"), 2,
+             "vm v1: only an up vm with a RAM file"),
+            (("resume", "guest/base@1", "--id", "v3"), 2,
+             "guest/base@1 is not a vm snapshot"),
+            (("resume", "guest/base@1", "--id", "v1"), 9, "vm v1: already exists")):
+        proc = node.cli("vm", *args, check=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == code and len(lines) == 1 and words in lines[0], proc.stderr
+    assert [vm.id for vm in Client(node.root).vm_ps()] == ["v1"]
+    assert [d["id"] for d in json.loads(node.cli("disk", "ls", "--json").stdout)] == ["v1-rw"]
+    assert not (node.root / "vms" / "v3").exists()
+    node.cli("vm", "down", "v1")
+
+
+def test_what_the_vmms_user_may_write_is_never_followed(tmp_path):
+    """A vm's directory is writable by the FUSE group (QEMU's socket and
+    state go there): the daemon reads the state QEMU wrote only as a regular
+    file, never through a link to a file only root may read; it makes its
+    own files there new (a link or file put there first is replaced, never
+    written through); a QMP "socket" that is a link is refused."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root only")
+    secret.chmod(0o600)
+    state = tmp_path / "state.out"
+    state.symlink_to(secret)
+    with pytest.raises(OSError):
+        read_state(state)
+    state.unlink()
+    os.mkfifo(state)
+    with pytest.raises(QmpError, match="not a regular file"):
+        read_state(state)
+    planted = tmp_path / "state"
+    planted.symlink_to(secret)
+    os.close(new_private_file(planted, 0o640))
+    assert not planted.is_symlink() and secret.read_bytes() == b"root only"
+    qmp = tmp_path / "qmp"
+    qmp.symlink_to(secret)
+    with pytest.raises(QmpError, match="is not a socket"):
+        Qmp(str(qmp))

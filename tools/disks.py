@@ -128,17 +128,25 @@ def vm() -> None:
 @click.option("--id", "vid", required=True)
 @click.option("--disk-size", default="10G", show_default=True)
 @click.option("--base-disk", metavar="REF", help="Start the writable disk from this snapshot.")
+@click.option("--pmem", "pmem", flag_value="shared", default="",
+              help="The layers as pmem drives (map with DAX), the files every such vm maps.")
+@click.option("--pmem-private", "pmem", flag_value="private",
+              help="The layers as pmem drives of this vm's own (no memory shared with others).")
+@click.option("--ram", metavar="SIZE", help="Guest RAM in a file the node keeps (vm suspend).")
 @root_option
 @json_option
 def vm_up(env_ref: str | None, layers: tuple[str, ...], vid: str, disk_size: str,
-          base_disk: str | None, root: str, as_json: bool) -> None:
+          base_disk: str | None, pmem: str, ram: str | None, root: str, as_json: bool) -> None:
     """Prepare VM ID's drives: for each layer its meta image and lazy blob file
     (read-only; the blob is the EROFS device= the guest passes), plus one
     writable disk. Prints the drives and QEMU's arguments for them (--json:
-    the drive set with each drive's path, read-only flag and role)."""
+    the drive set with each drive's path, read-only flag and role, and the
+    VMMs' arguments)."""
     disk_size_bytes = disk_size_of(disk_size, "--disk-size")
     record = call(root, protocol.VmUp(id=vid, env=env_ref, layers=list(layers),
-                                      disk_size=disk_size_bytes, base_disk=base_disk),
+                                      disk_size=disk_size_bytes, base_disk=base_disk,
+                                      pmem=pmem,
+                                      ram=disk_size_of(ram, "--ram") if ram else 0),
                   protocol.VmAnswer).vm
     warn_offline(record.offline)
     Output(as_json).emit(vm_doc(record), lambda: vm_text(record))
@@ -158,6 +166,8 @@ def vm_ps(root: str, as_json: bool) -> None:
                          f"{' '.join(x.ref for x in r.layers) or '-'}")
             if r.error:
                 lines.append(f"{'':20} {r.error}")
+            if r.snapshot:
+                lines.append(f"{'':20} suspended as {r.snapshot}")
             lines += [f"{'':20} {used.note()}" for used in r.offline]
         return "\n".join(lines) if rows else "(no vms)"
 
@@ -166,31 +176,74 @@ def vm_ps(root: str, as_json: bool) -> None:
 
 def vm_doc(record: protocol.VmRecord) -> dict:
     """A vm as the JSON output shows it: its record (``created`` in ISO 8601
-    UTC) and QEMU's arguments for its drives."""
-    from layerfs.node.vmm import qemu_drive_args
+    UTC), QEMU's arguments for its drives, cloud-hypervisor's and
+    Firecracker's; with pmem drives, the bytes they add to QEMU's maxmem."""
+    from layerfs.node import vmm
 
     doc = record.to_json()
     doc["created"] = protocol.utc_time(record.created, micros=True)
-    doc["qemu"] = qemu_drive_args(record.drives)
+    doc["qemu"] = vmm.qemu_drive_args(record.drives)
+    if vmm.has_pmem(record.drives):
+        doc["pmem_bytes"] = sum(d.size for d in record.drives if d.kind == "pmem")
+    if record.ram is not None:
+        doc["qemu_ram"] = vmm.qemu_ram_args(record.ram)
+    doc["cloud_hypervisor"] = vmm.cloud_hypervisor_args(record.drives)
+    doc["firecracker"] = vmm.firecracker_config(record.drives)
     return doc
 
 
 def vm_text(record: protocol.VmRecord) -> str:
     import shlex
 
-    from layerfs.node.vmm import guest_device, qemu_drive_args
+    from layerfs.node import vmm
 
     lines = [f"{record.id}: {len(record.drives)} drives"]
-    names = {}
-    for i, d in enumerate(record.drives):
-        names[d.drive_id] = guest_device(i)
-        lines.append(f"  {guest_device(i):9} {d.drive_id:14} {d.role:7} "
+    names = vmm.guest_names(record.drives)
+    for d in record.drives:
+        lines.append(f"  {names[d.drive_id]:10} {d.drive_id:14} {d.role:7} "
                      f"{'ro' if d.is_read_only else 'rw'}  {d.path_on_host}")
+    dax = "dax=always," if vmm.has_pmem(record.drives) else ""
     for layer in record.layers:
         devices = ",".join(f"device={names[x]}" for x in layer.device_drives)
-        lines.append(f"  {layer.ref}: mount -t erofs -o ro,{devices} {names[layer.meta_drive]} DIR")
-    lines.append("qemu: " + shlex.join(qemu_drive_args(record.drives)))
+        lines.append(f"  {layer.ref}: mount -t erofs -o ro,{dax}{devices} "
+                     f"{names[layer.meta_drive]} DIR")
+    if dax:
+        lines.append(f"qemu machine: -M {vmm.QEMU_PMEM_MACHINE} "
+                     + shlex.join(vmm.qemu_memory_args(record.drives, 512)) + " (for 512 MiB)")
+    lines.append("qemu: " + shlex.join(vmm.qemu_drive_args(record.drives)))
+    if record.ram is not None:
+        lines.append(f"qemu RAM (-m {record.ram.size // (1 << 20)}M): "
+                     + shlex.join(vmm.qemu_ram_args(record.ram)))
     return "\n".join(lines)
+
+
+@vm.command("suspend")
+@click.argument("vid", metavar="ID")
+@click.option("--name", required=True)
+@click.option("--version", "version", required=True)
+@root_option
+@json_option
+def vm_suspend(vid: str, name: str, version: str, root: str, as_json: bool) -> None:
+    """Save running VM ID (up with --ram, its VMM started with the qemu_ram
+    arguments) into the store as NAME@VERSION: device state, RAM and the
+    writable disk (NAME-disk@VERSION). Its VMM ends."""
+    record = call(root, protocol.VmSuspend(id=vid, name=name, version=version),
+                  protocol.VmAnswer).vm
+    Output(as_json).emit(vm_doc(record), f"{vid} suspended as {record.snapshot}")
+
+
+@vm.command("resume")
+@click.argument("ref", metavar="REF")
+@click.option("--id", "vid", required=True)
+@root_option
+@json_option
+def vm_resume(ref: str, vid: str, root: str, as_json: bool) -> None:
+    """Make VM ID from snapshot REF on this node: its drive set, RAM served
+    lazily from the store and the device state; start the VMM with the
+    printed arguments and the guest goes on."""
+    record = call(root, protocol.VmResume(ref=ref, id=vid), protocol.VmAnswer).vm
+    warn_offline(record.offline)
+    Output(as_json).emit(vm_doc(record), lambda: vm_text(record))
 
 
 @vm.command("down")

@@ -142,13 +142,30 @@ class Client:
 
     def vm_up(self, vm_id: str, env: str | None = None, layers: Sequence[str] = (),
               disk_size: int = protocol.DEFAULT_VM_DISK,
-              base_disk: str | None = None) -> VmRecord:
+              base_disk: str | None = None, pmem: str = "", ram: int = 0) -> VmRecord:
         """A microVM's drive set: each layer's meta image and lazy blob file,
         read-only, and a writable disk of ``disk_size`` bytes (or over the
         snapshot ``base_disk``); :func:`.vmm.qemu_drive_args` makes QEMU's
-        arguments of its ``drives``. Kept across daemon restarts."""
+        arguments of its ``drives``. ``pmem`` ``shared`` (or ``private``):
+        the layers as pmem files to map, the ones other vms map (or its own).
+        ``ram``: bytes of guest RAM in a file the node keeps (for
+        :meth:`vm_suspend`). Kept across daemon restarts."""
         request = protocol.VmUp(id=vm_id, env=env, layers=list(layers), disk_size=disk_size,
-                                base_disk=base_disk)
+                                base_disk=base_disk, pmem=pmem, ram=ram)
+        return call(self.root, request, protocol.VmAnswer, self.timeout).vm
+
+    def vm_suspend(self, vm_id: str, name: str, version: str) -> VmRecord:
+        """Save a running vm (up with ``ram``) into the store as
+        ``name@version`` (its writable disk as ``name-disk@version``); its VMM
+        ends, the vm is ``suspended`` (``snapshot``: the ref)."""
+        request = protocol.VmSuspend(id=vm_id, name=name, version=version)
+        return call(self.root, request, protocol.VmAnswer, self.timeout).vm
+
+    def vm_resume(self, ref: str, vm_id: str) -> VmRecord:
+        """Vm ``vm_id`` from snapshot ``ref``, on this node: start the VMM
+        with :func:`.vmm.qemu_drive_args` and :func:`.vmm.qemu_ram_args` of
+        the record and the guest goes on where it was suspended."""
+        request = protocol.VmResume(ref=ref, id=vm_id)
         return call(self.root, request, protocol.VmAnswer, self.timeout).vm
 
     def vm_ps(self) -> list[VmRecord]:

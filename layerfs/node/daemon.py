@@ -77,6 +77,7 @@ from .metrics import (
     NodeReadings,
     listen,
 )
+from .pmem import PmemDirectory
 from .prefetch import Prefetcher
 from .refs import NodeRefs
 from .replica import Replica
@@ -297,8 +298,9 @@ class Daemon:
         # refs resolved through the store or, while it is away, the node's last resolution
         self.refs = NodeRefs(self.refstore, self.replica, self.health)
         self.disks = DiskManager(self.root, self.refs, self.replica, self.blobs, self.fetcher)
+        self.pmem = PmemDirectory()  # blobs padded for a VMM to map (vm up --pmem)
         # (counting the reads it answers with an error, for the metrics)
-        self.fs = MeteredFS(self.blobs, self.disks, cfg.fuse_group)
+        self.fs = MeteredFS(self.blobs, self.disks, cfg.fuse_group, self.pmem)
         self.local_blobs = LocalBlobs(self.root, self.fetcher, cfg.fetch_whole_below,
                                       cfg.local_blobs)
         self.local_blobs.prepare()
@@ -306,7 +308,7 @@ class Daemon:
                                   readahead=cfg.layer_readahead, local=self.local_blobs)
         self.sandboxes = Sandboxes(self.root, self.refs, self.replica, self.layers)
         self.vms = Vms(self.root, self.refs, self.replica, self.blobs, self.fetcher,
-                       self.disks)
+                       self.disks, self.pmem)
         if self.conn is not None:
             self.layers.kept = kept_mounts(self.root)
         self.snapshots: SnapshotServer | None = None
@@ -432,6 +434,7 @@ class Daemon:
         try:
             async with trio.open_nursery() as nursery:
                 self.fetcher.nursery = nursery
+                self.vms.nursery = nursery  # (a resumed vm's state loads in the background)
                 nursery.start_soon(self._serve_fuse)
                 nursery.start_soon(self.health.watch)  # never waited for: serve without it
                 if self.metrics_server is not None:
@@ -560,6 +563,8 @@ class Daemon:
             protocol.VmUp: self.vm_up,
             protocol.VmDown: self.vm_down,
             protocol.VmPs: self.vm_ps,
+            protocol.VmSuspend: self.vm_suspend,
+            protocol.VmResume: self.vm_resume,
         }
 
     async def up(self, r: protocol.Up) -> protocol.SandboxAnswer:
@@ -616,9 +621,16 @@ class Daemon:
 
     async def vm_up(self, r: protocol.VmUp) -> protocol.VmAnswer:
         started = time.monotonic()
-        record = await self.vms.up(r.id, r.env, r.layers, r.disk_size, r.base_disk)
+        record = await self.vms.up(r.id, r.env, r.layers, r.disk_size, r.base_disk, r.pmem,
+                                   r.ram)
         events.vm_up(record, time.monotonic() - started)
         return protocol.VmAnswer(record)
+
+    async def vm_suspend(self, r: protocol.VmSuspend) -> protocol.VmAnswer:
+        return protocol.VmAnswer(await self.vms.suspend(r.id, r.name, r.version))
+
+    async def vm_resume(self, r: protocol.VmResume) -> protocol.VmAnswer:
+        return protocol.VmAnswer(await self.vms.resume(r.ref, r.id))
 
     async def vm_down(self, r: protocol.VmDown) -> protocol.VmAnswer:
         started = time.monotonic()

@@ -227,7 +227,8 @@ class DiskManager:
             raise DiskBusy(sid)
         return disk
 
-    async def commit(self, sid: str, name: str, version: str) -> DiskCommitAnswer:
+    async def commit(self, sid: str, name: str, version: str,
+                     chunk_size: int = 1 << 20) -> DiskCommitAnswer:
         disk = self._get(sid)
         async with disk.lock:  # a consistent cut of the log; writes wait briefly
             await trio.to_thread.run_sync(disk.sync, limiter=disk.io)
@@ -237,7 +238,7 @@ class DiskManager:
         parent = disk.state.base_ref or disk.state.base
         result = await trio.to_thread.run_sync(
             lambda: publish_disk(self.refstore, source, name, version, parent,
-                                 chunk_size=1 << 20))
+                                 chunk_size=chunk_size))
         disk.state.base, disk.state.base_ref, disk.state.commit_mark = (
             result.digest, result.ref, mark)
         await trio.to_thread.run_sync(WritableDisk.save_state, disk.path, disk.state)

@@ -1,5 +1,6 @@
-"""The FUSE adapter: ``ROOT/fuse`` with ``blobs/<layer hex>`` read-only files
-and ``disks/<id>`` read-write writable disks.
+"""The FUSE adapter: ``ROOT/fuse`` with ``blobs/<layer hex>`` read-only files,
+``disks/<id>`` read-write writable disks and ``pmem/<name>`` the blobs padded
+for a VMM to map (:mod:`.pmem`).
 
 Thin: every operation maps to :class:`~layerfs.node.blobfiles.BlobDirectory`,
 :class:`~layerfs.node.blobfiles.BlobFile`,
@@ -41,6 +42,7 @@ import trio
 from ..errors import LayerfsError
 from .blobfiles import BlobDirectory, Buffer
 from .diskmanager import DiskManager
+from .pmem import PmemDirectory
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -48,7 +50,8 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 ROOT = pyfuse3.ROOT_INODE
 BLOBS = 2
 DISKS = 3
-DIRS = {ROOT: {b"blobs": BLOBS, b"disks": DISKS}, BLOBS: {}, DISKS: {}}
+PMEM = 4
+DIRS = {ROOT: {b"blobs": BLOBS, b"disks": DISKS, b"pmem": PMEM}, BLOBS: {}, DISKS: {}, PMEM: {}}
 TIMEOUT = 3600.0
 ROOT_UID = 0
 DIR_MODE = 0o550
@@ -96,10 +99,11 @@ class NodeFS(pyfuse3.Operations):
     writable disks (read-write)."""
 
     def __init__(self, blobs: BlobDirectory, disks: DiskManager,
-                 fuse_group: int | None = None) -> None:
+                 fuse_group: int | None = None, pmem: PmemDirectory | None = None) -> None:
         super().__init__()
         self.blobs = blobs
         self.disks = disks
+        self.pmem = pmem or PmemDirectory()
         self.fuse_group = fuse_group  # the gid that may open files besides root
         self.gid = 0 if fuse_group is None else fuse_group
         self.restored = trio.Event()  # set once the daemon has restored blobs and disks
@@ -109,7 +113,8 @@ class NodeFS(pyfuse3.Operations):
         daemon gave out (see the module docstring): wait for it."""
         if self.restored.is_set() or inode in DIRS:
             return
-        if inode not in self.disks.by_inode and inode not in self.blobs.by_inode:
+        if (inode not in self.disks.by_inode and inode not in self.blobs.by_inode
+                and inode not in self.pmem.by_inode):
             await self.restored.wait()
 
     async def check_caller(self, ctx: Any) -> None:
@@ -145,7 +150,7 @@ class NodeFS(pyfuse3.Operations):
             attr.st_blocks = (disk.size + 511) // 512
             attr.entry_timeout = attr.attr_timeout = 1.0
             return attr
-        blob = self.blobs.by_inode.get(inode)
+        blob = self.blobs.by_inode.get(inode) or self.pmem.by_inode.get(inode)
         if blob is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         attr.st_mode = stat.S_IFREG | BLOB_MODE
@@ -160,6 +165,8 @@ class NodeFS(pyfuse3.Operations):
         if inode == DISKS:
             return sorted((sid.encode(), d.inode)
                           for sid, d in self.disks.disks.items())
+        if inode == PMEM:
+            return sorted((name.encode(), p.inode) for name, p in self.pmem.by_name.items())
         if inode in DIRS:
             return sorted(DIRS[inode].items())
         raise pyfuse3.FUSEError(errno.ENOTDIR)
@@ -200,7 +207,7 @@ class NodeFS(pyfuse3.Operations):
         await self.settle(inode)
         if inode in self.disks.by_inode:
             return pyfuse3.FileInfo(fh=inode, keep_cache=False)
-        if inode not in self.blobs.by_inode:
+        if inode not in self.blobs.by_inode and inode not in self.pmem.by_inode:
             raise pyfuse3.FUSEError(errno.EISDIR if inode in DIRS else errno.ENOENT)
         if flags & (os.O_WRONLY | os.O_RDWR):
             raise pyfuse3.FUSEError(errno.EROFS)
@@ -212,7 +219,7 @@ class NodeFS(pyfuse3.Operations):
         disk = self.disks.by_inode.get(fh)
         if disk is not None:
             return await disk.read(off, size)
-        blob = self.blobs.by_inode.get(fh)
+        blob = self.blobs.by_inode.get(fh) or self.pmem.by_inode.get(fh)
         if blob is None:
             raise pyfuse3.FUSEError(errno.EBADF)
         return await blob.read(off, size)

@@ -171,6 +171,21 @@ class VmUp(Request):
     layers: list[str] = field(default_factory=list)
     disk_size: int = DEFAULT_VM_DISK
     base_disk: str | None = None
+    pmem: str = ""  # the layers as pmem drives: "shared" or "private" (VM_PMEM); "": block
+    ram: int = 0  # bytes of guest RAM in a file the node keeps (what vm suspend needs)
+
+
+class VmSuspend(Request):
+    op = "vm-suspend"
+    id: str = ""
+    name: str = ""
+    version: str = ""
+
+
+class VmResume(Request):
+    op = "vm-resume"
+    ref: str = ""
+    id: str = ""
 
 
 class VmDown(Request):
@@ -185,7 +200,7 @@ class VmPs(Request):
 
 REQUESTS: dict[str, type[Request]] = {cls.op: cls for cls in (
     Ping, Up, Down, Ps, Commit, Stats, TracePush,
-    DiskCreate, DiskLs, DiskRm, DiskCommit, VmUp, VmDown, VmPs)}
+    DiskCreate, DiskLs, DiskRm, DiskCommit, VmUp, VmDown, VmPs, VmSuspend, VmResume)}
 
 
 def parse_request(data: object) -> Request:
@@ -382,19 +397,32 @@ class DiskCommitAnswer(Message):
 
 
 VM_DRIVE_ROLES = ("meta", "device", "disk")
+VM_PMEM = ("shared", "private")  # a vm's layers as pmem files other vms map too, or its own
 
 
 class VmDrive(Message):
     """One drive of a microVM, as Firecracker's drive API names its fields,
     and its role (:data:`VM_DRIVE_ROLES`): ``meta``, a layer's EROFS meta
     image (the guest's mount source); ``device``, a layer's lazy blob file
-    (the mount's ``device=``); ``disk``, the writable disk."""
+    (the mount's ``device=``); ``disk``, the writable disk. ``kind`` ``pmem``:
+    a file to map as a virtio-pmem device of ``size`` bytes (else a block
+    drive; both left out of the JSON then)."""
 
     drive_id: str
     path_on_host: str
     is_read_only: bool
     is_root_device: bool = False
     role: str = ""
+    kind: str = "block"
+    size: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        doc = super().to_json()
+        if self.kind == "block":
+            del doc["kind"]
+        if not self.size:
+            del doc["size"]
+        return doc
 
 
 class VmLayer(Message):
@@ -404,6 +432,21 @@ class VmLayer(Message):
     digest: str
     meta_drive: str
     device_drives: list[str]
+
+
+class VmRam(Message):
+    """A vm's guest RAM as a file the VMM maps (``vm up --ram``): a local
+    file mapped shared while it runs (what a suspend saves), or on a resumed
+    vm the snapshot's RAM served lazily (``ROOT/fuse/disks/ID-ram``, a
+    writable disk over it) and mapped shared too, with the device state to
+    load (``incoming``). ``qmp``:
+    the VMM's QMP socket, which ``vm suspend`` drives."""
+
+    path: str
+    size: int
+    share: bool
+    qmp: str
+    incoming: str = ""
 
 
 class VmRecord(Message):
@@ -419,13 +462,16 @@ class VmRecord(Message):
     created: float = 0.0
     error: str | None = None  # why it is broken
     offline: list[OfflineRef] = field(default_factory=list)  # refs the store did not resolve
+    pmem: str = ""  # its layers as pmem drives: shared or private (VM_PMEM); "": block
+    ram: VmRam | None = None  # its RAM file (vm up --ram, vm resume)
+    snapshot: str = ""  # the ref a vm suspend saved it as (state suspended)
 
     def to_json(self) -> dict[str, Any]:
         doc = super().to_json()
-        if self.error is None:
-            del doc["error"]
-        if not self.offline:
-            del doc["offline"]
+        for key, empty in (("error", None), ("offline", []), ("pmem", ""), ("ram", None),
+                           ("snapshot", "")):
+            if doc[key] == empty:
+                del doc[key]
         return doc
 
 

@@ -1,0 +1,236 @@
+"""microVM resume: a guest suspended into the store on one node root,
+resumed on fresh node roots, with and without the working-set prefetch.
+
+A QEMU guest (TCG, ``harness.guest``, ``--ram`` of RAM, default 512 MiB)
+boots on a ``vm up --ram`` drive set of a small layer, fills ``--touch`` of
+tmpfs with random bytes (memory the snapshot must hold) and waits for
+commands on its console. ``vm suspend`` saves it into a ``file://`` store
+under the work directory (measured: seconds, bytes stored against RAM).
+Then, per rep, on a fresh node root each (empty cache, a daemon of its
+own), a resume **without** the working set (the pushed trace removed from
+the store) and one **with** it (the trace the first resume pushed), the
+order alternating between reps; each measures
+
+* **ready**: ``vm resume``'s request to the daemon's log line that the
+  state is loaded and the guest runs (QEMU started right after the answer);
+* **first command**: the request to the guest's answer to its first
+  command (it reads a file of its tmpfs and a file of the layer);
+* **fetched**: bytes the node fetched from the store by then, against the
+  RAM size.
+
+Last, a resumed guest changes ``--change`` of memory and is suspended
+again: what that second snapshot stored, against what changed.
+
+Needs root and ``qemu-system-x86_64``. ``python -m bench.vm_resume [--reps 3]
+[--readahead 4M] [--out FILE]``; prints a table and writes
+bench/results/vm_resume.json (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+from bench import RESULTS, WORK, git_head
+from bench.daemons import DaemonRuns, clear_dir, print_footer
+from harness import guest
+from layerfs.builder.layer import BuildOptions, build_layer
+from layerfs.node.client import Client
+from layerfs.node.protocol import VmRecord
+from layerfs.node.traces import trace_key
+from layerfs.node.vmm import qemu_drive_args, qemu_ram_args
+from layerfs.refstore import RefStore
+from layerfs.sizes import parse_size
+from layerfs.store.file import FileStore
+
+MiB = 1 << 20
+OUT = RESULTS / "vm_resume.json"
+SCRIPT = """mkdir -p /l
+mount -t erofs -o ro,device=/dev/vdb /dev/vda /l || echo "GUEST-ERROR mount"
+dd if=/dev/urandom of=/tmp/fill bs=1M count={touch} status=none
+echo note > /tmp/note
+echo READY
+while read -r line; do
+    case "$line" in
+    cmd) echo "DONE $(cat /tmp/note) $(wc -c < /l/hello.txt)" ;;
+    change) dd if=/dev/urandom of=/tmp/change bs=1M count={change} status=none; echo CHANGED ;;
+    stop) break ;;
+    esac
+done
+"""
+
+
+def wait_log(node, text: str, timeout: float) -> float:
+    """When ``text`` showed up in the daemon's log (polled)."""
+    deadline = time.monotonic() + timeout
+    while text not in node.log():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {text!r} in {node.root}'s log")
+        time.sleep(0.01)
+    return time.monotonic()
+
+
+def start(kernel, initramfs: Path, vm: VmRecord, work: Path, name: str) -> guest.Guest:
+    assert vm.ram is not None
+    argv = guest.qemu_argv(kernel, initramfs, qemu_drive_args(vm.drives)
+                           + qemu_ram_args(vm.ram), memory_mb=vm.ram.size // MiB)
+    return guest.Guest(argv, work / f"{name}.log")
+
+
+def resume(runs: DaemonRuns, store_dir: Path, work: Path, kernel, initramfs: Path, ref: str,
+           name: str, oddities: list[str], timeout: float, keep: bool = False) -> dict:
+    """One resume on a fresh node root: its times and bytes fetched."""
+    root = clear_dir(work / f"root-{name}", oddities)
+    node = runs.start(root, name, ["--store", f"file://{store_dir}"])
+    client = Client(root)
+    t0 = time.monotonic()
+    vm = client.vm_resume(ref, name)
+    answered = time.monotonic()
+    g = start(kernel, initramfs, vm, work, name)
+    try:
+        ready = wait_log(node, f"vm {name} resumed from its snapshot", timeout)
+        g.send("cmd")
+        at, _ = g.wait_for(r"^DONE ", timeout)
+        first = g.times[at]
+        fetched = client.stats().cache.get("bytes_fetched", 0)
+        row = {"answer_s": round(answered - t0, 3), "ready_s": round(ready - t0, 3),
+               "first_command_s": round(first - t0, 3), "fetched_bytes": fetched,
+               "prefetched_working_set": f"vm {name}: prefetching the working set" in node.log()}
+        if keep:
+            return {"row": row, "node": node, "guest": g, "client": client}
+        wait_log(node, f"vm {name}: working set", 30) if not row[
+            "prefetched_working_set"] else None
+        g.send("stop")
+        g.finish(timeout)
+    finally:
+        if not keep:
+            g.stop()
+    client.vm_down(name)
+    runs.finish(node, remove_root=True)
+    return {"row": row}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--ram", default="512M")
+    ap.add_argument("--touch", default="64M", help="tmpfs the guest fills before the suspend")
+    ap.add_argument("--change", default="10M", help="memory changed before a second suspend")
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--work", type=Path, default=WORK / "vm_resume")
+    ap.add_argument("--readahead", default=None,
+                    help="the daemons' --readahead (the fault read-around of the RAM disk)")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    ram, touch, change = (parse_size(x) for x in (args.ram, args.touch, args.change))
+    t0 = time.monotonic()
+    oddities: list[str] = []
+    work = args.work.resolve()
+    clear_dir(work, oddities).mkdir(parents=True)
+    kernel = guest.guest_kernel()
+    store_dir = work / "store"
+    store_dir.mkdir()
+    store = FileStore(str(store_dir))
+    tree = work / "tree"
+    tree.mkdir()
+    (tree / "hello.txt").write_bytes(random.Random(1).randbytes(100_000))
+    built = build_layer(RefStore(store), str(tree), BuildOptions("bench/resume", "1"))
+    initramfs = guest.make_initramfs(work / "guest.cpio", kernel, SCRIPT.format(
+        touch=touch // MiB, change=change // MiB))
+    runs = DaemonRuns(work, oddities, cache_size="4G", daemon_args=(
+        ["--readahead", args.readahead] if args.readahead else []))
+    results: dict = {"without": [], "with": []}
+    try:
+        root = clear_dir(work / "root-first", oddities)
+        node = runs.start(root, "first", ["--store", f"file://{store_dir}"])
+        client = Client(root)
+        vm = client.vm_up("first", layers=[built.ref], disk_size=16 * MiB, ram=ram)
+        g = start(kernel, initramfs, vm, work, "first")
+        try:
+            g.wait_for(r"^READY", args.timeout)
+            started = time.monotonic()
+            client.vm_suspend("first", "bench/snap", "1")
+            suspend_s = time.monotonic() - started
+            g.proc.wait(60)
+        finally:
+            g.stop()
+        runs.finish(node, remove_root=True)
+        snap = RefStore(store).disk(RefStore(store).resolve("layers", "bench/snap@1"))
+        digest = RefStore(store).resolve("layers", "bench/snap@1")
+        trace: bytes | None = None
+        for rep in range(args.reps):
+            order = ("without", "with") if rep % 2 == 0 else ("with", "without")
+            for side in order:
+                assert side == "without" or trace is not None  # (rep 0's first pushes it)
+                if side == "without":
+                    store.delete(trace_key(digest)) if store.exists(trace_key(digest)) else None
+                else:
+                    store.put(trace_key(digest), trace)
+                row = resume(runs, store_dir, work, kernel, initramfs, "bench/snap@1",
+                             f"r{rep}{side[0]}", oddities, args.timeout)["row"]
+                results[side].append(row)
+                print(f"rep {rep} {side:7}: ready {row['ready_s']:.2f} s, first command "
+                      f"{row['first_command_s']:.2f} s, fetched "
+                      f"{row['fetched_bytes'] / MiB:.1f} MiB", flush=True)
+                if trace is None and store.exists(trace_key(digest)):
+                    trace = store.get(trace_key(digest))
+        second = second_suspend(runs, store_dir, work, kernel, initramfs, oddities, args)
+    finally:
+        runs.stop_all()
+    report(args, ram, touch, change, suspend_s, snap, results, second, runs, oddities,
+           time.monotonic() - t0)
+
+
+def second_suspend(runs, store_dir: Path, work: Path, kernel, initramfs: Path,
+                   oddities: list[str], args) -> dict:
+    """Resume, change memory, suspend again: what the second snapshot stored."""
+    got = resume(runs, store_dir, work, kernel, initramfs, "bench/snap@1", "again", oddities,
+                 args.timeout, keep=True)
+    node, g, client = got["node"], got["guest"], got["client"]
+    try:
+        g.send("change")
+        g.wait_for(r"^CHANGED", args.timeout)
+        client.vm_suspend("again", "bench/snap", "2")
+        g.proc.wait(60)
+    finally:
+        g.stop()
+    client.vm_down("again")
+    runs.finish(node, remove_root=True)
+    refstore = RefStore(FileStore(str(store_dir)))
+    m = refstore.disk(refstore.resolve("layers", "bench/snap@2"))
+    return {"stored_bytes": m.stats.stored_bytes, "file_bytes": m.stats.file_bytes}
+
+
+def report(args, ram: int, touch: int, change: int, suspend_s: float, snap, results: dict,
+           second: dict, runs: DaemonRuns, oddities: list[str], total: float) -> None:
+    med = {side: {k: statistics.median(r[k] for r in rows)
+                  for k in ("ready_s", "first_command_s", "fetched_bytes")}
+           for side, rows in results.items() if rows}
+    print(f"\n{ram // MiB} MiB RAM, {touch // MiB} MiB of it filled; suspend "
+          f"{suspend_s:.2f} s, stored {snap.stats.stored_bytes / MiB:.1f} MiB "
+          f"({snap.stats.file_bytes / MiB:.1f} MiB non-zero)")
+    print(f"{'resume':8} {'ready s':>8} {'1st cmd s':>10} {'fetched MiB':>12} {'of RAM':>7}")
+    for side, m in med.items():
+        print(f"{side:8} {m['ready_s']:8.2f} {m['first_command_s']:10.2f} "
+              f"{m['fetched_bytes'] / MiB:12.1f} {m['fetched_bytes'] / ram:7.1%}")
+    print(f"second suspend after changing {change // MiB} MiB: stored "
+          f"{second['stored_bytes'] / MiB:.1f} MiB ({second['stored_bytes'] / change:.1f}x)")
+    doc = {"commit": git_head(), "reps": args.reps, "ram_bytes": ram, "touched_bytes": touch,
+           "readahead": args.readahead,
+           "suspend_s": round(suspend_s, 3), "snapshot_stored_bytes": snap.stats.stored_bytes,
+           "snapshot_nonzero_bytes": snap.stats.file_bytes, "medians": med, "runs": results,
+           "second_suspend": {**second, "changed_bytes": change}, "oddities": oddities}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print_footer(runs.scan_logs(), oddities, f"{total:.0f} s")
+    print(f"wrote {args.out}")
+    shutil.rmtree(args.work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
