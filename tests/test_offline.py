@@ -12,21 +12,27 @@ import hashlib
 import json
 import os
 import re
+import signal
+import subprocess
 import time
+import uuid
 from contextlib import closing
 from pathlib import Path
 
 import pytest
+from conftest import TEST_BUCKET
 from nodes import NodeDaemon
 from storeaway import AwayStore
 from test_node import publish_base_env, settle
 
+from harness.daemonproc import LAYERFS
 from layerfs.builder.disk import build_disk
 from layerfs.builder.env import create_env
 from layerfs.errors import ObjectNotFound, StoreUnreachable
 from layerfs.node.diskmanager import BASE_KEPT
 from layerfs.node.replica import Replica
 from layerfs.refstore import ENVS, LAYERS, RefStore
+from layerfs.store import open_store
 from layerfs.store.base import TEMP_MARK
 from layerfs.store.file import FileStore
 
@@ -254,3 +260,57 @@ def test_disks_over_a_base_with_the_store_away(node, store, away_store, tmp_path
         away_store.back()
     for sid in ("d0", "d1", "d2", "d3"):
         node.cli("disk", "rm", sid)
+
+
+@pytest.fixture
+def hung_node(tmp_path, s3_server):
+    """Envs e@1 and f@1 in an S3 store the daemon reaches directly (no relay),
+    so that SIGSTOP of the server hangs every request: connections accepted,
+    nothing answered. The daemon waits for it at most 1 s (``--store-wait``)."""
+    url = f"s3://{TEST_BUCKET}/t/{uuid.uuid4().hex[:16]}"
+    store = open_store(url, s3_server.endpoint)
+    publish_base_env(tmp_path, store)
+    create_env(RefStore(store), "f", "1", ["base@1"])
+    store.close()
+    daemon = NodeDaemon(tmp_path / "node", ["--store", url, "--s3-endpoint", s3_server.endpoint],
+                        cache_size="64M", read_timeout=4.0)
+    daemon.extra_args = ["--store-wait", "1"]
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        left = daemon.cleanup()
+        assert left == [], f"mounts left behind: {left}"
+
+
+@pytest.mark.daemon_log(LOST)
+def test_ups_fall_back_together_when_the_store_hangs(hung_node, s3_server):
+    """A SIGSTOPped S3 server: the ups waiting on it fall back to the node's
+    resolution together, once --store-wait is up (one outage line, not one per
+    up); an env never resolved here fails with exit 8 saying so."""
+    node = hung_node
+    want = (Path(up(node, "e@1", "s0").stdout.strip()) / "data" / "file0").read_bytes()
+    wait_for_log(node, r"INFO layerfs\.node\.daemon: layerfs daemon ready")
+    os.kill(s3_server.process.pid, signal.SIGSTOP)
+    try:
+        argv = [*LAYERFS, "up", "e@1", "--prefetch", "none", "--root", str(node.root)]
+        started = time.monotonic()
+        procs = [subprocess.Popen([*argv, "--id", f"s{i}"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for i in range(1, 5)]
+        outs = [(p.wait(timeout=60), *p.communicate()) for p in procs]
+        took = time.monotonic() - started
+        for rc, stdout, stderr in outs:
+            assert rc == 0 and NOTE.match(stderr.strip()), stderr
+            assert (Path(stdout.strip()) / "data" / "file0").read_bytes() == want
+        never = up(node, "f@1", "s9", check=False)
+        assert never.returncode == StoreUnreachable.exit_code, never.stderr
+        line, = never.stderr.strip().splitlines()
+        assert "f@1 was never resolved on this node" in line, line
+        lost = re.findall(LOST, node.log())
+        assert len(lost) == 1, lost  # one outage, found once, for every waiting up
+        print(f"4 concurrent ups of a resolved env with the store hung: {took:.2f}s")
+    finally:
+        os.kill(s3_server.process.pid, signal.SIGCONT)
+    wait_for_log(node, r"INFO layerfs\.node\.storehealth: store \S+ reachable again")
+    for sid in ("s0", "s1", "s2", "s3", "s4"):
+        node.cli("down", sid)

@@ -69,6 +69,13 @@ def failure_status(command: Callable[..., None]) -> Callable[..., None]:
                    "or decompressed.")
 @click.option("--read-timeout", default=30.0, show_default=True,
               help="Seconds after which a read the store cannot serve fails with EIO.")
+@click.option("--store-wait", default=2.0, show_default=True, metavar="SECONDS",
+              help="How long an up waits for the store before it uses the node's last "
+                   "resolution (or, for a ref never resolved here, fails with exit 8).")
+@click.option("--lease-ttl", default=600.0, show_default=True, metavar="SECONDS",
+              help="How long the node's lease in the store (the layers its sandboxes and "
+                   "vms use, which gc keeps) outlives its last renewal; renewed every "
+                   "fifth of it.")
 @click.option("--readahead", default="4M", show_default=True,
               help="Kernel readahead window of the FUSE blob and disk files.")
 @click.option("--layer-readahead", default="1M", show_default=True,
@@ -117,7 +124,8 @@ def failure_status(command: Callable[..., None]) -> Callable[..., None]:
               type=click.Choice(["debug", "info", "warning", "error"]))
 @failure_status
 def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size: str,
-           reserve: str, cache_form: str, read_timeout: float, readahead: str, layer_readahead: str,
+           reserve: str, cache_form: str, read_timeout: float, store_wait: float,
+           lease_ttl: float, readahead: str, layer_readahead: str,
            miss_span: str, fetch_whole_below: str, local_blobs: str, store_fetches: int,
            fuse_group: str | None, takeover: bool,
            live_restart: bool, restart_grace: float, forget_after: str | None,
@@ -142,12 +150,16 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
         raise UsageError(f"--store-fetches {store_fetches}: at least 1")
     if not 0 <= restart_grace <= 86400:
         raise UsageError(f"--restart-grace {restart_grace:g}: between 0 and 86400 seconds")
+    if not 0 < store_wait <= 600:
+        raise UsageError(f"--store-wait {store_wait:g}: between 0 and 600 seconds")
+    if not 5 <= lease_ttl <= 7 * 86400:
+        raise UsageError(f"--lease-ttl {lease_ttl:g}: between 5 seconds and 7 days")
     if os.geteuid() != 0:
         raise UsageError("the daemon needs root (FUSE, EROFS and overlayfs mounts)")
     check_store_url(store_url)
     cfg = DaemonConfig(root=root, store_url=store_url, s3_endpoint=s3_endpoint,
                        cache_size=parse_size(cache_size), cache_form=cache_form,
-                       read_timeout=read_timeout,
+                       read_timeout=read_timeout, store_wait=store_wait, lease_ttl=lease_ttl,
                        readahead=parse_size(readahead),
                        layer_readahead=parse_size(layer_readahead),
                        miss_span=parse_size(miss_span), fetch_parallel=store_fetches,

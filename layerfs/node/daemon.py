@@ -84,7 +84,13 @@ from .replica import Replica
 from .rootspace import RootSpace, fs_usage, no_room_for
 from .sandboxes import Sandboxes
 from .snapstore import SnapshotStore
-from .storehealth import PROBE_TIMEOUT, StoreHealth, probe_store
+from .storehealth import (
+    DEFAULT_STORE_WAIT,
+    PROBE_TIMEOUT,
+    StoreHealth,
+    control_store,
+    probe_store,
+)
 from .tracereplay import pushed_trace
 from .traces import merge_traces, trace_bytes, trace_key
 from .vms import Vms
@@ -131,6 +137,8 @@ class DaemonConfig:
     cache_size: int = 20 << 30
     cache_form: str = "stored"  # a compressed chunk cached as its zstd frame, or "plain"
     read_timeout: float = 30.0
+    store_wait: float = DEFAULT_STORE_WAIT  # seconds an up waits for the store before falling back
+    lease_ttl: float = 600.0  # seconds the node's lease in the store outlives its last renewal
     fetch_parallel: int = 16
     fuse_background: int = 64  # background FUSE requests in flight (the kernel's default: 12)
     readahead: int = 4 << 20  # kernel readahead window of the blob and disk files
@@ -296,7 +304,11 @@ class Daemon:
         self.policy = Prefetcher(self.fetcher, cfg.miss_span)  # the core never calls it
         self.blobs = BlobDirectory(self.policy)
         # refs resolved through the store or, while it is away, the node's last resolution
-        self.refs = NodeRefs(self.refstore, self.replica, self.health)
+        control = control_store(CountingStore(open_store(
+            cfg.store_url, s3_endpoint=cfg.s3_endpoint, must_exist=True), self.store),
+            cfg.store_wait)
+        self.refs = NodeRefs(self.refstore, self.replica, self.health,
+                             RefStore(control, local=self.replica.manifest), cfg.store_wait)
         self.disks = DiskManager(self.root, self.refs, self.replica, self.blobs, self.fetcher)
         self.pmem = PmemDirectory()  # blobs padded for a VMM to map (vm up --pmem)
         # (counting the reads it answers with an error, for the metrics)
@@ -493,6 +505,7 @@ class Daemon:
             self.checker.close()
             self.replica.close()
             self.store.close()
+            self.refs.control.store.close()
             if ending == events.FAILED:
                 kept = (len(self.sandboxes.records), len(self.vms.records))
             events.stopped(ending, *kept)

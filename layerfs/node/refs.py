@@ -12,6 +12,11 @@ the node never resolved is :class:`~layerfs.errors.StoreUnreachable`. The
 store's own answer always wins: a ref the store says does not exist is
 forgotten by the node too (docs/node.md: the staleness rule).
 
+The store is asked through ``control``, a ref store with short timeouts and
+few retries, and waited for at most ``wait`` seconds (``--store-wait``:
+:meth:`.StoreHealth.bounded`); a store found away meanwhile ends every such
+wait at once.
+
 Runs in worker threads.
 """
 
@@ -19,17 +24,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import RefNotFound, StoreUnreachable, TransientStoreError
 from ..names import Ref
 from ..refstore import ENVS, LAYERS, RefStore
 from .protocol import OfflineRef
 from .replica import Replica
-from .storehealth import StoreHealth
+from .storehealth import DEFAULT_STORE_WAIT, StoreHealth
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -43,10 +50,13 @@ class Resolved:
 
 
 class NodeRefs:
-    def __init__(self, refstore: RefStore, replica: Replica, health: StoreHealth | None) -> None:
+    def __init__(self, refstore: RefStore, replica: Replica, health: StoreHealth | None,
+                 control: RefStore | None = None, wait: float = DEFAULT_STORE_WAIT) -> None:
         self.refstore = refstore
+        self.control = control or refstore  # refs and manifests: short timeouts
         self.replica = replica
         self.health = health
+        self.wait = wait
 
     def up_layers(self, env: str | None, layer_refs: list[str]) -> Resolved:
         """An env ref or layer refs → the layers to mount (and the env's config)."""
@@ -62,9 +72,10 @@ class NodeRefs:
         added to ``offline`` (and logged)."""
         ref = Ref.parse(text)
         if ref.digest is not None:
+            if self.replica.manifest(ref.digest) is not None:  # held: no store request
+                return self.control.resolve(kind, text)
             try:
-                digest = self.refstore.resolve(kind, text)
-                self._keep_manifest(digest)
+                digest = self._ask(lambda: self._by_digest(kind, text))
             except TransientStoreError as exc:  # a manifest the node does not hold
                 self._lost(exc)
                 raise never_resolved(exc, kind, text) from exc
@@ -74,7 +85,7 @@ class NodeRefs:
         if kept is not None and self.health is not None and not self.health.reachable:
             return self._use(kept.digest, kept.made, text, offline, "store unreachable")
         try:
-            digest = self.refstore.resolve(kind, text)
+            digest, manifest = self._ask(lambda: self._by_name(kind, text))
         except RefNotFound:
             if kept is not None:
                 self.replica.forget_resolution(kind, ref.name, ref.version)
@@ -88,8 +99,25 @@ class NodeRefs:
             return self._use(kept.digest, kept.made, text, offline, reason)
         if self.health is not None:
             self.health.answered()
-        self.replica.keep_resolution(kind, ref.name, ref.version, digest, time.time(),
-                                     self.refstore.manifest_bytes(digest))
+        self.replica.keep_resolution(kind, ref.name, ref.version, digest, time.time(), manifest)
+        return digest
+
+    def _ask(self, call: Callable[[], T]) -> T:
+        """``call()``, a store request, waited for at most ``--store-wait``."""
+        if self.health is None:
+            return call()
+        return self.health.bounded(call, self.wait)
+
+    def _by_name(self, kind: str, text: str) -> tuple[str, bytes]:
+        """The store's answer for ``text``: the manifest digest and bytes."""
+        digest = self.control.resolve(kind, text)
+        return digest, self.control.manifest_bytes(digest)
+
+    def _by_digest(self, kind: str, text: str) -> str:
+        """A digest ref checked (without the store if the node holds its manifest)."""
+        digest = self.control.resolve(kind, text)
+        if self.replica.manifest(digest) is None:
+            self.replica.keep_manifest(digest, self.control.manifest_bytes(digest))
         return digest
 
     def remember(self, kind: str, text: str, digest: str, made: float) -> None:
@@ -113,11 +141,6 @@ class NodeRefs:
         log.info("%s", used.note())
         offline.append(used)
         return digest
-
-    def _keep_manifest(self, digest: str) -> None:
-        """A digest ref's manifest, kept so that the ref resolves without the store."""
-        if self.replica.manifest(digest) is None:
-            self.replica.keep_manifest(digest, self.refstore.manifest_bytes(digest))
 
 
 def never_resolved(exc: TransientStoreError, kind: str, text: str) -> TransientStoreError:

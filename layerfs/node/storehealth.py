@@ -16,8 +16,17 @@ missing bucket, bad credentials, a store not writable), and the node serves
 what it has. A check that finds the store not answering is an outage as above,
 and the checks run again when it answers (at most ``START_CHECKS`` times).
 
-:meth:`StoreHealth.lost` and :meth:`StoreHealth.answered` may be called from
-worker threads; :meth:`StoreHealth.watch` runs on the trio loop.
+An ``up`` waits for the store at most ``--store-wait`` seconds
+(:meth:`StoreHealth.bounded`): its request runs in a thread of its own, and
+the ``up`` stops waiting when that time is up (the store is then found away:
+the outage line above) or as soon as the store is found away by anything
+else (another ``up``'s wait, the probe), so every waiting ``up`` falls back
+at once, not each after its own timeout. A request left behind ends by its
+own timeouts (the control store's: :func:`control_store`).
+
+:meth:`StoreHealth.lost`, :meth:`StoreHealth.answered` and
+:meth:`StoreHealth.bounded` may be called from worker threads;
+:meth:`StoreHealth.watch` runs on the trio loop.
 """
 
 from __future__ import annotations
@@ -26,10 +35,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import trio
 
-from ..errors import StoreUnreachable, TransientStoreError
+from ..errors import NoAnswerInTime, StoreUnreachable, TransientStoreError
 from ..store.base import RetryPolicy, Store
 from ..store.check import QuickCheck, quick_check
 
@@ -38,6 +48,10 @@ PROBE_KEY = "refs/probe"  # HEAD of a key that is never a ref: any answer, even 
 PROBE_TIMEOUT = 5.0  # seconds one probe may take
 PROBE_FIRST, PROBE_MAX = 0.5, 10.0  # seconds between probes while the store does not answer
 START_CHECKS = 3  # times the start's quick checks run again after the store stopped answering
+DEFAULT_STORE_WAIT = 2.0  # seconds an up waits for the store before it uses the node's resolution
+CONTROL_TIMEOUT = 5.0  # seconds without progress of a control request (a ref, a manifest)
+CONTROL_ATTEMPTS = 2
+T = TypeVar("T")
 
 
 class StoreHealth:
@@ -47,6 +61,8 @@ class StoreHealth:
         self.url = url
         self._open_probe = open_probe  # a store of its own: one attempt, a short timeout
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # an outage began, a bounded call ended
+        self._outages = 0  # outages so far: a waiter falls back when it changes
         self.reachable = True
         self.reason = ""
         self._down_since = 0.0
@@ -60,6 +76,8 @@ class StoreHealth:
                 return
             self.reachable, self.reason = False, exc.message()
             self._down_since = time.monotonic()
+            self._outages += 1
+            self._changed.notify_all()
         log.warning("store %s unreachable (%s); serving what this node has and checking "
                     "again in the background", self.url, self.reason)
         if self._token is not None:
@@ -79,6 +97,45 @@ class StoreHealth:
             self.reachable = True
             down = time.monotonic() - self._down_since
         log.info("store %s reachable again (after %.0fs)", self.url, down)
+
+    def bounded(self, call: Callable[[], T], wait: float) -> T:
+        """Worker thread: ``call()`` (a store request) in a thread of its own,
+        waited for at most ``wait`` seconds and no longer once the store is
+        found away meanwhile; then :class:`StoreUnreachable` (and, if it was
+        this wait that ran out, the store is found away: :meth:`lost`)."""
+        done: list[tuple[bool, Any]] = []
+
+        def run() -> None:
+            try:
+                outcome: tuple[bool, Any] = (True, call())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                outcome = (False, exc)
+            with self._lock:
+                done.append(outcome)
+                self._changed.notify_all()
+
+        deadline = time.monotonic() + wait
+        with self._lock:
+            outages = self._outages
+        threading.Thread(target=run, name="store-wait", daemon=True).start()
+        with self._lock:
+            while not done and self._outages == outages:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            if done:
+                ok, value = done[0]
+                if ok:
+                    return value  # type: ignore[no-any-return]
+                raise value
+            found_away = self._outages != outages
+            reason = self.reason
+        if found_away:
+            raise StoreUnreachable(reason.removeprefix("store unreachable: "))
+        exc = NoAnswerInTime(f"no answer within --store-wait {wait:g}s")
+        self.lost(exc)
+        raise exc
 
     async def watch(self) -> None:
         """For the daemon's life: probe at once, then again while the store does
@@ -136,6 +193,15 @@ def probe_once(store: Store) -> TransientStoreError | None:
     except Exception:  # noqa: BLE001 - any other answer (denied, an error reply) is an answer
         return None
     return None
+
+
+def control_store(store: Store, wait: float) -> Store:
+    """``store`` set up for an ``up``'s control requests (refs, manifests):
+    short timeouts (``CONTROL_TIMEOUT``, or ``wait`` if longer: an S3 request's
+    connect and read timeouts are at most that) and no long retries."""
+    store.set_timeout(max(CONTROL_TIMEOUT, wait))
+    store.retry = RetryPolicy(attempts=CONTROL_ATTEMPTS)
+    return store
 
 
 def probe_store(store: Store) -> Store:

@@ -17,12 +17,14 @@ from .base import ObjectInfo, Store
 
 
 class CountingStore(Store):
-    def __init__(self, inner: Store) -> None:
+    """``inner``, counted; with ``counted_with``, into that store's counts."""
+
+    def __init__(self, inner: Store, counted_with: CountingStore | None = None) -> None:
         self.inner = inner
         self.url = inner.url
         self.retry = inner.retry
-        self._counts: Counter[str] = Counter()
-        self._lock = threading.Lock()
+        self._counts: Counter[str] = counted_with._counts if counted_with else Counter()
+        self._lock = counted_with._lock if counted_with else threading.Lock()
 
     def __getattr__(self, name: str) -> Any:  # a backend's own extras (S3's bucket calls)
         return getattr(self.inner, name)
