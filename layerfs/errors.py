@@ -116,6 +116,12 @@ class RefNotFound(LayerfsError):
     exit_code = 5
 
 
+class Revoked(LayerfsError):
+    """{} is revoked{}: a node brings up nothing of it (`layerfs unrevoke` lifts it)"""
+
+    exit_code = 5  # withdrawn: as good as gone for a new up
+
+
 class IntegrityError(LayerfsError):
     """integrity check failed for {}: {}"""
 

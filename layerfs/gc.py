@@ -10,6 +10,13 @@ writes its ref (see docs/builder.md, "gc and concurrent pushes"). Temporary
 files of the file store (``.tmp~*``, left by a killed writer) older than the
 grace period are deleted too.
 
+What a live node lease names (:mod:`layerfs.leases`: the layers, envs'
+layers and disk chains a node's sandboxes, vms and disks use) is reached the
+same way, whatever the refs say, and reported as kept for that node and
+holder; a lease past its expiry keeps nothing (reported; deleted a day
+after it expired). A manifest a live lease names that the store no longer has
+is reported (that node's sandbox has lost its data), not set aside.
+
 Before the walk, refs whose expiry has passed are removed
 (:func:`layerfs.retention.expire_refs`; a layer an env names is kept), so the
 blobs only they reached are freed by the same run.
@@ -27,13 +34,37 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .errors import IntegrityError
+from .errors import IntegrityError, ObjectNotFound
+from .leases import Lease, lease_key, read_leases
 from .manifest import EnvManifest, manifest_head
 from .refstore import BAD_OBJECT, ENVS, LAYERS, RefStore, Unreadable
 from .retention import ExpiryReport, expire_refs
 from .store.base import BLOB_PREFIX, ObjectInfo, Store
 
 DEFAULT_GRACE = 3600.0
+LEASE_FORGET = 86400.0  # seconds after its expiry that gc deletes a lease
+
+
+@dataclass
+class KeptForLease:
+    """What gc kept for one holder of a live lease that no ref reaches."""
+
+    node: str
+    host: str
+    holder: str  # "sandbox s1"
+    digest: str  # the manifest the holder uses
+    blobs: int  # blobs reached through it and through no ref (nor an earlier holder)
+    gone: bool = False  # the store no longer has the manifest: the holder's data is lost
+
+    def to_json(self) -> dict:
+        return {"node": self.node, "host": self.host, "holder": self.holder,
+                "digest": self.digest, "blobs": self.blobs, "gone": self.gone}
+
+    def line(self) -> str:
+        where = f"node {self.node} ({self.host}) {self.holder}"
+        if self.gone:
+            return f"lease of {where} names {self.digest}, which the store no longer has"
+        return f"kept for {where}: {self.digest} ({self.blobs} blobs no ref reaches)"
 
 
 @dataclass
@@ -47,6 +78,9 @@ class GcReport:
     deleted_temporaries: int = 0
     unreadable: list[Unreadable] = field(default_factory=list)  # set aside; no blob deleted
     expiry: ExpiryReport = field(default_factory=lambda: ExpiryReport([], [], 0, []))
+    kept_for_leases: list[KeptForLease] = field(default_factory=list)
+    live_leases: list[str] = field(default_factory=list)  # node ids
+    expired_leases: list[dict] = field(default_factory=list)  # {"node", "expired", "deleted"}
 
     @property
     def swept(self) -> bool:
@@ -71,6 +105,15 @@ def reachable_blobs(refstore: RefStore, leave_out: set[tuple[str, str]] | None =
         found.unreadable += bad
         todo += [(entry.digest, f"{kind[:-1]} {entry}") for entry in entries
                  if (kind, str(entry)) not in (leave_out or set())]
+    _walk(refstore, todo, found)
+    return found
+
+
+def _walk(refstore: RefStore, todo: list[tuple[str, str]], found: Reachable,
+          missing_ok: bool = False) -> list[str]:
+    """Add to ``found`` what the manifests in ``todo`` reach; with ``missing_ok``
+    a missing manifest is returned, not set aside as unreadable."""
+    missing: list[str] = []
     while todo:
         digest, via = todo.pop()
         if digest in found.blobs:
@@ -78,9 +121,32 @@ def reachable_blobs(refstore: RefStore, leave_out: set[tuple[str, str]] | None =
         found.blobs.add(digest)
         try:
             _reach(refstore, digest, via, found.blobs, todo)
+        except ObjectNotFound as exc:
+            if not missing_ok:
+                found.unreadable.append(Unreadable(f"manifest {digest} of {via}", exc.message()))
+            missing.append(digest)
         except BAD_OBJECT as exc:
             found.unreadable.append(Unreadable(f"manifest {digest} of {via}", exc.message()))
-    return found
+    return missing
+
+
+def keep_leased(refstore: RefStore, leases: list[Lease], now: float, found: Reachable,
+                report: GcReport) -> None:
+    """Add what each live lease reaches to ``found``, each holder's share reported."""
+    for lease in leases:
+        if not lease.live(now):
+            continue
+        report.live_leases.append(lease.node)
+        for holder in lease.holders:
+            for digest in holder.digests:
+                before = len(found.blobs)
+                if digest in found.blobs:
+                    continue
+                missing = _walk(refstore, [(digest, f"lease {lease.node} {holder}")], found,
+                                missing_ok=True)
+                report.kept_for_leases.append(KeptForLease(
+                    lease.node, lease.host, str(holder), digest,
+                    len(found.blobs) - before - len(missing), digest in missing))
 
 
 def _reach(refstore: RefStore, digest: str, via: str, seen: set[str],
@@ -125,9 +191,14 @@ def collect(refstore: RefStore, dry_run: bool = True, grace: float = DEFAULT_GRA
     # (a dry run removed nothing: what would be reachable once it did)
     leave_out = {(e.kind, str(e)) for e in expiry.removed} if dry_run else set()
     found = reachable_blobs(refstore, leave_out) if leave_out else reachable_blobs(refstore)
-    live = found.blobs
-    report = GcReport(reachable=len(live), unreadable=found.unreadable, expiry=expiry)
+    report = GcReport(unreadable=found.unreadable, expiry=expiry)
     now = time.time()
+    leases, bad = read_leases(refstore.store)
+    report.unreadable += bad  # (what such a lease holds is unknown: no sweep)
+    keep_leased(refstore, leases, now, found, report)
+    _forget_expired(refstore.store, leases, now, dry_run, report)
+    live = found.blobs
+    report.reachable = len(live)
     for info in refstore.store.list(BLOB_PREFIX):
         digest = "sha256:" + info.key[len(BLOB_PREFIX):]
         if digest in live:
@@ -146,6 +217,19 @@ def collect(refstore: RefStore, dry_run: bool = True, grace: float = DEFAULT_GRA
             report.deleted_bytes += info.size
     _collect_temporaries(refstore.store, report, dry_run, now, cutoff)
     return report
+
+
+def _forget_expired(store: Store, leases: list[Lease], now: float, dry_run: bool,
+                    report: GcReport) -> None:
+    """Expired leases reported; those expired over ``LEASE_FORGET`` ago deleted."""
+    for lease in leases:
+        if lease.live(now):
+            continue
+        old = now - lease.expires > LEASE_FORGET
+        if old and not dry_run:
+            store.delete(lease_key(lease.node))
+        report.expired_leases.append({"node": lease.node, "host": lease.host,
+                                      "expired": lease.expires, "deleted": old and not dry_run})
 
 
 def _collect_temporaries(store: Store, report: GcReport, dry_run: bool, now: float,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from layerfs.gc import DEFAULT_GRACE, collect
+from layerfs.node.protocol import utc_time
 from layerfs.refstore import RefStore
 
 from .common import (
@@ -25,9 +26,10 @@ from .common import (
                    "above a minute).")
 @store_options
 def gc(out: Output, refstore: RefStore, dry_run: bool, grace: float) -> None:
-    """Delete blobs no layer or env ref reaches, and temporary files of interrupted writes.
-    A ref or manifest that cannot be read is named on an error line; gc then deletes
-    no blob (only old temporaries) and exits 6."""
+    """Delete blobs no layer or env ref reaches, and no live node lease (what the
+    nodes' sandboxes, vms and disks use), and temporary files of interrupted writes.
+    A ref, manifest or lease that cannot be read is named on an error line; gc then
+    deletes no blob (only old temporaries) and exits 6."""
     rep = collect(refstore, dry_run=dry_run, grace=grace)
     doc = {"dry_run": dry_run, "reachable": rep.reachable, "unreachable": rep.unreachable,
            "deleted": rep.deleted, "deleted_bytes": rep.deleted_bytes,
@@ -38,7 +40,10 @@ def gc(out: Output, refstore: RefStore, dry_run: bool, grace: float) -> None:
                      "bytes": rep.deleted_bytes},
            "expired": [f"{e.kind[:-1]} {e}" for e in rep.expiry.removed],
            "expired_in_use": rep.expiry.kept_in_use,
-           "stale_expiries": rep.expiry.stale, "unreadable_expiries": rep.expiry.unreadable}
+           "stale_expiries": rep.expiry.stale, "unreadable_expiries": rep.expiry.unreadable,
+           "live_leases": rep.live_leases,
+           "kept_for_leases": [k.to_json() for k in rep.kept_for_leases],
+           "expired_leases": rep.expired_leases}
     report_unreadable(rep.unreadable)
     for key in rep.expiry.unreadable:
         warn(f"expiry record {key} cannot be read: left alone")
@@ -48,6 +53,10 @@ def gc(out: Output, refstore: RefStore, dry_run: bool, grace: float) -> None:
         lines = [f"{'would remove' if dry_run else 'removed'} expired {e.kind[:-1]} {e}"
                  for e in rep.expiry.removed]
         lines += [f"kept expired layer {k}" for k in rep.expiry.kept_in_use]
+        lines += [k.line() for k in rep.kept_for_leases]
+        lines += [f"lease of node {e['node']} ({e['host']}) expired "
+                  f"{utc_time(e['expired'])}: keeps nothing"
+                  + ("; deleted" if e["deleted"] else "") for e in rep.expired_leases]
         lines += [f"{u['digest']} {human_bytes(u['size']):>10}  age {u['age_s']:.0f}s"
                  + ("  (kept: younger than --grace)" if u["young"] else "")
                  for u in rep.unreachable]

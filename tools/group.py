@@ -19,6 +19,7 @@ COMMANDS = {
     "build": "layers:build", "ls": "layers:ls", "inspect": "layers:inspect",
     "verify": "layers:verify", "rm": "layers:rm", "env": "envs:env", "import": "images:import_cmd",
     "gc": "gc:gc", "export": "exports:export", "store": "store:store",
+    "revoke": "revoke:revoke", "unrevoke": "revoke:unrevoke",
     "daemon": "node:daemon", "up": "node:up", "down": "node:down", "ps": "node:ps",
     "run": "run:run", "stats": "node:stats", "trace": "node:trace", "commit": "node:commit",
     "build-disk": "disks:build_disk_cmd", "disk": "disks:disk", "vm": "disks:vm",

@@ -8,8 +8,9 @@ from typing import Any
 import click
 
 from layerfs.builder.layer import BuildOptions, Progress, build_layer
-from layerfs.errors import VerifyFailed
+from layerfs.errors import LayerfsError, VerifyFailed
 from layerfs.inspect import env_report, layer_report, resolve_any
+from layerfs.leases import Held, Lease, holders_of, live_leases
 from layerfs.manifest import ROLES
 from layerfs.refstore import ENVS, LAYERS, RefStore
 from layerfs.retention import remove
@@ -194,8 +195,34 @@ def rm(out: Output, refstore: RefStore, refs: tuple[str, ...], force: bool) -> N
     both exist). A layer an env names is refused (exit 15) unless --force; envs
     given in the same command go first. The blobs are freed by the next gc."""
     done = remove(refstore, list(refs), force=force)
+    leases = live_leases(refstore.store)
     rows = [{"ref": f"{t.name}@{t.version}", "kind": t.kind[:-1], "digest": t.digest,
-             "removed": removed} for t, removed in done]
-    out.emit(rows, lambda: "\n".join(
-        f"removed {r['kind']} {r['ref']}" if r["removed"] else
-        f"kept {r['kind']} {r['ref']}: published again meanwhile" for r in rows))
+             "removed": removed, "held_by": [
+                 {"node": h.lease.node, "host": h.lease.host, "kind": h.holder.kind,
+                  "id": h.holder.id} for h in holders(refstore, leases, t.kind, t.digest)]}
+            for t, removed in done]
+
+    def text() -> str:
+        lines = []
+        for r in rows:
+            lines.append(f"removed {r['kind']} {r['ref']}" if r["removed"] else
+                         f"kept {r['kind']} {r['ref']}: published again meanwhile")
+            if r["held_by"]:
+                on = ", ".join(f"node {h['node']} ({h['host']}) {h['kind']} {h['id']}"
+                               for h in r["held_by"])
+                lines.append(f"  still held by {on}: gc keeps its data while their leases "
+                             f"live (`layerfs revoke` to refuse new ups of it)")
+        return "\n".join(lines)
+
+    out.emit(rows, text)
+
+
+def holders(refstore: RefStore, leases: list[Lease], kind: str, digest: str) -> list[Held]:
+    """Who holds a layer, or an env's layers (its manifest read if it can be)."""
+    layers = None
+    if kind == ENVS:
+        try:
+            layers = [layer.digest for layer in refstore.env(digest).layers]
+        except LayerfsError:
+            layers = None
+    return holders_of(leases, digest, layers)

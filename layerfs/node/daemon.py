@@ -45,6 +45,7 @@ import trio
 from ..cache.chunkcache import ChunkCache
 from ..errors import LayerfsError, RefNotFound, UsageError
 from ..formats.erofs import write_meta_image
+from ..leases import Holder
 from ..mounts import (
     fs_type,
     mount_erofs,
@@ -66,6 +67,7 @@ from .diskmanager import DiskManager
 from .fetcher import ChunkFetcher
 from .forget import LayerForgetter
 from .layermounts import LayerMounts
+from .leaser import Leaser, node_holders, node_id
 from .localblobs import LocalBlobs
 from .metacheck import MetaChecker
 from .metrics import (
@@ -104,6 +106,9 @@ PROBE = ".mount-probe"
 FUSE_OPTIONS = frozenset({*pyfuse3.default_options, "fsname=layerfs", "allow_other",
                           "default_permissions", "nosuid", "nodev"})
 HANDOVER = signal.SIGUSR2  # a successor takes the FUSE connection: exit, unmount nothing
+# the requests that change what the node holds: its lease is renewed after each
+LEASE_CHANGES = frozenset({protocol.Up, protocol.Down, protocol.DiskCreate, protocol.DiskRm,
+                           protocol.DiskCommit, protocol.VmUp, protocol.VmDown})
 RETIRE_TIMEOUT = 60.0  # seconds a --takeover waits for the running daemon to exit
 KEEPER_RESTART_INTERVAL = 10.0  # a keeper dying again this soon after a restart is left dead
 RESTARTS = "restarts"  # the replica's counter of live restarts (a FUSE connection taken over)
@@ -333,6 +338,8 @@ class Daemon:
                                             Path(cfg.containerd_snapshotter).absolute())
             self.snapshots.bind()
         self.handlers = self._handlers()
+        self.leaser = Leaser(control, self.replica, node_id(self.root), cfg.lease_ttl,
+                             self._holders)
         # live restarts so far, this one included (a crashed or retired daemon's connection)
         self.restarts = (self.replica.count(RESTARTS) if self.conn is not None
                          else self.replica.counter(RESTARTS))
@@ -462,6 +469,7 @@ class Daemon:
                 await self.disks.restore()
                 await self.vms.restore()  # after the disks: a vm's writable disk is one
                 self.fs.restored.set()
+                nursery.start_soon(self.leaser.run)  # (what was restored is held)
                 if self.cfg.forget_after is not None:
                     nursery.start_soon(self._forgetter(self.cfg.forget_after).run)
                 await nursery.start(ControlServer(self.root, self.handle).serve)
@@ -552,8 +560,15 @@ class Daemon:
         try:
             return await self.handlers[type(request)](request)
         finally:
+            if type(request) in LEASE_CHANGES:
+                self.leaser.changed()
             if self.accepting:  # (a stop's status stays)
                 self.notifier.set_status(self._status())
+
+    def _holders(self) -> list[Holder]:
+        return node_holders(self.sandboxes.records.values(), self.vms.records.values(),
+                            self.disks.ls(), self.snapshots.snapshotter.in_use()
+                            if self.snapshots is not None else [])
 
     def _status(self) -> str:
         """The service's STATUS= line (``systemctl status``): the sandbox count."""

@@ -10,7 +10,9 @@ it is away), the kept resolution is used and said on one line (INFO in the
 daemon's log, and to the caller through :class:`.protocol.OfflineRef`); a ref
 the node never resolved is :class:`~layerfs.errors.StoreUnreachable`. The
 store's own answer always wins: a ref the store says does not exist is
-forgotten by the node too (docs/node.md: the staleness rule).
+forgotten by the node too (docs/node.md: the staleness rule). A digest the
+node's copy of the revocation list names (an env, one of its layers, a
+layer) is :class:`~layerfs.errors.Revoked`, the store away or not.
 
 The store is asked through ``control``, a ref store with short timeouts and
 few retries, and waited for at most ``wait`` seconds (``--store-wait``:
@@ -28,10 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..errors import RefNotFound, StoreUnreachable, TransientStoreError
+from ..errors import IntegrityError, RefNotFound, Revoked, StoreUnreachable, TransientStoreError
+from ..leases import Revocation
 from ..names import Ref
 from ..refstore import ENVS, LAYERS, RefStore
-from .protocol import OfflineRef
+from .protocol import OfflineRef, utc_time
 from .replica import Replica
 from .storehealth import DEFAULT_STORE_WAIT, StoreHealth
 
@@ -63,11 +66,34 @@ class NodeRefs:
         offline: list[OfflineRef] = []
         if env:
             manifest = self.refstore.env(self.resolve(ENVS, env, offline))
+            for layer in manifest.layers:
+                self.check_revoked(f"layer {layer.digest} of env {env}", layer.digest)
             config = manifest.config.to_json() if manifest.config else None
             return Resolved([layer.digest for layer in manifest.layers], config, offline)
         return Resolved([self.resolve(LAYERS, ref, offline) for ref in layer_refs], None, offline)
 
+    def check_revoked(self, what: str, digest: str) -> None:
+        """:class:`Revoked` if the node's copy of the revocation list names ``digest``."""
+        raw = self.replica.revocation(digest)
+        if raw is None:
+            return
+        try:
+            revocation = Revocation.from_bytes(raw, f"revocation of {digest}")
+            detail = f" since {utc_time(revocation.revoked)}" + (
+                f" ({revocation.reason})" if revocation.reason else "")
+        except IntegrityError:
+            detail = ""
+        log.info("refused %s: revoked%s", what, detail)
+        raise Revoked(what, detail)
+
     def resolve(self, kind: str, text: str, offline: list[OfflineRef]) -> str:
+        """``text`` → manifest digest, unless revoked on this node (see :meth:`lookup`)."""
+        digest = self.lookup(kind, text, offline)
+        shown = text if text == digest else f"{text} ({digest})"
+        self.check_revoked(f"{kind[:-1]} {shown}", digest)
+        return digest
+
+    def lookup(self, kind: str, text: str, offline: list[OfflineRef]) -> str:
         """``text`` → manifest digest; a resolution made without the store is
         added to ``offline`` (and logged)."""
         ref = Ref.parse(text)

@@ -24,7 +24,8 @@ It also keeps what lets the node serve while the store is away: the
 manifests it used (env manifests included), by digest, handed out only if
 their bytes still match the digest (:meth:`Replica.manifest`), and its last
 resolution of each ``name@version`` it brought up, with the time the store
-gave it (:meth:`Replica.resolution`; the rule for using it is in docs/node.md).
+gave it (:meth:`Replica.resolution`; the rule for using it is in docs/node.md),
+and the store's revocation list as last copied (:meth:`Replica.revocation`).
 
 Thread safety: LMDB transactions are used from worker threads; LMDB
 serialises writers itself and readers never block.
@@ -58,7 +59,7 @@ from ..store.base import sha256_digest
 
 log = logging.getLogger(__name__)
 DBS = (b"layers", b"chunktables", b"sandboxes", b"traces", b"manifests", b"resolutions",
-       b"counters", b"snapshots", b"vms")
+       b"counters", b"snapshots", b"vms", b"revocations")
 MAX_DBS = 16  # room for more named databases: an existing replica opens with more
 RESOLUTION_REFRESH = 60.0  # seconds after which a resolution the store confirms is written again
 TMP_MARK = ".tmp"  # meta/<hex>.tmp<pid>-<thread>: a meta image being written
@@ -328,6 +329,24 @@ class Replica:
         """The store has no such ref (any more): the node forgets it too."""
         self._write(lambda txn: txn.delete(resolution_key(kind, name, version),
                                            db=self.dbs["resolutions"]))
+
+    # -- revocations (layerfs.leases) --
+    def keep_revocations(self, revocations: dict[str, bytes]) -> None:
+        """The store's revocation list (digest → its document), replacing the one kept."""
+        def change(txn: lmdb.Transaction) -> None:
+            db = self.dbs["revocations"]
+            for key in [bytes(k) for k, _ in txn.cursor(db=db)]:
+                if key.decode() not in revocations:
+                    txn.delete(key, db=db)
+            for digest, doc in revocations.items():
+                txn.put(digest.encode(), doc, db=db)
+        self._write(change)
+
+    def revocation(self, digest: str) -> bytes | None:
+        """The kept revocation of ``digest``, if it is revoked."""
+        with self.env.begin() as txn:
+            raw = txn.get(digest.encode(), db=self.dbs["revocations"])
+        return None if raw is None else bytes(raw)
 
     # -- sandboxes --
     def put_sandbox(self, sid: str, record: dict) -> None:

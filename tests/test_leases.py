@@ -1,0 +1,156 @@
+"""Node leases and revocations, on both store backends: what a node's sandboxes
+and vms use is in its lease, so `rm` + `gc --grace 0` leaves them reading
+(gc says what it kept and for whom, `rm` who still holds the layer); once they
+are down gc frees it. A revoked env or layer is refused by the node's next
+`up`, its store away or not, and `revoke` names the sandboxes still on it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from harness.daemonproc import LAYERFS
+from nodes import NodeDaemon
+from storeaway import AwayStore
+from test_node import CHUNK, publish_base_env
+
+from layerfs.errors import Revoked
+from layerfs.leases import Lease, lease_key
+from layerfs.refstore import ENVS, LAYERS, RefStore
+from layerfs.store.base import Store
+
+TTL = "5"  # seconds: the node renews every second
+LOST = r"WARNING layerfs\.node\.storehealth: store \S+ unreachable \(.*\); serving what"
+
+
+@pytest.fixture
+def away_store(store_location):
+    reachable = AwayStore(store_location.url, store_location.endpoint)
+    yield reachable
+    reachable.close()
+
+
+@pytest.fixture
+def node(tmp_path, store, away_store):
+    """Env e@1 (layers up@1 over base@1) and a daemon on it with a 5 s lease."""
+    publish_base_env(tmp_path, store)
+    daemon = NodeDaemon(tmp_path / "node", away_store.cli_args(), cache_size="64M",
+                        read_timeout=4.0)
+    daemon.extra_args = ["--lease-ttl", TTL]
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        left = daemon.cleanup()
+        assert left == [], f"mounts left behind: {left}"
+
+
+def cli(store_args: list[str], *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([*LAYERFS, *args, *store_args], capture_output=True, text=True,
+                          timeout=120)
+    assert not check or proc.returncode == 0, proc.stderr
+    return proc
+
+
+def node_id(node: NodeDaemon) -> str:
+    return (node.root / "node-id").read_text().strip()
+
+
+def lease(store: Store, node: NodeDaemon) -> Lease:
+    key = lease_key(node_id(node))
+    return Lease.from_bytes(store.get(key), key)
+
+
+def renewed(store: Store, node: NodeDaemon, timeout: float = 20.0) -> Lease:
+    """The node's lease once it has been written twice more (so that the
+    revocations read after the first of them are in the node's replica)."""
+    deadline = time.monotonic() + timeout
+    since = time.time()
+    for _ in range(2):
+        while (got := lease(store, node)).renewed <= since:
+            assert time.monotonic() < deadline, "the node's lease is not renewed"
+            time.sleep(0.1)
+        since = got.renewed
+    return got
+
+
+def read_tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_symlink()}
+
+
+def test_gc_keeps_what_a_running_sandbox_and_a_vm_use(node, store, store_args, tmp_path):
+    rootfs = Path(node.cli("up", "e@1", "--id", "s1", "--prefetch", "none").stdout.strip())
+    vm = json.loads(node.cli("vm", "up", "e@1", "--id", "v1", "--disk-size", "1M",
+                             "--json").stdout)
+    devices = [Path(d["path_on_host"]) for d in vm["drives"] if d["role"] == "device"]
+    refstore = RefStore(store)
+    env = refstore.env(refstore.resolve(ENVS, "e@1"))
+    held = {h.kind + " " + h.id: h for h in renewed(store, node).holders}
+    layers = [layer.digest for layer in env.layers]
+    assert list(held["sandbox s1"].digests) == layers and list(held["vm v1"].digests) == layers
+
+    removed = cli(store_args, "rm", "e@1", "up@1", "base@1").stdout
+    who = f"node {node_id(node)} "
+    assert re.search(rf"removed layer base@1\n  still held by {who}\(\S+\) sandbox s1, "
+                     rf"{who}\(\S+\) vm v1", removed), removed
+    doc = json.loads(cli(store_args, "gc", "--grace", "0", "--json").stdout)
+    kept = {(k["holder"], k["digest"]) for k in doc["kept_for_leases"]}
+    assert kept == {("sandbox s1", d) for d in layers}, doc["kept_for_leases"]
+    assert all(k["blobs"] > 2 and not k["gone"] for k in doc["kept_for_leases"])
+    assert node_id(node) in doc["live_leases"]
+    text = cli(store_args, "gc", "--grace", "0").stdout
+    assert f"kept for {who}" in text and "sandbox s1: sha256:" in text
+
+    # every byte still reads, though no ref reaches it: in the sandbox, and the vm's devices
+    base = tmp_path / "base" / "data"
+    assert read_tree(rootfs / "data") == read_tree(base)
+    sizes = [(len(device.read_bytes()), device.stat().st_size) for device in devices]
+    assert all(got == size for got, size in sizes) and sum(s for s, _ in sizes) > CHUNK, sizes
+
+    node.cli("down", "s1")
+    node.cli("vm", "down", "v1")
+    assert renewed(store, node).holders == []
+    freed = json.loads(cli(store_args, "gc", "--grace", "0", "--json").stdout)
+    assert freed["kept_for_leases"] == [] and freed["deleted"] > 0
+    assert not [d for d in layers if store.exists("blobs/sha256/" + d[7:])]
+
+
+@pytest.mark.daemon_log(LOST)
+def test_a_revoked_env_or_layer_is_refused_with_the_store_away(node, store, store_args,
+                                                                away_store):
+    node.cli("up", "e@1", "--id", "s1", "--prefetch", "none")
+    renewed(store, node)  # (s1 in the node's lease)
+    refstore = RefStore(store)
+    digest = refstore.resolve(LAYERS, "up@1")
+    made = cli(store_args, "revoke", "up@1", "--reason", "leaked key").stdout
+    assert made.startswith(f"revoked layer up@1 ({digest}): nodes refuse new ups of it"), made
+    assert f"still on it: node {node_id(node)} " in made and "sandbox s1" in made
+    assert "layerfs down --force s1" in made
+    renewed(store, node)
+    refused = node.cli("up", "e@1", "--id", "s2", check=False)
+    assert refused.returncode == Revoked.exit_code, refused.stderr
+    line, = refused.stderr.strip().splitlines()
+    assert f"layer {digest} of env e@1 is revoked since " in line and "leaked key" in line
+    env_digest = refstore.resolve(ENVS, "e@1")
+    away_store.away()
+    try:
+        for args in (["e@1"], [env_digest], ["--layer", digest]):
+            again = node.cli("up", *args, "--id", "s3", check=False)
+            assert again.returncode == Revoked.exit_code, (args, again.stderr)
+        vm = node.cli("vm", "up", "e@1", "--id", "v1", "--disk-size", "1M", check=False)
+        assert vm.returncode == Revoked.exit_code, vm.stderr
+        assert "s1" in node.cli("ps").stdout  # what was up stays up, for an operator
+    finally:
+        away_store.back()
+    node.cli("down", "--force", "s1")
+    cli(store_args, "unrevoke", "up@1")
+    renewed(store, node)
+    node.cli("up", "e@1", "--id", "s4", "--prefetch", "none")
+    node.cli("down", "s4")
+    gone = cli(store_args, "unrevoke", "up@1", check=False)
+    assert gone.returncode == 5 and "is not revoked" in gone.stderr
