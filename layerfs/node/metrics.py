@@ -185,6 +185,9 @@ class NodeMetrics:
         self.store_errors = Counter("layerfs_store_errors_total",
                                     "store reads that failed, by kind", ["kind"],
                                     registry=self.registry)
+        self.data_lost = Counter("layerfs_sandbox_data_lost_total",
+                                 "sandboxes found using a layer whose data the store no "
+                                 "longer has, by layer", ["layer"], registry=self.registry)
 
     def read_from(self, readings: NodeReadings) -> None:
         self.registry.register(NodeCollector(readings))
