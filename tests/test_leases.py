@@ -6,14 +6,17 @@ are down gc frees it. A revoked env or layer is refused by the node's next
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 from harness.daemonproc import LAYERFS
+from harness.s3server import free_ports
 from nodes import NodeDaemon
 from storeaway import AwayStore
 from test_node import CHUNK, publish_base_env
@@ -154,3 +157,36 @@ def test_a_revoked_env_or_layer_is_refused_with_the_store_away(node, store, stor
     node.cli("down", "s4")
     gone = cli(store_args, "unrevoke", "up@1", check=False)
     assert gone.returncode == 5 and "is not revoked" in gone.stderr
+
+
+@pytest.mark.daemon_log(r"ERROR layerfs\.node\.dataloss: sandbox s[12]: the data of its layer ",
+                        r"ERROR layerfs\.node\.fetcher: chunk \w+: object not found",
+                        r"ERROR layerfs\.node\.fusefs: ")
+def test_a_sandbox_whose_data_is_gone_says_so(node, store, tmp_path):
+    """Its packs deleted behind the node's back (here by hand; a gc that knew
+    no lease, a lost volume): the read fails, and ps, the log and the metric
+    say which sandbox lost which layer."""
+    port = free_ports(1)[0]
+    node.stop()
+    node.extra_args += ["--metrics", f"127.0.0.1:{port}"]
+    node.start()
+    rootfs = Path(node.cli("up", "e@1", "--id", "s1", "--prefetch", "none").stdout.strip())
+    node.cli("up", "e@1", "--id", "s2", "--prefetch", "none")
+    refstore = RefStore(store)
+    base = refstore.resolve(LAYERS, "base@1")
+    for pack in refstore.chunk_table(refstore.layer(base)).packs():
+        store.delete("blobs/sha256/" + pack.removeprefix("sha256:"))
+    with pytest.raises(OSError) as failed:
+        (rootfs / "data" / "file2").read_bytes()
+    assert failed.value.errno == errno.EIO
+    states = {r["id"]: r["state"] for r in node.request("ps")["sandboxes"]}
+    assert states == {"s1": "data_lost", "s2": "data_lost"}, states
+    assert re.search(r"s1 +data_lost ", node.cli("ps").stdout)
+    assert re.search(rf"ERROR layerfs\.node\.dataloss: sandbox s1: the data of its layer "
+                     rf"{base} \(e@1\) is gone from the store \(pack sha256:\w+ missing\)",
+                     node.log())
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        metrics = reply.read().decode()
+    assert f'layerfs_sandbox_data_lost_total{{layer="{base}"}} 2.0' in metrics, metrics
+    node.cli("down", "s1")
+    node.cli("down", "s2")

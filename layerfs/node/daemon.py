@@ -63,6 +63,7 @@ from . import events, fuseconn, protocol, systemd
 from .blobfiles import BlobDirectory
 from .control import DEFAULT_ROOT, DaemonNotRunning, call, socket_path
 from .controlserver import ControlServer
+from .dataloss import DataLoss, NodeUsers
 from .diskmanager import DiskManager
 from .fetcher import ChunkFetcher
 from .forget import LayerForgetter
@@ -345,6 +346,12 @@ class Daemon:
                          else self.replica.counter(RESTARTS))
         self.metrics = NodeMetrics()
         self.metrics_server: MetricsServer | None = None
+        self.dataloss = DataLoss(NodeUsers(
+            tables=lambda: [(b.digest, b.table.packs()) for b in self.blobs.by_name.values()],
+            sandboxes=lambda: self.sandboxes.records.values(),
+            vms=lambda: self.vms.records.values()),
+            counted=lambda layer: self.metrics.data_lost.labels(layer).inc())
+        self.fetcher.pack_missing = self.dataloss.pack_missing
         if cfg.metrics is not None:
             self._serve_metrics(cfg.metrics)
         self.notifier = systemd.Notifier()  # READY, STATUS, STOPPING for systemd (Type=notify)
@@ -614,6 +621,7 @@ class Daemon:
         started = time.monotonic()
         try:
             record = await self.sandboxes.down(r.id, r.keep_upper, r.force)
+            self.dataloss.forget(r.id)
             names = await trio.to_thread.run_sync(events.layer_names, self.replica,
                                                   record.layers)
             events.sandbox_down(record, names, time.monotonic() - started)
@@ -623,6 +631,8 @@ class Daemon:
 
     async def ps(self, r: protocol.Ps) -> protocol.PsAnswer:
         sandboxes = await self.sandboxes.ps(r.id)
+        for row in sandboxes:
+            row.state = self.dataloss.state(row.id, row.state)
         if self.snapshots is None or r.id is not None:
             return protocol.PsAnswer(sandboxes)
         count, rows = await trio.to_thread.run_sync(self.snapshots.snapshotter.ps_rows)
@@ -663,6 +673,7 @@ class Daemon:
     async def vm_down(self, r: protocol.VmDown) -> protocol.VmAnswer:
         started = time.monotonic()
         record = await self.vms.down(r.id, r.keep)
+        self.dataloss.forget(r.id)
         events.vm_down(record, time.monotonic() - started)
         return protocol.VmAnswer(record)
 

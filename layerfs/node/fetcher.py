@@ -38,7 +38,7 @@ import trio
 from ..cache.chunkcache import ChunkCache
 from ..cache.chunkfile import Chunk
 from ..chunks import FetchedChunk, fetch_chunk_frame, fetch_run_frames, pack_runs
-from ..errors import IntegrityError, LayerfsError, StoreError, StoreUnreachable
+from ..errors import IntegrityError, LayerfsError, ObjectNotFound, StoreError, StoreUnreachable
 from ..formats.chunktable import ChunkEntry
 from ..ratelog import RateLimitedLog
 from ..store.base import Store, blob_key
@@ -94,6 +94,7 @@ class ChunkFetcher:
         self.fail_fast = FailFast()
         self.store_log = RateLimitedLog(log)  # a store outage fails every read: one line a minute
         self.fetch_timed: Callable[[float], None] = lambda seconds: None  # a store read's duration
+        self.pack_missing: Callable[[str], None] = lambda pack: None  # the store has no such pack
         self._reader_fetches = 0  # store reads that readers (or an eager up) wait for
         self._quiet = trio.lowlevel.ParkingLot()  # woken when they drop to QUIET
 
@@ -289,6 +290,8 @@ class ChunkFetcher:
             self.fail_fast.answered(trio.current_time())
             self.fail_fast.pack_failed(pack, trio.current_time(), str(exc))
             self.store_log.error(type(exc).__name__, "%s: %s", where, exc)
+            if isinstance(exc, ObjectNotFound):
+                self.pack_missing(pack)
             raise FetchError(where, str(exc)) from exc
         except LayerfsError as exc:
             log.error("%s: %s", where, exc)
