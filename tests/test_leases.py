@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import subprocess
 import time
@@ -15,15 +16,19 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from harness.daemonproc import LAYERFS
-from harness.s3server import free_ports
 from nodes import NodeDaemon
 from storeaway import AwayStore
+from support import build
 from test_node import CHUNK, publish_base_env
 
+from harness.daemonproc import LAYERFS
+from harness.s3server import free_ports
+from layerfs.builder.disk import build_disk
 from layerfs.errors import Revoked
-from layerfs.leases import Lease, lease_key
+from layerfs.gc import collect
+from layerfs.leases import Holder, Lease, lease_key, write_lease
 from layerfs.refstore import ENVS, LAYERS, RefStore
+from layerfs.retention import remove
 from layerfs.store.base import Store
 
 TTL = "5"  # seconds: the node renews every second
@@ -190,3 +195,58 @@ def test_a_sandbox_whose_data_is_gone_says_so(node, store, tmp_path):
     assert f'layerfs_sandbox_data_lost_total{{layer="{base}"}} 2.0' in metrics, metrics
     node.cli("down", "s1")
     node.cli("down", "s2")
+
+
+def test_gc_keeps_a_vms_drive_chain(node, store, store_args, tmp_path):
+    """A vm over a disk chain (a commit over a sealed base): both refs removed,
+    gc keeps the chain for the vm's writable disk, and the disk reads the same."""
+    image = tmp_path / "base.img"
+    image.write_bytes(os.urandom(3 << 20))
+    build_disk(RefStore(store), str(image), "vmbase", "1")
+    node.cli("disk", "create", "d1", "--base", "vmbase@1")
+    with open(node.root / "fuse" / "disks" / "d1", "r+b") as f:
+        f.write(os.urandom(1 << 16))
+    node.cli("disk", "commit", "d1", "--name", "vmcommit", "--version", "1")
+    node.cli("disk", "rm", "d1")
+    vm = json.loads(node.cli("vm", "up", "--id", "v1", "--base-disk", "vmcommit@1",
+                             "--json").stdout)
+    disk = Path(vm["drives"][-1]["path_on_host"])
+    top = RefStore(store).resolve(LAYERS, "vmcommit@1")
+    held = {str(h): h for h in renewed(store, node).holders}
+    assert held["disk v1-rw"].digests == (top,), held
+    cli(store_args, "rm", "vmcommit@1", "vmbase@1")
+    doc = json.loads(cli(store_args, "gc", "--grace", "0", "--json").stdout)
+    kept, = doc["kept_for_leases"]
+    assert (kept["holder"], kept["digest"]) == ("disk v1-rw", top) and kept["blobs"] > 3, kept
+    assert disk.read_bytes()[(1 << 16):] == image.read_bytes()[(1 << 16):]
+    node.cli("vm", "down", "v1")
+
+
+def test_gc_and_expired_or_unreadable_leases(store, tmp_path):
+    """A lease past its expiry keeps nothing (deleted a day after); one that
+    cannot be read stops the sweep, as an unreadable ref does."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(os.urandom(200_000))
+    refstore = RefStore(store)
+    digest = build(store, str(src), name="t").digest
+    now = time.time()
+    old = Lease("gone-node", "h1", now - 3 * 86400, now - 2 * 86400,
+                [Holder("sandbox", "s1", (digest,))])
+    late = Lease("late-node", "h2", now - 20, now - 10, [Holder("sandbox", "s2", (digest,))])
+    for lease in (old, late):
+        write_lease(store, lease)
+    remove(refstore, ["t@1"])
+    report = collect(refstore, dry_run=False, grace=0)
+    assert report.kept_for_leases == [] and report.deleted > 2 and report.swept
+    assert {(e["node"], e["deleted"]) for e in report.expired_leases} == {
+        ("gone-node", True), ("late-node", False)}
+    assert store.head(lease_key("gone-node")) is None
+    assert store.head(lease_key("late-node")) is not None
+
+    store.put(lease_key("bad-node"), b"not json")
+    digest = build(store, str(src), name="u").digest
+    remove(refstore, ["u@1"])
+    report = collect(refstore, dry_run=False, grace=0)
+    assert not report.swept and report.deleted == 0
+    assert [u.what for u in report.unreadable] == ["lease bad-node"]
