@@ -339,8 +339,10 @@ class Daemon:
                                             Path(cfg.containerd_snapshotter).absolute())
             self.snapshots.bind()
         self.handlers = self._handlers()
-        self.leaser = Leaser(control, self.replica, node_id(self.root), cfg.lease_ttl,
-                             self._holders)
+        # (a store of its own: its requests are not the up's, not counted in stats)
+        self.leaser = Leaser(control_store(open_store(cfg.store_url, s3_endpoint=cfg.s3_endpoint,
+                                                      must_exist=True), cfg.store_wait),
+                             self.replica, node_id(self.root), cfg.lease_ttl, self._holders)
         # live restarts so far, this one included (a crashed or retired daemon's connection)
         self.restarts = (self.replica.count(RESTARTS) if self.conn is not None
                          else self.replica.counter(RESTARTS))
@@ -521,6 +523,7 @@ class Daemon:
             self.replica.close()
             self.store.close()
             self.refs.control.store.close()
+            self.leaser.store.close()
             if ending == events.FAILED:
                 kept = (len(self.sandboxes.records), len(self.vms.records))
             events.stopped(ending, *kept)
