@@ -199,7 +199,11 @@ def control_store(store: Store, wait: float) -> Store:
     """``store`` set up for an ``up``'s control requests (refs, manifests):
     short timeouts (``CONTROL_TIMEOUT``, or ``wait`` if longer: an S3 request's
     connect and read timeouts are at most that) and no long retries."""
-    store.set_timeout(max(CONTROL_TIMEOUT, wait))
+    seconds = max(CONTROL_TIMEOUT, wait)
+    store.set_timeout(seconds)
+    inner = getattr(store, "inner", None)  # a CountingStore's backend: its socket timeouts
+    if isinstance(inner, Store):
+        inner.set_timeout(seconds)
     store.retry = RetryPolicy(attempts=CONTROL_ATTEMPTS)
     return store
 
