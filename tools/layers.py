@@ -196,20 +196,20 @@ def rm(out: Output, refstore: RefStore, refs: tuple[str, ...], force: bool) -> N
     given in the same command go first. The blobs are freed by the next gc."""
     done = remove(refstore, list(refs), force=force)
     leases = live_leases(refstore.store)
+    held = [holders(refstore, leases, t.kind, t.digest) for t, _ in done]
     rows = [{"ref": f"{t.name}@{t.version}", "kind": t.kind[:-1], "digest": t.digest,
              "removed": removed, "held_by": [
                  {"node": h.lease.node, "host": h.lease.host, "kind": h.holder.kind,
-                  "id": h.holder.id} for h in holders(refstore, leases, t.kind, t.digest)]}
-            for t, removed in done]
+                  "id": h.holder.id} for h in by]}
+            for (t, removed), by in zip(done, held, strict=True)]
 
     def text() -> str:
         lines = []
-        for r in rows:
+        for r, by in zip(rows, held, strict=True):
             lines.append(f"removed {r['kind']} {r['ref']}" if r["removed"] else
                          f"kept {r['kind']} {r['ref']}: published again meanwhile")
-            if r["held_by"]:
-                on = ", ".join(f"node {h['node']} ({h['host']}) {h['kind']} {h['id']}"
-                               for h in r["held_by"])
+            if by:
+                on = ", ".join(str(h) for h in by)
                 lines.append(f"  still held by {on}: gc keeps its data while their leases "
                              f"live (`layerfs revoke` to refuse new ups of it)")
         return "\n".join(lines)

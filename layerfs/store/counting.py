@@ -24,7 +24,7 @@ class CountingStore(Store):
         self.url = inner.url
         self.retry = inner.retry
         self._counts: Counter[str] = counted_with._counts if counted_with else Counter()
-        self._lock = counted_with._lock if counted_with else threading.Lock()
+        self._lock: threading.Lock = counted_with._lock if counted_with else threading.Lock()
 
     def __getattr__(self, name: str) -> Any:  # a backend's own extras (S3's bucket calls)
         return getattr(self.inner, name)
