@@ -126,7 +126,8 @@ def test_metrics_move_with_the_work(metered, tmp_path):
 
 
 @pytest.mark.daemon_log(r"ERROR layerfs\.node\.fusefs: read: cannot read chunk",
-                        r"ERROR layerfs\.node\.fetcher: chunk \S+: object not found in store")
+                        r"ERROR layerfs\.node\.fetcher: chunk \S+: object not found in store",
+                        r"ERROR layerfs\.node\.dataloss: sandbox s1: the data of its layer ")
 def test_store_errors_are_counted_by_kind(metered, store):
     node = metered
     node.cli("up", "e@1", "--id", "s1")
