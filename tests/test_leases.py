@@ -250,3 +250,23 @@ def test_gc_and_expired_or_unreadable_leases(store, tmp_path):
     report = collect(refstore, dry_run=False, grace=0)
     assert not report.swept and report.deleted == 0
     assert [u.what for u in report.unreadable] == ["lease bad-node"]
+
+
+@pytest.mark.daemon_log(LOST)
+def test_a_sandbox_up_while_the_store_was_away_is_kept(node, store, store_args, away_store):
+    """Brought up from the node's resolution with the store away, the sandbox
+    is in the node's lease soon after the store is back; gc then keeps it."""
+    node.cli("up", "e@1", "--id", "s1", "--prefetch", "none")
+    node.cli("down", "s1")
+    away_store.away()
+    try:
+        rootfs = Path(node.cli("up", "e@1", "--id", "s2", "--prefetch", "none").stdout.strip())
+    finally:
+        away_store.back()
+    held = renewed(store, node, timeout=30).holders
+    assert [str(h) for h in held] == ["sandbox s2"], held
+    cli(store_args, "rm", "e@1", "up@1", "base@1")
+    doc = json.loads(cli(store_args, "gc", "--grace", "0", "--json").stdout)
+    assert {k["holder"] for k in doc["kept_for_leases"]} == {"sandbox s2"}
+    assert read_tree(rootfs / "data") == read_tree(node.root.parent / "base" / "data")
+    node.cli("down", "s2")

@@ -3,7 +3,8 @@
 The daemon's :class:`Leaser` task writes ``leases/<node id>`` (the id kept in
 ``ROOT/node-id``) with what the node's sandboxes, vms, writable disks and
 containerd's lazy snapshots use, expiring ``--lease-ttl`` seconds later; it
-writes it again every fifth of the TTL, and soon after a change
+writes it again every fifth of the TTL (5 s after a renewal the store
+failed, so that a store back from an outage has it soon), and soon after a change
 (:meth:`Leaser.changed`: an ``up``, a ``down``, a ``vm up`` ...). Each time it
 also copies the store's revocation list into the replica, where ``up`` looks
 (:meth:`.refs.NodeRefs.check_revoked`), so revocations hold while the store
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 NODE_ID_FILE = "node-id"
 RENEWALS_PER_TTL = 5
 SETTLE = 0.2  # seconds a change waits for the next ones (a burst of ups: one write)
+RETRY = 5.0  # seconds before a renewal the store failed is tried again
 
 
 def node_id(root: Path) -> str:
@@ -86,8 +88,9 @@ class Leaser:
         while True:
             self._changed = trio.Event()
             lease = self._lease()
-            await trio.to_thread.run_sync(self.renew, lease, abandon_on_cancel=True)
-            with trio.move_on_after(self.ttl / RENEWALS_PER_TTL):
+            done = await trio.to_thread.run_sync(self.renew, lease, abandon_on_cancel=True)
+            wait = self.ttl / RENEWALS_PER_TTL
+            with trio.move_on_after(wait if done else min(wait, RETRY)):
                 await self._changed.wait()
                 await trio.sleep(SETTLE)
 
@@ -95,8 +98,9 @@ class Leaser:
         now = time.time()
         return Lease(self.node, self.host, now, now + self.ttl, self.holders())
 
-    def renew(self, lease: Lease) -> None:
-        """Worker thread: write the lease, then copy the revocation list."""
+    def renew(self, lease: Lease) -> bool:
+        """Worker thread: write the lease, then copy the revocation list; False
+        if the store failed it."""
         try:
             write_lease(self.store, lease)
             self.renewed = lease
@@ -106,8 +110,11 @@ class Leaser:
                 log.warning("node lease %s not written: %s; gc does not know what this "
                             "node holds", self.node, exc)
             self._denied = True
+            return False
         except StoreError as exc:
             log.info("node lease %s not renewed: %s", self.node, exc)
+            return False
+        return True
 
     def _copy_revocations(self) -> None:
         found, bad = read_revocations(self.store)
