@@ -41,12 +41,13 @@ def revoke(out: Output, refstore: RefStore, ref: str, reason: str) -> None:
     kind, digest = revoked_digest(refstore, ref)
     write_revocation(refstore.store, Revocation(digest, ref, kind[:-1], time.time(), reason))
     still = holders(refstore, live_leases(refstore.store), kind, digest)
-    doc = {"revoked": ref, "kind": kind[:-1], "digest": digest, "reason": reason,
+    doc = {"ref": ref, "kind": kind[:-1], "digest": digest, "reason": reason,
            "still_on_it": [{"node": h.lease.node, "host": h.lease.host,
                             "kind": h.holder.kind, "id": h.holder.id} for h in still]}
 
     def text() -> str:
-        lines = [f"revoked {kind[:-1]} {ref} ({digest}): nodes refuse new ups of it {RENEWALS}"]
+        lines = [f"revoked {kind[:-1]} {shown(ref, digest)}: nodes refuse new ups of it "
+                 f"{RENEWALS}"]
         lines += [f"  still on it: {h} (on that node: layerfs down --force {h.holder.id})"
                   if h.holder.kind == "sandbox" else f"  still on it: {h}" for h in still]
         return "\n".join(lines)
@@ -61,7 +62,12 @@ def unrevoke(out: Output, refstore: RefStore, ref: str) -> None:
     """Lift the revocation of layer or env REF (name@version or sha256:...)."""
     kind, digest = revoked_digest(refstore, ref)
     if not delete_revocation(refstore.store, digest):
-        raise RefNotFound("revocation", f"{ref} ({digest}) is not revoked")
-    out.emit({"unrevoked": ref, "kind": kind[:-1], "digest": digest},
-             lambda: f"unrevoked {kind[:-1]} {ref} ({digest}): nodes bring it up again {RENEWALS}")
+        raise RefNotFound("revocation", shown(ref, digest))
+    out.emit({"ref": ref, "kind": kind[:-1], "digest": digest},
+             lambda: f"unrevoked {kind[:-1]} {shown(ref, digest)}: nodes bring it up again "
+                     f"{RENEWALS}")
+
+
+def shown(ref: str, digest: str) -> str:
+    return ref if ref == digest else f"{ref} ({digest})"
 
