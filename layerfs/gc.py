@@ -53,7 +53,7 @@ class KeptForLease:
     host: str
     holder: str  # "sandbox s1"
     digest: str  # the manifest the holder uses
-    blobs: int  # blobs reached through it and through no ref (nor an earlier holder)
+    blobs: int  # blobs first reached through it (0: an earlier holder's, shared)
     gone: bool = False  # the store no longer has the manifest: the holder's data is lost
 
     def to_json(self) -> dict:
@@ -64,6 +64,8 @@ class KeptForLease:
         where = f"node {self.node} ({self.host}) {self.holder}"
         if self.gone:
             return f"lease of {where} names {self.digest}, which the store no longer has"
+        if not self.blobs:
+            return f"kept for {where}: {self.digest} (shared with a holder above)"
         return f"kept for {where}: {self.digest} ({self.blobs} blobs no ref reaches)"
 
 
@@ -132,7 +134,9 @@ def _walk(refstore: RefStore, todo: list[tuple[str, str]], found: Reachable,
 
 def keep_leased(refstore: RefStore, leases: list[Lease], now: float, found: Reachable,
                 report: GcReport) -> None:
-    """Add what each live lease reaches to ``found``, each holder's share reported."""
+    """Add what each live lease reaches to ``found``; reported for each holder of
+    a manifest no ref reaches, with the blobs first reached through it."""
+    by_refs = set(found.blobs)
     for lease in leases:
         if not lease.live(now):
             continue
@@ -140,7 +144,7 @@ def keep_leased(refstore: RefStore, leases: list[Lease], now: float, found: Reac
         for holder in lease.holders:
             for digest in holder.digests:
                 before = len(found.blobs)
-                if digest in found.blobs:
+                if digest in by_refs:
                     continue
                 missing = _walk(refstore, [(digest, f"lease {lease.node} {holder}")], found,
                                 missing_ok=True)
