@@ -27,6 +27,7 @@ import json
 import re
 import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,8 +154,6 @@ def revocation_key(digest: str) -> str:
 
 def new_node_id() -> str:
     """This host's name (the characters a key allows) and a random suffix."""
-    import uuid
-
     host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip(".-")[:64] or "node"
     return f"{host}-{uuid.uuid4().hex[:8]}"
 
@@ -168,9 +167,13 @@ def read_leases(store: Store) -> tuple[list[Lease], list[Unreadable]]:
     leases: list[Lease] = []
     bad: list[Unreadable] = []
     for info in store.list(LEASE_PREFIX):
-        what = f"lease {info.key.removeprefix(LEASE_PREFIX)}"
+        node = info.key.removeprefix(LEASE_PREFIX)
+        what = f"lease {node}"
         try:
-            leases.append(Lease.from_bytes(store.get(info.key), what))
+            lease = Lease.from_bytes(store.get(info.key), what)
+            if lease.node != node:  # (gc deletes an expired lease by its node's key)
+                raise IntegrityError(what, f"it names node {lease.node!r}")
+            leases.append(lease)
         except ObjectNotFound:
             continue  # (deleted since the listing)
         except IntegrityError as exc:

@@ -161,7 +161,17 @@ def test_a_revoked_env_or_layer_is_refused_with_the_store_away(node, store, stor
     cli(store_args, "unrevoke", "up@1")
     renewed(store, node)
     node.cli("up", "e@1", "--id", "s4", "--prefetch", "none")
-    node.cli("down", "s4")
+    renewed(store, node)
+    made = cli(store_args, "revoke", "e@1", "--json").stdout  # the env itself, this time
+    assert [h["id"] for h in json.loads(made)["still_on_it"]] == ["s4"], made
+    renewed(store, node)
+    refused = node.cli("up", "e@1", "--id", "s5", check=False)
+    assert refused.returncode == Revoked.exit_code, refused.stderr
+    assert f"env e@1 ({env_digest}) is revoked since " in refused.stderr
+    assert node.cli("up", "--layer", digest, "--id", "s5").returncode == 0  # its layer is not
+    cli(store_args, "unrevoke", "e@1")
+    for sid in ("s4", "s5"):
+        node.cli("down", sid)
     gone = cli(store_args, "unrevoke", "up@1", check=False)
     assert gone.returncode == 5 and "no such revocation: up@1 (sha256:" in gone.stderr
 

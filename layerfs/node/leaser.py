@@ -25,7 +25,7 @@ from pathlib import Path
 import trio
 
 from ..errors import AccessDenied, StoreError
-from ..leases import Holder, Lease, new_node_id, read_revocations, write_lease
+from ..leases import NODE_ID_RE, Holder, Lease, new_node_id, read_revocations, write_lease
 from ..store.base import Store
 from .protocol import BrokenDisk, DiskRecord, SandboxRecord, VmRecord
 from .replica import Replica
@@ -38,16 +38,23 @@ RETRY = 5.0  # seconds before a renewal the store failed is tried again
 
 
 def node_id(root: Path) -> str:
-    """The node's id, made and kept in ``ROOT/node-id`` at its first start."""
+    """The node's id, made and kept in ``ROOT/node-id`` at its first start (and
+    made again, one WARNING line, if what is there is not an id)."""
     path = root / NODE_ID_FILE
     try:
-        return path.read_text().strip()
+        kept = path.read_text(errors="replace").strip()
     except FileNotFoundError:
-        made = new_node_id()
-        tmp = root / f"{NODE_ID_FILE}.tmp{os.getpid()}"
-        tmp.write_text(made + "\n")
-        os.replace(tmp, path)
-        return made
+        kept = None
+    if kept is not None and NODE_ID_RE.fullmatch(kept):
+        return kept
+    made = new_node_id()
+    if kept is not None:
+        log.warning("%s does not hold a node id: a new one, %s (the old lease expires)",
+                    path, made)
+    tmp = root / f"{NODE_ID_FILE}.tmp{os.getpid()}"
+    tmp.write_text(made + "\n")
+    os.replace(tmp, path)
+    return made
 
 
 def node_holders(sandboxes: Iterable[SandboxRecord], vms: Iterable[VmRecord],
