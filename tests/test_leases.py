@@ -257,11 +257,13 @@ def test_gc_and_expired_or_unreadable_leases(store, tmp_path):
     assert store.head(lease_key("late-node")) is not None
 
     store.put(lease_key("bad-node"), b"not json")
+    store.put(lease_key("liar"), late.to_bytes())  # names late-node: not gc's to delete
     digest = build(store, str(src), name="u").digest
     remove(refstore, ["u@1"])
     report = collect(refstore, dry_run=False, grace=0)
     assert not report.swept and report.deleted == 0
-    assert [u.what for u in report.unreadable] == ["lease bad-node"]
+    assert {u.what for u in report.unreadable} == {"lease bad-node", "lease liar"}
+    assert "names node 'late-node'" in str(report.unreadable)
 
 
 @pytest.mark.daemon_log(LOST)
