@@ -206,6 +206,10 @@ def test_a_sandbox_whose_data_is_gone_says_so(node, store, tmp_path):
         metrics = reply.read().decode()
     assert f'layerfs_sandbox_data_lost_total{{layer="{base}"}} 2.0' in metrics, metrics
     node.cli("down", "s1")
+    node.kill()  # a restarted daemon says so too, for the sandbox still up
+    node.start()
+    assert [(r["id"], r["state"]) for r in node.request("ps")["sandboxes"]] == [
+        ("s2", "data_lost")]
     node.cli("down", "s2")
 
 

@@ -352,7 +352,8 @@ class Daemon:
             tables=lambda: [(b.digest, b.table.packs()) for b in self.blobs.by_name.values()],
             sandboxes=lambda: self.sandboxes.records.values(),
             vms=lambda: self.vms.records.values()),
-            counted=lambda layer: self.metrics.data_lost.labels(layer).inc())
+            counted=lambda layer: self.metrics.data_lost.labels(layer).inc(),
+            replica=self.replica)
         self.fetcher.pack_missing = self.dataloss.pack_missing
         if cfg.metrics is not None:
             self._serve_metrics(cfg.metrics)

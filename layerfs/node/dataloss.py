@@ -8,8 +8,9 @@ fetcher reports the pack (:attr:`.fetcher.ChunkFetcher.pack_missing`);
 :class:`DataLoss` finds the layers served from it and their users, logs one
 ERROR line per sandbox (or vm) and layer, naming both, counts it
 (``layerfs_sandbox_data_lost_total{layer}``) and marks the sandbox
-``data_lost`` in ``ps`` (until the daemon restarts; the next failed read
-marks it again). Runs on the trio loop.
+``data_lost`` in ``ps``, kept in the replica (``datalost``) so that a
+restarted daemon says so too, until the sandbox is down. Runs on the trio
+loop; the replica is written in a worker thread.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import trio
+
 from .protocol import SandboxRecord, VmRecord
+from .replica import Replica
 
 log = logging.getLogger(__name__)
 DATA_LOST = "data_lost"  # the state ps shows
@@ -34,11 +38,15 @@ class NodeUsers:
 
 
 class DataLoss:
-    def __init__(self, users: NodeUsers, counted: Callable[[str], None]) -> None:
+    def __init__(self, users: NodeUsers, counted: Callable[[str], None],
+                 replica: Replica) -> None:
         self.users = users
         self.counted = counted  # a (sandbox or vm, layer) found: the metric, by layer
+        self.replica = replica
         self.missing: set[str] = set()  # packs found missing
-        self.lost: dict[str, set[str]] = {}  # sandbox or vm id → its layers with lost data
+        # sandbox or vm id → its layers with lost data (kept in the replica: a restart keeps it)
+        self.lost: dict[str, set[str]] = {
+            sid: set(layers) for sid, layers in replica.data_lost().items()}
 
     def pack_missing(self, pack: str) -> None:
         if pack in self.missing:
@@ -50,6 +58,7 @@ class DataLoss:
                 if layer in used and layer not in self.lost.setdefault(sid, set()):
                     self.lost[sid].add(layer)
                     self.counted(layer)
+                    self._save(sid)
                     log.error("%s %s: the data of its layer %s%s is gone from the store "
                               "(pack %s missing): its reads of it fail; take it down and "
                               "bring it up from a layer the store has", kind, sid, layer,
@@ -68,4 +77,20 @@ class DataLoss:
 
     def forget(self, sid: str) -> None:
         """The sandbox (or vm) is down."""
-        self.lost.pop(sid, None)
+        if self.lost.pop(sid, None) is not None:
+            self._save(sid)
+
+    def _save(self, sid: str) -> None:
+        """Write ``sid``'s entry to the replica, in a worker thread (not waited for)."""
+        layers = sorted(self.lost.get(sid, ()))
+
+        def write() -> None:
+            try:
+                if layers:
+                    self.replica.put_data_lost(sid, layers)
+                else:
+                    self.replica.delete_data_lost(sid)
+            except Exception as exc:  # noqa: BLE001 - ps shows it until a restart anyway
+                log.warning("sandbox %s: its data_lost mark is not kept: %s", sid, exc)
+
+        trio.lowlevel.spawn_system_task(trio.to_thread.run_sync, write)

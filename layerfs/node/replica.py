@@ -59,7 +59,7 @@ from ..store.base import sha256_digest
 
 log = logging.getLogger(__name__)
 DBS = (b"layers", b"chunktables", b"sandboxes", b"traces", b"manifests", b"resolutions",
-       b"counters", b"snapshots", b"vms", b"revocations")
+       b"counters", b"snapshots", b"vms", b"revocations", b"datalost")
 MAX_DBS = 16  # room for more named databases: an existing replica opens with more
 RESOLUTION_REFRESH = 60.0  # seconds after which a resolution the store confirms is written again
 TMP_MARK = ".tmp"  # meta/<hex>.tmp<pid>-<thread>: a meta image being written
@@ -347,6 +347,27 @@ class Replica:
         with self.env.begin() as txn:
             raw = txn.get(digest.encode(), db=self.dbs["revocations"])
         return None if raw is None else bytes(raw)
+
+    # -- sandboxes and vms whose data is gone (.dataloss) --
+    def put_data_lost(self, sid: str, layers: list[str]) -> None:
+        self._write(lambda txn: txn.put(sid.encode(), json.dumps(layers).encode(),
+                                        db=self.dbs["datalost"]))
+
+    def delete_data_lost(self, sid: str) -> None:
+        self._write(lambda txn: txn.delete(sid.encode(), db=self.dbs["datalost"]))
+
+    def data_lost(self) -> dict[str, list[str]]:
+        """Sandbox (or vm) id → its layers whose data the store no longer had."""
+        found: dict[str, list[str]] = {}
+        with self.env.begin() as txn:
+            for key, raw in txn.cursor(db=self.dbs["datalost"]):
+                try:
+                    layers = json.loads(bytes(raw))
+                except ValueError:
+                    continue
+                if isinstance(layers, list) and all(isinstance(x, str) for x in layers):
+                    found[bytes(key).decode(errors="replace")] = layers
+        return found
 
     # -- sandboxes --
     def put_sandbox(self, sid: str, record: dict) -> None:
