@@ -143,7 +143,8 @@ def test_store_errors_are_counted_by_kind(metered, store):
     node.cli("down", "s1")
 
 
-@pytest.mark.daemon_log(r"\"level\": \"ERROR\", \"logger\": \"layerfs\.node\.(fusefs|fetcher)\"")
+@pytest.mark.daemon_log(
+    r"\"level\": \"ERROR\", \"logger\": \"layerfs\.node\.(fusefs|fetcher|dataloss)\"")
 @pytest.mark.parametrize("store_location", ["file"], indirect=True)
 def test_read_error_lines_name_the_layer(metered, store):
     """A read that fails: its JSON error lines (the FUSE read's, the fetch's)
@@ -161,7 +162,8 @@ def test_read_error_lines_name_the_layer(metered, store):
         read_cold(node.root / "sandboxes" / "s1" / "rootfs" / "data")
     records = [json.loads(line) for line in node.log().splitlines() if line.startswith("{")]
     errors = [r for r in records if r["level"] == "ERROR"]
-    assert {r["logger"] for r in errors} == {"layerfs.node.fusefs", "layerfs.node.fetcher"}
+    assert {r["logger"] for r in errors} == {"layerfs.node.fusefs", "layerfs.node.fetcher",
+                                             "layerfs.node.dataloss"}  # (s1 lost that layer)
     for record in errors:
         assert record["layer"] == node.digest, record
         assert record["offset"] >= 0 and record["size"] > 0, record
