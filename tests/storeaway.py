@@ -81,6 +81,44 @@ def pump(src: socket.socket, dst: socket.socket) -> None:
             dst.shutdown(socket.SHUT_WR)
 
 
+class GatedRelay(Relay):
+    """A relay whose answers stop while ``gate`` is clear: the store hangs in
+    the middle of a request (connections open, no bytes); ``held`` is set
+    once an answer is being held back."""
+
+    def __init__(self, target: str) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.held = threading.Event()
+        super().__init__(target)
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                return
+            upstream.settimeout(None)
+            with self.lock:
+                self.conns += [client, upstream]
+            threading.Thread(target=pump, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._answers, args=(upstream, client), daemon=True).start()
+
+    def _answers(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                if not self.gate.is_set():
+                    self.held.set()
+                    self.gate.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+
 class AwayStore:
     """The test's store, as the daemon reaches it (``cli_args``), that
     :meth:`away` makes unreachable and :meth:`back` reachable again."""

@@ -16,15 +16,13 @@ import hashlib
 import os
 import random
 import shutil
-import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from nodes import LAYERFS, NodeDaemon
-from storeaway import Relay
+from storeaway import GatedRelay
 from support import build, need_root
 
 from layerfs.builder.env import create_env
@@ -188,46 +186,6 @@ def test_files_of_unused_layers_are_deleted_beyond_the_bound(tmp_path, store_loc
         assert [p for p in blobs.iterdir() if p.is_file()] == []  # unused, over the bound
     finally:
         assert node.cleanup() == []
-
-
-class GatedRelay(Relay):
-    """A relay to the S3 server whose answers stop while ``gate`` is clear: the
-    store hangs mid-request (connections open, no bytes)."""
-
-    def __init__(self, target: str) -> None:
-        self.gate = threading.Event()
-        self.gate.set()
-        super().__init__(target)
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-                upstream = socket.create_connection(self.target, timeout=5)
-            except OSError:
-                return
-            upstream.settimeout(None)
-            with self.lock:
-                self.conns += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, self.gate),
-                             daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket,
-              gate: threading.Event | None = None) -> None:
-        try:
-            while data := src.recv(65536):
-                if gate is not None:
-                    gate.wait()
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            try:
-                dst.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
 
 
 def test_a_daemon_killed_while_it_fetches_a_layer_whole_leaves_no_partial_file(

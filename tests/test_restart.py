@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from nodes import NodeDaemon
+from storeaway import GatedRelay
 from support import build, need_root
 
 from harness.daemonproc import LAYERFS
@@ -321,48 +322,39 @@ def test_keeper_killed_too_falls_back_to_remounting(live):
     assert sha(data) == sha(live.src / "data" / "f1")
 
 
-def daemon_threads_waiting_on_a_fifo(pid: int) -> bool:
-    """Whether a thread of ``pid`` blocks opening a FIFO (``wait_for_partner``)."""
-    for wchan in Path(f"/proc/{pid}/task").glob("*/wchan"):
-        try:
-            if wchan.read_text() == "wait_for_partner":
-                return True
-        except OSError:
-            continue
-    return False
-
-
-@pytest.mark.parametrize("store_location", ["file"], indirect=True)
-def test_kill_9_answers_the_read_the_dead_daemon_had_taken(live, tmp_path):
+@pytest.mark.parametrize("store_location", ["s3"], indirect=True)
+def test_kill_9_answers_the_read_the_dead_daemon_had_taken(live, tmp_path, store_location):
     """A read the daemon had taken from the kernel and not answered when it
-    died is answered by the next daemon (FUSE_NOTIFY_RESEND): the store's
-    packs are FIFOs while the read is taken, so its fetch blocks for sure."""
-    packs = [p for p in (tmp_path / "store").rglob("*") if p.is_file()
-             and p.stat().st_size > MiB // 2]
-    assert packs
-    for pack in packs:
-        pack.rename(pack.with_name(pack.name + ".real"))
-        os.mkfifo(pack)
-    path = sandbox(live, "s1") / "data" / "f3"
-    want = hashlib.sha256((live.src / "data" / "f3").read_bytes()[:MiB]).hexdigest()
-    reader = subprocess.Popen(
-        [sys.executable, "-c", "import hashlib, sys; "
-         "print(hashlib.sha256(open(sys.argv[1], 'rb').read(1 << 20)).hexdigest())", str(path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    died is answered by the next daemon (FUSE_NOTIFY_RESEND): the daemon
+    reaches the store through a relay that holds the store's answers back
+    while the read is taken, so its fetch blocks for sure."""
+    relay = GatedRelay(store_location.endpoint)
     try:
-        assert live.proc is not None
-        pid = live.proc.pid
-        wait_for(lambda: daemon_threads_waiting_on_a_fifo(pid), "the fetch to block", 30)
-        live.kill()  # the read is taken and unanswered now
-        for pack in packs:
-            pack.with_name(pack.name + ".real").replace(pack)
+        live.kill()  # a daemon of the same node through the relay
+        live.store_args = ["--store", store_location.url, "--s3-endpoint", relay.endpoint]
         live.start()
-        out, err = reader.communicate(timeout=60)
+        path = sandbox(live, "s1") / "data" / "f3"
+        want = hashlib.sha256((live.src / "data" / "f3").read_bytes()[:MiB]).hexdigest()
+        relay.gate.clear()
+        reader = subprocess.Popen(
+            [sys.executable, "-c", "import hashlib, sys; "
+             "print(hashlib.sha256(open(sys.argv[1], 'rb').read(1 << 20)).hexdigest())",
+             str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert relay.held.wait(30), "the fetch never reached the store"
+            live.kill()  # the read is taken and unanswered now
+            live.store_args = store_location.cli_args()
+            live.start()
+            relay.gate.set()
+            out, err = reader.communicate(timeout=60)
+        finally:
+            if reader.poll() is None:
+                reader.kill()
+        assert reader.returncode == 0, err
+        assert out.strip() == want
     finally:
-        if reader.poll() is None:
-            reader.kill()
-    assert reader.returncode == 0, err
-    assert out.strip() == want
+        relay.gate.set()
+        relay.close()
 
 
 # a process that opens a file now and reads it on a line on stdin: prints
