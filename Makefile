@@ -68,9 +68,9 @@ demo: deps
 lint: deps
 	$(VENV)/bin/pytest -q tests/test_lint.py
 
-# containerd's snapshots API as checked-in Python code (layerfs/node/ctrdapi/: the
+# containerd's snapshots API as checked-in Python code (layerfs/node/containerd/api/: the
 # .proto files are containerd 1.6's, gogoproto options removed); run after editing them.
-CTRDAPI := layerfs/node/ctrdapi
+CTRDAPI := layerfs/node/containerd/api
 protos: deps
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
 	  $(CTRDAPI)/mount.proto $(CTRDAPI)/snapshots.proto

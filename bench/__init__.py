@@ -5,7 +5,7 @@ Shared helpers live here too: :mod:`bench.daemons` (the daemons a benchmark
 runs, their logs, the page cache, the commit measured). The servers the
 benchmarks start (SeaweedFS, a registry, OCI images) come from
 :mod:`harness`, which the tests use as well. Results go to ``bench/results``
-(JSON, with the commit), scratch data to ``bench/work``; docs/benchmarks.md
+(JSON, with the commit), scratch data to ``bench/work``; docs/dev/benchmarks.md
 holds every benchmark's latest run.
 """
 

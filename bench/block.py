@@ -34,7 +34,7 @@ from bench import RESULTS, WORK
 from bench.daemons import drop_caches
 from harness.daemonproc import LAYERFS, DaemonProcess
 from layerfs.builder.disk import build_disk
-from layerfs.node.daemon import mounts_under
+from layerfs.node.daemon.service import mounts_under
 from layerfs.refstore import RefStore
 from layerfs.store import open_store
 

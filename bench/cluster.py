@@ -44,9 +44,9 @@ import trio
 from bench import RESULTS, git_head
 from harness.s3server import DUMMY_AWS_ENV, find_weed
 from harness.seaweedcluster import BUCKET_010, Cluster, start_cluster
-from layerfs.cache.chunkcache import ChunkCache
 from layerfs.formats.chunktable import ChunkEntry
-from layerfs.node.fetcher import ChunkFetcher, FetchError
+from layerfs.node.reads.chunkcache import ChunkCache
+from layerfs.node.reads.fetcher import ChunkFetcher, FetchError
 from layerfs.refstore import RefStore
 from layerfs.store import Store, open_store
 from layerfs.store.base import blob_key
@@ -66,7 +66,7 @@ def build_layer(cluster: Cluster, work: Path, size: int,
         (tree / f"f{number}").write_bytes(rng.randbytes(4 * MiB))
     url = f"s3://{BUCKET_010}/bench"
     endpoints = ",".join(cluster.endpoints)
-    subprocess.run([sys.executable, "-m", "layerfs.tools.main", "build", str(tree),
+    subprocess.run([sys.executable, "-m", "layerfs.cli.main", "build", str(tree),
                     "--name", "bench/cold", "--version", "1", "--store", url,
                     "--s3-endpoint", endpoints, "--chunk-size", chunk_size],
                    check=True, capture_output=True)

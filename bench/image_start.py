@@ -467,7 +467,7 @@ class Bench:
 
     def traced_entries(self) -> list[ChunkEntry]:
         """The chunk table entries the pushed traces of the env's layers list."""
-        from layerfs.node.traces import parse_trace, trace_key
+        from layerfs.node.reads.accesstraces import parse_trace, trace_key
         from layerfs.refstore import RefStore
         from layerfs.store import open_store
 

@@ -79,7 +79,7 @@ from urllib.parse import urlsplit
 from bench import RESULTS, WORK, corpus, git_head
 from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
 from harness.daemonproc import DaemonProcess, detach_mounts
-from layerfs.node.daemon import mounts_under
+from layerfs.node.daemon.service import mounts_under
 from layerfs.sizes import du
 from layerfs.store import open_store
 

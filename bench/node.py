@@ -59,11 +59,11 @@ from bench import RESULTS, WORK, git_head
 from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
 from harness.daemonproc import DaemonProcess, detach_mounts
 from layerfs.builder.layer import BuildOptions, build_layer
-from layerfs.cache import chunkfile
-from layerfs.cache.chunkcache import ChunkCache
 from layerfs.chunks import materialize_blob
 from layerfs.mounts import mount_erofs, umount
-from layerfs.node.replica import fd_sha256
+from layerfs.node.reads import chunkfile
+from layerfs.node.reads.chunkcache import ChunkCache
+from layerfs.node.replica.replica import fd_sha256
 from layerfs.refstore import LAYERS, RefStore
 from layerfs.sizes import parse_size
 from layerfs.store.base import Store, blob_key
@@ -218,10 +218,10 @@ def ensure_local_copy(store: FileStore, digest: str, out: Path) -> tuple[Path, P
 UNCHECKED_DAEMON = [sys.executable, "-c", """
 import os, sys
 import layerfs.refstore as registry
-import layerfs.node.replica as replica
+import layerfs.node.replica.replica as replica
 registry.check_meta_image = lambda *args: None
 replica.open_matching = lambda layer: os.open(layer.meta_path, os.O_RDONLY | os.O_CLOEXEC)
-from layerfs.tools.main import main
+from layerfs.cli.main import main
 sys.argv[0] = "layerfs"
 main()
 """]

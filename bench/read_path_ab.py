@@ -39,7 +39,7 @@ from typing import Any
 
 from bench import RESULTS, ROOT, WORK, git_head
 
-MODULES = "layerfs/node/fetcher.py,layerfs/node/failfast.py"
+MODULES = "layerfs/node/reads/fetcher.py,layerfs/node/reads/failfast.py"
 
 
 def node_run(node_args: list[str], out: Path) -> dict[str, Any]:
@@ -61,9 +61,9 @@ def micro_one() -> dict[str, float]:
     """This process's fetcher: µs per ``get`` from the store, then from the cache."""
     import trio
 
-    from layerfs.cache.chunkcache import ChunkCache
     from layerfs.formats.chunktable import RAW, ChunkEntry
-    from layerfs.node.fetcher import ChunkFetcher
+    from layerfs.node.reads.chunkcache import ChunkCache
+    from layerfs.node.reads.fetcher import ChunkFetcher
 
     size, count = 64 << 10, 300
     chunks = [os.urandom(size) for _ in range(count)]

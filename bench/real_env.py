@@ -64,7 +64,7 @@ from bench.lazy_vs_prefetch import Throttle, store_port
 from harness.daemonproc import LAYERFS, DaemonProcess, detach_mounts
 from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer
-from layerfs.node.daemon import mounts_under
+from layerfs.node.daemon.service import mounts_under
 from layerfs.refstore import LAYERS, RefStore
 from layerfs.store import open_store
 

@@ -46,8 +46,8 @@ from harness.daemonproc import DaemonProcess
 from harness.ociimages import tiny_layers_image
 from layerfs.builder.oci.importer import ImportOptions, import_image
 from layerfs.builder.oci.sources import open_source
-from layerfs.node.ctrdapi import snapshots_pb2 as pb
-from layerfs.node.ctrdapi import snapshots_pb2_grpc
+from layerfs.node.containerd.api import snapshots_pb2 as pb
+from layerfs.node.containerd.api import snapshots_pb2_grpc
 from layerfs.refstore import RefStore
 from layerfs.store.file import FileStore
 

@@ -43,7 +43,7 @@ from harness import guest
 from layerfs.builder.disk import build_disk
 from layerfs.node.client import Client
 from layerfs.node.protocol import VmRecord
-from layerfs.node.vmm import qemu_drive_args
+from layerfs.node.vms.vmmargs import qemu_drive_args
 from layerfs.refstore import RefStore
 from layerfs.sizes import parse_size
 from layerfs.store.file import FileStore

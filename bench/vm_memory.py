@@ -48,7 +48,7 @@ from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
 from harness import guest
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.node.client import Client
-from layerfs.node.vmm import QEMU_PCI_DEVICE, qemu_drive_args, qemu_memory_args
+from layerfs.node.vms.vmmargs import QEMU_PCI_DEVICE, qemu_drive_args, qemu_memory_args
 from layerfs.refstore import RefStore
 from layerfs.sizes import parse_size
 from layerfs.store.file import FileStore

@@ -42,8 +42,8 @@ from harness import guest
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.node.client import Client
 from layerfs.node.protocol import VmRecord
-from layerfs.node.traces import trace_key
-from layerfs.node.vmm import qemu_drive_args, qemu_ram_args
+from layerfs.node.reads.accesstraces import trace_key
+from layerfs.node.vms.vmmargs import qemu_drive_args, qemu_ram_args
 from layerfs.refstore import RefStore
 from layerfs.sizes import parse_size
 from layerfs.store.file import FileStore

@@ -2,7 +2,7 @@
 operation runs code of (a function called; module bodies an import runs do
 not count), through ``sys.setprofile`` and ``threading.setprofile``:
 
-* ``build``: ``layerfs build DIR`` (``layerfs.tools.main.main``, in-process)
+* ``build``: ``layerfs build DIR`` (``layerfs.cli.main.main``, in-process)
   to the published manifest, of a small tree into a ``file://`` store;
 * ``cold read``: one 128 KiB read at the start of a built layer's blob,
   through the node's read path in-process (``BlobFile.read`` over
@@ -130,7 +130,7 @@ def refstore_class() -> Any:
 
 
 def op_build(work: Path) -> Callable[[], None]:
-    from layerfs.tools.main import main
+    from layerfs.cli.main import main
 
     src = source_tree(work / "src")
     argv = ["build", str(src), "--name", "walk/built", "--version", "1",
@@ -150,9 +150,9 @@ def read_setup(work: Path, fresh: bool) -> Any:
     """The layer's blob as the node reads it: a BlobFile over a new fetcher
     (empty memory) and the chunk cache under ``work`` (emptied if ``fresh``)."""
     from layerfs.builder.layer import BuildOptions, build_layer
-    from layerfs.cache.chunkcache import ChunkCache
-    from layerfs.node.blobfiles import BlobFile
-    from layerfs.node.fetcher import ChunkFetcher
+    from layerfs.node.reads.blobfiles import BlobFile
+    from layerfs.node.reads.chunkcache import ChunkCache
+    from layerfs.node.reads.fetcher import ChunkFetcher
     from layerfs.store.file import FileStore
 
     store = FileStore(work / "read-store")

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from layerfs.node.control import call_raw, wait_ready
-from layerfs.node.daemon import mounts_under
+from layerfs.node.daemon.service import mounts_under
 
-LAYERFS = [sys.executable, "-m", "layerfs.tools.main"]
+LAYERFS = [sys.executable, "-m", "layerfs.cli.main"]
 # a log record's first line: "2026-01-01 12:00:00,123 LEVEL logger: message"
 LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (?P<level>[A-Z]+) ")
 PROBLEM_LEVELS = frozenset({"WARNING", "ERROR", "CRITICAL"})

@@ -6,7 +6,7 @@ the packs its chunk table names; an env manifest's layer manifests (and theirs).
 An unreachable blob is deleted only if it was last written or refreshed more
 than the grace period before this run started, and only after a fresh look at
 its age right before the delete: a push refreshes every blob it reuses before it
-writes its ref (see docs/builder.md, "gc and concurrent pushes"). Temporary
+writes its ref (see docs/dev/builder.md, "gc and concurrent pushes"). Temporary
 files of the file store (``.tmp~*``, left by a killed writer) older than the
 grace period are deleted too.
 

@@ -1,6 +1,6 @@
 """What an OCI image's config says about running it: the record an env
 manifest carries (:mod:`layerfs.manifest`) and a runtime bundle is made from
-(:mod:`layerfs.node.bundle`). A module of its own (on :mod:`layerfs.records`
+(:mod:`layerfs.node.containers.bundle`). A module of its own (on :mod:`layerfs.records`
 only), so that ``layerfs run`` reads it without loading the manifest classes."""
 
 from __future__ import annotations

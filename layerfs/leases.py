@@ -5,7 +5,7 @@ renewed and when it expires, and its holders (each sandbox, vm, writable
 disk, and containerd's lazy snapshots) with the manifest digests each uses
 (layers, an env's layers, a disk's base: a layer or a disk chain's top).
 The node daemon writes it again every fifth of its TTL and soon after an
-``up`` or ``down`` (:mod:`layerfs.node.leaser`); a node that is gone stops
+``up`` or ``down`` (:mod:`layerfs.node.replica.leaser`); a node that is gone stops
 renewing it and it expires. ``gc`` keeps what a live lease reaches, as it
 keeps what a ref reaches (:mod:`layerfs.gc`); ``rm`` and ``revoke`` name the
 holders of what they touch.

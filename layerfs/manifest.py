@@ -67,7 +67,7 @@ class MetaRef:
 @dataclass(frozen=True)
 class TarSplitRef:
     """The tar-split record of an imported image layer: what of its tar is not
-    file content (builder/oci/tarsplit.py), so that an export writes that tar
+    file content (layerfs/builder/oci/tarsplit.py), so that an export writes that tar
     again byte for byte."""
 
     digest: str  # sha256 of the stored record

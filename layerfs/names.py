@@ -10,7 +10,7 @@ from .errors import InvalidName, InvalidReference
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9._/-]*")
 VERSION_RE = re.compile(r"[A-Za-z0-9._-]+")
 DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
-CHAIN_ENV_PREFIX = "oci/chains/"  # the chain index's envs (builder/oci/chains.py)
+CHAIN_ENV_PREFIX = "oci/chains/"  # the chain index's envs (layerfs/builder/oci/chains.py)
 MAX_NAME = 200
 MAX_VERSION = 128
 

@@ -3,7 +3,7 @@
 Used by everything layerfs reads that someone else may have written: the
 manifests and the other records of the store (:mod:`layerfs.manifest`, an
 expiry record in :mod:`layerfs.retention`, a pushed access trace in
-:mod:`layerfs.node.traces`) and the control protocol's messages
+:mod:`layerfs.node.reads.accesstraces`) and the control protocol's messages
 (:mod:`layerfs.node.protocol`, also the sandbox records of ``replica.lmdb``).
 Its input is what :func:`loads` made of the bytes; each caller turns a
 :class:`SchemaError` into its own error (a manifest's

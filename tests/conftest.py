@@ -4,7 +4,7 @@ and the log checks every test gets.
 ``store`` / ``store_url`` / ``store_args`` are parametrised over ``file`` and
 ``s3``; within one test they all name the same, fresh, empty store.
 
-After each test, every node daemon's log (tests/nodes.py) and the test's own
+After each test, every node daemon's log (tests/support/nodes.py) and the test's own
 log records are checked: a WARNING or ERROR the test does not declare with
 ``@pytest.mark.daemon_log("regex", ...)`` fails it.
 
@@ -26,10 +26,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import nodes
 import pytest
-from support import FAST_TIER, dummy_aws_env, weed_or_skip
-from users import local_user  # noqa: F401  (a fixture for every test module)
+from support import FAST_TIER, dummy_aws_env, nodes, weed_or_skip
+from support.users import local_user  # noqa: F401  (a fixture for every test module)
 
 from harness.s3server import S3Server, start_server
 from layerfs.errors import StoreError
@@ -131,7 +130,7 @@ def _create_bucket(endpoint: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+def s3_server(starts_a_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """A SeaweedFS server for the session, with bucket ``layerfs-test`` and dummy credentials."""
     weed = weed_or_skip()
     with dummy_aws_env():

@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from nodes import LAYERFS, NodeDaemon, serving
 from support import build, need_root
-from treecmp import diff_trees
+from support.nodes import LAYERFS, NodeDaemon, serving
+from support.treecmp import diff_trees
 
 from layerfs.builder.disk import build_disk
 from layerfs.builder.pipeline import ChunkPipeline, DedupIndex
@@ -70,7 +70,7 @@ def mounted(dev: str, target: Path, *opts: str):
 
 
 @pytest.fixture
-def node(tmp_path, store, store_location):
+def node(starts_a_server, tmp_path, store, store_location):
     need_root()
     daemon = NodeDaemon(tmp_path / "node1", store_location.cli_args())
     daemon.location = store_location
@@ -78,7 +78,7 @@ def node(tmp_path, store, store_location):
 
 
 @pytest.fixture
-def node2(tmp_path, store_location):
+def node2(starts_a_server, tmp_path, store_location):
     """A second node root on the same store."""
     yield from serving(NodeDaemon(tmp_path / "node2", store_location.cli_args()))
 

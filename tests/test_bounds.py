@@ -15,8 +15,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
 from support import build, need_root
+from support.nodes import NodeDaemon
 
 from harness.daemonproc import LAYERFS
 from harness.ociimages import ImageSettings, LayerChange, busybox_rootfs, make_image
@@ -27,6 +27,8 @@ from layerfs.builder.oci.fold import fold_source
 from layerfs.errors import OverLimit
 from layerfs.imageconfig import ImageConfig
 from layerfs.refstore import ENVS, LAYERS, RefStore, ref_key
+
+pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"

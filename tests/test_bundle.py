@@ -21,15 +21,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
 from support import build, need_root
-from users import LocalUser
+from support.nodes import NodeDaemon
+from support.users import LocalUser
 
 from harness.daemonproc import LAYERFS
 from layerfs.builder.env import create_env
 from layerfs.manifest import ImageConfig
-from layerfs.node import runner
-from layerfs.node.bundle import (
+from layerfs.node.containers import runner
+from layerfs.node.containers.bundle import (
     DEFAULT_PATH,
     STOP_SIGNAL_ANNOTATION,
     ProcessSpec,
@@ -37,7 +37,7 @@ from layerfs.node.bundle import (
     runtime_config,
     write_bundle,
 )
-from layerfs.node.imageuser import ImageFileError, ImageUserError, resolve_user
+from layerfs.node.containers.imageuser import ImageFileError, ImageUserError, resolve_user
 from layerfs.refstore import RefStore
 from layerfs.store import open_store
 
@@ -116,7 +116,7 @@ def hostile_etc(root: Path, kind: str, host_file: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
+def node(starts_a_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
     """A daemon on a file:// store (bundles do not depend on the store backend,
     which test_node covers) with envs over one busybox layer."""
     need_root()

@@ -14,8 +14,8 @@ import xxhash
 import zstandard
 from support import MiB, need_root, small_ext4
 
-from layerfs.cache.chunkcache import ChunkCache
-from layerfs.cache.chunkfile import BLOCK, HEADER, ZSTD_HEADER, ZSTD_MAGIC, Damaged, blocks_of
+from layerfs.node.reads.chunkcache import ChunkCache
+from layerfs.node.reads.chunkfile import BLOCK, HEADER, ZSTD_HEADER, ZSTD_MAGIC, Damaged, blocks_of
 
 DATA = os.urandom(BLOCK * 6 + 1000)
 SHA = hashlib.sha256(DATA).hexdigest()
@@ -38,7 +38,7 @@ def test_whole_and_partial_reads(tmp_path):
     assert cache.snapshot()["hits"] == 7
 
 
-@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.reads\.chunkcache: cache file \S+ is damaged")
 def test_a_damaged_block_is_never_served(tmp_path):
     cache = cached(tmp_path)
     path = cache._path(SHA)
@@ -51,7 +51,7 @@ def test_a_damaged_block_is_never_served(tmp_path):
     assert cache.read(SHA) is None  # gone from the index: a miss, fetched again
 
 
-@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.reads\.chunkcache: cache file \S+ is damaged")
 def test_a_restarted_cache_learns_block_layouts_from_headers(tmp_path):
     cached(tmp_path)
     cache = ChunkCache(tmp_path / "cache", 64 << 20)  # after a restart: nothing in memory
@@ -71,7 +71,7 @@ def test_a_restarted_cache_learns_block_layouts_from_headers(tmp_path):
     assert fresh.read_range(SHA, 2 * BLOCK, 2 * BLOCK + 9) == DATA[2 * BLOCK : 2 * BLOCK + 9]
 
 
-@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.reads\.chunkcache: cache file \S+ is damaged")
 def test_a_torn_file_is_never_served(tmp_path):
     cache = cached(tmp_path)
     path = cache._path(SHA)
@@ -97,7 +97,7 @@ def swapped(tmp_path) -> ChunkCache:
     return cache
 
 
-@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.reads\.chunkcache: cache file \S+ is damaged")
 def test_a_file_of_another_chunk_is_never_served(tmp_path, caplog):
     cache = swapped(tmp_path)
     assert cache.read(SHA) is None
@@ -109,7 +109,7 @@ def test_a_file_of_another_chunk_is_never_served(tmp_path, caplog):
     assert fresh.snapshot()["corrupt"] == 1 and SHA not in fresh._layouts
 
 
-@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.reads\.chunkcache: cache file \S+ is damaged")
 def test_a_file_of_another_chunk_fails_the_block_digests_kept_in_memory(tmp_path):
     cache = swapped(tmp_path)
     assert SHA in cache._layouts
@@ -117,7 +117,7 @@ def test_a_file_of_another_chunk_fails_the_block_digests_kept_in_memory(tmp_path
     assert cache.snapshot()["corrupt"] == 1 and not cache._path(SHA).exists()
 
 
-@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.reads\.chunkcache: cache file \S+ is damaged")
 def test_a_bad_file_found_by_two_readers_is_counted_once(tmp_path):
     cache = swapped(tmp_path)
     path = cache._path(SHA)
@@ -189,7 +189,7 @@ def test_a_chunk_without_a_frame_is_kept_plain_in_a_compressed_cache(tmp_path):
     assert cache.read_range(SHA, 5, 9) == DATA[5:9] and not cache.reads_whole(SHA)
 
 
-@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.reads\.chunkcache: cache file \S+ is damaged")
 @pytest.mark.parametrize("damage", ["frame bit", "torn", "header length", "other chunk"])
 def test_a_damaged_compressed_file_is_never_served(tmp_path, damage):
     cache = zstd_cached(tmp_path)

@@ -10,18 +10,20 @@ import time
 
 import pytest
 from support import need_root
-from test_builder import write_tree
+from support.gentree import write_tree
 
 from harness.daemonproc import LAYERFS
 from layerfs.mounts import MS_RDONLY, mount, umount
 from layerfs.store.base import blob_key
+
+pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
 
 MS_BIND, MS_REMOUNT = 4096, 32
 
 
 def layerfs(*args: str, check: bool = True, env: dict | None = None,
             stdin: bytes | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "layerfs.tools.main", *args],
+    proc = subprocess.run([sys.executable, "-m", "layerfs.cli.main", *args],
                           capture_output=True, text=True, timeout=120, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"layerfs {' '.join(args)} failed: {proc.stderr}")
@@ -162,7 +164,7 @@ def test_progress_line_on_a_terminal(tmp_path):
     write_tree(tmp_path / "a", 5, files=30, size=200_000)
     leader, follower = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "layerfs.tools.main", "build", str(tmp_path / "a"), "--name",
+        [sys.executable, "-m", "layerfs.cli.main", "build", str(tmp_path / "a"), "--name",
          "p", "--version", "1", "--store", f"file://{tmp_path / 'store'}"],
         stdout=subprocess.PIPE, stderr=follower)
     os.close(follower)

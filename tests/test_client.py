@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
 from support import build, need_root
+from support.nodes import NodeDaemon
 
 from harness.daemonproc import LAYERFS
 from layerfs.errors import RefNotFound, SandboxNotFound, UsageError
@@ -24,9 +24,11 @@ from layerfs.node.control import DaemonNotRunning, RemoteError, socket_path
 from layerfs.node.protocol import SandboxRecord, SandboxStatus, StatsAnswer
 from layerfs.store import open_store
 
+pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
+
 # What only the daemon, the store clients and the builder need.
 HEAVY = frozenset({"trio", "pyfuse3", "lmdb", "boto3", "botocore", "zstandard"})
-HEAVY_OURS = frozenset({"layerfs.node.daemon", "layerfs.refstore", "layerfs.store"})
+HEAVY_OURS = frozenset({"layerfs.node.daemon.service", "layerfs.refstore", "layerfs.store"})
 
 
 def make_rootfs(root: Path) -> Path:
@@ -39,7 +41,7 @@ def make_rootfs(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
+def node(starts_a_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
     """A daemon on a file:// store with layer base@1 (the client does not
     depend on the store backend, which test_node covers)."""
     need_root()
@@ -93,7 +95,7 @@ def test_the_node_commands_import_nothing_heavy(node):
         assert proc.returncode == 0, (args, proc.stderr[-2000:])
         assert "layerfs.node.client" in names
         assert heavy_among(names) == set(), args
-        assert "click" not in names, args  # parsed by layerfs.tools.fastpath
+        assert "click" not in names, args  # parsed by layerfs.cli.fastpath
 
 
 def test_the_api_brings_up_lists_and_takes_down_a_sandbox(node):
@@ -154,7 +156,7 @@ def test_loading_the_run_command_starts_no_process():
              "    started.append(args)\n"
              "    init(self, args, *a, **kw)\n"
              "subprocess.Popen.__init__ = record\n"
-             "import layerfs.tools.run\n"
+             "import layerfs.cli.run\n"
              "print(repr(started))\n")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=60, check=True)
@@ -238,7 +240,7 @@ CLICK_ONLY_ARGVS = [  # help, errors and the edges of click's parse
 def click_params(argv: list[str]) -> dict:
     import click
 
-    from layerfs.tools.group import cli
+    from layerfs.cli.group import cli
 
     with click.Context(cli) as ctx:
         command = cli.get_command(ctx, argv[0])
@@ -248,7 +250,7 @@ def click_params(argv: list[str]) -> dict:
 
 @pytest.mark.parametrize("argv", FAST_ARGVS, ids=" ".join)
 def test_the_fast_path_parses_a_node_command_as_click_does(argv, monkeypatch):
-    from layerfs.tools import fastpath
+    from layerfs.cli import fastpath
 
     for name in ("LAYERFS_ROOT", "LAYERFS_RUNTIME"):
         monkeypatch.delenv(name, raising=False)
@@ -261,18 +263,18 @@ def test_the_fast_path_parses_a_node_command_as_click_does(argv, monkeypatch):
 
 @pytest.mark.parametrize("argv", CLICK_ONLY_ARGVS, ids=" ".join)
 def test_the_fast_path_leaves_the_rest_to_click(argv):
-    from layerfs.tools import fastpath
+    from layerfs.cli import fastpath
 
     spec = fastpath.COMMANDS.get(argv[0])
     assert spec is None or fastpath.parse(spec(), argv[1:]) is None
 
 
 def test_the_entry_point_sends_the_fast_path_its_commands_only(tmp_path):
-    from layerfs.tools import fastpath, main
+    from layerfs.cli import fastpath, main
 
     assert set(main.NODE_CLIENT_COMMANDS) == set(fastpath.COMMANDS)
     proc, names = imported_modules("ls", "--store", f"file://{tmp_path}")
-    assert proc.returncode == 0 and "layerfs.tools.fastpath" not in names
+    assert proc.returncode == 0 and "layerfs.cli.fastpath" not in names
 
 
 def test_a_node_command_does_not_import_click(tmp_path):

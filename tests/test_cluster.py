@@ -21,16 +21,16 @@ from pathlib import Path
 
 import pytest
 import trio
-from nodes import NodeDaemon
 from support import dummy_aws_env, need_root, weed_or_skip
+from support.nodes import NodeDaemon
 
 from harness.s3server import DUMMY_AWS_ENV, S3Server, free_ports
 from harness.seaweedcluster import BUCKET_000, BUCKET_010, Cluster, start_cluster
 from layerfs.builder.env import create_env
-from layerfs.cache.chunkcache import ChunkCache
 from layerfs.errors import ObjectUnavailable, StoreUnreachable
 from layerfs.formats.chunktable import ChunkEntry
-from layerfs.node.fetcher import ChunkFetcher, FetchError
+from layerfs.node.reads.chunkcache import ChunkCache
+from layerfs.node.reads.fetcher import ChunkFetcher, FetchError
 from layerfs.refstore import RefStore
 from layerfs.store import Store, open_store
 from layerfs.store.base import blob_key
@@ -41,13 +41,13 @@ FAILOVER_LOG = r"S3 endpoint http://127\.0\.0\.1:\d+ does not answer"
 
 
 def layerfs(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "layerfs.tools.main", *args],
+    return subprocess.run([sys.executable, "-m", "layerfs.cli.main", *args],
                           capture_output=True, text=True, timeout=180,
                           env=os.environ | DUMMY_AWS_ENV)
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(starts_a_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     weed = weed_or_skip()
     with dummy_aws_env():
         running = start_cluster(weed, tmp_path_factory.mktemp("cluster"))

@@ -7,10 +7,10 @@ import json
 import time
 
 import pytest
-from nodes import NodeDaemon, serving
-from test_node import CHUNK, publish_base_env, settle, up
+from support.baseenv import CHUNK, publish_base_env, settle, up
+from support.nodes import NodeDaemon, serving
 
-from layerfs.node.traces import MAX_TRACE, merge_traces, parse_trace, trace_key
+from layerfs.node.reads.accesstraces import MAX_TRACE, merge_traces, parse_trace, trace_key
 from layerfs.refstore import RefStore
 
 
@@ -29,7 +29,7 @@ def test_a_stored_trace_is_only_chunk_indexes():
 
 
 @pytest.fixture
-def node(tmp_path, store, store_location):
+def node(starts_a_server, tmp_path, store, store_location):
     """Layers base@1 and up@1, env e@1 (up over base), and a daemon on them."""
     publish_base_env(tmp_path, store)
     daemon = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="64M")

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon, serving
 from support import build, mounted_layer, need_root
-from treecmp import diff_trees
+from support.nodes import NodeDaemon, serving
+from support.treecmp import diff_trees
 
 from harness.daemonproc import LAYERFS
 from layerfs.builder.dirsource import UpperSource
@@ -60,7 +60,7 @@ def base_env(tmp_path, store, store_location):
 
 
 @pytest.fixture
-def node(tmp_path, base_env):
+def node(starts_a_server, tmp_path, base_env):
     yield from serving(NodeDaemon(tmp_path / "node", base_env.cli_args(), cache_size="64M"))
 
 

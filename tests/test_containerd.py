@@ -35,8 +35,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from nodes import NodeDaemon
 from support import need_root
+from support.nodes import NodeDaemon
 
 from harness.containerdserver import (
     ContainerdServer,
@@ -55,10 +55,9 @@ from layerfs.builder.oci.importer import ImportOptions, import_image
 from layerfs.builder.oci.sources import open_source
 from layerfs.errors import LayerInUse
 from layerfs.manifest import EnvLayer
-from layerfs.node.ctrdapi import snapshots_pb2, snapshots_pb2_grpc
-from layerfs.node.replica import Replica
-from layerfs.node.snapshotter import MAX_LOWERS, Snapshotter
-from layerfs.node.snapstore import (
+from layerfs.node.containerd.api import snapshots_pb2, snapshots_pb2_grpc
+from layerfs.node.containerd.snapshotter import MAX_LOWERS, Snapshotter
+from layerfs.node.containerd.snapstore import (
     ACTIVE,
     COMMITTED,
     MAX_LABELS,
@@ -69,6 +68,7 @@ from layerfs.node.snapstore import (
     SnapshotStore,
     check_labels,
 )
+from layerfs.node.replica.replica import Replica
 from layerfs.refstore import ENVS, RefStore
 from layerfs.retention import remove
 from layerfs.store.file import FileStore
@@ -199,7 +199,7 @@ def test_import_records_every_chain_and_its_layers_make_it_again(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def ctrd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def ctrd(starts_a_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     need_tools()
     base = tmp_path_factory.mktemp("ctrd")
     registry_binary = find_registry()

@@ -23,19 +23,21 @@ from pathlib import Path
 
 import pytest
 import trio
-from nodes import NodeDaemon
 from support import ManifestPutFails, build, need_root, small_ext4
+from support.nodes import NodeDaemon
 
 import layerfs.gc as gcmod
-import layerfs.node.disks as disks_mod
+import layerfs.node.vms.diskfiles as disks_mod
 from harness.daemonproc import LAYERFS
 from layerfs.errors import BlobVanished, StoreError
 from layerfs.gc import collect
-from layerfs.node.disks import DiskState, WritableDisk
+from layerfs.node.vms.diskfiles import DiskState, WritableDisk
 from layerfs.refstore import LAYERS, RefStore, ref_key
 from layerfs.store.base import BLOB_PREFIX, TEMP_MARK, blob_key
 from layerfs.store.file import FileStore
 from layerfs.verify import verify_layer
+
+pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
 
 GRACE = 1.5
 AGE_WAIT = 2.1
@@ -264,8 +266,8 @@ def read_all(path: Path, size: int) -> bytes:
 
 @pytest.mark.daemon_log(
     r"write of \d+ bytes failed: \[Errno 28\]",
-    r"ERROR layerfs\.node\.fusefs: write: \[Errno 28\]",
-    r"WARNING layerfs\.node\.daemon: cache bound lowered from ",  # a 24 MiB ROOT
+    r"ERROR layerfs\.node\.fuse\.nodefs: write: \[Errno 28\]",
+    r"WARNING layerfs\.node\.daemon\.service: cache bound lowered from ",  # a 24 MiB ROOT
 )
 def test_writable_disk_on_a_full_root_fails_writes_and_keeps_what_it_acknowledged(tmp_path):
     need_root()

@@ -8,11 +8,11 @@ import stat
 import subprocess
 
 import pytest
-from gentree import make_tree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import build, mounted_layer, need_root
-from treecmp import diff_trees
+from support.gentree import make_tree
+from support.treecmp import diff_trees
 
 from layerfs.formats.chunktable import HEADER
 from layerfs.formats.erofs import write_meta_image

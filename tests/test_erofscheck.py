@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from gentree import make_tree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import IN_CI, build, need_root
+from support.gentree import make_tree
 
 from layerfs.chunks import materialize_blob
 from layerfs.errors import BadMetaImage

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_builder import write_tree
+from support.gentree import write_tree
 from test_client import node  # noqa: F401  (a daemon with layer base@1)
 
 import layerfs
@@ -23,6 +23,8 @@ from layerfs import errors
 from layerfs.errors import LayerfsError
 from layerfs.node import Client, control
 from layerfs.node.control import RemoteError
+
+pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE_ROW = re.compile(r"^\| (\d+)(?:-(\d+))? \| (.+) \|$")
@@ -54,8 +56,9 @@ def every_error_class() -> dict[str, type[LayerfsError]]:
 
 # what a caller of layerfs.node.Client loads (its calls import the rest lazily)
 API_MODULES = ("layerfs.node.client", "layerfs.node.control", "layerfs.node.protocol",
-               "layerfs.node.bundle", "layerfs.node.imageuser", "layerfs.node.runner",
-               "layerfs.node.limits", "layerfs.node.rootspace", "layerfs.sizes",
+               "layerfs.node.containers.bundle", "layerfs.node.containers.imageuser",
+               "layerfs.node.containers.runner",
+               "layerfs.node.sandboxes.limits", "layerfs.node.sandboxes.rootspace", "layerfs.sizes",
                "layerfs.records", "layerfs.imageconfig", "layerfs.safeopen")
 
 
@@ -82,7 +85,8 @@ def test_every_error_the_python_api_raises_is_importable_from_layerfs_errors():
             if isinstance(value, type) and issubclass(value, LayerfsError):
                 assert getattr(errors, attr, None) is value, f"{name}.{attr} not in layerfs.errors"
     # the old homes name the same classes
-    from layerfs.node import bundle, client, imageuser, protocol
+    from layerfs.node import client, protocol
+    from layerfs.node.containers import bundle, imageuser
     assert (control.DaemonNotRunning, control.RemoteError) == (DaemonNotRunning, RemoteError)
     assert (client.SandboxNotUp, protocol.BadMessage) == (SandboxNotUp, BadMessage)
     assert (bundle.BundleError, imageuser.ImageUserError) == (BundleError, ImageUserError)
@@ -265,7 +269,7 @@ def test_created_is_iso_utc_in_every_json_output(node):  # noqa: F811
 # the CLI as another user runs it: the system interpreter (the test's may be in a
 # directory only root can enter) with this checkout's packages
 AS_USER_CLI = ("import site, sys; site.addsitedir(sys.argv.pop(1)); "
-               "from layerfs.tools.main import main; main()")
+               "from layerfs.cli.main import main; main()")
 
 
 def test_a_non_root_caller_gets_one_line_saying_what_to_do(node, local_user):  # noqa: F811

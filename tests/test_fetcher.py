@@ -20,16 +20,16 @@ import pytest
 import trio
 import trio.testing
 
-from layerfs.cache.chunkcache import ChunkCache
-from layerfs.cache.chunkfile import BLOCK
 from layerfs.chunks import pack_runs
 from layerfs.errors import StoreUnreachable, TransientStoreError
 from layerfs.formats.chunktable import FILE_START, RAW, ChunkEntry, ChunkTable
-from layerfs.node.blobfiles import FILE_AHEAD, BlobFile
-from layerfs.node.chunkstate import ChunkState
-from layerfs.node.failfast import OBJECT_BACKOFF, OBJECT_BACKOFF_MAX, FailFast
-from layerfs.node.fetcher import STORE_COOLDOWN, ChunkFetcher, FetchError
-from layerfs.node.prefetch import Prefetcher
+from layerfs.node.reads.blobfiles import FILE_AHEAD, BlobFile
+from layerfs.node.reads.chunkcache import ChunkCache
+from layerfs.node.reads.chunkfile import BLOCK
+from layerfs.node.reads.chunkstates import ChunkState
+from layerfs.node.reads.failfast import OBJECT_BACKOFF, OBJECT_BACKOFF_MAX, FailFast
+from layerfs.node.reads.fetcher import STORE_COOLDOWN, ChunkFetcher, FetchError
+from layerfs.node.reads.prefetch import Prefetcher
 from layerfs.store.base import blob_key
 
 DATA = b"chunk bytes " * 1000
@@ -572,7 +572,7 @@ def test_sequential_reads_bring_the_next_cached_chunks_of_the_file_into_memory(t
     assert store.calls == 0
 
 
-@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.reads\.chunkcache: cache file \S+ is damaged")
 def test_a_small_random_read_of_a_cached_chunk_reads_only_its_blocks(tmp_path):
     data = os.urandom(BLOCK * 8)
     entry = ChunkEntry(0, len(data), hashlib.sha256(data).digest(), "sha256:" + "0" * 64, 0,
@@ -687,12 +687,12 @@ def test_a_full_prefetch_leaves_a_readers_chunks_in_memory(tmp_path):
 def test_a_cache_hit_read_walks_neither_the_fetch_core_nor_the_policy(tmp_path):
     """A read of cached chunks (a small part of one, and a whole one) is served
     by ``ChunkStates`` from memory or the cache file: on the trio thread it
-    calls only blobfiles.py and chunkstate.py of the node (the cache files
+    calls only blobfiles.py and chunkstates.py of the node (the cache files
     are read in worker threads), never the fetch core nor the policy, and
     the store is never asked."""
     import sys
 
-    import layerfs.node.blobfiles as blobfiles
+    import layerfs.node.reads.blobfiles as blobfiles
 
     datas = [os.urandom(64 << 10) for _ in range(2)]
     entries = [ChunkEntry(k << 16, 64 << 10, hashlib.sha256(d).digest(), "sha256:" + "9" * 64,
@@ -720,17 +720,17 @@ def test_a_cache_hit_read_walks_neither_the_fetch_core_nor_the_policy(tmp_path):
         assert whole == datas[0][1000:] + datas[1][:1000]
 
     run(main)
-    assert walked == {"blobfiles.py", "chunkstate.py"} and store.calls == []
+    assert walked == {"blobfiles.py", "chunkstates.py"} and store.calls == []
 
 
 def test_the_fetch_core_imports_no_prefetch_policy():
     """The boundary is one-way: the policies call the fetch core, never the
-    reverse (layerfs/node/fetcher.py imports neither prefetch nor tracereplay,
+    reverse (layerfs/node/reads/fetcher.py imports neither prefetch nor tracereplay,
     not even for type checking)."""
     import ast
     from pathlib import Path
 
-    import layerfs.node.fetcher as core
+    import layerfs.node.reads.fetcher as core
 
     tree = ast.parse(Path(core.__file__).read_text())
     imported = set()

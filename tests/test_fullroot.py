@@ -14,18 +14,18 @@ import re
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
 from support import MiB, build, need_root, small_ext4
+from support.nodes import NodeDaemon
 
 from layerfs.errors import NodeFull
-from layerfs.node.replica import Replica
-from layerfs.node.rootspace import RootSpace
+from layerfs.node.replica.replica import Replica
+from layerfs.node.sandboxes.rootspace import RootSpace
 from layerfs.ratelog import RateLimitedLog
 from layerfs.store.file import FileStore
 
 CACHE_WARNING = r"cannot write cache file for chunk \w+: \[Errno 28\]"
 HELD_GIVEN_UP = r"gave up the \d+ MiB held for the daemon's state"
-CACHE_LOWERED = r"WARNING layerfs\.node\.daemon: cache bound lowered from "
+CACHE_LOWERED = r"WARNING layerfs\.node\.daemon\.service: cache bound lowered from "
 
 
 def fill_up(path: Path) -> None:

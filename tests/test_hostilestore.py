@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon, serving
 from support import build, need_root
-from users import LocalUser, local_user  # noqa: F401 - a fixture
+from support.nodes import NodeDaemon, serving
+from support.users import LocalUser, local_user  # noqa: F401 - a fixture
 
 from layerfs.errors import StoreError
 from layerfs.refstore import RefStore, ref_key
@@ -33,7 +33,7 @@ CHUNK = 65536
 KEYS = ("ref", "manifest", "meta", "table", "pack")
 KINDS = ("fifo", "symlink", "device", "directory")
 SECRET = b"ROOT-ONLY-SECRET-7f3c1a"
-LAYERFS = [sys.executable, "-m", "layerfs.tools.main"]
+LAYERFS = [sys.executable, "-m", "layerfs.cli.main"]
 WHAT = {"fifo": "not a regular file (a FIFO)", "device": "a character device",
         "symlink": "a symlink", "directory": "not found"}  # a directory is no object
 
@@ -156,7 +156,7 @@ def test_root_commands_refuse_a_hostile_object_in_one_line(planted):
 
 
 @pytest.fixture
-def node(tmp_path, planted) -> Iterator[NodeDaemon]:
+def node(starts_a_server, tmp_path, planted) -> Iterator[NodeDaemon]:
     yield from serving(NodeDaemon(tmp_path / "node", ["--store", planted.url],
                                   cache_size="64M", read_timeout=2.0))
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from nodes import NodeDaemon
 from support import mounted_layer, need_root
-from tarcuts import CUT_SHORT, ENDINGS, gnu_long_name_then_end, pax_header_then_end
-from treecmp import diff_trees
+from support.nodes import NodeDaemon
+from support.tarcuts import CUT_SHORT, ENDINGS, gnu_long_name_then_end, pax_header_then_end
+from support.treecmp import diff_trees
 
 from harness.containerdserver import ContainerdServer, running_containerd
 from harness.daemonproc import LAYERFS
@@ -42,6 +42,8 @@ from layerfs.builder.oci.resolve import host_platform
 from layerfs.mounts import mount, umount
 from layerfs.refstore import ENVS, LAYERS, RefStore
 from layerfs.store.file import FileStore
+
+pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
 
 REF = "org.opencontainers.image.ref.name"
 SETTINGS = ImageSettings(env=["PATH=/bin", "GREETING=hello"], entrypoint=["/bin/sh", "-c"],
@@ -544,7 +546,8 @@ BUSYBOX_SETTINGS = ImageSettings(env=["PATH=/bin", "GREETING=hello"],
 
 
 @pytest.fixture(scope="module")
-def containerd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ContainerdServer]:
+def containerd(starts_a_server,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[ContainerdServer]:
     need_root()
     with running_containerd(tmp_path_factory.mktemp("containerd")) as server:
         yield server
@@ -654,7 +657,7 @@ def single_layer_layout(layout: Path, tag: str, tar: bytes) -> Path:
 
 
 def test_containerd_and_layerfs_agree_where_a_layer_tar_may_end(containerd, tmp_path):
-    """Each ending and each cut of tests/tarcuts.py as an image layer: both
+    """Each ending and each cut of tests/support/tarcuts.py as an image layer: both
     accept or both refuse it (layerfs with one error line), and what both
     accept unpacks to the same tree."""
     cases = {**ENDINGS, "GNU long name, no member after it": gnu_long_name_then_end,

@@ -29,6 +29,8 @@ from support import mounted_layer
 from layerfs.refstore import LAYERS, RefStore
 from layerfs.store.file import FileStore
 
+pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
+
 COMPRESSIONS = ["plain", "gzip", "xz", "bzip2", "zstd"]
 MEMORY_LIMIT = 1 << 30
 FIFO_TIMEOUT = 120  # a reader that opens a FIFO twice waits for ever: fail instead
@@ -88,7 +90,7 @@ def layerfs(*args: str, stdin=None, memory_limit: int | None = None,
         if memory_limit:
             resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
 
-    return subprocess.run([sys.executable, "-m", "layerfs.tools.main", *args], stdin=stdin,
+    return subprocess.run([sys.executable, "-m", "layerfs.cli.main", *args], stdin=stdin,
                           capture_output=True, text=True, preexec_fn=limit, timeout=timeout)
 
 
@@ -132,7 +134,7 @@ def test_process_substitution_gives_the_tar_content(tmp_path, how):
     from_file, from_pipe = tmp_path / "s_file", tmp_path / "s_pipe"
     assert layerfs(*build_cmd(str(archive), from_file)).returncode == 0
     args = " ".join(build_cmd("<(cat x.tar)", from_pipe))
-    proc = subprocess.run(["bash", "-c", f"{sys.executable} -m layerfs.tools.main {args}"],
+    proc = subprocess.run(["bash", "-c", f"{sys.executable} -m layerfs.cli.main {args}"],
                           cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     refstore = RefStore(FileStore(str(from_pipe)))

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 from support import IN_CI, need_root
-from users import LocalUser
+from support.users import LocalUser
+
+pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
 
 REPO = Path(__file__).resolve().parent.parent
 SYSTEM_PYTHON = Path("/usr/bin/python3")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
+
 INIT = b"\x28\x00\x00\x00\x1a\x00\x00\x00" + bytes(32)  # looks like a FUSE_INIT header
 
 
@@ -26,7 +28,7 @@ class KeeperRun:
         self.conn_r, self.conn_w = os.pipe()
         self.lease, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "layerfs.node.keeper", str(self.path), str(self.conn_r),
+            [sys.executable, "-m", "layerfs.node.fuse.keeper", str(self.path), str(self.conn_r),
              INIT.hex(), str(theirs.fileno()), repr(grace)],
             pass_fds=[self.conn_r, theirs.fileno()], stderr=subprocess.PIPE, text=True)
         theirs.close()
@@ -169,7 +171,7 @@ def test_bad_numbers_in_the_arguments_are_one_line(tmp_path, grace, fd):
     r, w = os.pipe()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "layerfs.node.keeper", str(tmp_path / "k.sock"),
+            [sys.executable, "-m", "layerfs.node.fuse.keeper", str(tmp_path / "k.sock"),
              fd or str(r), INIT.hex(), str(r), grace],
             pass_fds=[r], capture_output=True, text=True, timeout=30)
     finally:

@@ -16,10 +16,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
-from storeaway import AwayStore
 from support import build
-from test_node import CHUNK, publish_base_env
+from support.baseenv import CHUNK, publish_base_env
+from support.nodes import NodeDaemon
+from support.storeaway import AwayStore
 
 from harness.daemonproc import LAYERFS
 from harness.s3server import free_ports
@@ -32,7 +32,7 @@ from layerfs.retention import remove
 from layerfs.store.base import Store
 
 TTL = "5"  # seconds: the node renews every second
-LOST = r"WARNING layerfs\.node\.storehealth: store \S+ unreachable \(.*\); serving what"
+LOST = r"WARNING layerfs\.node\.replica\.storehealth: store \S+ unreachable \(.*\); serving what"
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def away_store(store_location):
 
 
 @pytest.fixture
-def node(tmp_path, store, away_store):
+def node(starts_a_server, tmp_path, store, away_store):
     """Env e@1 (layers up@1 over base@1) and a daemon on it with a 5 s lease."""
     publish_base_env(tmp_path, store)
     daemon = NodeDaemon(tmp_path / "node", away_store.cli_args(), cache_size="64M",
@@ -176,9 +176,10 @@ def test_a_revoked_env_or_layer_is_refused_with_the_store_away(node, store, stor
     assert gone.returncode == 5 and "no such revocation: up@1 (sha256:" in gone.stderr
 
 
-@pytest.mark.daemon_log(r"ERROR layerfs\.node\.dataloss: sandbox s[12]: the data of its layer ",
-                        r"ERROR layerfs\.node\.fetcher: chunk \w+: object not found",
-                        r"ERROR layerfs\.node\.fusefs: ")
+@pytest.mark.daemon_log(r"ERROR layerfs\.node\.sandboxes\.dataloss: sandbox s[12]: the data of "
+                        r"its layer ",
+                        r"ERROR layerfs\.node\.reads\.fetcher: chunk \w+: object not found",
+                        r"ERROR layerfs\.node\.fuse\.nodefs: ")
 def test_a_sandbox_whose_data_is_gone_says_so(node, store, tmp_path):
     """Its packs deleted behind the node's back (here by hand; a gc that knew
     no lease, a lost volume): the read fails, and ps, the log and the metric
@@ -199,7 +200,8 @@ def test_a_sandbox_whose_data_is_gone_says_so(node, store, tmp_path):
     states = {r["id"]: r["state"] for r in node.request("ps")["sandboxes"]}
     assert states == {"s1": "data_lost", "s2": "data_lost"}, states
     assert re.search(r"s1 +data_lost ", node.cli("ps").stdout)
-    assert re.search(rf"ERROR layerfs\.node\.dataloss: sandbox s1: the data of its layer "
+    assert re.search(rf"ERROR layerfs\.node\.sandboxes\.dataloss: sandbox s1: the data of its "
+                     rf"layer "
                      rf"{base} \(e@1\) is gone from the store \(pack sha256:\w+ missing\)",
                      node.log())
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:

@@ -19,19 +19,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
-from test_node import publish_base_env, up
+from support.baseenv import publish_base_env, up
+from support.nodes import NodeDaemon
 
 from layerfs.errors import DownIncomplete, SandboxBusy
 from layerfs.node.client import Client
-from layerfs.node.daemon import mounts_under
+from layerfs.node.daemon.service import mounts_under
 
 FILE_ONLY = pytest.mark.parametrize("store_location", ["file"], indirect=True)
 LAUNCHER = textwrap.dedent("""
     import os, sys
     import lmdb
-    from layerfs.node.replica import Replica
-    from layerfs.tools.main import main
+    from layerfs.node.replica.replica import Replica
+    from layerfs.cli.main import main
     faults = sys.argv.pop(1)
     def failing(name):
         real = getattr(Replica, name)
@@ -47,7 +47,7 @@ LAUNCHER = textwrap.dedent("""
 
 
 @pytest.fixture
-def node(tmp_path, store, store_location):
+def node(starts_a_server, tmp_path, store, store_location):
     """Env e@1 and a daemon on it whose replica fails on demand (:data:`LAUNCHER`)."""
     publish_base_env(tmp_path, store)
     daemon = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="64M")
@@ -155,8 +155,9 @@ def test_kill_9_during_32_ups_is_rolled_back_at_the_next_start(node):
 
 
 @FILE_ONLY
-@pytest.mark.daemon_log(r"WARNING layerfs\.node\.layermounts: access trace of layer .* not saved",
-                        r"WARNING layerfs\.node\.layermounts: stopping: .* is busy")
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.sandboxes\.layermounts: access trace of layer "
+                        r".* not saved",
+                        r"WARNING layerfs\.node\.sandboxes\.layermounts: stopping: .* is busy")
 def test_stop_with_sandboxes_up_leaves_no_mount(node):
     """A stop with three sandboxes up, one of them busy (a process has its
     working directory in it) and the replica failing to save traces, exits 0
@@ -210,8 +211,9 @@ def test_a_down_stopped_by_a_busy_mount_is_repeated_until_done(node):
 
 
 @FILE_ONLY
-@pytest.mark.daemon_log(r"WARNING layerfs\.node\.layermounts: access trace of layer .* not saved",
-                        r"ERROR layerfs\.node\.sandboxes: sandbox s1: down stopped while "
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.sandboxes\.layermounts: access trace of layer "
+                        r".* not saved",
+                        r"ERROR layerfs\.node\.sandboxes\.manager: sandbox s1: down stopped while "
                         r"deleting its record")
 def test_a_down_stopped_by_an_lmdb_error_is_repeated_until_done(node):
     """A trace that cannot be saved never keeps a layer mounted; a record

@@ -22,16 +22,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
 from support import build, need_root, small_ext4
+from support.nodes import NodeDaemon
 
 from harness import daemonproc
 from harness.daemonproc import LAYERFS
 from harness.ociimages import busybox_rootfs
 from layerfs.mounts import fs_type
-from layerfs.node import Client, quota
+from layerfs.node import Client
 from layerfs.node.control import wait_ready
-from layerfs.node.sandboxes import remove_sandbox_dir
+from layerfs.node.sandboxes import quota
+from layerfs.node.sandboxes.manager import remove_sandbox_dir
 from layerfs.store import open_store
 
 RUNTIMES = ("runc", "crun")
@@ -87,7 +88,8 @@ def store_url(work: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def node(btrfs_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
+def node(starts_a_server,
+         btrfs_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
     """A daemon whose ROOT is on the btrfs image."""
     url = store_url(tmp_path_factory.mktemp("limits"))
     daemon = NodeDaemon(btrfs_root / "node", ["--store", url], cache_size="64M").start()
@@ -246,7 +248,8 @@ def test_a_writer_stops_at_its_quota_and_the_others_go_on(node, runtime, local_u
 
 
 @pytest.fixture
-def hostile_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[NodeDaemon]:
+def hostile_node(starts_a_server,
+                 tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[NodeDaemon]:
     """A daemon in a mount namespace of its own without the cgroup pids
     hierarchy and with no loop devices (a plain file over /dev/loop-control):
     a node that cannot enforce --pids, nor --disk-quota on a ROOT on ext4."""
@@ -393,7 +396,7 @@ def test_a_writer_stops_at_its_quota_on_ext4_and_the_others_go_on(ext4_node, loc
     assert not sdir.exists() and mounts_at(sdir) == 0 and loops_released(sdir)
 
 
-@pytest.mark.daemon_log(r"WARNING layerfs\.node\.daemon: unmounted stale ")
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.daemon\.service: unmounted stale ")
 def test_an_ext4_quota_outlives_stops_and_kills_and_commit_reads_it(ext4_node):
     """The image is mounted once after a stop and start, a kill -9 (the keeper
     keeps it), a --takeover and a kill -9 of the daemon and its keeper; its

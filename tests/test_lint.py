@@ -1,7 +1,7 @@
 """The code stays ruff- and mypy-clean (docs/design.md conventions), and mypy sees it whole.
 
 ``builder/``, ``cache/`` and ``tools/`` are installed as ``layerfs.builder``,
-``layerfs.cache`` and ``layerfs.tools`` (pyproject's ``package-dir``); the
+``layerfs.node.reads`` and ``layerfs.cli`` (pyproject's ``package-dir``); the
 editable install's import hook is invisible to mypy. So the checker runs on a
 shadow tree, ``.mypy-src/layerfs``, of symlinks laid out as the installed
 package (made from ``package-dir`` on every run), and every import between the
@@ -77,10 +77,10 @@ def test_mypy():
 # In each folder, a module with a wrong import or call into another folder.
 WRONG_MODULES = {
     "layerfs/_wrong.py": "from layerfs.builder.layer import no_such_builder\n",
-    "builder/_wrong.py": "from layerfs.tools.common import parse_size\n"
+    "layerfs/builder/_wrong.py": "from layerfs.cli.common import parse_size\n"
                          "parse_size(42)\n",
-    "cache/_wrong.py": "from layerfs.tools.main import no_such_command\n",
-    "tools/_wrong.py": "from layerfs.cache.chunkcache import ChunkCache\n"
+    "cache/_wrong.py": "from layerfs.cli.main import no_such_command\n",
+    "layerfs/cli/_wrong.py": "from layerfs.node.reads.chunkcache import ChunkCache\n"
                        "ChunkCache.no_such_method\n",
 }
 

@@ -1,5 +1,5 @@
 """Small layers fetched whole into local blob files the kernel reads directly
-(``--fetch-whole-below``, layerfs/node/localblobs.py): few store requests for
+(``--fetch-whole-below``, layerfs/node/reads/localblobs.py): few store requests for
 a new workspace of many small files, the same bytes as the source, reads that
 need no daemon (one killed with SIGKILL, the page cache dropped), a damaged
 local file fetched again before it is mounted, a daemon killed while it
@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
-from nodes import LAYERFS, NodeDaemon
-from storeaway import GatedRelay
 from support import build, need_root
+from support.nodes import LAYERFS, NodeDaemon
+from support.storeaway import GatedRelay
 
 from layerfs.builder.env import create_env
 from layerfs.refstore import RefStore
@@ -129,7 +129,8 @@ def test_a_new_workspace_costs_few_requests_and_reads_need_no_daemon(whole_node,
     whole_node.cli("down", "s1")
 
 
-@pytest.mark.daemon_log(r"WARNING layerfs\.node\.localblobs: local blob file \S+ does not hold "
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.reads\.localblobs: local blob file \S+ does "
+                        r"not hold "
                         r"chunk")
 def test_a_damaged_local_file_is_fetched_again_before_it_is_mounted(whole_node, published,
                                                                     store):
@@ -148,10 +149,12 @@ def test_a_damaged_local_file_is_fetched_again_before_it_is_mounted(whole_node, 
     whole_node.cli("down", "s2")
 
 
-@pytest.mark.daemon_log(r"WARNING layerfs\.node\.localblobs: layer \S+ not fetched whole",
-                        r"ERROR layerfs\.node\.fetcher: .*(sha256 mismatch|cannot decompress)",
-                        r"ERROR layerfs\.node\.fetcher: chunk \S+: ",
-                        r"ERROR layerfs\.node\.fusefs: read: cannot read chunk \S+: integrity")
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.reads\.localblobs: layer \S+ not fetched whole",
+                        r"ERROR layerfs\.node\.reads\.fetcher: .*(sha256 mismatch|cannot "
+                        r"decompress)",
+                        r"ERROR layerfs\.node\.reads\.fetcher: chunk \S+: ",
+                        r"ERROR layerfs\.node\.fuse\.nodefs: read: cannot read chunk \S+: "
+                        r"integrity")
 def test_a_layer_that_cannot_be_fetched_whole_is_read_lazily(whole_node, published, store):
     refstore = RefStore(store)
     table = refstore.chunk_table(refstore.layer(ws_digest(store)))

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon, serving
 from support import build, need_root
+from support.nodes import NodeDaemon, serving
 
 from layerfs.errors import NodeFull
 from layerfs.refstore import RefStore
@@ -39,7 +39,7 @@ def two_layers(tmp_path, store) -> dict[str, str]:
 
 
 @pytest.fixture
-def node(tmp_path, store_location, two_layers) -> Iterator[NodeDaemon]:
+def node(starts_a_server, tmp_path, store_location, two_layers) -> Iterator[NodeDaemon]:
     yield from serving(NodeDaemon(tmp_path / "node", store_location.cli_args(),
                                   cache_size="64M"))
 
@@ -132,7 +132,7 @@ def fill(path: Path, leave: int) -> None:
 
 
 @pytest.mark.daemon_log(r"removing stale temporary \S+0123\.tmp4242", r"No space left on device",
-                        r"WARNING layerfs\.node\.daemon: cache bound lowered from ")
+                        r"WARNING layerfs\.node\.daemon\.service: cache bound lowered from ")
 def test_a_full_root_leaves_no_temporary_meta_images(tmp_path, store, store_location,
                                                       small_root):
     src = tmp_path / "many"

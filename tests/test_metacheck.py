@@ -18,14 +18,15 @@ from pathlib import Path
 import pytest
 import zstandard
 from support import need_root
-from test_erofscheck import layout_of, reseal, sample  # noqa: F401 - the fixture
+from support.metaimages import layout_of, reseal
+from support.users import LocalUser
+from test_erofscheck import sample  # noqa: F401 - the fixture
 from test_remotetrust import node, two_layers  # noqa: F401 - the fixtures
-from users import LocalUser
 
 from layerfs.errors import BadMetaImage, CheckerTimeout, IntegrityError
 from layerfs.formats.erofscheck import check_meta_image
-from layerfs.node.metacheck import CHECKER_IDS, LOCK_DIR, MetaChecker, named
-from layerfs.node.replica import Replica
+from layerfs.node.replica.metacheck import CHECKER_IDS, LOCK_DIR, MetaChecker, named
+from layerfs.node.replica.replica import Replica
 from layerfs.refstore import RefStore
 
 
@@ -182,7 +183,7 @@ def test_no_other_user_nor_nobody_may_stop_or_kill_a_worker(checker, sample,  # 
 
 
 def checker_workers(daemon_pid: int) -> list[int]:
-    """The daemon's checker processes (its children running layerfs.node.metacheck)."""
+    """The daemon's checker processes (its children running layerfs.node.replica.metacheck)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -191,7 +192,7 @@ def checker_workers(daemon_pid: int) -> list[int]:
                 ppid = status_of(int(entry.name))["PPid"]
             except OSError:
                 continue
-            if b"layerfs.node.metacheck" in cmdline and ppid == [str(daemon_pid)]:
+            if b"layerfs.node.replica.metacheck" in cmdline and ppid == [str(daemon_pid)]:
                 found.append(int(entry.name))
     return found
 
@@ -240,7 +241,7 @@ def test_a_kept_worker_killed_in_a_check_is_replaced_and_the_check_asked_again(
 
 def test_a_new_worker_that_ends_without_a_verdict_fails_the_check(checker, sample,  # noqa: F811
                                                                   monkeypatch):
-    monkeypatch.setattr("layerfs.node.metacheck.sys.executable", "/bin/false")
+    monkeypatch.setattr("layerfs.node.replica.metacheck.sys.executable", "/bin/false")
     with pytest.raises(BadMetaImage) as info:
         checker.check(*stored(sample.image), sample.blob_size, sample.chunk_size, "s@1")
     assert str(info.value) == ("integrity check failed for the meta image of s@1: the checker "
@@ -278,7 +279,8 @@ def test_a_worker_imports_nothing_from_the_daemons_working_directory(sample, tmp
     assert not marker.exists()
 
 
-@pytest.mark.daemon_log(r"WARNING layerfs\.node\.metacheck: the checker of the meta image of "
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.replica\.metacheck: the checker of the meta "
+                        r"image of "
                         r"s@1 gave no verdict within 1s \(signal 9\); starting a fresh one")
 def test_a_worker_that_gives_no_verdict_is_a_timeout_and_the_next_check_works(
         sample):  # noqa: F811
@@ -322,7 +324,8 @@ def test_a_worker_that_gives_no_verdict_is_a_timeout_and_the_next_check_works(
         checker.close()
 
 
-@pytest.mark.daemon_log(r"WARNING layerfs\.node\.metacheck: the checker of the meta image of "
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.replica\.metacheck: the checker of the meta "
+                        r"image of "
                         r"a@1 gave no verdict within 1s")
 def test_a_timeout_keeps_nothing_of_the_layer_and_the_next_fetch_checks_it(
         store, two_layers, tmp_path):  # noqa: F811
@@ -348,7 +351,7 @@ def test_a_timeout_keeps_nothing_of_the_layer_and_the_next_fetch_checks_it(
 
 DAEMON_LIKE = """
 import signal, sys
-from layerfs.node.metacheck import MetaChecker
+from layerfs.node.replica.metacheck import MetaChecker
 checker = MetaChecker(workers=1)
 checker.start()
 worker = checker._idle[0].proc
@@ -391,7 +394,7 @@ def test_a_worker_that_ended_leaves_no_pipe_open(checker, sample, monkeypatch): 
     checker.check(*stored(sample.image), sample.blob_size, sample.chunk_size, "s@1")  # one kept
     before = open_fds()
     os.kill(worker_pid(checker), signal.SIGKILL)
-    monkeypatch.setattr("layerfs.node.metacheck.sys.executable", "/bin/false")
+    monkeypatch.setattr("layerfs.node.replica.metacheck.sys.executable", "/bin/false")
     errors = []
     for _ in range(3):  # the killed one replaced by one that fails, then two more
         with pytest.raises(BadMetaImage, match="checker process ended") as info:

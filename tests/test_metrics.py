@@ -14,18 +14,17 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
 from prometheus_client.parser import text_string_to_metric_families
 from support import build, need_root
-from test_restart import wait_for
-from users import LocalUser
+from support.nodes import NodeDaemon, wait_for
+from support.users import LocalUser
 
 import layerfs
 from harness.daemonproc import LAYERFS
 from harness.registryserver import free_port
 from layerfs.builder.env import create_env
 from layerfs.node.control import wait_ready
-from layerfs.node.metrics import MAX_CONNECTIONS
+from layerfs.node.daemon.metrics import MAX_CONNECTIONS
 from layerfs.refstore import RefStore
 from layerfs.store.base import blob_key
 
@@ -125,9 +124,11 @@ def test_metrics_move_with_the_work(metered, tmp_path):
     assert value(scrape(port), "layerfs_sandboxes") == 0
 
 
-@pytest.mark.daemon_log(r"ERROR layerfs\.node\.fusefs: read: cannot read chunk",
-                        r"ERROR layerfs\.node\.fetcher: chunk \S+: object not found in store",
-                        r"ERROR layerfs\.node\.dataloss: sandbox s1: the data of its layer ")
+@pytest.mark.daemon_log(r"ERROR layerfs\.node\.fuse\.nodefs: read: cannot read chunk",
+                        r"ERROR layerfs\.node\.reads\.fetcher: chunk \S+: object not found in "
+                        r"store",
+                        r"ERROR layerfs\.node\.sandboxes\.dataloss: sandbox s1: the data of its "
+                        r"layer ")
 def test_store_errors_are_counted_by_kind(metered, store):
     node = metered
     node.cli("up", "e@1", "--id", "s1")
@@ -162,12 +163,12 @@ def test_read_error_lines_name_the_layer(metered, store):
         read_cold(node.root / "sandboxes" / "s1" / "rootfs" / "data")
     records = [json.loads(line) for line in node.log().splitlines() if line.startswith("{")]
     errors = [r for r in records if r["level"] == "ERROR"]
-    assert {r["logger"] for r in errors} == {"layerfs.node.fusefs", "layerfs.node.fetcher",
-                                             "layerfs.node.dataloss"}  # (s1 lost that layer)
+    assert {r["logger"] for r in errors} == {  # (s1 lost that layer: dataloss)
+        "layerfs.node.fuse.nodefs", "layerfs.node.reads.fetcher", "layerfs.node.sandboxes.dataloss"}
     for record in errors:
         assert record["layer"] == node.digest, record
         assert record["offset"] >= 0 and record["size"] > 0, record
-    fetches = [r for r in errors if r["logger"] == "layerfs.node.fetcher"]
+    fetches = [r for r in errors if r["logger"] == "layerfs.node.reads.fetcher"]
     assert fetches and all(r["store_key"].startswith("blobs/sha256/") and r["fetch"]
                            for r in fetches)
     node.cli("down", "s1")
@@ -208,9 +209,10 @@ def test_json_logs_are_one_object_a_line(tmp_path, store_location):
     records = [json.loads(line) for line in node.log().splitlines()]
     assert all({"level", "logger", "message", "time"} <= set(r) for r in records)
     ready = [r for r in records if r["message"].startswith("layerfs daemon ready at ")]
-    assert ready and ready[0]["level"] == "INFO" and ready[0]["logger"] == "layerfs.node.events"
+    assert ready and ready[0]["level"] == "INFO"
+    assert ready[0]["logger"] == "layerfs.node.daemon.events"
     assert ready[0]["version"] == layerfs.__version__ and ready[0]["sandboxes"] == 0
-    assert {"logger": "layerfs.node.keeper", "level": "WARNING",
+    assert {"logger": "layerfs.node.fuse.keeper", "level": "WARNING",
             "message": "no daemon took the FUSE connection within 1 s: letting it go; reads "
             "waiting on its mounts fail"} in [{k: r[k] for k in ("logger", "level", "message")}
                                              for r in records]
@@ -240,11 +242,12 @@ def test_lifecycle_lines_carry_their_fields(metered, tmp_path):
     assert node.stop() == 0
     text = [line for line in node.log().splitlines() if not line.startswith("{")]
     records = [json.loads(line) for line in node.log().splitlines() if line.startswith("{")]
-    assert any(re.search(r"INFO layerfs\.node\.events: sandbox s1 up in \d+\.\d\d s: env e@1, "
+    assert any(re.search(r"INFO layerfs\.node\.daemon\.events: sandbox s1 up in \d+\.\d\d s: "
+                         r"env e@1, "
                          r"layer m@1$", line) for line in text), text
-    assert any(re.search(r"INFO layerfs\.node\.events: sandbox s1 committed as c@1 sha256:",
+    assert any(re.search(r"INFO layerfs\.node\.daemon\.events: sandbox s1 committed as c@1 sha256:",
                          line) for line in text), text
-    assert any(re.search(r"INFO layerfs\.node\.events: sandbox s1 down in .* s \(down\)",
+    assert any(re.search(r"INFO layerfs\.node\.daemon\.events: sandbox s1 down in .* s \(down\)",
                          line) for line in text), text
     assert any(re.search(r"layerfs daemon stopped: .* 1 sandbox and 0 vms handed over", line)
                for line in text), text
@@ -272,7 +275,7 @@ def test_lifecycle_fields_in_json(metered):
     node.cli("down", "s1")
     records = [json.loads(line) for line in node.log().splitlines() if line.startswith("{")]
     [up] = [r for r in records if r["message"].startswith("sandbox s1 up in ")]
-    assert up["logger"] == "layerfs.node.events" and up["level"] == "INFO"
+    assert up["logger"] == "layerfs.node.daemon.events" and up["level"] == "INFO"
     assert up["message"].endswith(": layer m@1"), up
     assert (up["sandbox"], up["env"], up["layers"], up["layer_refs"], up["state"]) == (
         "s1", None, [node.digest], ["m@1"], "up")

@@ -18,11 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
 from support import build, need_root
+from support.nodes import NodeDaemon
 
 from layerfs.builder.env import create_env
-from layerfs.node.daemon import mounts_under
+from layerfs.node.daemon.service import mounts_under
 from layerfs.refstore import RefStore
 from layerfs.store.base import blob_key
 
@@ -73,7 +73,7 @@ def publish_base_env(tmp_path: Path, store) -> None:
 
 
 @pytest.fixture
-def node(tmp_path, store, store_location):
+def node(starts_a_server, tmp_path, store, store_location):
     """Layers base@1 and up@1, env e@1 (up over base), and a daemon on them."""
     publish_base_env(tmp_path, store)
     daemon = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="64M",
@@ -157,10 +157,10 @@ def store_outage(node: NodeDaemon):
 
 
 @pytest.mark.daemon_log(
-    r"ERROR layerfs\.node\.fusefs: read: cannot read chunk",
-    r"ERROR layerfs\.node\.fetcher: chunk \S+: (object not found in store|store unreachable"
+    r"ERROR layerfs\.node\.fuse\.nodefs: read: cannot read chunk",
+    r"ERROR layerfs\.node\.reads\.fetcher: chunk \S+: (object not found in store|store unreachable"
     r"|no answer from the store within)",
-    r"ERROR layerfs\.node\.fetcher: store does not answer",
+    r"ERROR layerfs\.node\.reads\.fetcher: store does not answer",
 )
 def test_store_outage_gives_eio_in_bounded_time(node, request):
     if node.location.endpoint:
@@ -215,7 +215,7 @@ def test_corrupt_chunk_in_store_is_eio_and_logged(node, store):
     node.cli("down", "s1")
 
 
-@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.reads\.chunkcache: cache file \S+ is damaged")
 def test_corrupt_cache_file_is_refetched(node):
     rootfs = up(node, "s1")
     want = (rootfs / "data" / "file1").read_bytes()
@@ -236,7 +236,7 @@ def test_corrupt_cache_file_is_refetched(node):
     node.cli("down", "s2")
 
 
-@pytest.mark.daemon_log(r"WARNING layerfs\.cache\.chunkcache: cache file \S+ is damaged")
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.reads\.chunkcache: cache file \S+ is damaged")
 def test_compressed_chunks_are_cached_as_their_frames_and_still_checked(node, tmp_path):
     """By default a chunk the store holds compressed (busybox's) is cached as
     its zstd frame, a raw one (the random data) plain; a damaged frame is

@@ -1,4 +1,4 @@
-"""layerfs/node/systemd.py: the service notification protocol against a real
+"""layerfs/node/daemon/systemd.py: the service notification protocol against a real
 datagram socket (a path and an abstract name), a real daemon's READY,
 STATUS and STOPPING on such a socket, and how the daemon finds its unit and
 tells a restart job from a stop (tests/test_systemd.py runs all of it under
@@ -14,11 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
 from support import build, need_root
+from support.nodes import NodeDaemon
 
 from layerfs.builder.env import create_env
-from layerfs.node import fuseconn, systemd
+from layerfs.node.daemon import systemd
+from layerfs.node.fuse import connection as fuseconn
 from layerfs.refstore import RefStore
 from layerfs.store import open_store
 
@@ -132,7 +133,7 @@ def test_keeper_without_its_scope(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     conn = fuseconn.FuseConnection(held.fileno(), bytes(40), taken_over=False)
     keeper = fuseconn.start_keeper(tmp_path, conn, 1.0)
     try:
-        assert keeper.args[:3] == [sys.executable, "-m", "layerfs.node.keeper"]
+        assert keeper.args[:3] == [sys.executable, "-m", "layerfs.node.fuse.keeper"]
         assert (tmp_path / fuseconn.KEEPER_SOCKET).exists() and conn.lease is not None
         assert keeper.poll() is None
     finally:

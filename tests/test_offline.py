@@ -21,24 +21,26 @@ from pathlib import Path
 
 import pytest
 from conftest import TEST_BUCKET
-from nodes import NodeDaemon
-from storeaway import AwayStore
-from test_node import publish_base_env, settle
+from support.baseenv import publish_base_env, settle
+from support.nodes import NodeDaemon
+from support.storeaway import AwayStore
 
 from harness.daemonproc import LAYERFS
 from layerfs.builder.disk import build_disk
 from layerfs.builder.env import create_env
 from layerfs.errors import ObjectNotFound, StoreUnreachable
-from layerfs.node.diskmanager import BASE_KEPT
-from layerfs.node.replica import Replica
+from layerfs.node.replica.replica import Replica
+from layerfs.node.vms.disks import BASE_KEPT
 from layerfs.refstore import ENVS, LAYERS, RefStore
 from layerfs.store import open_store
 from layerfs.store.base import TEMP_MARK
 from layerfs.store.file import FileStore
 
+pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
+
 NOTE = re.compile(r"^layerfs: warning: using the resolution of e@1 from "
                   r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ; store unreachable$")
-LOST = r"WARNING layerfs\.node\.storehealth: store \S+ unreachable \(.*\); serving what"
+LOST = r"WARNING layerfs\.node\.replica\.storehealth: store \S+ unreachable \(.*\); serving what"
 
 
 @pytest.fixture
@@ -49,7 +51,7 @@ def away_store(store_location):
 
 
 @pytest.fixture
-def node(tmp_path, store, away_store):
+def node(starts_a_server, tmp_path, store, away_store):
     """Env e@1 (and f@1, never brought up here) and a daemon on them."""
     publish_base_env(tmp_path, store)
     create_env(RefStore(store), "f", "1", ["base@1"])
@@ -87,7 +89,7 @@ def test_up_with_the_store_away(node, store, away_store):
         named = up(node, "e@1", "s2")
         assert NOTE.match(named.stderr.strip()), named.stderr
         assert (Path(named.stdout.strip()) / "data" / "file0").read_bytes() == want
-        assert re.search(r"INFO layerfs\.node\.refs: using the resolution of e@1 from "
+        assert re.search(r"INFO layerfs\.node\.replica\.noderefs: using the resolution of e@1 from "
                          r"\S+Z; store unreachable", node.log())
         row = ps(node)["s2"]
         assert [(o["ref"], o["digest"]) for o in row["offline"]] == [("e@1", digest)]
@@ -101,7 +103,7 @@ def test_up_with_the_store_away(node, store, away_store):
         assert line.startswith("layerfs: error: store unreachable: ") and "f@1" in line
     finally:
         away_store.back()
-    wait_for_log(node, r"INFO layerfs\.node\.storehealth: store \S+ reachable again")
+    wait_for_log(node, r"INFO layerfs\.node\.replica\.storehealth: store \S+ reachable again")
     again = up(node, "e@1", "s5")
     assert again.stderr == "" and "offline" not in ps(node)["s5"]
     assert up(node, "f@1", "s6").returncode == 0
@@ -125,7 +127,8 @@ def test_vm_up_with_the_store_away(node, store, away_store):
         drives = doc["drives"]
         assert [d["role"] for d in drives] == ["meta", "device"] * layers + ["disk"], drives
         assert [o["ref"] for o in doc["offline"]] == ["e@1"]
-        assert re.search(r"INFO layerfs\.node\.refs: using the resolution of e@1 ", node.log())
+        assert re.search(r"INFO layerfs\.node\.replica\.noderefs: using the resolution of e@1 "
+                         r"", node.log())
         never = node.cli("vm", "up", "f@1", "--id", "v2", "--disk-size", "1M", check=False)
         assert never.returncode == StoreUnreachable.exit_code, never.stderr
         assert "v2" not in node.cli("vm", "ps").stdout  # nothing left of it
@@ -179,7 +182,7 @@ def test_missing_file_store_directory_is_unreachable(tmp_path):
 
 
 def test_cli_listing_a_missing_file_store_exits_8(tmp_path):
-    from test_cli import layerfs
+    from support.cli import layerfs
 
     proc = layerfs("ls", "--store", f"file://{tmp_path}/nonexistent/dir", check=False)
     assert proc.returncode == StoreUnreachable.exit_code
@@ -311,6 +314,6 @@ def test_ups_fall_back_together_when_the_store_hangs(hung_node, s3_server):
         print(f"4 concurrent ups of a resolved env with the store hung: {took:.2f}s")
     finally:
         os.kill(s3_server.process.pid, signal.SIGCONT)
-    wait_for_log(node, r"INFO layerfs\.node\.storehealth: store \S+ reachable again")
+    wait_for_log(node, r"INFO layerfs\.node\.replica\.storehealth: store \S+ reachable again")
     for sid in ("s0", "s1", "s2", "s3", "s4"):
         node.cli("down", sid)

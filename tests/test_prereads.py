@@ -1,5 +1,5 @@
 """The kernel mechanism for serving a partly fetched layer without FUSE, shown
-on this kernel before the node builds on it (docs/node.md, Local blob files):
+on this kernel before the node builds on it (docs/dev/node.md, Local blob files):
 a file-backed EROFS mount (``directio``) over a sparse local blob file marked
 with a fanotify pre-content mark (``FAN_PRE_ACCESS``, Linux 6.14+). Each read
 EROFS makes of the blob file stops in a permission event that carries its

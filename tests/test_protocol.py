@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon, serving
 from support import build, need_root
+from support.nodes import NodeDaemon, serving
 
 from layerfs import records
 from layerfs.errors import UsageError
@@ -32,7 +32,7 @@ from layerfs.node.protocol import (
     VmUp,
     parse_request,
 )
-from layerfs.node.replica import Replica
+from layerfs.node.replica.replica import Replica
 
 
 def old_record(sid: str, digest: str, rootfs: Path, **changes: object) -> dict[str, object]:
@@ -136,7 +136,7 @@ def test_disk_and_vm_answers_are_typed_records_on_both_ends():
 
 
 @pytest.fixture
-def layer_node(tmp_path, store, store_location):
+def layer_node(starts_a_server, tmp_path, store, store_location):
     """Layer t@1 (one file) and a daemon on its store."""
     need_root()
     src = tmp_path / "src"

@@ -49,6 +49,8 @@ from layerfs.errors import (
     SourceError,
 )
 
+pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
+
 REPO = "lib/app"
 MODES = ("anonymous", "htpasswd", "token")
 
@@ -82,7 +84,7 @@ def layout(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def registries(tmp_path_factory: pytest.TempPathFactory,
+def registries(starts_a_server, tmp_path_factory: pytest.TempPathFactory,
                layout: Path) -> Iterator[dict[str, RegistryServer]]:
     """The three registries, each holding ``REPO:v1`` and ``REPO:multi``."""
     _need("docker-registry", "htpasswd")
@@ -102,7 +104,7 @@ def registries(tmp_path_factory: pytest.TempPathFactory,
 
 
 @pytest.fixture(params=MODES)
-def registry(request: pytest.FixtureRequest,
+def registry(starts_a_server, request: pytest.FixtureRequest,
              registries: dict[str, RegistryServer]) -> RegistryServer:
     return registries[request.param]
 
@@ -448,7 +450,7 @@ def test_tls_to_a_plain_http_registry_names_plain_http(tmp_path) -> None:
     OpenSSL's "wrong version number", and the option that fixes it, in one line."""
     with FakeServer(lambda path, headers: Answer(200, b"{}")) as fake:
         proc = subprocess.run(
-            [sys.executable, "-m", "layerfs.tools.main", "import", f"docker://{fake.host}/app:v1",
+            [sys.executable, "-m", "layerfs.cli.main", "import", f"docker://{fake.host}/app:v1",
              "--name", "app", "--version", "1", "--timeout", "5",
              "--store", f"file://{tmp_path / 'store'}"],
             capture_output=True, text=True, timeout=60)
@@ -487,7 +489,7 @@ def test_trickling_registry_ends_the_import_within_the_timeout(case, tmp_path) -
     with FakeServer(trickling_registry(case)) as fake:
         started = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-m", "layerfs.tools.main", "import", f"docker://{fake.host}/app:v1",
+            [sys.executable, "-m", "layerfs.cli.main", "import", f"docker://{fake.host}/app:v1",
              "--plain-http", "--name", "app", "--version", "1", "--timeout", str(STALL_TIMEOUT),
              "--store", f"file://{tmp_path / 'store'}"],
             capture_output=True, text=True, timeout=60)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from nodes import NodeDaemon
 from support import build, need_root
-from test_cli import layerfs, one_line_error
-from test_erofscheck import layout_of, reseal
+from support.cli import layerfs, one_line_error
+from support.metaimages import layout_of, reseal
+from support.nodes import NodeDaemon
 
 from layerfs.builder.env import create_env
 from layerfs.errors import (
@@ -31,10 +31,12 @@ from layerfs.manifest import (
     EnvManifest,
     MetaRef,
 )
-from layerfs.node.metacheck import MetaChecker
-from layerfs.node.traces import trace_bytes, trace_key
+from layerfs.node.reads.accesstraces import trace_bytes, trace_key
+from layerfs.node.replica.metacheck import MetaChecker
 from layerfs.refstore import ENVS, LAYERS, RefStore, ref_key
 from layerfs.store.base import Store, blob_key, sha256_digest
+
+pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
 
 
 def small_tree(root: Path, text: str) -> str:
@@ -233,7 +235,8 @@ def test_verify_refuses_a_meta_image_with_a_chunk_outside_the_blob(store, store_
 # -- the daemon --
 
 @pytest.fixture
-def node(tmp_path: Path, store: Store, store_location, two_layers) -> Iterator[NodeDaemon]:
+def node(starts_a_server,
+         tmp_path: Path, store: Store, store_location, two_layers) -> Iterator[NodeDaemon]:
     need_root()
     daemon = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="64M").start()
     try:

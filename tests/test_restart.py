@@ -24,14 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
-from storeaway import GatedRelay
 from support import build, need_root
+from support.nodes import NodeDaemon
+from support.storeaway import GatedRelay
 
 from harness.daemonproc import LAYERFS
 from layerfs.builder.env import create_env
 from layerfs.node.control import wait_ready
-from layerfs.node.daemon import mounts_under
+from layerfs.node.daemon.service import mounts_under
 from layerfs.refstore import RefStore
 
 MiB = 1 << 20
@@ -112,7 +112,7 @@ class Load:
 
 
 @pytest.fixture
-def live(tmp_path, store, store_location):
+def live(starts_a_server, tmp_path, store, store_location):
     """Layer big@1 (8 files of 12 MiB), env e@1, and a daemon with sandboxes
     s1 and s2 up and a writable disk w."""
     need_root()
@@ -399,7 +399,7 @@ def gone(pid: int) -> bool:
     return state(pid) in ("", "Z")
 
 
-@pytest.mark.daemon_log(r"WARNING layerfs\.node\.layermounts: stopping: .* is busy")
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.sandboxes\.layermounts: stopping: .* is busy")
 def test_stop_with_a_busy_sandbox_lets_the_connection_go(live):
     """A stop for good (SIGTERM) ends the keeper too: a sandbox a process
     keeps busy is detached, nothing stays mounted under ROOT, and the
@@ -427,7 +427,7 @@ def test_a_daemon_gone_for_good_is_given_up_after_the_grace(live):
     f7 = sandbox(live, "s1") / "data" / "f7"
     reader = open_for_later(f7)
     live.kill()
-    live.expect_log(r"WARNING layerfs\.node\.keeper: no daemon took the FUSE connection "
+    live.expect_log(r"WARNING layerfs\.node\.fuse\.keeper: no daemon took the FUSE connection "
                     r"within 1 s: letting it go")
     wait_for(lambda: gone(keeper), "the keeper to let go", 15)
     assert read_later(reader).split()[0] == "error"
@@ -469,7 +469,8 @@ def test_a_keeper_that_dies_is_replaced(live):
     """The daemon starts another keeper when its keeper dies, with the same
     open file: a crash after that is survived as before."""
     old = keeper_pid(live)
-    live.expect_log(r"WARNING layerfs\.node\.daemon: the FUSE keeper exited; starting another")
+    live.expect_log(r"WARNING layerfs\.node\.daemon\.service: the FUSE keeper exited; starting "
+                    r"another")
     os.kill(old, signal.SIGKILL)
     wait_for(lambda: keeper_pid(live) != old, "another keeper", 15)
     ids = mount_ids(live.root)
@@ -486,8 +487,10 @@ def test_a_keeper_that_dies_again_at_once_is_left_dead(live):
     connection itself may be gone): one error line, and a crash after that
     falls back to remounting."""
     first = keeper_pid(live)
-    live.expect_log(r"WARNING layerfs\.node\.daemon: the FUSE keeper exited; starting another",
-                    r"ERROR layerfs\.node\.daemon: the FUSE keeper exited again: live restart "
+    live.expect_log(r"WARNING layerfs\.node\.daemon\.service: the FUSE keeper exited; starting "
+                    r"another",
+                    r"ERROR layerfs\.node\.daemon\.service: the FUSE keeper exited again: live "
+                    r"restart "
                     r"is unavailable until this daemon restarts")
     os.kill(first, signal.SIGKILL)
     wait_for(lambda: keeper_pid(live) != first, "another keeper", 15)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import time
 
-from test_builder import write_tree
-from test_cli import layerfs, one_line_error
+from support.cli import layerfs, one_line_error
+from support.gentree import write_tree
 
 from layerfs.refstore import LAYERS, RefStore
 from layerfs.retention import expires_at, read_expiries, set_expiry

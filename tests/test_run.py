@@ -20,15 +20,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
 from support import build, need_root
+from support.nodes import NodeDaemon
 
 from harness.daemonproc import LAYERFS
 from layerfs.errors import SandboxNotFound, UsageError
-from layerfs.node import Client, runner
-from layerfs.node.bundle import BundleError
+from layerfs.node import Client
+from layerfs.node.containers import runner
+from layerfs.node.containers.bundle import BundleError
+from layerfs.node.containers.runner import RunResult
 from layerfs.node.control import RemoteError
-from layerfs.node.runner import RunResult
 from layerfs.store import open_store
 
 APPLETS = ("sh", "cat", "echo", "grep", "hostname", "id", "ls", "mkdir", "mknod", "mount",
@@ -81,7 +82,7 @@ def make_rootfs(root: Path, work: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
+def node(starts_a_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
     """A daemon on a file:// store with layer base@1, and sandboxes s1 and s2 up
     (``run`` does not depend on the store backend, which test_node covers)."""
     need_root()
@@ -233,7 +234,7 @@ def test_no_new_user_namespace(node):
 def test_the_runtime_starts_with_the_signals_python_ignores_at_their_defaults():
     """Python ignores SIGPIPE and SIGXFSZ; what ``layerfs run`` spawns (the
     runtime, and a command it hands them on to) must not inherit that."""
-    code = ("from layerfs.node import runner; "
+    code = ("from layerfs.node.containers import runner; "
             "runner.wait(runner.spawn(['grep', 'SigIgn', '/proc/self/status']))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
@@ -244,7 +245,7 @@ def test_the_runtime_starts_with_the_signals_python_ignores_at_their_defaults():
 def test_the_runtime_gets_no_descriptor_but_stdio():
     """An inheritable descriptor of the caller (a Python API user's) stays out
     of what ``layerfs run`` spawns, as with subprocess's ``close_fds``."""
-    code = ("import os; from layerfs.node import runner; r, w = os.pipe(); "
+    code = ("import os; from layerfs.node.containers import runner; r, w = os.pipe(); "
             "os.set_inheritable(w, True); print(w, flush=True); "
             "runner.wait(runner.spawn(['ls', '/proc/self/fd']))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -692,7 +693,8 @@ def test_an_id_the_runtimes_refuse_is_one_line(node, runtime, user):
 
 
 @pytest.fixture(scope="module")
-def odd_programs(node: NodeDaemon, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def odd_programs(starts_a_server,
+                 node: NodeDaemon, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """In s1: a script without execute bits, a directory, a FIFO, and symlinks
     to a host program (absolute, and climbing out with ``..``) the rootfs lacks."""
     host = tmp_path_factory.mktemp("host") / "host-program"

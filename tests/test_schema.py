@@ -32,7 +32,7 @@ from layerfs.manifest import (
     manifest_head,
 )
 from layerfs.node import protocol
-from layerfs.node.traces import parse_trace
+from layerfs.node.reads.accesstraces import parse_trace
 from layerfs.retention import _parse_expiry
 
 D1, D2, D3 = ("sha256:" + c * 64 for c in "abc")

@@ -21,16 +21,16 @@ from types import SimpleNamespace
 import pyfuse3
 import pytest
 import trio
-from nodes import NodeDaemon
 from support import IN_CI, build, need_root
-from users import LocalUser
+from support.nodes import NodeDaemon
+from support.users import LocalUser
 
 from harness.daemonproc import LAYERFS, DaemonProcess, detach_mounts
 from layerfs.errors import LayerfsError
 from layerfs.formats.chunktable import ChunkTable
-from layerfs.node.blobfiles import BlobDirectory
-from layerfs.node.daemon import mounts_under
-from layerfs.node.fusefs import NodeFS
+from layerfs.node.daemon.service import mounts_under
+from layerfs.node.fuse.nodefs import NodeFS
+from layerfs.node.reads.blobfiles import BlobDirectory
 from layerfs.store.file import FileStore
 
 CHUNK = 65536
@@ -128,7 +128,7 @@ def hostile_tar(path: Path, device: os.stat_result) -> Path:
 
 
 @pytest.fixture
-def hostile(tmp_path: Path) -> SimpleNamespace:
+def hostile(starts_a_server, tmp_path: Path) -> SimpleNamespace:
     """Layer hostile@1 in a file:// store; the daemon's CLI arguments for it."""
     need_root()
     store = FileStore(str(tmp_path / "store"))
@@ -139,7 +139,7 @@ def hostile(tmp_path: Path) -> SimpleNamespace:
 
 
 @pytest.fixture
-def node_parent() -> Iterator[Path]:
+def node_parent(starts_a_server) -> Iterator[Path]:
     """Where ROOT lives: a directory everyone may traverse, like /var/lib (pytest's
     own temporary directories are closed to other users, which would hide what
     the daemon itself lets them reach)."""
@@ -159,7 +159,7 @@ def start_daemon(root: Path, hostile: SimpleNamespace, *extra: str) -> NodeDaemo
 
 
 @pytest.fixture
-def node(node_parent: Path, hostile: SimpleNamespace) -> Iterator[NodeDaemon]:
+def node(starts_a_server, node_parent: Path, hostile: SimpleNamespace) -> Iterator[NodeDaemon]:
     daemon = start_daemon(node_parent / "node", hostile)
     try:
         yield daemon

@@ -20,7 +20,7 @@ KEY = "refs/layers/app/1"
 
 
 def layerfs(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "layerfs.tools.main", *args],
+    return subprocess.run([sys.executable, "-m", "layerfs.cli.main", *args],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -18,14 +18,13 @@ import pytest
 import trio
 from conftest import TEST_BUCKET
 from conftest import _create_bucket as create_test_bucket
-from faultstore import FAST_RETRY, Fault, FaultStore
 from support import build
-from test_builder import write_tree
-from test_cli import layerfs
+from support.cli import layerfs
+from support.faultstore import FAST_RETRY, Fault, FaultStore
+from support.gentree import write_tree
 
 from harness.s3server import DUMMY_AWS_ENV, find_weed, free_ports, start_server
 from layerfs.builder.env import create_env
-from layerfs.cache.chunkcache import ChunkCache
 from layerfs.errors import (
     AccessDenied,
     IntegrityError,
@@ -36,13 +35,16 @@ from layerfs.errors import (
     StoreUnreachable,
     VersionExists,
 )
-from layerfs.node.controlserver import exit_code_of
-from layerfs.node.fetcher import ChunkFetcher, FetchError
+from layerfs.node.daemon.controlserver import exit_code_of
+from layerfs.node.reads.chunkcache import ChunkCache
+from layerfs.node.reads.fetcher import ChunkFetcher, FetchError
 from layerfs.refstore import ENVS, LAYERS, RefStore
 from layerfs.store.base import RetryPolicy, blob_key
 from layerfs.store.file import FileStore
 from layerfs.store.s3 import S3Store
 from layerfs.verify import EXIT_CODES, Found, verify_layer, worst
+
+pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
 
 # ------------------------------------------------ identical builds at once
 
@@ -172,7 +174,7 @@ class UnavailableS3(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def unavailable_endpoint():
+def unavailable_endpoint(starts_a_server):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), UnavailableS3)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -215,7 +217,7 @@ def test_cli_denied_is_its_own_exit(s3_server, monkeypatch):
     assert cli_error(proc).startswith("layerfs: error: access denied by store: ")
 
 
-@pytest.mark.daemon_log(r"ERROR layerfs\.node\.fetcher: .*: object unavailable \(the store "
+@pytest.mark.daemon_log(r"ERROR layerfs\.node\.reads\.fetcher: .*: object unavailable \(the store "
                         r"answers but cannot serve it now\): get blobs/sha256/")
 def test_fetcher_log_names_the_error_class(tmp_path, caplog):
     store = FileStore(tmp_path / "store")
@@ -233,7 +235,7 @@ def test_fetcher_log_names_the_error_class(tmp_path, caplog):
 
     error = trio.run(main)
     assert exit_code_of(error) == ObjectUnavailable.exit_code
-    logged = [r.getMessage() for r in caplog.records if r.name == "layerfs.node.fetcher"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "layerfs.node.reads.fetcher"]
     assert any("object unavailable" in line for line in logged), logged
 
 
@@ -241,7 +243,7 @@ def test_fetcher_log_names_the_error_class(tmp_path, caplog):
 
 
 @pytest.fixture(scope="module")
-def own_s3_server(tmp_path_factory):
+def own_s3_server(starts_a_server, tmp_path_factory):
     """A SeaweedFS of these tests' own (they freeze it), with the test bucket."""
     weed = find_weed()
     if weed is None:

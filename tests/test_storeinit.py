@@ -14,11 +14,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon
 from support import need_root
-from test_node import publish_base_env
-from test_offline import wait_for_log
-from users import LocalUser, local_user  # noqa: F401 - a fixture
+from support.baseenv import publish_base_env
+from support.nodes import NodeDaemon, wait_for_log
+from support.users import LocalUser, local_user  # noqa: F401 - a fixture
 
 from layerfs.errors import AccessDenied, StoreError
 from layerfs.refstore import ENVS, RefStore
@@ -31,7 +30,7 @@ USABLE = re.compile(r"^(\S+): usable \((created; )?credentials, conditional put,
 
 
 def layerfs(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "layerfs.tools.main", *args],
+    return subprocess.run([sys.executable, "-m", "layerfs.cli.main", *args],
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, **(env or {})})
 
@@ -144,7 +143,7 @@ def test_a_put_if_absent_that_does_not_refuse_a_second_create_is_not_usable(tmp_
     assert "was not refused" in str(refusal)
 
 
-MISSING = (r"WARNING layerfs\.node\.storehealth: store s3://layerfs-gone-\w+/: not usable:"
+MISSING = (r"WARNING layerfs\.node\.replica\.storehealth: store s3://layerfs-gone-\w+/: not usable:"
            r" credentials: store error: bucket 'layerfs-gone-\w+' does not exist at \S+;"
            r" create it with `layerfs store init s3://layerfs-gone-\w+/`; serving what")
 

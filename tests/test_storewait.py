@@ -10,9 +10,9 @@ import threading
 import pytest
 
 from layerfs.errors import NoAnswerInTime, StoreUnreachable
-from layerfs.node.storehealth import StoreHealth
+from layerfs.node.replica.storehealth import StoreHealth
 
-LOST = r"WARNING layerfs\.node\.storehealth: store test:// unreachable \("
+LOST = r"WARNING layerfs\.node\.replica\.storehealth: store test:// unreachable \("
 LONG = 120.0  # a bound no wait here reaches
 
 

@@ -1,5 +1,5 @@
 """The systemd unit (deploy/systemd/) for real, under systemd as PID 1: a
-container booted with ``systemd-nspawn --boot`` (tests/nspawn.py) with
+container booted with ``systemd-nspawn --boot`` (tests/support/nspawn.py) with
 /dev/fuse, the loop devices, every capability, this checkout and its venv,
 the node's ROOT (on the host's disk) and a file store bound in; the unit and
 its environment file installed as `make install` does.
@@ -35,13 +35,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from nspawn import Container, unavailable
 from support import IN_CI, build, need_root
+from support.nspawn import Container, unavailable
 
 from harness.daemonproc import problem_records
 from layerfs.builder.env import create_env
 from layerfs.refstore import RefStore
 from layerfs.store import open_store
+
+pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
 
 REPO = Path(__file__).resolve().parent.parent
 UNITS = sorted(p for p in (REPO / "deploy" / "systemd").iterdir()
@@ -98,7 +100,7 @@ class Machine:
 
 
 @pytest.fixture(scope="module")
-def machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Machine]:
+def machine(starts_a_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Machine]:
     """A booted container with the unit installed and a file store holding
     env e@1 (layer data@1: FILES files of FILE_SIZE random bytes)."""
     need_root()
@@ -154,7 +156,7 @@ def journal(box: Container) -> str:
 
 
 def keepers(box: Container) -> list[int]:
-    found = box.run("pgrep", "-f", "-x", ".* -m layerfs.node.keeper .*", check=False)
+    found = box.run("pgrep", "-f", "-x", ".* -m layerfs.node.fuse.keeper .*", check=False)
     return [int(pid) for pid in found.stdout.split()]
 
 

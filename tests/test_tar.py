@@ -12,9 +12,9 @@ import tarfile
 
 import pytest
 import zstandard
-from gentree import make_tree, tar_tree
 from support import build, mounted_layer, need_root
-from tarcuts import (
+from support.gentree import make_tree, tar_tree
+from support.tarcuts import (
     CUT_SHORT,
     ENDING_OF,
     ENDINGS,
@@ -24,7 +24,7 @@ from tarcuts import (
     pax_header_then_end,
     tar_of,
 )
-from treecmp import diff_trees
+from support.treecmp import diff_trees
 
 from layerfs.errors import SourceError, UnsafeTarEntry
 from layerfs.mounts import mount, umount
@@ -78,7 +78,7 @@ def test_stdin_gives_the_same_layer(tmp_path, src_tree):
     for i, src in enumerate([out, "-"]):
         store = tmp_path / f"s{i}"
         with open(out, "rb") as stdin:
-            subprocess.run([sys.executable, "-m", "layerfs.tools.main", "build", src,
+            subprocess.run([sys.executable, "-m", "layerfs.cli.main", "build", src,
                             "--name", "t", "--version", "1", "--store", f"file://{store}"],
                            stdin=stdin, check=True, capture_output=True)
         refstore = RefStore(FileStore(str(store)))
@@ -155,7 +155,7 @@ def test_a_reader_dependent_tree_is_one_error_line(tmp_path):
     subprocess.run(["tar", "-xf", str(path), "-C", str(unpacked)], check=True)
     assert (unpacked / "d" / "f").read_bytes() == b"x"  # through the symlink
     url = f"file://{tmp_path}/store"
-    proc = subprocess.run([sys.executable, "-m", "layerfs.tools.main", "build", str(path),
+    proc = subprocess.run([sys.executable, "-m", "layerfs.cli.main", "build", str(path),
                            "--name", "odd", "--version", "1", "--store", url],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == UnsafeTarEntry.exit_code

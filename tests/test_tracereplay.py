@@ -11,14 +11,14 @@ import threading
 import pytest
 import trio
 import trio.testing
-from test_fetcher import RangeStore, fetcher, run, run_entries
+from support.chunkstores import RangeStore, fetcher, run, run_entries
 
 from layerfs.errors import ObjectNotFound
 from layerfs.formats.chunktable import ChunkTable
-from layerfs.node.prefetch import Prefetcher
-from layerfs.node.replica import Replica
-from layerfs.node.tracereplay import TraceReplay
-from layerfs.node.traces import trace_bytes, trace_key
+from layerfs.node.reads.accesstraces import trace_bytes, trace_key
+from layerfs.node.reads.prefetch import Prefetcher
+from layerfs.node.reads.tracereplay import TraceReplay
+from layerfs.node.replica.replica import Replica
 from layerfs.store.base import blob_key
 
 PACK = "sha256:" + "a" * 64
@@ -135,7 +135,7 @@ def test_auto_replays_nothing_without_a_pushed_trace_and_trace_uses_the_nodes_ow
     assert store.calls[-1] == (blob_key(PACK), 4096, 2 * 4096)  # the node's own trace
 
 
-@pytest.mark.daemon_log(r"WARNING layerfs\.node\.tracereplay: ignoring the malformed access "
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.reads\.tracereplay: ignoring the malformed access "
                         r"trace traces/1{64} in the store")
 def test_a_malformed_pushed_trace_is_one_warning_and_no_fetch(tmp_path):
     table, pack = layer()

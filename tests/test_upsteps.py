@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 import trio
 
-from layerfs.node import sandboxes as sandboxes_module
-from layerfs.node.layermounts import MountedLayer
-from layerfs.node.refs import NodeRefs
-from layerfs.node.sandboxes import Sandboxes
+from layerfs.node.replica.noderefs import NodeRefs
+from layerfs.node.sandboxes import manager as sandboxes_module
+from layerfs.node.sandboxes.layermounts import MountedLayer
+from layerfs.node.sandboxes.manager import Sandboxes
 
 LAYER = "sha256:" + "1" * 64
 SAVE_WAIT = 5.0  # seconds a save waits for the layer's fetch to begin

@@ -26,9 +26,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from nodes import NodeDaemon, serving
 from support import IN_CI, build, need_root
-from test_restart import take_over, wait_for
+from support.nodes import NodeDaemon, serving, take_over, wait_for
 
 from harness import guest
 from layerfs.builder.disk import build_disk
@@ -36,9 +35,9 @@ from layerfs.builder.env import create_env
 from layerfs.chunks import materialize_blob
 from layerfs.node import Client
 from layerfs.node.protocol import VmRecord
-from layerfs.node.replica import Replica
-from layerfs.node.vmm import guest_device, qemu_drive_args, qemu_memory_args, qemu_ram_args
-from layerfs.node.vmsnap import Qmp, QmpError, new_private_file, read_state
+from layerfs.node.replica.replica import Replica
+from layerfs.node.vms.snapshots import Qmp, QmpError, new_private_file, read_state
+from layerfs.node.vms.vmmargs import guest_device, qemu_drive_args, qemu_memory_args, qemu_ram_args
 from layerfs.refstore import RefStore
 
 MiB = 1 << 20
@@ -56,13 +55,13 @@ def sha256_file(path: Path) -> str:
 
 
 @pytest.fixture
-def node(tmp_path, store, store_location):
+def node(starts_a_server, tmp_path, store, store_location):
     need_root()
     yield from serving(NodeDaemon(tmp_path / "node1", store_location.cli_args()))
 
 
 @pytest.fixture
-def node2(tmp_path, store_location):
+def node2(starts_a_server, tmp_path, store_location):
     """A second node root on the same store."""
     yield from serving(NodeDaemon(tmp_path / "node2", store_location.cli_args()))
 
@@ -207,10 +206,13 @@ def test_vm_up_hands_out_roles_and_qemu_arguments_and_survives_restarts(node, st
 
 
 @FILE_STORE
-@pytest.mark.daemon_log(r"ERROR layerfs\.node\.vms: vm v-damaged not restored: its record "
-                        r"is damaged", r"ERROR layerfs\.node\.vms: vm v-lost restored broken: "
+@pytest.mark.daemon_log(r"ERROR layerfs\.node\.vms\.drivesets: vm v-damaged not restored: its "
+                        r"record "
+                        r"is damaged", r"ERROR layerfs\.node\.vms\.drivesets: vm v-lost "
+                                       r"restored broken: "
                         r"layer sha256:0{64}: .*; disk v-lost-rw: it is gone",
-                        r"ERROR layerfs\.node\.vms: vm v-thief restored broken: its record "
+                        r"ERROR layerfs\.node\.vms\.drivesets: vm v-thief restored broken: its "
+                        r"record "
                         r"names disk 'v-ok-rw', not its own 'v-thief-rw' \(left alone\)")
 def test_restore_rolls_back_an_unfinished_up_and_reports_what_it_cannot_bring_back(
         node, store, tmp_path):

@@ -34,8 +34,8 @@ TYPE_CHECKING = False  # (typing is not imported at run time)
 if TYPE_CHECKING:
     from typing import Any
 
-    from .limits import OomWatch
-    from .runner import Container, RunResult
+    from .containers.runner import Container, RunResult
+    from .sandboxes.limits import OomWatch
 
 
 class Client:
@@ -61,23 +61,23 @@ class Client:
         in bytes (swap included), ``cpus`` (CPU time, 0.5: half of one),
         ``pids`` (processes and threads), enforced in every ``run`` and
         ``bundle_dir`` bundle, and ``disk_quota``, the bytes its writable
-        layer may hold (a btrfs qgroup or an ext4 image: docs/node.md); a
+        layer may hold (a btrfs qgroup or an ext4 image: docs/dev/node.md); a
         limit the node cannot enforce is refused (:class:`~layerfs.errors.LimitUnsupported`, exit
         17). With ``bundle_dir``, also write an
         OCI runtime bundle for it there (``runc run -b DIR ID``), or take it
         down again if that fails. A bundle directory another user could change
-        (:func:`.bundle.open_bundle_dir`) is refused before anything is up."""
+        (:func:`.containers.bundle.open_bundle_dir`) is refused before anything is up."""
         if bool(env) == bool(layers):
             raise UsageError("give an env or layer refs (not both)")
         if bundle_dir is not None:
-            from . import bundle
+            from .containers import bundle
 
             fd = bundle.open_bundle_dir(bundle_dir, create=False)
             if fd is not None:
                 os.close(fd)
         limits = protocol.Limits(memory=memory, cpus=None if cpus is None else float(cpus),
                                  pids=pids, disk_quota=disk_quota)
-        from .limits import validate
+        from .sandboxes.limits import validate
 
         validate(limits)  # (as the daemon does: the option's own words, before a round trip)
         request = protocol.Up(id=sandbox_id, env=env, layers=list(layers), prefetch=prefetch,
@@ -95,9 +95,9 @@ class Client:
                      network: str = "none") -> str:
         """Write ``directory/config.json``, which runs the sandbox's image process
         (Entrypoint + Cmd as its User, with its Env and WorkingDir); its path.
-        The directory must be root's alone (:func:`.bundle.open_bundle_dir`), and
-        the rootfs's mount points are made real first (:func:`.bundle.write_bundle`)."""
-        from . import bundle
+        The directory must be root's alone (:func:`.containers.bundle.open_bundle_dir`), and
+        the rootfs's mount points are made real first (:func:`.containers.bundle.write_bundle`)."""
+        from .containers import bundle
 
         config, _ = container_config(record, network)
         return bundle.write_bundle(directory, config, private=False)
@@ -145,7 +145,7 @@ class Client:
               base_disk: str | None = None, pmem: str = "", ram: int = 0) -> VmRecord:
         """A microVM's drive set: each layer's meta image and lazy blob file,
         read-only, and a writable disk of ``disk_size`` bytes (or over the
-        snapshot ``base_disk``); :func:`.vmm.qemu_drive_args` makes QEMU's
+        snapshot ``base_disk``); :func:`.vms.vmmargs.qemu_drive_args` makes QEMU's
         arguments of its ``drives``. ``pmem`` ``shared`` (or ``private``):
         the layers as pmem files to map, the ones other vms map (or its own).
         ``ram``: bytes of guest RAM in a file the node keeps (for
@@ -163,7 +163,7 @@ class Client:
 
     def vm_resume(self, ref: str, vm_id: str) -> VmRecord:
         """Vm ``vm_id`` from snapshot ``ref``, on this node: start the VMM
-        with :func:`.vmm.qemu_drive_args` and :func:`.vmm.qemu_ram_args` of
+        with :func:`.vms.vmmargs.qemu_drive_args` and :func:`.vms.vmmargs.qemu_ram_args` of
         the record and the guest goes on where it was suspended."""
         request = protocol.VmResume(ref=ref, id=vm_id)
         return call(self.root, request, protocol.VmAnswer, self.timeout).vm
@@ -204,7 +204,8 @@ class Client:
                                              entrypoint=entrypoint, terminal=terminal,
                                              env=env, cwd=cwd)
         from ..sizes import NO_SPACE
-        from . import rootspace, runner
+        from .containers import runner
+        from .sandboxes import rootspace
 
         what = f"a container in sandbox {sandbox_id}"
         rootspace.check_room(self.root, what)  # the runtime's state and the bundle go there
@@ -231,7 +232,7 @@ class Client:
                     cwd: str | None = None) -> tuple[Container, dict[str, Any]]:
         """What :meth:`run` runs: the container (runtime, ids, dirs) and its
         config.json, from one request for the sandbox's record."""
-        from . import runner
+        from .containers import runner
 
         record = self.sandbox(sandbox_id)
         if record is None:
@@ -244,7 +245,7 @@ class Client:
         container = runner.prepare(self.root, runtime or runner.DEFAULT_RUNTIME, sandbox_id,
                                    stop_signal=stop)
         if record.limits.memory is not None:  # in a cgroup of the run's: its OOM kills read
-            from .limits import container_cgroup
+            from .sandboxes.limits import container_cgroup
 
             config["linux"]["cgroupsPath"] = container_cgroup(container.container_id)
         return container, config
@@ -258,7 +259,8 @@ def container_config(record: SandboxRecord, network: str, command: tuple[str, ..
     config), and the signal that stops it."""
     import resource
 
-    from . import bundle, limits
+    from .containers import bundle
+    from .sandboxes import limits
 
     image = bundle.image_config_from(record.config)
     hostname = record.id[:63]
@@ -282,7 +284,7 @@ def oom_watch(container_id: str, config: dict[str, Any]) -> OomWatch | None:
     what tells whether the OOM killer ended it."""
     if "cgroupsPath" not in config["linux"]:
         return None
-    from .limits import OomWatch
+    from .sandboxes.limits import OomWatch
 
     return OomWatch(container_id)
 
@@ -290,7 +292,7 @@ def oom_watch(container_id: str, config: dict[str, Any]) -> OomWatch | None:
 def say_memory_limit(result: RunResult, config: dict[str, Any], capture: bool) -> None:
     """The line saying the run was killed at its memory limit, on its stderr:
     the captured one, or ours."""
-    from .limits import memory_limit_line
+    from .sandboxes.limits import memory_limit_line
 
     memory = config["linux"]["resources"]["memory"]["limit"]
     line = memory_limit_line(memory, result.exit_code).encode() + b"\n"

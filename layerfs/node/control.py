@@ -2,7 +2,7 @@
 JSON response line, over ``ROOT/control.sock``. The client is plain blocking
 sockets and json (no trio: a node command starts in a few tens of ms) and reads
 answers back into their records (:mod:`.protocol`); the daemon's end is
-:mod:`.controlserver`. The socket is the interpreter's own ``_socket`` object:
+:mod:`.daemon.controlserver`. The socket is the interpreter's own ``_socket`` object:
 the ``socket`` module around it (its enums, ``selectors``) would add ~5 ms to
 every command's start and nothing this client uses."""
 

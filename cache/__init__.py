@@ -1,1 +1,0 @@
-"""The node's block cache of chunks (content addressed, bounded, LRU)."""

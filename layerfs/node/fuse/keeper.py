@@ -1,0 +1,292 @@
+"""The FUSE connection keeper: holds the daemon's ``/dev/fuse`` file open while
+daemons come and go, and hands it to the next one.
+
+``python -m layerfs.node.fuse.keeper SOCKET FD INIT_HEX LEASE_FD GRACE`` is started
+by the first daemon on a fresh mount, with the connection's file as ``FD`` (a
+dup of the daemon's: the same open file, so requests a dying daemon had read
+stay queued in the kernel instead of failing), the kernel's FUSE_INIT request
+as ``INIT_HEX``, and its end of a socket pair as ``LEASE_FD``: the daemon's
+lease. It listens on ``SOCKET`` (mode 0600, root only, checked again with
+SO_PEERCRED). A caller that sends ``take GRACE`` gets the INIT bytes with the
+file attached (SCM_RIGHTS), and its connection is its lease from then on.
+Callers are served as their requests come, none waits on another; one that
+sends nothing for 5 s is closed on.
+
+Every number is checked before use, in a message as in the arguments: GRACE
+is a plain decimal (as Python's ``repr`` of a float writes it: no sign,
+``inf``, ``nan`` nor spaces) of at most :data:`MAX_GRACE` seconds (``layerfs
+daemon --restart-grace``'s bound), file descriptors are plain non-negative
+integers. A request that is anything else, or longer than
+:data:`MAX_REQUEST` bytes, gets ``error REASON`` and no file, is logged (one
+warning) and closed on; the keeper goes on serving. It does not share the
+control protocol's parser (:mod:`layerfs.node.protocol`: JSON into typed
+records, which imports layerfs): the keeper imports nothing that an upgrade
+could change under a live connection.
+
+A lease ends when its daemon's socket closes (the daemon exited or died). With
+no lease left, the keeper waits GRACE seconds (the latest daemon's) for a next
+daemon; if none takes the file by then, it exits and lets the connection go:
+with no file left open, the kernel aborts it, and whatever waits on the node's
+mounts gets an error instead of waiting for ever. A daemon that stops for good
+sends ``end`` on its lease: the keeper exits at once. It also exits when the
+connection ends (the FUSE mount was unmounted or aborted: ``poll`` reports an
+error on the file) or on SIGTERM.
+
+Tiny on purpose: the standard library only, no layerfs imports beyond this
+package's empty ``__init__``, no threads, nothing to upgrade but itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+
+ROOT_UID = 0
+CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+ERRORS = select.POLLERR | select.POLLHUP | select.POLLNVAL
+TAKE, END = b"take", b"end"
+CALLER_TIMEOUT = 5.0  # seconds a caller has to send its request before it is closed on
+MAX_GRACE = 86400.0  # seconds; also ``layerfs daemon --restart-grace``'s bound
+MAX_REQUEST = 64  # bytes: ``take`` and a grace as ``repr`` writes it fit many times over
+DECIMAL = re.compile(rb"[0-9]{1,20}(\.[0-9]{1,20})?(e[+-]?[0-9]{1,3})?")
+FD_NUMBER = re.compile(r"[0-9]{1,9}")
+log = logging.getLogger("layerfs.node.fuse.keeper")
+
+
+class BadRequest(ValueError):
+    """A request or argument the keeper refuses; the message says why."""
+
+
+def peer_uid(conn: socket.socket) -> int:
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, CRED.size)
+    return int(CRED.unpack(raw)[1])
+
+
+def listen(path: str) -> socket.socket:
+    """A unix socket at ``path`` only root can connect to (an old one
+    replaced), listening before the name appears: bound to a temporary name,
+    then renamed."""
+    tmp = path + "~"  # one character more than the name itself: sun_path is short
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    old = os.umask(0o177)
+    try:
+        server.bind(tmp)
+    finally:
+        os.umask(old)
+    server.listen(8)
+    os.rename(tmp, path)
+    return server
+
+
+def unlink_own(path: str, inode: int) -> None:
+    """Remove ``path`` if it is still this keeper's socket (not a successor's)."""
+    try:
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def shown(data: bytes) -> str:
+    """The first bytes of a request, quoted, for an error line."""
+    return repr(data[:20])[1:]  # without the b of a bytes literal
+
+
+def parse_grace(text: bytes) -> float:
+    """A grace in seconds: a plain decimal in [0, MAX_GRACE]; else BadRequest."""
+    if DECIMAL.fullmatch(text) is None:
+        raise BadRequest(f"grace {shown(text)} is not a plain decimal number")
+    value = float(text)  # finite: at most 20 digits before an exponent of 3
+    if not 0 <= value <= MAX_GRACE:
+        raise BadRequest(f"grace {value:g} s is outside 0-{MAX_GRACE:g} s")
+    return value
+
+
+def parse_take(message: bytes, truncated: bool = False) -> float:
+    """The grace of a ``take GRACE`` request (``truncated``: it was longer
+    than MAX_REQUEST bytes); BadRequest for anything else."""
+    if truncated:
+        raise BadRequest(f"a request longer than {MAX_REQUEST} bytes")
+    word, space, grace = message.partition(b" ")
+    if word != TAKE or not space:
+        raise BadRequest(f"not a take request: {shown(message)}")
+    return parse_grace(grace)
+
+
+def parse_fd(text: str) -> int:
+    """A file descriptor number argument; else BadRequest."""
+    if FD_NUMBER.fullmatch(text) is None:
+        raise BadRequest(f"file descriptor {text[:20]!r} is not a plain number")
+    return int(text)
+
+
+class Keeper:
+    """The file, its INIT request, and the daemons' leases."""
+
+    def __init__(self, server: socket.socket, fuse_fd: int, init: bytes,
+                 lease: socket.socket, grace: float) -> None:
+        self.server, self.fuse_fd, self.init, self.grace = server, fuse_fd, init, grace
+        self.leases: dict[int, socket.socket] = {}
+        # callers accepted and not yet heard: (socket, when accepted); none blocks the others
+        self.callers: dict[int, tuple[socket.socket, float]] = {}
+        self.poller = select.poll()
+        self.poller.register(server.fileno(), select.POLLIN)
+        self.poller.register(fuse_fd, 0)  # errors only: never read the connection's requests
+        self.alone_since = 0.0
+        self.add_lease(lease)
+
+    def add_lease(self, lease: socket.socket) -> None:
+        self.leases[lease.fileno()] = lease
+        self.poller.register(lease.fileno(), select.POLLIN)
+
+    def drop_lease(self, fd: int) -> None:
+        self.poller.unregister(fd)
+        self.leases.pop(fd).close()
+        if not self.leases:
+            self.alone_since = time.monotonic()
+
+    def accept(self) -> None:
+        """A new caller: kept until its request comes (or CALLER_TIMEOUT passes)."""
+        try:
+            conn, _ = self.server.accept()
+        except OSError:
+            return
+        if peer_uid(conn) != ROOT_UID:
+            conn.close()
+            return
+        conn.setblocking(False)
+        self.callers[conn.fileno()] = (conn, time.monotonic())
+        self.poller.register(conn.fileno(), select.POLLIN)
+
+    def hand_out(self, fd: int) -> None:
+        """A caller's request: ``take GRACE`` gets the file and makes its
+        connection a lease; anything else gets an error answer and is closed on."""
+        conn, _ = self.callers.pop(fd)
+        self.poller.unregister(fd)
+        try:
+            message, _, flags, _ = conn.recvmsg(MAX_REQUEST)
+            if not message and not flags & socket.MSG_TRUNC:
+                raise ConnectionError("the caller went away")  # said nothing: no error
+            grace = parse_take(message, truncated=bool(flags & socket.MSG_TRUNC))
+            socket.send_fds(conn, [self.init], [self.fuse_fd])
+        except BadRequest as exc:
+            self.refuse(conn, str(exc))
+            return
+        except OSError:
+            conn.close()  # the caller went away; the next one asks again
+            return
+        self.grace = grace
+        self.add_lease(conn)
+
+    @staticmethod
+    def refuse(conn: socket.socket, reason: str) -> None:
+        """Answer a bad request with ``error REASON`` (one log line) and close on it."""
+        log.warning("refused a request on the keeper socket: %s", reason)
+        try:
+            conn.send(b"error " + reason.encode("ascii", "backslashreplace"))
+        except OSError:
+            pass  # gone already
+        conn.close()
+
+    def drop_silent_callers(self) -> None:
+        now = time.monotonic()
+        for fd, (conn, since) in list(self.callers.items()):
+            if now - since >= CALLER_TIMEOUT:
+                del self.callers[fd]
+                self.poller.unregister(fd)
+                conn.close()
+
+    def lease_says(self, fd: int) -> bool:
+        """Read a lease; False if its daemon asked the keeper to end."""
+        try:
+            message = self.leases[fd].recv(MAX_REQUEST)
+        except OSError:
+            message = b""
+        if message == END:
+            return False
+        if not message:
+            self.drop_lease(fd)  # its daemon is gone
+        else:
+            log.warning("ignored a message on a lease: %s", shown(message))
+        return True
+
+    def timeout_ms(self) -> int | None:
+        """Until the next deadline: the grace's end, or a silent caller's."""
+        now = time.monotonic()
+        deadlines = [since + CALLER_TIMEOUT for _, since in self.callers.values()]
+        if not self.leases:
+            deadlines.append(self.alone_since + self.grace)
+        if not deadlines:
+            return None
+        return max(0, int((min(deadlines) - now) * 1000) + 1)
+
+    def serve(self) -> str:
+        """Run until there is nothing left to keep; the reason."""
+        while True:
+            events = self.poller.poll(self.timeout_ms())
+            for fd, flags in events:
+                if fd == self.fuse_fd:
+                    if flags & ERRORS:
+                        return ""  # the connection is gone: nothing left to keep
+                elif fd == self.server.fileno():
+                    self.accept()
+                elif fd in self.callers:
+                    self.hand_out(fd)
+                elif fd in self.leases and not self.lease_says(fd):
+                    return ""
+            self.drop_silent_callers()
+            if not self.leases and time.monotonic() >= self.alone_since + self.grace:
+                return f"no daemon took the FUSE connection within {self.grace:g} s"
+
+
+class JsonLines(logging.Formatter):
+    """layerfs.node.daemon.jsonlog's format (not imported: nothing of layerfs is)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        when = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        return json.dumps({"time": f"{when}.{int(record.msecs):03d}Z",
+                           "level": record.levelname, "logger": record.name,
+                           "message": record.getMessage()})
+
+
+def main(argv: list[str]) -> int:
+    # records in the daemon's log format, on the stderr it shares with the daemon
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if os.environ.get("LAYERFS_LOG_FORMAT") == "json":  # the daemon's --log-format json
+        logging.getLogger().handlers[0].setFormatter(JsonLines())
+    try:
+        path, fd, init_hex, lease_fd, grace = argv
+        fuse_fd, lease_no = parse_fd(fd), parse_fd(lease_fd)
+        init, grace_s = bytes.fromhex(init_hex), parse_grace(grace.encode())
+    except ValueError as exc:  # BadRequest, a wrong count, bad hex
+        log.error("usage: keeper SOCKET FD INIT_HEX LEASE_FD GRACE: %s", exc)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is meant for the daemon
+    lease = socket.socket(fileno=lease_no)
+    server = listen(path)
+    inode = os.stat(path).st_ino
+    try:
+        reason = Keeper(server, fuse_fd, init, lease, grace_s).serve()
+    finally:
+        unlink_own(path, inode)
+        server.close()
+    if reason:
+        log.warning("%s: letting it go; reads waiting on its mounts fail", reason)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

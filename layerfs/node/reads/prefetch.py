@@ -1,0 +1,211 @@
+"""The prefetch policies: which chunks to fetch before a reader asks, and when.
+
+The boundary is one-way: a policy decides what to fetch and hands the fetch
+core (``ChunkFetcher``: ``fetch``'s ``along``, ``get_run``, ``lead`` of a
+``ChunkStates.claim``) runs; the core, which alone decides whether a chunk is
+fetched, waited for or already there, never calls a policy. Who needs both
+composes them (``BlobFile``, the daemon). The policies:
+
+* eager (``--prefetch full``): every chunk not yet cached, in pack order, a
+  run per range read, with a bounded pool of workers; into the cache, and
+  into memory only while it has room (readers' chunks stay: ``ChunkStates.keep``);
+* trace (``--prefetch trace``): a recorded access order, in small runs, in
+  the background, yielding to readers' fetches;
+* a stream's fetch-ahead: the next chunks of a long sequential read, claimed
+  when the reader asks for them; and warming its next cached chunks into memory;
+* the miss span (``--miss-span``): a miss on a small chunk brings the chunks
+  after it in its pack along (``miss_run``, handed to ``ChunkFetcher.fetch``);
+* a file's fetch-ahead: a miss at the start of a small file of several chunks
+  fetches the file's other chunks (``BlobFile`` knows the files, ``fetch_ahead``
+  fetches);
+* the read plan of ``BlobFile.read_parts``: how deep a stream reads ahead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+
+from ...chunks import pack_runs
+from ...formats.chunktable import FILE_START, ChunkEntry
+from .chunkstates import ChunkState, Claim, FetchError
+
+if TYPE_CHECKING:
+    from .fetcher import ChunkFetcher
+
+BACKGROUND_SPAN = 1 << 20  # a background run's range read: small, not to hold up readers' fetches
+CACHED_READAHEAD = 16  # at most this many chunks read ahead from the cache into memory
+STORE_READAHEAD = 4  # at most this many chunks a stream fetches ahead from the store
+STORE_AHEAD_SHARE = 4  # ... and at most 1/4 of what it has read so far
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """What a read asks of the prefetcher: ``depth`` chunks after it to read
+    ahead (0: it continues no stream), of which the first ``ahead`` may come
+    from the store."""
+
+    depth: int
+    ahead: int
+
+    @property
+    def streaming(self) -> bool:
+        return self.depth > 0
+
+
+class Prefetcher:
+    def __init__(self, fetcher: ChunkFetcher, miss_span: int = 0) -> None:
+        self.fetcher = fetcher
+        self.miss_span = miss_span
+        self.background_limit = trio.CapacityLimiter(max(1, fetcher.parallel // 4))
+
+    # -- reads -------------------------------------------------------------
+
+    @staticmethod
+    def plan(reads: int, streamed: int, chunk_size: int) -> ReadPlan:
+        """The readahead of a read that is the ``reads``-th of a stream that has
+        read ``streamed`` bytes: from the cache as deep as the stream is long,
+        from the store a quarter of what it has read."""
+        return ReadPlan(depth=min(reads - 1, CACHED_READAHEAD),
+                        ahead=min(streamed // (STORE_AHEAD_SHARE * chunk_size), STORE_READAHEAD))
+
+    def read_ahead(self, following: Sequence[ChunkEntry], plan: ReadPlan) -> None:
+        """Ahead of a stream: of the chunks ``following`` its read, up to
+        ``plan.depth`` and never past the next file's start, the cached ones
+        into memory, and of the first ``plan.ahead`` the absent ones from the
+        store."""
+        fetch = []
+        for n, entry in enumerate(following[:plan.depth]):
+            if entry.flags & FILE_START:
+                break
+            if n < plan.ahead and self.fetcher.states.absent(entry.sha256):
+                fetch.append(entry)
+            else:
+                self.warm(entry)
+        if fetch:
+            self.fetch_ahead(fetch)
+
+    def takes_neighbours(self, entry: ChunkEntry) -> bool:
+        """Whether a miss of ``entry`` is fetched with the chunks after it
+        (``ChunkFetcher.fetch``'s ``along``): a chunk smaller than ``miss_span``."""
+        return entry.stored_length < self.miss_span
+
+    def miss_run(self, entry: ChunkEntry, after: Sequence[ChunkEntry]) -> list[ChunkEntry]:
+        """A miss of ``entry`` and the chunks right after it in its pack, up to
+        the first one someone has or fetches, within ``miss_span`` stored
+        bytes; just ``entry`` if it is larger than the span."""
+        if entry.stored_length >= self.miss_span:
+            return [entry]
+        run, total, shas = [entry], entry.stored_length, {entry.sha256}
+        for nxt in after:
+            last = run[-1]
+            if (nxt.pack != entry.pack or nxt.pack_offset != last.pack_offset + last.stored_length
+                    or total + nxt.stored_length > self.miss_span or nxt.sha256 in shas
+                    or not self.fetcher.states.absent(nxt.sha256)):
+                break
+            run.append(nxt)
+            total += nxt.stored_length
+            shas.add(nxt.sha256)
+        return run
+
+    def warm(self, entry: ChunkEntry) -> None:
+        """Read a chunk that is in the cache into memory in the background (a
+        sequential reader's next chunk: ``ChunkStates.read_held``); never a
+        store fetch for it."""
+        nursery = self.fetcher.nursery
+        if nursery is not None and self.fetcher.states.state(entry.sha256) is ChunkState.CACHED:
+            nursery.start_soon(self._warm_quietly, entry)
+
+    async def _warm_quietly(self, entry: ChunkEntry) -> None:
+        """``read_held`` in the background: a failure is logged where it happened."""
+        states = self.fetcher.states
+        with contextlib.suppress(FetchError):  # logged; the reader that wants it tries again
+            got = await states.read_held(entry, trio.current_time() + self.fetcher.timeout)
+            if isinstance(got, Claim):  # no longer cached: never the store's here
+                states.release(got)  # (abandoned: a reader that waits claims again)
+
+    def fetch_ahead(self, entries: list[ChunkEntry]) -> None:
+        """Fetch from the store, in the background, the chunks a reader reads
+        next (a long sequential stream's, the rest of a file; runs of
+        neighbours; kept in memory too). The chunks are claimed now, so a
+        reader that asks for one before its run starts waits for it. A failure
+        is logged where it happened and reaches the readers that wait for the
+        chunk then, as their own fetch's would; a later read tries again
+        (within the fail-fast windows of layerfs/node/reads/failfast.py)."""
+        nursery = self.fetcher.nursery
+        if nursery is None:
+            return
+        claim = self.fetcher.states.claim(entries)
+        flights = dict(zip((e.sha256 for e in claim.lead), claim.flights, strict=True))
+        for run in pack_runs(claim.lead):
+            part = Claim(run, [flights[e.sha256] for e in run], [])
+            nursery.start_soon(self._lead_quietly, part)
+
+    async def _lead_quietly(self, claim: Claim) -> None:
+        with contextlib.suppress(FetchError):
+            await self.fetcher.lead(claim, keep=True)
+
+    # -- whole layers ---------------------------------------------------------
+
+    async def fetch_all(self, entries: list[ChunkEntry], workers: int) -> None:
+        """Fetch every chunk not yet cached, in pack order, a run per range read,
+        with a bounded pool of workers (the eager ``--prefetch full``); raises
+        the first FetchError."""
+        states = self.fetcher.states
+        wanted = sorted((e for e in _unique(entries)
+                         if states.state(e.sha256) in (ChunkState.ABSENT, ChunkState.IN_FLIGHT)),
+                        key=lambda e: e.location)
+        todo = pack_runs(wanted)
+        failed: list[FetchError] = []
+
+        async def worker() -> None:
+            for run in todo:
+                try:
+                    await self.fetcher.get_run(run)
+                except FetchError as exc:
+                    failed.append(exc)
+                    nursery.cancel_scope.cancel()
+                    return
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(workers):
+                nursery.start_soon(worker)
+        if failed:
+            raise failed[0]
+        await self.fetcher.writes_done()
+
+    async def prefetch(self, entries: list[ChunkEntry], workers: int = 1) -> None:
+        """Fetch chunks in the background at low priority, in order, with up to
+        ``workers`` at a time (all prefetches share ``background_limit``); a
+        run starts only while readers' fetches are quiet (``ChunkFetcher.quiet``);
+        a worker stops at its first error, which is only logged."""
+        todo = pack_runs((e for e in entries if self.fetcher.states.absent(e.sha256)),
+                         span=BACKGROUND_SPAN)
+
+        async def worker() -> None:
+            for run in todo:
+                async with self.background_limit:
+                    await self.fetcher.quiet()
+                    try:
+                        await self.fetcher.get_run(run, background=True)
+                    except FetchError:
+                        return
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(workers):
+                nursery.start_soon(worker)
+
+
+def _unique(entries: list[ChunkEntry]) -> list[ChunkEntry]:
+    """The entries without repeats of a chunk (its first entry kept)."""
+    seen: set[bytes] = set()
+    unique = []
+    for entry in entries:
+        if entry.sha256 not in seen:
+            seen.add(entry.sha256)
+            unique.append(entry)
+    return unique

@@ -1,0 +1,1 @@
+"""Old name of :mod:`layerfs.cli`, kept for scripts outside the repository."""
