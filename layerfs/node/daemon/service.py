@@ -17,8 +17,8 @@ accept requests. None of this waits for the store:
 a node whose store is down starts and serves what its replica holds, and
 :class:`.replica.storehealth.StoreHealth` probes the store in the background.
 SIGTERM/SIGINT: stop accepting work, unmount overlays, then EROFS mounts,
-then FUSE, end the keeper, and exit 0. SIGUSR2 (a successor's ``--takeover``), or a SIGTERM that is the
-stop half of a ``systemctl restart`` of the daemon's unit
+then FUSE, end the keeper, and exit 0. SIGUSR2 (a successor's
+``--takeover``), or a SIGTERM that is the stop half of a ``systemctl restart`` of the daemon's unit
 (:func:`.daemon.systemd.restart_queued`): stop reading FUSE requests and exit 0
 with every mount left in place; requests read and not answered are queued
 again by the successor. Under systemd (``Type=notify``) the daemon reports
