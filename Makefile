@@ -108,4 +108,4 @@ install: wheel
 	  systemctl daemon-reload; fi
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy-src $(DIST) build
+	rm -rf $(VENV) .pytest_cache $(DIST) build

@@ -13,12 +13,11 @@ not count), through ``sys.setprofile`` and ``threading.setprofile``:
 
     python -m bench.walk [--tree DIR] [--out FILE]
 
-``--tree`` measures another checkout (a worktree of an older commit; its
-compiled check is taken from this one's if it has none built): each
-operation runs in a process of its own on a shadow layout of that tree, as
-the package is installed (``builder/`` as ``layerfs.builder``, ...), so the
-two trees are measured alike. Prints each walk's count and files; writes JSON
-(default ``bench/results/walk-<commit>.json``).
+``--tree`` measures another checkout (a worktree of another commit where the
+source tree is the package; its compiled check is taken from this one's if it
+has none built): each operation runs in a process of its own that imports
+``layerfs`` from that tree, so the two trees are measured alike. Prints each
+walk's count and files; writes JSON (default ``bench/results/walk-<commit>.json``).
 """
 
 from __future__ import annotations
@@ -44,23 +43,13 @@ READ = 128 << 10  # bytes of the read (FUSE's usual request)
 LAYER = "walk/layer"
 
 
-def package_dirs(tree: Path) -> dict[str, Path]:
-    """``layerfs.X`` -> its folder in ``tree`` (pyproject's ``package-dir``)."""
-    mapping = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]
-    return {name: tree / folder for name, folder in mapping["package-dir"].items()}
-
-
-def shadow_layout(tree: Path, dest: Path) -> Path:
-    """``dest/layerfs``: ``tree``'s package as installed, of symlinks."""
-    shadow = dest / "layerfs"
-    shadow.mkdir(parents=True)
-    for entry in sorted((tree / "layerfs").iterdir()):
-        if entry.name != "__pycache__":
-            (shadow / entry.name).symlink_to(entry)
-    for name, folder in package_dirs(tree).items():
-        if name != "layerfs":
-            (shadow / name.removeprefix("layerfs.")).symlink_to(folder)
-    return dest
+def laid_out_as_package(tree: Path) -> None:
+    """Refuse a tree whose package is mapped from other folders (before the
+    source tree was the package): measure it with its own commit's walk."""
+    setuptools = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]
+    if "package-dir" in setuptools:
+        raise SystemExit(f"{tree}: its package is mapped (package-dir); run that "
+                         "commit's own bench/walk.py")
 
 
 def compiled_check(tree: Path) -> None:
@@ -119,7 +108,7 @@ def source_tree(src: Path) -> Path:
     return src
 
 
-# -- in the measuring process (layerfs imported from the shadow layout) -------------
+# -- in the measuring process (layerfs imported from the measured tree) -------------
 
 def refstore_class() -> Any:
     try:
@@ -187,24 +176,19 @@ def op_read(work: Path, fresh: bool) -> Callable[[], None]:
     return run
 
 
-def measure_one(operation: str, tree: Path, shadow: Path, work: Path) -> list[str]:
-    import layerfs  # (from the shadow layout: this process runs in it)
+def measure_one(operation: str, tree: Path, work: Path) -> list[str]:
+    sys.path.insert(0, str(tree))  # before any import of layerfs
+    import layerfs
 
-    prefix = str(shadow / "layerfs") + os.sep
+    prefix = str(tree / "layerfs") + os.sep
     if not (layerfs.__file__ or "").startswith(prefix):
         raise SystemExit(f"layerfs imported from {layerfs.__file__}, not {prefix}")
     run = {"build": lambda: op_build(work), "cold read": lambda: op_read(work, True),
            "cache-hit read": lambda: op_read(work, False)}[operation]()
     with profiled(prefix) as seen:
         run()
-    folders = {name.removeprefix("layerfs."): folder.name  # shadow subfolder -> tree's
-               for name, folder in package_dirs(tree).items() if name != "layerfs"}
-    files = []
-    for name, first in seen.items():
-        sub, _, rest = name.removeprefix(prefix).partition(os.sep)
-        files.append((f"{folders[sub]}/{rest}" if sub in folders and rest
-                      else f"layerfs/{sub}{os.sep + rest if rest else ''}", first))
-    return [f"{rel} ({first})" for rel, first in sorted(files)]
+    return [f"{name.removeprefix(str(tree) + os.sep)} ({first})"
+            for name, first in sorted(seen.items())]
 
 
 # -- the driver ------------------------------------------------------------------------
@@ -219,22 +203,20 @@ def main() -> None:
     ap.add_argument("--tree", default=str(ROOT), help="the checkout to measure")
     ap.add_argument("--out", default=None, help="default: bench/results/walk-<commit>.json")
     ap.add_argument("--one", choices=OPERATIONS, help=argparse.SUPPRESS)
-    ap.add_argument("--shadow", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:  # a measuring process
-        print(json.dumps(measure_one(args.one, Path(args.tree), Path(args.shadow),
-                                     Path(args.work))))
+        print(json.dumps(measure_one(args.one, Path(args.tree), Path(args.work))))
         return
     tree = Path(args.tree).resolve()
+    laid_out_as_package(tree)
     compiled_check(tree)
     result: dict[str, Any] = {"commit": head(tree), "read_bytes": READ, "walks": {}}
     with tempfile.TemporaryDirectory(prefix="layerfs-walk-") as tmp:
-        shadow = shadow_layout(tree, Path(tmp) / "pkg")
         for operation in OPERATIONS:
-            proc = subprocess.run(  # in the shadow layout: its layerfs first on the path
-                [sys.executable, "-m", "bench.walk", "--one", operation, "--tree", str(tree),
-                 "--shadow", str(shadow), "--work", tmp], cwd=shadow, capture_output=True,
+            proc = subprocess.run(  # -P: not the working directory first on the path
+                [sys.executable, "-P", "-m", "bench.walk", "--one", operation, "--tree",
+                 str(tree), "--work", tmp], cwd=tmp, capture_output=True,
                 text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
             if proc.returncode != 0:
                 raise SystemExit(f"{operation}: {proc.stderr[-3000:]}")

@@ -1,4 +1,7 @@
-"""Running a container in a sandbox: the OCI bundle, the image's user and command, the
-runtime (runc/crun).
+"""Running a container in a sandbox (the symptom: ``layerfs run`` fails).
 
-Modules: ``bundle``, ``imagecommand``, ``imageuser``, ``runner``."""
+- ``runner``: runs a command in a sandbox with the OCI runtime (runc, crun)
+- ``bundle``: the OCI runtime bundle (``config.json``) and its directory
+- ``imageuser``: the user an image's process runs as, from the image's own files
+- ``imagecommand``: whether the container's command can start (127, 126)
+"""

@@ -1,4 +1,6 @@
-"""FUSE: the filesystem adapter over the blob files, the kernel connection, and the keeper
-that holds /dev/fuse across daemon restarts.
+"""FUSE (the symptom: ``ROOT/fuse`` hangs, errs, or is gone after a restart).
 
-Modules: ``connection``, ``keeper``, ``nodefs``."""
+- ``nodefs``: the FUSE adapter, ``ROOT/fuse`` with the blob files and writable disks
+- ``connection``: the FUSE connection as a thing of its own, outliving the daemon
+- ``keeper``: the process that holds ``/dev/fuse`` open while daemons come and go
+"""

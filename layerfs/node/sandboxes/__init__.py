@@ -1,5 +1,11 @@
-"""Sandboxes on a node: their lifecycle and state, the layer mounts under them, limits,
-quota and room on ROOT.
+"""Sandboxes on a node: what ``up``/``down``/``commit`` do (the symptom: a sandbox
+that will not come up, go down or commit).
 
-Modules: ``dataloss``, ``layermounts``, ``lifecycle``, ``limits``, ``manager``,
-``quota``, ``rootspace``."""
+- ``manager``: the sandboxes on one node (``Sandboxes``), their up, down and commit
+- ``lifecycle``: a sandbox's states and the moves allowed between them
+- ``layermounts``: each layer mounted once per node, shared by its sandboxes
+- ``limits``: memory, CPU and process limits, checked against the node's cgroups
+- ``quota``: the kernel-enforced quota of a sandbox's writable layer (btrfs)
+- ``rootspace``: room on ROOT's file system, which everything on the node shares
+- ``dataloss``: the sandboxes and vms whose layer data the store lost (``data_lost``)
+"""

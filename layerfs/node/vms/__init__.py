@@ -1,4 +1,9 @@
-"""MicroVM drives: disk files (sealed LSMT layers), the disk manager, a VM's drive sets and
-the VMM's arguments.
+"""MicroVM drives on a node (the symptom: a ``vm up`` or a disk that misbehaves).
 
-Modules: ``diskfiles``, ``disks``, ``drivesets``, ``pmem``, ``snapshots``, ``vmmargs``."""
+- ``diskfiles``: block disks, sealed LSMT chains read lazily and writable disks
+- ``disks``: the writable disks a node keeps (``DiskManager``)
+- ``drivesets``: a VM's drive sets, node state like sandboxes (``Vms``)
+- ``vmmargs``: what a VMM needs from a drive set (QEMU's drive arguments)
+- ``pmem``: a layer's blob padded for a VMM to map as a virtio-pmem drive
+- ``snapshots``: a vm suspended into the store and resumed (RAM, state, disks)
+"""
