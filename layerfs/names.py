@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .errors import InvalidName, InvalidReference
+from .errors import InvalidName, InvalidReference, UsageError
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9._/-]*")
 VERSION_RE = re.compile(r"[A-Za-z0-9._-]+")
@@ -13,6 +13,20 @@ DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 CHAIN_ENV_PREFIX = "oci/chains/"  # the chain index's envs (layerfs/builder/oci/chains.py)
 MAX_NAME = 200
 MAX_VERSION = 128
+# a sandbox's, a disk's or a vm's id on a node (a vm's disk is "<vm id>-rw": the
+# vm id is 3 characters shorter)
+NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MAX_NODE_ID = 128
+
+
+def check_node_id(kind: str, ident: str | None, most: int = MAX_NODE_ID) -> str:
+    """The id of a sandbox, disk or vm (``kind``), checked: the one rule the
+    three share, as a directory name under ROOT."""
+    if not NODE_ID_RE.fullmatch(ident or "") or len(ident or "") > most:
+        longest = "" if most == MAX_NODE_ID else f", at most {most} characters"
+        raise UsageError(f"invalid {kind} id {ident!r} (expected "
+                         f"[A-Za-z0-9][A-Za-z0-9._-]*{longest})")
+    return ident or ""
 
 
 def check_name(name: str) -> str:

@@ -5,7 +5,7 @@ that will not come up, go down or commit).
 - ``lifecycle``: a sandbox's states and the moves allowed between them
 - ``layermounts``: each layer mounted once per node, shared by its sandboxes
 - ``limits``: memory, CPU and process limits, checked against the node's cgroups
-- ``quota``: the kernel-enforced quota of a sandbox's writable layer (btrfs)
+- ``quota``: the kernel-enforced quota of a sandbox's writable layer (btrfs, or an ext4 image)
 - ``rootspace``: room on ROOT's file system, which everything on the node shares
 - ``dataloss``: the sandboxes and vms whose layer data the store lost (``data_lost``)
 """

@@ -18,7 +18,6 @@ import errno
 import functools
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -43,6 +42,7 @@ from ...errors import (
     UsageError,
 )
 from ...mounts import SAFE_FLAGS, Overlay, mount_overlay
+from ...names import check_node_id
 from ...refstore import LAYERS, RefStore
 from ...retention import expires_at, set_expiry
 from ...sizes import du
@@ -65,7 +65,6 @@ from .layermounts import LayerMounts, MountedLayer, detach, unmount, unmount_or_
 from .lifecycle import SandboxState, move, state_of
 
 log = logging.getLogger(__name__)
-SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # auto: a layer's pushed trace if it has one; trace: its trace, local or pushed
 PREFETCH = ("none", "full", "trace", "auto")
 # A layer's own trusted.overlay.* xattrs never steer lookups into other
@@ -127,8 +126,7 @@ class Sandboxes:
     async def up(self, sid: str, env: str | None = None, layers: list[str] | None = None,
                  prefetch: str = "auto", limits: Limits | None = None) -> SandboxRecord:
         limits = limits or Limits()
-        if not SANDBOX_ID.fullmatch(sid or ""):
-            raise UsageError(f"invalid sandbox id {sid!r} (expected [A-Za-z0-9][A-Za-z0-9._-]*)")
+        check_node_id("sandbox", sid)
         if prefetch not in PREFETCH:
             raise UsageError(f"invalid prefetch mode {prefetch!r}")
         if bool(env) == bool(layers):

@@ -42,13 +42,13 @@ from ...errors import (
 )
 from ...formats import lsmt
 from ...formats.chunktable import ChunkTable
+from ...names import check_node_id
 from ...refstore import LAYERS, RefStore
 from ..protocol import BrokenDisk, DiskCommitAnswer, DiskRecord, OfflineRef
 from ..reads.blobfiles import DISK_KIND, BlobDirectory, BlobFile, stable_inode
 from ..reads.fetcher import ChunkFetcher
 from ..replica.noderefs import NodeRefs
 from ..replica.replica import Replica
-from ..sandboxes.manager import SANDBOX_ID
 from .diskfiles import DATA_START, SECTOR, DiskState, SealedChain, SealedLayer, WritableDisk
 
 log = logging.getLogger(__name__)
@@ -122,8 +122,7 @@ class DiskManager:
 
     async def create(self, sid: str, size: int | None, base: str | None) -> DiskRecord:
         """Make disk ``sid``; its record, with the refs resolved without the store."""
-        if not SANDBOX_ID.fullmatch(sid or ""):
-            raise UsageError(f"invalid disk id {sid!r} (expected [A-Za-z0-9][A-Za-z0-9._-]*)")
+        check_node_id("disk", sid)
         self.check_free(sid)
         if size is not None:
             check_disk_size(size)
