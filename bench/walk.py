@@ -177,8 +177,7 @@ def op_read(work: Path, fresh: bool) -> Callable[[], None]:
 
 
 def measure_one(operation: str, tree: Path, work: Path) -> list[str]:
-    sys.path.insert(0, str(tree))  # before any import of layerfs
-    import layerfs
+    import layerfs  # (from the measured tree: first on this process's PYTHONPATH)
 
     prefix = str(tree / "layerfs") + os.sep
     if not (layerfs.__file__ or "").startswith(prefix):
@@ -214,10 +213,10 @@ def main() -> None:
     result: dict[str, Any] = {"commit": head(tree), "read_bytes": READ, "walks": {}}
     with tempfile.TemporaryDirectory(prefix="layerfs-walk-") as tmp:
         for operation in OPERATIONS:
-            proc = subprocess.run(  # -P: not the working directory first on the path
+            proc = subprocess.run(  # the measured tree's layerfs first on the path
                 [sys.executable, "-P", "-m", "bench.walk", "--one", operation, "--tree",
-                 str(tree), "--work", tmp], cwd=tmp, capture_output=True,
-                text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                 str(tree), "--work", tmp], cwd=tmp, capture_output=True, text=True,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)])})
             if proc.returncode != 0:
                 raise SystemExit(f"{operation}: {proc.stderr[-3000:]}")
             files = json.loads(proc.stdout.splitlines()[-1])

@@ -687,9 +687,9 @@ def test_a_full_prefetch_leaves_a_readers_chunks_in_memory(tmp_path):
 def test_a_cache_hit_read_walks_neither_the_fetch_core_nor_the_policy(tmp_path):
     """A read of cached chunks (a small part of one, and a whole one) is served
     by ``ChunkStates`` from memory or the cache file: on the trio thread it
-    calls only blobfiles.py and chunkstates.py of the node (the cache files
-    are read in worker threads), never the fetch core nor the policy, and
-    the store is never asked."""
+    calls only blobfiles.py, chunkstates.py and chunkcache.py (its index) of
+    the node's read path (the cache files are read in worker threads), never
+    the fetch core nor the policy, and the store is never asked."""
     import sys
 
     import layerfs.node.reads.blobfiles as blobfiles
@@ -720,7 +720,8 @@ def test_a_cache_hit_read_walks_neither_the_fetch_core_nor_the_policy(tmp_path):
         assert whole == datas[0][1000:] + datas[1][:1000]
 
     run(main)
-    assert walked == {"blobfiles.py", "chunkstates.py"} and store.calls == []
+    assert walked == {"blobfiles.py", "chunkstates.py", "chunkcache.py"}
+    assert store.calls == []
 
 
 def test_the_fetch_core_imports_no_prefetch_policy():
