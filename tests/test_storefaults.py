@@ -8,11 +8,13 @@ from __future__ import annotations
 import http.server
 import logging
 import os
+import random
 import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import trio
@@ -24,6 +26,7 @@ from support.faultstore import FAST_RETRY, Fault, FaultStore
 from support.gentree import write_tree
 
 from harness.s3server import DUMMY_AWS_ENV, find_weed, free_ports, start_server
+from layerfs.builder.disk import build_disk
 from layerfs.builder.env import create_env
 from layerfs.errors import (
     AccessDenied,
@@ -86,6 +89,47 @@ def test_different_builds_at_once_one_fails(tmp_path, store):
     assert len(failed) == 1 and failed[0].exit_code == 4
     won = next(r for r in results if not isinstance(r, Exception))
     assert RefStore(store).resolve(LAYERS, "t@1") == won.digest
+
+
+def push_disks_both(store, images: list[Path]) -> list:
+    """Push each raw image to d@1 in its own thread at once; results or errors."""
+    def one(image: Path):
+        try:
+            return build_disk(RefStore(store), str(image), "d", "1", chunk_size=65536)
+        except VersionExists as exc:
+            return exc
+
+    with ThreadPoolExecutor(len(images)) as pool:
+        return list(pool.map(one, images))
+
+
+def raw_image(path: Path, seed: int) -> Path:
+    path.write_bytes(random.Random(seed).randbytes(256 << 10) + bytes(256 << 10))
+    return path
+
+
+def test_identical_disk_pushes_at_once_both_succeed(tmp_path, store, monkeypatch):
+    """The recipe layers use (layerfs.builder.publish): the push that loses the
+    race finds the other's disk of the same content, though its manifest was
+    made in another second (its ``created`` differs)."""
+    seconds = iter(range(10))
+    monkeypatch.setattr("layerfs.builder.disk.now_utc",
+                        lambda: f"2026-01-01T00:00:0{next(seconds)}Z")
+    image = raw_image(tmp_path / "a.img", 1)
+    results = push_disks_both(racing_refs(store), [image, image])
+    assert not [r for r in results if isinstance(r, Exception)], results
+    assert sorted(r.published for r in results) == [False, True]
+    named = RefStore(store).resolve(LAYERS, "d@1")
+    assert [r.digest for r in results] == [named, named]
+
+
+def test_different_disk_pushes_at_once_one_fails(tmp_path, store):
+    results = push_disks_both(racing_refs(store), [raw_image(tmp_path / "a.img", 1),
+                                                   raw_image(tmp_path / "b.img", 2)])
+    failed = [r for r in results if isinstance(r, VersionExists)]
+    assert len(failed) == 1 and failed[0].exit_code == 4
+    won = next(r for r in results if not isinstance(r, Exception))
+    assert RefStore(store).resolve(LAYERS, "d@1") == won.digest
 
 
 def test_identical_env_creates_at_once_both_succeed(tmp_path, store):

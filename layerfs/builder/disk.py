@@ -15,14 +15,15 @@ import uuid as uuidlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 
-from layerfs.errors import SourceError, UsageError, VersionExists
+from layerfs.errors import SourceError, UsageError
 from layerfs.formats import lsmt
 from layerfs.manifest import BlobRef, DiskManifest, LayerStats
 from layerfs.names import check_name, check_version
 from layerfs.refstore import LAYERS, RefStore
 
-from .layer import check_chunk_size, now_utc, publish_verified
+from .layer import check_chunk_size, now_utc
 from .pipeline import DEFAULT_CHUNK_SIZE, ChunkPipeline, DedupIndex
+from .publish import existing_version, publish_verified
 
 BLOCK = 4096
 ZERO = bytes(BLOCK)
@@ -163,13 +164,19 @@ def publish_disk(refstore: RefStore, src: DiskSource, name: str, version: str,
     finally:
         pipeline.close()
     ref = f"{name}@{version}"
-    if existing:
-        old = refstore.disk(existing)
-        same = (old.parent == parent and old.virtual_size == src.virtual_size
-                and refstore.chunk_table(old).content_key() == result.table.content_key())
-        if not same:
-            raise VersionExists(ref)
-        return DiskResult(ref, existing, old, published=False)
+    content = result.table.content_key()
+
+    seen: dict[str, DiskManifest] = {}
+
+    def same(other: str) -> bool:
+        if other not in seen:
+            seen[other] = refstore.disk(other)
+        old = seen[other]
+        return (old.parent == parent and old.virtual_size == src.virtual_size
+                and refstore.chunk_table(old).content_key() == content)
+
+    if existing_version(ref, existing, same):
+        return DiskResult(ref, existing or "", seen[existing or ""], published=False)
     table = result.table.to_bytes()
     table_digest, up = store.put_blob(table)
     stats = LayerStats(**asdict(result.stats))
@@ -184,7 +191,10 @@ def publish_disk(refstore: RefStore, src: DiskSource, name: str, version: str,
     manifest_bytes = manifest.checked_bytes()
     digest, _ = store.put_blob(manifest_bytes)
     held = {table_digest: table, digest: manifest_bytes}
-    publish_verified(refstore, name, version, digest, result.reused, held)
+    named, created = publish_verified(refstore, name, version, digest, result.reused, held, same)
+    if not created:  # a concurrent push of the same disk published first
+        return DiskResult(ref, named, refstore.disk(named) if named != digest else manifest,
+                          published=False)
     return DiskResult(ref, digest, manifest, published=True, uploaded_bytes=stats.uploaded_bytes)
 
 

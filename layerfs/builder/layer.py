@@ -1,14 +1,9 @@
 """Build a layer from a source and publish it: packs, chunk table, meta, manifest, ref.
 
-The ref is written by :func:`publish_verified`, which then checks that every
-blob the push reused (and did not write) survived a concurrent gc.
-
-A version is immutable. If ``name@version`` already exists, the source is
-built again without uploading anything and compared: the same content is a
-success that writes nothing, other content is :class:`VersionExists`. Content
-is :class:`~layerfs.manifest.LayerIdentity`, not the manifest's bytes (which
-hold the creation time and upload counts), so two builds of one source racing
-to publish both succeed: the one that loses finds the other's layer.
+Published by the recipe of :mod:`layerfs.builder.publish` (the one sealed disks
+use too): if ``name@version`` already exists, the source is built again without
+uploading anything and compared; two builds of one source racing to publish
+both succeed. A layer's content is :class:`~layerfs.manifest.LayerIdentity`.
 """
 
 from __future__ import annotations
@@ -16,13 +11,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 import zstandard
 
-from layerfs.errors import BlobVanished, SourceError, UsageError, VersionExists
+from layerfs.errors import SourceError, UsageError
 from layerfs.formats.erofs import ErofsError, write_meta_image
 from layerfs.manifest import (
     CHUNK_SIZE_RULE,
@@ -37,17 +31,17 @@ from layerfs.manifest import (
     valid_chunk_size,
 )
 from layerfs.names import check_name, check_version
-from layerfs.refstore import LAYERS, RefStore, ref_key
-from layerfs.store.base import blob_key, sha256_digest
+from layerfs.refstore import LAYERS, RefStore
+from layerfs.store.base import sha256_digest
 from layerfs.tree import FileTree
 
 from .assembler import LayerAssembler
 from .dirsource import DirectorySource, UpperSource
 from .pipeline import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_SIZE, ChunkPipeline, DedupIndex
+from .publish import existing_version, publish_verified
 from .tarsource import TarSource, open_tar
 
 META_ZSTD_LEVEL = 9
-VERIFY_WORKERS = 8
 
 
 @dataclass
@@ -150,10 +144,14 @@ def build_layer(refstore: RefStore, src: str, opts: BuildOptions,
     ref = f"{opts.name}@{opts.version}"
     identity = LayerIdentity("erofs", opts.role, opts.chunk_size, result.table.blob_size,
                              sha256_digest(meta), len(meta), table_content(result.table))
-    if existing is not None and old is not None:
-        if old[0].identity(old[1]) != identity:
-            raise VersionExists(ref)
-        return BuildResult(ref, existing, old[0], published=False)
+
+    def same(other: str) -> bool:  # (the existing version's manifest is loaded already)
+        if old is not None and other == existing:
+            return old[0].identity(old[1]) == identity
+        return _same_layer(refstore, other, identity)
+
+    if existing_version(ref, existing, same) and old is not None:
+        return BuildResult(ref, existing or "", old[0], published=False)
 
     stats = LayerStats(**asdict(asm.counts), **asdict(result.stats))
     table_digest, up_table = store.put_blob(table)
@@ -176,8 +174,7 @@ def build_layer(refstore: RefStore, src: str, opts: BuildOptions,
     digest, _ = store.put_blob(manifest_bytes)
     held[digest] = manifest_bytes
     named, created = publish_verified(refstore, opts.name, opts.version, digest, result.reused,
-                                      held,
-                                      same=lambda other: _same_layer(refstore, other, identity))
+                                      held, same)
     if not created:  # a concurrent build of the same source published first
         return BuildResult(ref, named, refstore.layer(named) if named != digest else manifest,
                            False, stats.uploaded_bytes, stats.uploaded_packs)
@@ -188,37 +185,6 @@ def _same_layer(refstore: RefStore, digest: str, identity: LayerIdentity) -> boo
     """Whether the layer manifest at ``digest`` has this content."""
     manifest = refstore.layer(digest)
     return manifest.identity(refstore.chunk_table(manifest)) == identity
-
-
-def publish_verified(refstore: RefStore, name: str, version: str, digest: str,
-                     reused: set[str], held: dict[str, bytes],
-                     same: Callable[[str], bool] | None = None) -> tuple[str, bool]:
-    """Write the layer ref, then check that the blobs a concurrent gc could have
-    taken meanwhile are still there: the packs this push reused and the blobs
-    it holds (``held``: digest → bytes; written again if gone). A reused pack
-    that is gone takes the ref back (if this call wrote it) and fails the push.
-    Returns the digest the ref names and whether this call wrote it; the
-    digest is ``digest`` or that of another push's manifest that got there
-    first and that ``same`` (given its digest) accepts (that push checks its
-    own blobs)."""
-    created = refstore.publish(LAYERS, name, version, digest, same)
-    if not created:
-        winner = refstore.read_ref(LAYERS, name, version)
-        if winner is not None and winner != digest:
-            return winner, False
-    digests = sorted(reused | held.keys())
-    with ThreadPoolExecutor(VERIFY_WORKERS, thread_name_prefix="verify") as pool:
-        present = list(pool.map(lambda d: refstore.store.exists(blob_key(d)), digests))
-    missing = [d for d, ok in zip(digests, present, strict=True) if not ok]
-    lost = [d for d in missing if d not in held]
-    for d in missing:
-        if d in held:
-            refstore.store.put_blob(held[d], d)
-    if lost:
-        if created:
-            refstore.store.delete(ref_key(LAYERS, name, version))
-        raise BlobVanished(f"pack {lost[0]}", f"{name}@{version} was published")
-    return digest, created
 
 
 def _dedup_index(refstore: RefStore, opts: BuildOptions, existing: str | None,
