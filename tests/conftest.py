@@ -4,14 +4,16 @@ and the log checks every test gets.
 ``store`` / ``store_url`` / ``store_args`` are parametrised over ``file`` and
 ``s3``; within one test they all name the same, fresh, empty store.
 
-After each test, every node daemon's log (tests/support/nodes.py) and the test's own
+After each test, every node daemon's log (tests/nodes.py) and the test's own
 log records are checked: a WARNING or ERROR the test does not declare with
 ``@pytest.mark.daemon_log("regex", ...)`` fails it.
 
 The fast tier (``pytest -m fast``, ``make test-fast``): every test is marked
 ``fast`` unless it is a ``cluster`` test, runs on the ``s3`` store, uses a
-fixture (directly or through others) of :data:`SERVER_FIXTURES`, or is in one
-of the :data:`END_TO_END_MODULES`; in that tier
+fixture (directly or through others) that starts a server or a node daemon
+(each such fixture says so: it requests :func:`starts_a_server`), or is in a
+module that drives the command line and outside tools end to end (the module
+says so: ``pytestmark = pytest.mark.end_to_end``); in that tier
 :func:`support.need_root` skips, so root-only work (mounts, device nodes)
 stays in the full suite.
 """
@@ -26,9 +28,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import nodes
 import pytest
-from support import FAST_TIER, dummy_aws_env, nodes, weed_or_skip
-from support.users import local_user  # noqa: F401  (a fixture for every test module)
+from support import FAST_TIER, dummy_aws_env, weed_or_skip
+from users import local_user  # noqa: F401  (a fixture for every test module)
 
 from harness.s3server import S3Server, start_server
 from layerfs.errors import StoreError
@@ -37,21 +40,6 @@ from layerfs.store.s3 import S3Store
 
 TEST_BUCKET = "layerfs-test"
 BUCKET_TIMEOUT = 30.0
-# the fixtures that start a server or a node daemon (SeaweedFS, registry,
-# containerd, layerfs daemons): a test using one is not in the fast tier
-SERVER_FIXTURES = frozenset({
-    "s3_server", "own_s3_server", "unavailable_endpoint", "cluster", "registries", "registry",
-    "containerd", "node", "node2", "layer_node", "hostile_node", "hostile", "node_parent",
-    "live", "odd_programs", "machine", "ctrd", "ext4_node", "metered"})
-# the modules that drive the command line, registries and outside tools (skopeo,
-# umoci, tar programs) end to end, a process per step: not in the fast tier
-END_TO_END_MODULES = frozenset({
-    "test_bounds", "test_cli", "test_client", "test_durability", "test_errors", "test_export",
-    "test_hostilestore",
-    "test_import", "test_input", "test_keeper", "test_offline", "test_registry",
-    "test_remotetrust", "test_storefaults", "test_install", "test_systemd"})
-
-
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "daemon_log(*patterns): WARNING/ERROR log records (regexes) the test "
@@ -59,20 +47,30 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "cluster: runs on the real SeaweedFS cluster of harness/seaweedcluster.py")
     config.addinivalue_line(
+        "markers", "end_to_end: drives the CLI and outside tools end to end, a process per "
+        "step (a module's pytestmark): not in the fast tier")
+    config.addinivalue_line(
         "markers", "fast: the unit tier, no server, daemon or root (set by the conftest)")
     if config.getoption("markexpr") == "fast":
         os.environ[FAST_TIER] = "1"  # support.need_root skips (subprocesses see it too)
 
 
+@pytest.fixture
+def starts_a_server() -> None:
+    """Requested by every fixture that starts a server or a node daemon
+    (SeaweedFS, a registry, containerd, a layerfs daemon, a machine): a test
+    that uses one, directly or through others, is not in the fast tier."""
+
+
 def in_fast_tier(item: pytest.Item) -> bool:
     """No cluster, no S3 store, no fixture that starts a server or a daemon,
     not an end-to-end module."""
-    if item.get_closest_marker("cluster") or item.path.stem in END_TO_END_MODULES:
+    if item.get_closest_marker("cluster") or item.get_closest_marker("end_to_end"):
         return False
     callspec = getattr(item, "callspec", None)
     if callspec is not None and callspec.params.get("store_location") == "s3":
         return False
-    return not SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+    return "starts_a_server" not in getattr(item, "fixturenames", ())
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -29,6 +29,8 @@ from layerfs.refstore import RefStore, ref_key
 from layerfs.store.base import blob_key
 from layerfs.store.file import FileStore
 
+pytestmark = pytest.mark.end_to_end  # root commands and a node on a hostile store
+
 CHUNK = 65536
 KEYS = ("ref", "manifest", "meta", "table", "pack")
 KINDS = ("fifo", "symlink", "device", "directory")

@@ -24,6 +24,8 @@ from support.users import LocalUser
 
 pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
 
+pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
+
 REPO = Path(__file__).resolve().parent.parent
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 FALLBACK_WARNING = "layerfs.formats._erofscheck) is not"

@@ -321,7 +321,7 @@ def test_the_limits_outlive_a_restart_and_go_into_the_bundle(node):
 
 
 @pytest.fixture(scope="module")
-def ext4_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
+def ext4_node(starts_a_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
     """A daemon whose ROOT is on a 256 MiB ext4 image, loop-mounted: a quota
     there is an ext4 image of its own per sandbox."""
     need_root()

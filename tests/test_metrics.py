@@ -56,7 +56,7 @@ def read_cold(path: Path) -> bytes:
 
 
 @pytest.fixture
-def metered(tmp_path, store, store_location):
+def metered(starts_a_server, tmp_path, store, store_location):
     """Layer m@1 (one 6 MiB file), env e@1, a daemon serving /metrics."""
     need_root()
     src = tmp_path / "m"
