@@ -4,7 +4,7 @@ and the log checks every test gets.
 ``store`` / ``store_url`` / ``store_args`` are parametrised over ``file`` and
 ``s3``; within one test they all name the same, fresh, empty store.
 
-After each test, every node daemon's log (tests/nodes.py) and the test's own
+After each test, every node daemon's log (tests/support/nodes.py) and the test's own
 log records are checked: a WARNING or ERROR the test does not declare with
 ``@pytest.mark.daemon_log("regex", ...)`` fails it.
 
@@ -28,10 +28,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import nodes
 import pytest
-from support import FAST_TIER, dummy_aws_env, weed_or_skip
-from users import local_user  # noqa: F401  (a fixture for every test module)
+from support import FAST_TIER, dummy_aws_env, nodes, weed_or_skip
+from support.users import local_user  # noqa: F401  (a fixture for every test module)
 
 from harness.s3server import S3Server, start_server
 from layerfs.errors import StoreError
@@ -55,7 +54,7 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[FAST_TIER] = "1"  # support.need_root skips (subprocesses see it too)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # (fixtures of every scope request it)
 def starts_a_server() -> None:
     """Requested by every fixture that starts a server or a node daemon
     (SeaweedFS, a registry, containerd, a layerfs daemon, a machine): a test
