@@ -3,11 +3,11 @@ order and what a failed push leaves."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 from support import ManifestPutFails, build
+from support.gentree import write_tree
 
 from layerfs.builder.env import create_env
 from layerfs.errors import RefNotFound, StoreError, UsageError, VersionExists
@@ -15,14 +15,6 @@ from layerfs.formats.chunktable import FILE_START
 from layerfs.gc import collect
 from layerfs.refstore import ENVS, LAYERS, RefStore
 from layerfs.store.base import BLOB_PREFIX
-
-
-def write_tree(root, seed: int, files: int = 40, size: int = 40_000) -> None:
-    rng = random.Random(seed)
-    os.makedirs(root, exist_ok=True)
-    for i in range(files):
-        with open(os.path.join(root, f"f{i:03d}"), "wb") as f:
-            f.write(rng.randbytes(rng.randrange(size // 2, size * 2)))
 
 
 def blobs(store) -> set[str]:

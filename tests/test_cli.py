@@ -10,6 +10,7 @@ import time
 
 import pytest
 from support import need_root
+from support.cli import layerfs, one_line_error
 from support.gentree import write_tree
 
 from harness.daemonproc import LAYERFS
@@ -19,22 +20,6 @@ from layerfs.store.base import blob_key
 pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
 
 MS_BIND, MS_REMOUNT = 4096, 32
-
-
-def layerfs(*args: str, check: bool = True, env: dict | None = None,
-            stdin: bytes | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "layerfs.cli.main", *args],
-                          capture_output=True, text=True, timeout=120, env=env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"layerfs {' '.join(args)} failed: {proc.stderr}")
-    return proc
-
-
-def one_line_error(proc: subprocess.CompletedProcess, code: int) -> str:
-    assert proc.returncode == code, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("layerfs: error: "), proc.stderr
-    return lines[0]
 
 
 def test_build_env_inspect_verify_gc(tmp_path, store, store_args):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import TEST_BUCKET
 from support.baseenv import publish_base_env, settle
-from support.nodes import NodeDaemon
+from support.nodes import NodeDaemon, wait_for_log
 from support.storeaway import AwayStore
 
 from harness.daemonproc import LAYERFS
@@ -70,13 +70,6 @@ def up(node: NodeDaemon, ref: str, sid: str, check: bool = True):
 
 def ps(node: NodeDaemon) -> dict[str, dict]:
     return {r["id"]: r for r in node.request("ps")["sandboxes"]}
-
-
-def wait_for_log(node: NodeDaemon, pattern: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not re.search(pattern, node.log()):
-        assert time.monotonic() < deadline, f"no {pattern!r} in:\n{node.log()[-3000:]}"
-        time.sleep(0.2)
 
 
 @pytest.mark.daemon_log(LOST)

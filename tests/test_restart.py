@@ -25,12 +25,11 @@ from pathlib import Path
 
 import pytest
 from support import build, need_root
-from support.nodes import NodeDaemon
+from support.nodes import NodeDaemon, take_over, wait_for
 from support.storeaway import GatedRelay
 
 from harness.daemonproc import LAYERFS
 from layerfs.builder.env import create_env
-from layerfs.node.control import wait_ready
 from layerfs.node.daemon.service import mounts_under
 from layerfs.refstore import RefStore
 
@@ -193,13 +192,6 @@ def start_load(node: NodeDaemon, tmp_path: Path, mnt: Path) -> Load:
                 sha(node.src / "data" / "f0"), mnt)
 
 
-def wait_for(condition, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def passes(load: Load) -> list[int]:
     return [int(p.read_text() or 0) for p in load.progress]
 
@@ -265,17 +257,6 @@ def switch_under_load(node: NodeDaemon, tmp_path: Path, switch) -> None:
 def kill_and_restart(node: NodeDaemon) -> None:
     node.kill()
     node.start()
-
-
-def take_over(node: NodeDaemon) -> None:
-    old = node.proc
-    assert old is not None
-    node.extra_args = ["--takeover"]
-    node.start()  # returns once a daemon answers: maybe still the old one
-    assert old.wait(60) == 0  # the old daemon exits by itself, cleanly
-    proc = node.proc
-    assert wait_ready(node.root, lambda: proc.poll() is None, 60), node.log()[-4000:]
-    node.extra_args = []
 
 
 def node_argv(node: NodeDaemon) -> list[str]:

@@ -153,3 +153,11 @@ def tar_tree(root: str, out: str, mode: str = "w") -> str:
                     continue  # tar cannot hold sockets
                 tar.add(path, arcname=rel, recursive=False, filter=add_xattrs)
     return out
+
+
+def write_tree(root, seed: int, files: int = 40, size: int = 40_000) -> None:
+    rng = random.Random(seed)
+    os.makedirs(root, exist_ok=True)
+    for i in range(files):
+        with open(os.path.join(root, f"f{i:03d}"), "wb") as f:
+            f.write(rng.randbytes(rng.randrange(size // 2, size * 2)))

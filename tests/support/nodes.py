@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import re
 import subprocess
+import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
 from harness.daemonproc import LAYERFS, DaemonProcess
+from layerfs.node.control import wait_ready
 
 # every NodeDaemon made so far (the conftest checks their logs after each test)
 DAEMONS: weakref.WeakSet[NodeDaemon] = weakref.WeakSet()
@@ -104,3 +106,28 @@ def unexpected_records(records: list[logging.LogRecord],
     lines = [f"{r.levelname} {r.name}: {r.getMessage()}" for r in records
              if r.levelno >= logging.WARNING]
     return [line for line in lines if not any(p.search(line) for p in allowed)]
+
+
+def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def take_over(node: NodeDaemon) -> None:
+    old = node.proc
+    assert old is not None
+    node.extra_args = ["--takeover"]
+    node.start()  # returns once a daemon answers: maybe still the old one
+    assert old.wait(60) == 0  # the old daemon exits by itself, cleanly
+    proc = node.proc
+    assert wait_ready(node.root, lambda: proc.poll() is None, 60), node.log()[-4000:]
+    node.extra_args = []
+
+
+def wait_for_log(node: NodeDaemon, pattern: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, node.log()):
+        assert time.monotonic() < deadline, f"no {pattern!r} in:\n{node.log()[-3000:]}"
+        time.sleep(0.2)
