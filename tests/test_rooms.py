@@ -128,3 +128,15 @@ def test_a_room_says_its_job_and_lists_its_modules(room):
     assert doc and all(f"``{m}``" in doc for m in members), (room, sorted(members))
     body = ast.parse((NODE / room / "__init__.py").read_text()).body
     assert len(body) == 1, f"{room}/__init__.py re-exports: it holds its docstring only"
+
+
+def test_the_old_entry_point_is_the_cli():
+    """``layerfs/tools/main.py`` (for ../shared/device/mkbundle.sh, outside the
+    repository) runs the CLI's own ``main`` (the name is built: rooms-map.py
+    would rewrite it to the new one)."""
+    import importlib
+
+    from layerfs.cli.main import main
+
+    old = importlib.import_module(".".join(("layerfs", "tools", "main")))
+    assert old.main is main
