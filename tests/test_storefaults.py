@@ -109,7 +109,7 @@ def raw_image(path: Path, seed: int) -> Path:
 
 
 def test_identical_disk_pushes_at_once_both_succeed(tmp_path, store, monkeypatch):
-    """The recipe layers use (layerfs.builder.publish): the push that loses the
+    """The recipe layers use (layerfs/builder/layer.py): the push that loses the
     race finds the other's disk of the same content, though its manifest was
     made in another second (its ``created`` differs)."""
     seconds = iter(range(10))

@@ -21,9 +21,8 @@ from layerfs.manifest import BlobRef, DiskManifest, LayerStats
 from layerfs.names import check_name, check_version
 from layerfs.refstore import LAYERS, RefStore
 
-from .layer import check_chunk_size, now_utc
+from .layer import check_chunk_size, existing_version, now_utc, publish_verified
 from .pipeline import DEFAULT_CHUNK_SIZE, ChunkPipeline, DedupIndex
-from .publish import existing_version, publish_verified
 
 BLOCK = 4096
 ZERO = bytes(BLOCK)

@@ -1,9 +1,22 @@
 """Build a layer from a source and publish it: packs, chunk table, meta, manifest, ref.
 
-Published by the recipe of :mod:`layerfs.builder.publish` (the one sealed disks
-use too): if ``name@version`` already exists, the source is built again without
-uploading anything and compared; two builds of one source racing to publish
-both succeed. A layer's content is :class:`~layerfs.manifest.LayerIdentity`.
+The publish recipe, one for layers and sealed disks (both are ``layers/`` refs;
+:func:`layerfs.builder.disk.publish_disk` follows it too). A version is
+immutable, and its content (not its manifest's bytes, which hold the creation
+time and upload counts) says whether two pushes are the same:
+
+1. :func:`existing_version`: if ``name@version`` exists, the push compares
+   content without uploading: the same is a success that writes nothing,
+   other content is :class:`VersionExists`;
+2. the push uploads its blobs and its manifest;
+3. :func:`publish_verified` writes the ref once. A concurrent push of the same
+   content that got there first is a success too (the loser reports the
+   winner's manifest); then every blob this push reused, or holds, is checked
+   to have survived a concurrent gc.
+
+``same`` is the kind's comparison: given a manifest's digest, whether it has
+this push's content. A layer's content is
+:class:`~layerfs.manifest.LayerIdentity`.
 """
 
 from __future__ import annotations
@@ -11,12 +24,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 import zstandard
 
-from layerfs.errors import SourceError, UsageError
+from layerfs.errors import BlobVanished, SourceError, UsageError, VersionExists
 from layerfs.formats.erofs import ErofsError, write_meta_image
 from layerfs.manifest import (
     CHUNK_SIZE_RULE,
@@ -31,17 +45,18 @@ from layerfs.manifest import (
     valid_chunk_size,
 )
 from layerfs.names import check_name, check_version
-from layerfs.refstore import LAYERS, RefStore
-from layerfs.store.base import sha256_digest
+from layerfs.refstore import LAYERS, RefStore, ref_key
+from layerfs.store.base import blob_key, sha256_digest
 from layerfs.tree import FileTree
 
 from .assembler import LayerAssembler
 from .dirsource import DirectorySource, UpperSource
 from .pipeline import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_SIZE, ChunkPipeline, DedupIndex
-from .publish import existing_version, publish_verified
 from .tarsource import TarSource, open_tar
 
 META_ZSTD_LEVEL = 9
+VERIFY_WORKERS = 8
+Same = Callable[[str], bool]  # a manifest's digest -> whether it has this content
 
 
 @dataclass
@@ -204,3 +219,45 @@ def _dedup_index(refstore: RefStore, opts: BuildOptions, existing: str | None,
         index.add_table(refstore.chunk_table(manifest))
         sources.append(ref)
     return index, sources, old
+
+
+# -- the publish recipe (layers and sealed disks) --
+
+def existing_version(ref: str, existing: str | None, same: Same) -> bool:
+    """Step 1: True if ``existing`` (the digest ``ref`` names, if any) has this
+    content: nothing to publish. False if there is none. Other content:
+    :class:`VersionExists`."""
+    if existing is None:
+        return False
+    if not same(existing):
+        raise VersionExists(ref)
+    return True
+
+
+def publish_verified(refstore: RefStore, name: str, version: str, digest: str,
+                     reused: set[str], held: dict[str, bytes], same: Same) -> tuple[str, bool]:
+    """Step 3: write the ref, then check that the blobs a concurrent gc could
+    have taken meanwhile are still there: the packs this push reused and the
+    blobs it holds (``held``: digest → bytes; written again if gone). A reused
+    pack that is gone takes the ref back (if this call wrote it) and fails the
+    push. Returns the digest the ref names and whether this call wrote it; the
+    digest is ``digest`` or that of another push's manifest that got there
+    first and that ``same`` accepts (that push checks its own blobs)."""
+    created = refstore.publish(LAYERS, name, version, digest, same)
+    if not created:
+        winner = refstore.read_ref(LAYERS, name, version)
+        if winner is not None and winner != digest:
+            return winner, False
+    digests = sorted(reused | held.keys())
+    with ThreadPoolExecutor(VERIFY_WORKERS, thread_name_prefix="verify") as pool:
+        present = list(pool.map(lambda d: refstore.store.exists(blob_key(d)), digests))
+    missing = [d for d, ok in zip(digests, present, strict=True) if not ok]
+    lost = [d for d in missing if d not in held]
+    for d in missing:
+        if d in held:
+            refstore.store.put_blob(held[d], d)
+    if lost:
+        if created:
+            refstore.store.delete(ref_key(LAYERS, name, version))
+        raise BlobVanished(f"pack {lost[0]}", f"{name}@{version} was published")
+    return digest, created
