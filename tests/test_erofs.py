@@ -9,9 +9,8 @@ import subprocess
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from support import build, mounted_layer, need_root
-from support.gentree import make_tree
+from support.gentree import make_tree, trees
 from support.treecmp import diff_trees
 
 from layerfs.formats.chunktable import HEADER
@@ -76,47 +75,6 @@ def test_mkfs_erofs_builds_the_same_tree(tmp_path, fstore):
 
 
 # -- small random trees written straight to an image (no store), many shapes --
-
-names = st.binary(min_size=1, max_size=255).filter(
-    lambda n: b"/" not in n and b"\0" not in n and n not in (b".", b".."))
-
-
-@st.composite
-def trees(draw):
-    tree = FileTree(FsNode.directory(0o755, mtime=draw(st.integers(0, 2**33))))
-    dirs = [[]]
-    for _ in range(draw(st.integers(0, 40))):
-        parent = draw(st.sampled_from(dirs))
-        name = draw(names)
-        kind = draw(st.sampled_from(["dir", "file", "link", "fifo", "chr"]))
-        meta = dict(uid=draw(st.integers(0, 2**20)), gid=draw(st.integers(0, 2**20)),
-                    mtime=draw(st.sampled_from([0, 1700000000, 2**32 + 5])),
-                    mtime_ns=draw(st.sampled_from([0, 1, 999_999_999])))
-        xattrs = draw(st.dictionaries(
-            st.sampled_from([b"user.a", b"user.bb", b"trusted.t", b"security.s"]),
-            st.binary(min_size=0, max_size=300), max_size=3))
-        if kind == "dir":
-            node = FsNode.directory(draw(st.integers(0, 0o7777)), **meta)
-            dirs.append(parent + [name])
-        elif kind == "file":
-            data = draw(st.binary(max_size=3000))
-            node = FsNode(mode=stat.S_IFREG | draw(st.integers(0, 0o7777)), size=len(data),
-                          inline=data, **meta)
-        elif kind == "link":
-            node = FsNode(mode=stat.S_IFLNK | 0o777, target=draw(st.binary(min_size=1,
-                          max_size=200).filter(lambda t: b"\0" not in t)), **meta)
-        elif kind == "fifo":
-            node = FsNode(mode=stat.S_IFIFO | 0o644, **meta)
-        else:
-            node = FsNode(mode=stat.S_IFCHR | 0o600, rdev_major=draw(st.integers(0, 4095)),
-                          rdev_minor=draw(st.integers(0, 2**20 - 1)), **meta)
-        if kind not in ("dir", "file"):  # Linux allows user.* only there
-            xattrs = {k: v for k, v in xattrs.items() if not k.startswith(b"user.")}
-        node.xattrs = dict(xattrs)
-        target = tree.lookup(parent)
-        if target is not None and target.is_dir and name not in (target.children or {}):
-            tree.put(parent + [name], node)
-    return tree
 
 
 def _expected(tree: FileTree, root: str) -> None:

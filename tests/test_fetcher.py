@@ -19,6 +19,7 @@ import time
 import pytest
 import trio
 import trio.testing
+from support.chunkstores import RangeStore, fetcher, run, run_entries
 
 from layerfs.chunks import pack_runs
 from layerfs.errors import StoreUnreachable, TransientStoreError
@@ -55,15 +56,6 @@ class SlowStore:
         if self.fail:
             raise StoreUnreachable("test store is down")
         return DATA
-
-
-def fetcher(tmp_path, store, timeout: float = 5.0) -> ChunkFetcher:
-    return ChunkFetcher(store, ChunkCache(tmp_path / "cache", 1 << 20), timeout=timeout)
-
-
-def run(main, clock: trio.testing.MockClock | None = None) -> None:
-    """``trio.run(main)`` on a mock clock, by default one that stands still."""
-    trio.run(main, clock=clock or trio.testing.MockClock())
 
 
 async def entered(store: SlowStore) -> None:
@@ -596,22 +588,6 @@ def test_a_small_random_read_of_a_cached_chunk_reads_only_its_blocks(tmp_path):
     assert f.cache.snapshot()["corrupt"] == 1
 
 
-def run_entries(sizes: list[int], pack: str, start: int = 0,
-                gaps: dict[int, int] | None = None) -> tuple[list[ChunkEntry], bytes]:
-    """Chunks of the given sizes stored one after another in ``pack`` (with
-    ``gaps[i]`` bytes before chunk i); their entries and the pack's bytes."""
-    entries, stored, at = [], b"", start
-    for i, size in enumerate(sizes):
-        gap = (gaps or {}).get(i, 0)
-        stored += b"\0" * gap
-        at += gap
-        data = os.urandom(size)
-        entries.append(ChunkEntry(at, size, hashlib.sha256(data).digest(), pack, at, size, RAW))
-        stored += data
-        at += size
-    return entries, b"\0" * start + stored
-
-
 def test_pack_runs_join_neighbours_in_one_pack_up_to_a_span():
     a, b = "sha256:" + "a" * 64, "sha256:" + "b" * 64
     first, _ = run_entries([100, 100, 100, 100], a, gaps={2: 50, 3: 70_000})
@@ -620,18 +596,6 @@ def test_pack_runs_join_neighbours_in_one_pack_up_to_a_span():
     assert runs == [first[:3], first[3:], other, first[:1]]  # gap 50 joins, 70,000 cuts
     assert [len(r) for r in pack_runs(first[:3], span=250)] == [2, 1]
     assert [len(r) for r in pack_runs(first[:3], gap=0)] == [2, 1]
-
-
-class RangeStore:
-    """Serves ranges of packs by key; records each call."""
-
-    def __init__(self, packs: dict[str, bytes]) -> None:
-        self.packs = {blob_key(name): data for name, data in packs.items()}
-        self.calls: list[tuple[str, int | None, int | None]] = []
-
-    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        self.calls.append((key, start, end))
-        return self.packs[key][start:end]
 
 
 @pytest.mark.daemon_log(r"integrity check failed for chunk")
@@ -1055,7 +1019,6 @@ def test_a_run_claims_all_its_chunks_before_its_first_read(tmp_path):
     c2 = entries[2].pack_offset
     assert got == [pack[c2:c2 + 4096]]
     assert store.calls == [(blob_key(a), 0, 4096), (blob_key(a), c2, c2 + 2 * 4096)]
-
 
 
 class GatheringStore:

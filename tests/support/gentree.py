@@ -13,6 +13,10 @@ import stat
 import struct
 import tarfile
 
+from hypothesis import strategies as st
+
+from layerfs.tree import FileTree, FsNode
+
 CAP_NET_BIND = struct.pack("<IIIII", 0x02000001, 1 << 10, 0, 0, 0)  # VFS_CAP_REVISION_2
 
 
@@ -161,3 +165,45 @@ def write_tree(root, seed: int, files: int = 40, size: int = 40_000) -> None:
     for i in range(files):
         with open(os.path.join(root, f"f{i:03d}"), "wb") as f:
             f.write(rng.randbytes(rng.randrange(size // 2, size * 2)))
+
+
+names = st.binary(min_size=1, max_size=255).filter(
+    lambda n: b"/" not in n and b"\0" not in n and n not in (b".", b".."))
+
+
+@st.composite
+def trees(draw):
+    tree = FileTree(FsNode.directory(0o755, mtime=draw(st.integers(0, 2**33))))
+    dirs = [[]]
+    for _ in range(draw(st.integers(0, 40))):
+        parent = draw(st.sampled_from(dirs))
+        name = draw(names)
+        kind = draw(st.sampled_from(["dir", "file", "link", "fifo", "chr"]))
+        meta = dict(uid=draw(st.integers(0, 2**20)), gid=draw(st.integers(0, 2**20)),
+                    mtime=draw(st.sampled_from([0, 1700000000, 2**32 + 5])),
+                    mtime_ns=draw(st.sampled_from([0, 1, 999_999_999])))
+        xattrs = draw(st.dictionaries(
+            st.sampled_from([b"user.a", b"user.bb", b"trusted.t", b"security.s"]),
+            st.binary(min_size=0, max_size=300), max_size=3))
+        if kind == "dir":
+            node = FsNode.directory(draw(st.integers(0, 0o7777)), **meta)
+            dirs.append(parent + [name])
+        elif kind == "file":
+            data = draw(st.binary(max_size=3000))
+            node = FsNode(mode=stat.S_IFREG | draw(st.integers(0, 0o7777)), size=len(data),
+                          inline=data, **meta)
+        elif kind == "link":
+            node = FsNode(mode=stat.S_IFLNK | 0o777, target=draw(st.binary(min_size=1,
+                          max_size=200).filter(lambda t: b"\0" not in t)), **meta)
+        elif kind == "fifo":
+            node = FsNode(mode=stat.S_IFIFO | 0o644, **meta)
+        else:
+            node = FsNode(mode=stat.S_IFCHR | 0o600, rdev_major=draw(st.integers(0, 4095)),
+                          rdev_minor=draw(st.integers(0, 2**20 - 1)), **meta)
+        if kind not in ("dir", "file"):  # Linux allows user.* only there
+            xattrs = {k: v for k, v in xattrs.items() if not k.startswith(b"user.")}
+        node.xattrs = dict(xattrs)
+        target = tree.lookup(parent)
+        if target is not None and target.is_dir and name not in (target.children or {}):
+            tree.put(parent + [name], node)
+    return tree
