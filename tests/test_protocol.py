@@ -36,7 +36,7 @@ from layerfs.node.replica.replica import Replica
 
 
 def old_record(sid: str, digest: str, rootfs: Path, **changes: object) -> dict[str, object]:
-    """A sandbox record as the previous version wrote it (sandboxes.py's dict)."""
+    """A sandbox record as the previous version wrote it (the sandbox manager's dict)."""
     record: dict[str, object] = {
         "id": sid, "env": None, "layer_refs": ["t@1"], "layers": [digest], "config": None,
         "prefetch": "none", "created": 1764547200.25, "state": "up", "rootfs": str(rootfs)}
