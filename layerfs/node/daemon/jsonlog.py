@@ -18,14 +18,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-from contextvars import ContextVar
 from datetime import UTC, datetime
 
+from ...logcontext import LOG_CONTEXT
+
 LOG_FORMAT_ENV = "LAYERFS_LOG_FORMAT"  # "json" in the environment of the daemon's children
-# fields of the work under way (a trio task's, passed on to the tasks and
-# worker threads it starts), added to every JSON line logged within it
-LOG_CONTEXT: ContextVar[dict[str, object] | None] = ContextVar("layerfs_log_context",
-                                                              default=None)
 
 
 # what every LogRecord has: anything else on a record came from ``extra=``

@@ -45,10 +45,10 @@ from prometheus_client.registry import Collector
 
 from ... import __version__
 from ...errors import UsageError
+from ...logcontext import LOG_CONTEXT
 from ...ratelog import RateLimitedLog
 from ..fuse.nodefs import NodeFS
 from ..sandboxes.lifecycle import SandboxState
-from .jsonlog import LOG_CONTEXT
 
 FETCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 UP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

@@ -38,9 +38,9 @@ import trio
 from ...chunks import FetchedChunk, fetch_chunk_frame, fetch_run_frames, pack_runs
 from ...errors import IntegrityError, LayerfsError, ObjectNotFound, StoreError, StoreUnreachable
 from ...formats.chunktable import ChunkEntry
+from ...logcontext import LOG_CONTEXT
 from ...ratelog import RateLimitedLog
 from ...store.base import Store, blob_key
-from ..daemon.jsonlog import LOG_CONTEXT
 from .chunkcache import ChunkCache
 from .chunkfile import Chunk
 from .chunkstates import ChunkStates, Claim, FetchError, Flight, MemoryChunks
