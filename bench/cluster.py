@@ -122,7 +122,7 @@ def fetcher_reads(store: Store, entries: list[ChunkEntry], work: Path, mark: int
     async def main() -> float:
         t0 = trio.current_time()
         async with trio.open_nursery() as nursery:
-            fetcher.nursery = nursery
+            fetcher.tasks.nursery = nursery
             for _ in range(READERS):
                 nursery.start_soon(reader)
         await fetcher.writes_done()

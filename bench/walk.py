@@ -164,7 +164,7 @@ def op_read(work: Path, fresh: bool) -> Callable[[], None]:
     def run() -> None:
         async def main() -> None:
             async with trio.open_nursery() as nursery:
-                blob.fetcher.nursery = nursery
+                blob.fetcher.tasks.nursery = nursery
                 data = await blob.read(0, READ)
                 if fresh:
                     await blob.fetcher.writes_done()

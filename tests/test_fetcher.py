@@ -519,11 +519,11 @@ def test_a_miss_and_a_hit_look_at_the_chunks_state_once(tmp_path):
 
     async def main() -> None:
         async with trio.open_nursery() as background:
-            f.nursery = background
+            f.tasks.nursery = background
             assert await blob.read(0, size) == chunks[0]  # a miss, the whole chunk
             assert await blob.read(size + 10, 100) == chunks[1][10:110]  # a miss, a part
             assert await blob.read(2 * size + 10, 100) == chunks[2][10:110]  # a hit, a part
-        f.nursery = None
+        f.tasks.nursery = None
 
     run(main)
     assert [looks.get(e.sha256) for e in entries] == [1, 1, 1]
@@ -547,14 +547,14 @@ def test_sequential_reads_bring_the_next_cached_chunks_of_the_file_into_memory(t
 
     async def main() -> None:
         async with trio.open_nursery() as background:  # ends when its reads ahead have
-            f.nursery = background
+            f.tasks.nursery = background
             assert await blob.read(9 * size, 100) == chunks[9][:100]  # starts no stream
         assert entries[10].sha256 not in f.states.memory
         async with trio.open_nursery() as background:
-            f.nursery = background
+            f.tasks.nursery = background
             for i in range(5):  # a stream: chunks 0-4, reading ahead 0, 1, 2, 3, 4 chunks
                 assert await blob.read(i * size, size) == chunks[i]
-        f.nursery = None
+        f.tasks.nursery = None
 
     run(main)
     in_memory = [i for i, e in enumerate(entries) if e.sha256 in f.states.memory]
@@ -790,9 +790,9 @@ def test_a_stream_fetches_ahead_a_quarter_of_what_it_has_read(tmp_path):
     async def main() -> None:
         for i in range(12):
             async with trio.open_nursery() as background:  # ends when its fetches ahead have
-                f.nursery = background
+                f.tasks.nursery = background
                 assert await blob.read(i * 4096, 4096) == pack[i * 4096:(i + 1) * 4096]
-            f.nursery = None
+            f.tasks.nursery = None
 
     run(main)
     present = [i for i, e in enumerate(entries) if not f.states.absent(e.sha256)]
@@ -808,9 +808,9 @@ def read_with_background(f: ChunkFetcher, blob: BlobFile, off: int, size: int) -
 
     async def main() -> None:
         async with trio.open_nursery() as background:
-            f.nursery = background
+            f.tasks.nursery = background
             got.append(bytes(await blob.read(off, size)))
-        f.nursery = None
+        f.tasks.nursery = None
 
     run(main)
     return got[0]
@@ -840,10 +840,10 @@ def test_a_miss_at_the_start_of_a_small_file_fetches_the_rest_of_it(tmp_path):
 
     async def main() -> None:
         async with trio.open_nursery() as background:
-            f.nursery = background
+            f.tasks.nursery = background
             for at in (0, 4 * 4096, 5 * 4096, 11 * 4096):
                 assert await blob.read(at, 100) == pack[at:at + 100]
-        f.nursery = None
+        f.tasks.nursery = None
         calls = sorted((start, end) for _, start, end in store.calls)
         assert calls == [(0, 4096), (4096, 3 * 4096), (4 * 4096, 5 * 4096),
                          (5 * 4096, 6 * 4096), (11 * 4096, 12 * 4096), (12 * 4096, 13 * 4096)]
@@ -970,11 +970,11 @@ def test_fetch_ahead_claims_its_chunks_when_called_so_a_reader_joins_it(tmp_path
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            f.nursery = nursery
+            f.tasks.nursery = nursery
             Prefetcher(f).fetch_ahead(entries)  # the run's task starts at the next checkpoint
             got.append(await f.get(entries[0]))
             await f.writes_done()
-            f.nursery = None
+            f.tasks.nursery = None
 
     run(main)
     assert got == [pack[:4096]]

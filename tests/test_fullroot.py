@@ -93,8 +93,7 @@ def test_a_replica_commit_on_a_full_root_uses_the_held_space(tmp_path):
     with small_ext4(tmp_path, 32 * MiB) as small:
         space = RootSpace(small, reserve=16 * MiB)  # holds 4 MiB
         assert space.take() and space.held() == 4 * MiB
-        replica = Replica(small)
-        replica.make_room = space.release
+        replica = Replica(small, make_room=space.release)
         try:
             fill_up(small / "filler")
             order = list(range(200_000))  # about 1.3 MiB of JSON

@@ -335,8 +335,7 @@ def test_a_timeout_keeps_nothing_of_the_layer_and_the_next_fetch_checks_it(
     it with the fresh worker and keeps it."""
     a, _ = two_layers
     checker = MetaChecker(workers=1, timeout=1.0)
-    replica = Replica(tmp_path / "root")
-    replica.check_meta = checker.check
+    replica = Replica(tmp_path / "root", check_meta=checker.check)
     try:
         checker.start()
         os.kill(worker_pid(checker), signal.SIGSTOP)

@@ -173,7 +173,7 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
                        reserve=None if reserve == "auto" else parse_size(reserve),
                        containerd_snapshotter=containerd_snapshotter,
                        containerd_prefetch=containerd_prefetch)
-    Daemon(cfg).run()
+    Daemon.start(cfg).run()
 
 
 def group_id(group: str) -> int:

@@ -59,6 +59,7 @@ from google.protobuf.message import DecodeError
 from ...builder.oci.chains import chain_env, chain_of
 from ...errors import LayerfsError, RefNotFound, UsageError
 from ...refstore import RefStore
+from ...tasks import TaskGroup
 from ..containers.bundle import UnsafeBundleDir, open_bundle_dir
 from ..protocol import ContainerdSnapshot
 from ..reads.tracereplay import TraceReplay
@@ -157,8 +158,10 @@ class Snapshotter:
     Its methods run in gRPC threads; :meth:`restore` on the daemon's loop."""
 
     def __init__(self, root: Path, store: SnapshotStore, layers: LayerMounts, refs: NodeRefs,
-                 refstore: RefStore, prefetch: str = "auto") -> None:
+                 refstore: RefStore, prefetch: str = "auto",
+                 tasks: TaskGroup | None = None) -> None:
         self.root = root
+        self.tasks = tasks or TaskGroup()  # the daemon's: trace replays run in it
         self.dir = root / "snapshots"
         self.store = store
         self.layers = layers
@@ -178,7 +181,7 @@ class Snapshotter:
     def _replay(self, digests: list[str]) -> TraceReplay | None:
         """The layers' pushed traces replayed while they are mounted, as an
         ``up``'s default ``--prefetch auto`` does (none pushed: nothing)."""
-        nursery = self.layers.fetcher.nursery
+        nursery = self.tasks.nursery
         if nursery is None or self.prefetch != "auto":
             return None
         replay = TraceReplay(self.refstore.store, self.store.replica, self.layers.blobs.prefetcher,

@@ -57,6 +57,7 @@ from ...refstore import LAYERS, RefStore
 from ...sizes import NO_SPACE, mib
 from ...store import open_store
 from ...store.counting import CountingStore
+from ...tasks import TaskGroup
 from ...tree import FileTree
 from .. import protocol
 from ..containerd.snapstore import SnapshotStore
@@ -66,6 +67,7 @@ from ..reads.accesstraces import merge_traces, trace_bytes, trace_key
 from ..reads.blobfiles import BlobDirectory
 from ..reads.chunkcache import ChunkCache
 from ..reads.fetcher import ChunkFetcher
+from ..reads.fetcher import log as fetch_log
 from ..reads.localblobs import LocalBlobs
 from ..reads.prefetch import Prefetcher
 from ..reads.tracereplay import pushed_trace
@@ -279,37 +281,66 @@ QUIET_LOGGERS = ("botocore.credentials",)
 
 
 class Daemon:
-    def __init__(self, cfg: DaemonConfig) -> None:
+    @classmethod
+    def start(cls, cfg: DaemonConfig) -> Daemon:
+        """The host's steps of a start, in order, then the daemon composed on
+        them: retire the daemon serving ROOT (``--takeover``) or refuse to start
+        next to one; take the FUSE connection from its keeper, or else unmount
+        what a crashed daemon left; close ROOT to others; check that it can
+        host EROFS mounts."""
         if not logging.getLogger().isEnabledFor(logging.DEBUG):
             for name in QUIET_LOGGERS:
                 logging.getLogger(name).setLevel(logging.WARNING)
-        self.cfg = cfg
-        self.root = Path(cfg.root).resolve()
-        retire_running(self.root, cfg.takeover)
+        root = Path(cfg.root).resolve()
+        retire_running(root, cfg.takeover)
         # the keeper's, if a daemon died or retired
-        self.conn = fuseconn.take_over(self.root, cfg.restart_grace) if cfg.live_restart else None
-        if self.conn is None:
-            clean_stale_mounts(self.root)  # a crashed daemon's mounts (dead FUSE included)
-        secure_root(self.root, cfg.fuse_group, fuse_mounted=self.conn is not None)
-        probe_erofs_mounts(self.root)
+        conn = fuseconn.take_over(root, cfg.restart_grace) if cfg.live_restart else None
+        if conn is None:
+            clean_stale_mounts(root)  # a crashed daemon's mounts (dead FUSE included)
+        secure_root(root, cfg.fuse_group, fuse_mounted=conn is not None)
+        probe_erofs_mounts(root)
+        return cls(cfg, root, conn)
+
+    def __init__(self, cfg: DaemonConfig, root: Path,
+                 conn: fuseconn.FuseConnection | None) -> None:
+        """The daemon's parts, each given what it needs when it is made, in
+        order (nothing is set on a part afterwards), on a ROOT made ready by
+        :meth:`start` (``conn``: the FUSE connection it took over, if any)."""
+        self.cfg = cfg
+        self.root = root
+        self.conn = conn
+        self.tasks = TaskGroup()  # opened by the loop (_main): background work runs in it
+        self.metrics = NodeMetrics()
         self.store = CountingStore(open_store(cfg.store_url, s3_endpoint=cfg.s3_endpoint,
                                               must_exist=True))
-        self.replica = Replica(self.root)
+        self.checker = MetaChecker()  # meta images are checked in processes of their own
+        self.space = RootSpace(self.root, cfg.reserve)
+        self.replica = Replica(self.root, check_meta=self.checker.check,
+                               make_room=self.space.release)
         # manifests held: no store
         self.refstore = RefStore(self.store, local=self.replica.manifest)
         self.health = StoreHealth(self.store.url, lambda: probe_store(open_store(
             cfg.store_url, s3_endpoint=cfg.s3_endpoint, timeout=PROBE_TIMEOUT, must_exist=True)))
-        self.checker = MetaChecker()  # meta images are checked in processes of their own
-        self.replica.check_meta = self.checker.check
-        self.space = RootSpace(self.root, cfg.reserve)
-        self.replica.make_room = self.space.release
         self.cache = ChunkCache(self.root / "cache", cfg.cache_size,
                                 compressed=cfg.cache_form == "stored")
         cap_cache(self.cache, self.space)
         self.space.take()
-        self.fetcher = ChunkFetcher(self.store, self.cache, timeout=cfg.read_timeout,
-                                    parallel=cfg.fetch_parallel)
-        self.policy = Prefetcher(self.fetcher, cfg.miss_span)  # the core never calls it
+        metered = cfg.metrics is not None  # what has no counter of its own is observed
+        # sandboxes and vms whose layer data the store lost (the parts it asks are made below)
+        self.dataloss = DataLoss(NodeUsers(
+            tables=lambda: [(b.digest, b.table.packs()) for b in self.blobs.by_name.values()],
+            sandboxes=lambda: self.sandboxes.records.values(),
+            vms=lambda: self.vms.records.values()),
+            counted=lambda layer: self.metrics.data_lost.labels(layer).inc(),
+            replica=self.replica)
+        self.fetcher = ChunkFetcher(
+            self.store, self.cache, timeout=cfg.read_timeout, parallel=cfg.fetch_parallel,
+            tasks=self.tasks,
+            store_log=CountingLog(fetch_log, self.metrics.store_errors) if metered else None,
+            fetch_timed=self.metrics.fetch_seconds.observe if metered else None,
+            pack_missing=self.dataloss.pack_missing)
+        # the core never calls it
+        self.policy = Prefetcher(self.fetcher, cfg.miss_span, self.tasks)
         self.blobs = BlobDirectory(self.policy)
         # refs resolved through the store or, while it is away, the node's last resolution
         control = control_store(CountingStore(open_store(
@@ -324,13 +355,13 @@ class Daemon:
         self.local_blobs = LocalBlobs(self.root, self.fetcher, cfg.fetch_whole_below,
                                       cfg.local_blobs)
         self.local_blobs.prepare()
-        self.layers = LayerMounts(self.root, self.refstore, self.replica, self.blobs, self.fetcher,
-                                  readahead=cfg.layer_readahead, local=self.local_blobs)
-        self.sandboxes = Sandboxes(self.root, self.refs, self.replica, self.layers)
+        self.layers = LayerMounts(
+            self.root, self.refstore, self.replica, self.blobs, self.fetcher,
+            readahead=cfg.layer_readahead, local=self.local_blobs,
+            kept=kept_mounts(self.root) if self.conn is not None else None)
+        self.sandboxes = Sandboxes(self.root, self.refs, self.replica, self.layers, self.tasks)
         self.vms = Vms(self.root, self.refs, self.replica, self.blobs, self.fetcher,
-                       self.disks, self.pmem)
-        if self.conn is not None:
-            self.layers.kept = kept_mounts(self.root)
+                       self.disks, self.pmem, self.tasks)
         self.snapshots: SnapshotServer | None = None
         if cfg.containerd_snapshotter:
             from ..containerd.snapshotter import (  # grpc: only when served
@@ -339,7 +370,8 @@ class Daemon:
             )
 
             snapshotter = Snapshotter(self.root, SnapshotStore(self.replica), self.layers,
-                                      self.refs, self.refstore, cfg.containerd_prefetch)
+                                      self.refs, self.refstore, cfg.containerd_prefetch,
+                                      self.tasks)
             self.snapshots = SnapshotServer(snapshotter,
                                             Path(cfg.containerd_snapshotter).absolute())
             self.snapshots.bind()
@@ -351,15 +383,7 @@ class Daemon:
         # live restarts so far, this one included (a crashed or retired daemon's connection)
         self.restarts = (self.replica.count(RESTARTS) if self.conn is not None
                          else self.replica.counter(RESTARTS))
-        self.metrics = NodeMetrics()
         self.metrics_server: MetricsServer | None = None
-        self.dataloss = DataLoss(NodeUsers(
-            tables=lambda: [(b.digest, b.table.packs()) for b in self.blobs.by_name.values()],
-            sandboxes=lambda: self.sandboxes.records.values(),
-            vms=lambda: self.vms.records.values()),
-            counted=lambda layer: self.metrics.data_lost.labels(layer).inc(),
-            replica=self.replica)
-        self.fetcher.pack_missing = self.dataloss.pack_missing
         if cfg.metrics is not None:
             self._serve_metrics(cfg.metrics)
         self.notifier = systemd.Notifier()  # READY, STATUS, STOPPING for systemd (Type=notify)
@@ -369,11 +393,7 @@ class Daemon:
         self.stopping = False
 
     def _serve_metrics(self, address: MetricsAddress) -> None:
-        """Observe what has no counter of its own, and listen for /metrics
-        (served by the trio loop once it runs)."""
-        self.fetcher.fetch_timed = self.metrics.fetch_seconds.observe
-        self.fetcher.store_log = CountingLog(self.fetcher.store_log.logger,
-                                             self.metrics.store_errors)
+        """Serve /metrics in a thread."""
         self.metrics.read_from(NodeReadings(
             cache=self.cache.snapshot,
             sandboxes=lambda: len(self.sandboxes.records),
@@ -466,9 +486,7 @@ class Daemon:
         started = time.monotonic()
         ending, kept = events.FAILED, (0, 0)  # how it ends, and the (sandboxes, vms) then
         try:
-            async with trio.open_nursery() as nursery:
-                self.fetcher.nursery = nursery
-                self.vms.nursery = nursery  # (a resumed vm's state loads in the background)
+            async with self.tasks.open() as nursery:
                 nursery.start_soon(self._serve_fuse)
                 nursery.start_soon(self.health.watch)  # never waited for: serve without it
                 if self.metrics_server is not None:

@@ -41,6 +41,7 @@ from ...formats.chunktable import ChunkEntry
 from ...logcontext import LOG_CONTEXT
 from ...ratelog import RateLimitedLog
 from ...store.base import Store, blob_key
+from ...tasks import TaskGroup
 from .chunkcache import ChunkCache
 from .chunkfile import Chunk
 from .chunkstates import ChunkStates, Claim, FetchError, Flight, MemoryChunks
@@ -78,7 +79,14 @@ class HeldThread:
 
 class ChunkFetcher:
     def __init__(self, store: Store, cache: ChunkCache, *, timeout: float = 30.0,
-                 parallel: int = 16, io_threads: int = 16, memory: int = 64 << 20) -> None:
+                 parallel: int = 16, io_threads: int = 16, memory: int = 64 << 20,
+                 tasks: TaskGroup | None = None, store_log: RateLimitedLog | None = None,
+                 fetch_timed: Callable[[float], None] | None = None,
+                 pack_missing: Callable[[str], None] | None = None) -> None:
+        """``tasks``: the daemon's task group (write-behind runs in it);
+        ``store_log``: where store errors are logged (rate-limited);
+        ``fetch_timed``: told each store read's duration; ``pack_missing``:
+        told of a pack the store says it does not have."""
         self.store = store
         self.cache = cache
         self.timeout = timeout
@@ -90,11 +98,12 @@ class ChunkFetcher:
         self.probe_thread = trio.CapacityLimiter(1)  # the health probe's (one at a time)
         self.io_limit = trio.CapacityLimiter(io_threads)
         self.states = ChunkStates(cache, memory, self.io_limit, timeout)
-        self.nursery: trio.Nursery | None = None
+        self.tasks = tasks or TaskGroup()
         self.fail_fast = FailFast()
-        self.store_log = RateLimitedLog(log)  # a store outage fails every read: one line a minute
-        self.fetch_timed: Callable[[float], None] = lambda seconds: None  # a store read's duration
-        self.pack_missing: Callable[[str], None] = lambda pack: None  # the store has no such pack
+        # a store outage fails every read: one line a minute
+        self.store_log = store_log or RateLimitedLog(log)
+        self.fetch_timed = fetch_timed or (lambda seconds: None)
+        self.pack_missing = pack_missing or (lambda pack: None)  # the store has no such pack
         self._reader_fetches = 0  # store reads that readers (or an eager up) wait for
         self._quiet = trio.lowlevel.ParkingLot()  # woken when they drop to QUIET
 
@@ -231,7 +240,7 @@ class ChunkFetcher:
             if not isinstance(result, FetchError):
                 # a reader's (or fetch-ahead's) in memory; a prefetch's while it has room
                 self.states.keep(entry.sha256, result, reader=keep)
-                await self.states.write_behind(entry.sha256, result, frame, self.nursery)
+                await self.states.write_behind(entry.sha256, result, frame, self.tasks.nursery)
         return results
 
     # -- the store and the cache --------------------------------------------

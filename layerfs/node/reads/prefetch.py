@@ -32,6 +32,7 @@ import trio
 
 from ...chunks import pack_runs
 from ...formats.chunktable import FILE_START, ChunkEntry
+from ...tasks import TaskGroup
 from .chunkstates import ChunkState, Claim, FetchError
 
 if TYPE_CHECKING:
@@ -58,8 +59,12 @@ class ReadPlan:
 
 
 class Prefetcher:
-    def __init__(self, fetcher: ChunkFetcher, miss_span: int = 0) -> None:
+    def __init__(self, fetcher: ChunkFetcher, miss_span: int = 0,
+                 tasks: TaskGroup | None = None) -> None:
+        """``tasks``: the daemon's task group, where warming and fetching ahead
+        run (by default the fetch core's)."""
         self.fetcher = fetcher
+        self.tasks = tasks or fetcher.tasks
         self.miss_span = miss_span
         self.background_limit = trio.CapacityLimiter(max(1, fetcher.parallel // 4))
 
@@ -116,7 +121,7 @@ class Prefetcher:
         """Read a chunk that is in the cache into memory in the background (a
         sequential reader's next chunk: ``ChunkStates.read_held``); never a
         store fetch for it."""
-        nursery = self.fetcher.nursery
+        nursery = self.tasks.nursery
         if nursery is not None and self.fetcher.states.state(entry.sha256) is ChunkState.CACHED:
             nursery.start_soon(self._warm_quietly, entry)
 
@@ -136,7 +141,7 @@ class Prefetcher:
         is logged where it happened and reaches the readers that wait for the
         chunk then, as their own fetch's would; a later read tries again
         (within the fail-fast windows of layerfs/node/reads/failfast.py)."""
-        nursery = self.fetcher.nursery
+        nursery = self.tasks.nursery
         if nursery is None:
             return
         claim = self.fetcher.states.claim(entries)

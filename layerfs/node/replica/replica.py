@@ -106,16 +106,19 @@ class CheckedMeta:
 
 
 class Replica:
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], check_meta: MetaCheck | None = None,
+                 make_room: Callable[[], bool] | None = None) -> None:
+        """``check_meta``: the daemon's checker processes (else in-process);
+        ``make_room``: gives room back when a commit finds ROOT full (the
+        daemon's held space), True if it did."""
         self.root = Path(root)
         self.meta_dir = self.root / "meta"
         self.meta_dir.mkdir(parents=True, exist_ok=True)
         self._remove_temporaries()
         self.env = lmdb.open(str(self.root / "replica.lmdb"), max_dbs=MAX_DBS, map_size=1 << 34,
                              subdir=True, lock=True)
-        self.check_meta: MetaCheck | None = None  # the daemon's checker processes (else in-process)
-        # gives room back when a commit finds ROOT full (the daemon's held space); True if it did
-        self.make_room: Callable[[], bool] | None = None
+        self.check_meta = check_meta
+        self.make_room = make_room
         self.dbs = {name.decode(): self.env.open_db(name) for name in DBS}
 
     def close(self) -> None:

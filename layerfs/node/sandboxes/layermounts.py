@@ -54,7 +54,9 @@ class LayerMounts:
 
     def __init__(self, root: Path, refstore: RefStore, replica: Replica, blobs: BlobDirectory,
                  fetcher: ChunkFetcher, readahead: int = 0,
-                 local: LocalBlobs | None = None) -> None:
+                 local: LocalBlobs | None = None, kept: set[str] | None = None) -> None:
+        """``kept``: the mounts an earlier daemon left on a taken-over FUSE
+        connection, adopted, not redone."""
         self.root = root
         self.local = local  # small layers fetched whole into local files (None: never)
         self.refstore = refstore
@@ -65,8 +67,7 @@ class LayerMounts:
         self.mounted: dict[str, MountedLayer] = {}
         self._locks: dict[str, trio.Lock] = {}
         self.mount_limit = trio.CapacityLimiter(8)
-        # mounts an earlier daemon left on a taken-over FUSE connection: adopted, not redone
-        self.kept: set[str] = set()
+        self.kept: set[str] = set(kept or ())
 
     def adopt(self, target: Path) -> bool:
         """Whether ``target`` is still mounted from before a live restart (and is now ours)."""

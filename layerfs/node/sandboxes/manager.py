@@ -46,6 +46,7 @@ from ...names import check_node_id
 from ...refstore import LAYERS, RefStore
 from ...retention import expires_at, set_expiry
 from ...sizes import du
+from ...tasks import TaskGroup
 from ..containers import runner
 from ..protocol import (
     LAYER_ROLES,
@@ -96,8 +97,11 @@ class Sandboxes:
     """Bring sandboxes up and down; their records live in the replica."""
 
     def __init__(self, root: Path, refs: NodeRefs, replica: Replica,
-                 layers: LayerMounts) -> None:
+                 layers: LayerMounts, tasks: TaskGroup | None = None) -> None:
+        """``tasks``: the daemon's task group, where trace replays run (none:
+        no replay)."""
         self.root = root
+        self.tasks = tasks or TaskGroup()
         self.refs = refs
         self.refstore: RefStore = refs.refstore
         self.replica = replica
@@ -233,7 +237,7 @@ class Sandboxes:
     def _replay(self, record: SandboxRecord) -> TraceReplay | None:
         """The sandbox's trace replay, started now, alongside its layers'
         fetches (``trace`` and ``auto`` only)."""
-        nursery = self.layers.fetcher.nursery
+        nursery = self.tasks.nursery
         if record.prefetch not in ("trace", "auto") or nursery is None:
             return None
         replay = TraceReplay(self.refstore.store, self.replica, self.layers.blobs.prefetcher,

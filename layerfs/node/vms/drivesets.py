@@ -45,6 +45,7 @@ import trio
 from ...builder.disk import publish_disk
 from ...errors import LayerfsError, UsageError, VmBusy, VmExists, VmNotFound
 from ...formats.chunktable import ChunkTable
+from ...tasks import TaskGroup
 from ..protocol import VM_PMEM, BadMessage, OfflineRef, VmDrive, VmLayer, VmRam, VmRecord
 from ..reads.accesstraces import trace_bytes, trace_key
 from ..reads.blobfiles import BlobDirectory, BlobFile
@@ -102,7 +103,7 @@ class Vms:
 
     def __init__(self, root: Path, refs: NodeRefs, replica: Replica, blobs: BlobDirectory,
                  fetcher: ChunkFetcher, disks: DiskManager,
-                 pmem: PmemDirectory | None = None) -> None:
+                 pmem: PmemDirectory | None = None, tasks: TaskGroup | None = None) -> None:
         self.root = root
         self.refs = refs  # the sandboxes' resolution: through the store or, away, the node's
         self.refstore = refs.refstore
@@ -116,7 +117,7 @@ class Vms:
         self.held_pmem: dict[str, list[str]] = {}  # the pmem files (and meta copies) it holds
         self.meta_users: dict[str, int] = {}  # pmem meta copy name -> vms holding it
         self._busy: set[str] = set()  # an up or a down under way
-        self.nursery: trio.Nursery | None = None  # the daemon's: resumed vms' state loads
+        self.tasks = tasks or TaskGroup()  # the daemon's: resumed vms' state loads in it
 
     async def _save(self, record: VmRecord) -> None:
         await trio.to_thread.run_sync(self.replica.put_vm, record.id, record.to_json())
@@ -334,8 +335,8 @@ class Vms:
                 raise
         finally:
             self._busy.discard(vid)
-        if self.nursery is not None:
-            self.nursery.start_soon(self._load_state, vid, record)
+        if self.tasks.nursery is not None:
+            self.tasks.nursery.start_soon(self._load_state, vid, record)
         return record
 
     async def _load_state(self, vid: str, record: VmRecord) -> None:
