@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import struct
 import subprocess
@@ -19,7 +20,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -461,12 +462,25 @@ def test_destination_that_is_a_symlink_is_refused(small_env, tmp_path):
 
 # -- temporaries of a killed export --
 
-def stalled_export(store_args: list[str], target: str) -> subprocess.Popen:
-    """``layerfs export`` started on a store whose pack blob is a FIFO nobody
-    writes: it blocks reading the first chunk."""
-    return subprocess.Popen([sys.executable, "-m", "layerfs.tools.main", "export", "s@1",
+def export_stopped_while(store_args: list[str], target: str,
+                         writing: Callable[[], bool]) -> subprocess.Popen:
+    """``layerfs export`` run a few milliseconds at a time (SIGCONT, SIGSTOP)
+    until ``writing()`` holds, then left stopped there: in the middle of its
+    work, as a kill would find it (the store's objects are regular files
+    that cannot be made to stall it: FIFOs are refused)."""
+    proc = subprocess.Popen([sys.executable, "-m", "layerfs.tools.main", "export", "s@1",
                              target, *store_args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    while not writing():
+        assert proc.poll() is None, "the export ended before it was caught writing"
+        assert time.monotonic() < deadline, "timed out"
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.002)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(0.001)
+    return proc
 
 
 def temporaries(where: Path) -> list[Path]:
@@ -488,24 +502,12 @@ def test_next_export_removes_what_a_killed_one_left(kind, small_env, tmp_path):
     target = f"{'oci-archive' if kind == 'archive' else 'oci'}:{dest}"
     if kind == "existing layout":
         layerfs("export", "s@1", f"oci:{dest}:first", *small_env)
-    store = FileStore(small_env[1].removeprefix("file://"))
-    refstore = RefStore(store)
-    small = refstore.layer(refstore.resolve("layers", "small@1"))
-    pack = refstore.chunk_table(small).entries[0].pack
-    pack_path = Path(store.root) / blob_key(pack)
-    data = pack_path.read_bytes()
-    pack_path.unlink()
-    os.mkfifo(pack_path)
-    proc = stalled_export(small_env, target)
-    try:
-        wait_for(lambda: any(p.parent.name == "sha256" for p in temporaries(out)))
-    finally:
-        proc.kill()
-        proc.wait()
+    proc = export_stopped_while(
+        small_env, target, lambda: any(p.parent.name == "sha256" for p in temporaries(out)))
+    proc.kill()
+    proc.wait()
     left = temporaries(out)
     assert left and all(str(proc.pid) in p.name for p in left if p.parent == out)
-    pack_path.unlink()
-    pack_path.write_bytes(data)
     layerfs("export", "s@1", f"{target}:second", *small_env)
     assert temporaries(out) == []
     assert json.loads(skopeo("inspect", f"{target}:second"))["Env"] == CONFIG.env
