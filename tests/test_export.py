@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import struct
 import subprocess
@@ -19,18 +20,19 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import zstandard
+from gentree import make_tree
 from hypothesis import HealthCheck, given, settings
+from nodes import NodeDaemon
 from support import build, need_root
-from support.baseenv import make_base, upper_tar
-from support.cli import layerfs, one_line_error
-from support.gentree import make_tree, trees
-from support.nodes import NodeDaemon
-from support.treecmp import snapshot
+from test_cli import layerfs, one_line_error
+from test_erofs import trees
+from test_node import make_base, upper_tar
+from treecmp import snapshot
 
 from harness.ociimages import (
     LayerChange,
@@ -66,8 +68,6 @@ from layerfs.store import open_store
 from layerfs.store.base import blob_key
 from layerfs.store.file import FileStore
 from layerfs.tree import FileTree, FsNode
-
-pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
 
 CHUNK = 65536
 CONFIG = ImageConfig(env=["PATH=/bin", "GREETING=hello from the image"],
@@ -225,7 +225,7 @@ def run_as(uid: int, gid: int, argv: list[str]) -> int:
     """Run the CLI in a forked child that dropped to ``uid``/``gid`` (this
     interpreter lives where only root may exec it, so no new process is run)."""
     import layerfs.store.s3  # noqa: F401  (imported while still root)
-    from layerfs.cli.main import main
+    from layerfs.tools.main import main
 
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
@@ -462,12 +462,25 @@ def test_destination_that_is_a_symlink_is_refused(small_env, tmp_path):
 
 # -- temporaries of a killed export --
 
-def stalled_export(store_args: list[str], target: str) -> subprocess.Popen:
-    """``layerfs export`` started on a store whose pack blob is a FIFO nobody
-    writes: it blocks reading the first chunk."""
-    return subprocess.Popen([sys.executable, "-m", "layerfs.cli.main", "export", "s@1",
+def export_stopped_while(store_args: list[str], target: str,
+                         writing: Callable[[], bool]) -> subprocess.Popen:
+    """``layerfs export`` run a few milliseconds at a time (SIGCONT, SIGSTOP)
+    until ``writing()`` holds, then left stopped there: in the middle of its
+    work, as a kill would find it (the store's objects are regular files
+    that cannot be made to stall it: FIFOs are refused)."""
+    proc = subprocess.Popen([sys.executable, "-m", "layerfs.cli.main", "export", "s@1",
                              target, *store_args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    while not writing():
+        assert proc.poll() is None, "the export ended before it was caught writing"
+        assert time.monotonic() < deadline, "timed out"
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.002)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(0.001)
+    return proc
 
 
 def temporaries(where: Path) -> list[Path]:
@@ -489,24 +502,12 @@ def test_next_export_removes_what_a_killed_one_left(kind, small_env, tmp_path):
     target = f"{'oci-archive' if kind == 'archive' else 'oci'}:{dest}"
     if kind == "existing layout":
         layerfs("export", "s@1", f"oci:{dest}:first", *small_env)
-    store = FileStore(small_env[1].removeprefix("file://"))
-    refstore = RefStore(store)
-    small = refstore.layer(refstore.resolve("layers", "small@1"))
-    pack = refstore.chunk_table(small).entries[0].pack
-    pack_path = Path(store.root) / blob_key(pack)
-    data = pack_path.read_bytes()
-    pack_path.unlink()
-    os.mkfifo(pack_path)
-    proc = stalled_export(small_env, target)
-    try:
-        wait_for(lambda: any(p.parent.name == "sha256" for p in temporaries(out)))
-    finally:
-        proc.kill()
-        proc.wait()
+    proc = export_stopped_while(
+        small_env, target, lambda: any(p.parent.name == "sha256" for p in temporaries(out)))
+    proc.kill()
+    proc.wait()
     left = temporaries(out)
     assert left and all(str(proc.pid) in p.name for p in left if p.parent == out)
-    pack_path.unlink()
-    pack_path.write_bytes(data)
     layerfs("export", "s@1", f"{target}:second", *small_env)
     assert temporaries(out) == []
     assert json.loads(skopeo("inspect", f"{target}:second"))["Env"] == CONFIG.env

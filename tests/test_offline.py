@@ -135,6 +135,7 @@ def test_vm_up_with_the_store_away(node, store, away_store):
 def test_restart_with_the_store_away(node, away_store):
     rootfs = Path(up(node, "e@1", "s1").stdout.strip())
     want = (rootfs / "data" / "file1").read_bytes()
+    cached_writes_settle(node)  # (write-behind: a kill before it would lose the cache files)
     node.kill()
     away_store.away()
     try:
@@ -151,6 +152,21 @@ def test_restart_with_the_store_away(node, away_store):
     assert up(node, "e@1", "s3").stderr == ""
     for sid in ("s1", "s2", "s3"):
         node.cli("down", sid)
+
+
+def cached_writes_settle(node: NodeDaemon, quiet: float = 0.5) -> None:
+    """Wait until the daemon's cache has written nothing new for ``quiet``
+    seconds: the chunks read so far are in cache files, not only in memory."""
+    deadline = time.monotonic() + 30
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        written = node.request("stats")["cache"]["bytes_written"]
+        if written != last:
+            last, since = written, time.monotonic()
+        elif written > 0 and time.monotonic() - since >= quiet:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the cache kept writing")
 
 
 def test_missing_file_store_directory_is_unreachable(tmp_path):
