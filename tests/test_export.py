@@ -25,14 +25,13 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from gentree import make_tree
 from hypothesis import HealthCheck, given, settings
-from nodes import NodeDaemon
 from support import build, need_root
-from test_cli import layerfs, one_line_error
-from test_erofs import trees
-from test_node import make_base, upper_tar
-from treecmp import snapshot
+from support.baseenv import make_base, upper_tar
+from support.cli import layerfs, one_line_error
+from support.gentree import make_tree, trees
+from support.nodes import NodeDaemon
+from support.treecmp import snapshot
 
 from harness.ociimages import (
     LayerChange,
@@ -68,6 +67,8 @@ from layerfs.store import open_store
 from layerfs.store.base import blob_key
 from layerfs.store.file import FileStore
 from layerfs.tree import FileTree, FsNode
+
+pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
 
 CHUNK = 65536
 CONFIG = ImageConfig(env=["PATH=/bin", "GREETING=hello from the image"],
@@ -225,7 +226,7 @@ def run_as(uid: int, gid: int, argv: list[str]) -> int:
     """Run the CLI in a forked child that dropped to ``uid``/``gid`` (this
     interpreter lives where only root may exec it, so no new process is run)."""
     import layerfs.store.s3  # noqa: F401  (imported while still root)
-    from layerfs.tools.main import main
+    from layerfs.cli.main import main
 
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child

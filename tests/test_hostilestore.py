@@ -166,7 +166,8 @@ def node(starts_a_server, tmp_path, planted) -> Iterator[NodeDaemon]:
 @pytest.mark.daemon_log(r"(chunk|chunks of pack) \S+.*: (integrity check failed for \S+: not a"
                         r" regular file \(a [a-zA-Z ]+\)|object not found in store: \S+)$",
                         # a directory at the pack's key is no pack: the sandbox's data is lost
-                        r"ERROR layerfs\.node\.dataloss: sandbox p: the data of its layer ")
+                        r"ERROR layerfs\.node\.sandboxes\.dataloss: sandbox p: the data of its "
+                        r"layer ")
 def test_a_node_refuses_a_hostile_object_and_still_stops_at_once(node, planted):
     kind = kind_of(planted)
     for i, name in enumerate(("ref", "manifest", "meta", "table")):
