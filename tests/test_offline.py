@@ -302,7 +302,7 @@ def test_ups_fall_back_together_when_the_store_hangs(hung_node, s3_server):
     up); an env never resolved here fails with exit 8 saying so."""
     node = hung_node
     want = (Path(up(node, "e@1", "s0").stdout.strip()) / "data" / "file0").read_bytes()
-    wait_for_log(node, r"INFO layerfs\.node\.\w+: layerfs daemon ready")
+    wait_for_log(node, r"INFO layerfs\.node\.[\w.]+: layerfs daemon ready")
     os.kill(s3_server.process.pid, signal.SIGSTOP)
     try:
         argv = [*LAYERFS, "up", "e@1", "--prefetch", "none", "--root", str(node.root)]
