@@ -1,0 +1,1 @@
+/work/main/layerfs/inspect.py

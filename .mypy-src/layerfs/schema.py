@@ -1,0 +1,1 @@
+/work/main/layerfs/schema.py
