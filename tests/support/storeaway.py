@@ -13,6 +13,7 @@ import contextlib
 import os
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -66,13 +67,20 @@ class Relay:
             upstream.settimeout(None)
             with self.lock:
                 self.conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=pump, args=(a, b), daemon=True).start()
+            threading.Thread(target=pump, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=pump, args=(upstream, client, self.answer_gate),
+                             daemon=True).start()
+
+    def answer_gate(self) -> None:
+        """Called before each piece of an answer is passed on: nothing here."""
 
 
-def pump(src: socket.socket, dst: socket.socket) -> None:
+def pump(src: socket.socket, dst: socket.socket, before: Callable[[], None] | None = None) -> None:
+    """``src`` to ``dst`` byte for byte; ``before`` called before each piece."""
     try:
         while data := src.recv(65536):
+            if before is not None:
+                before()
             dst.sendall(data)
     except OSError:
         pass
@@ -92,31 +100,11 @@ class GatedRelay(Relay):
         self.held = threading.Event()
         super().__init__(target)
 
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-                upstream = socket.create_connection(self.target, timeout=5)
-            except OSError:
-                return
-            upstream.settimeout(None)
-            with self.lock:
-                self.conns += [client, upstream]
-            threading.Thread(target=pump, args=(client, upstream), daemon=True).start()
-            threading.Thread(target=self._answers, args=(upstream, client), daemon=True).start()
-
-    def _answers(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                if not self.gate.is_set():
-                    self.held.set()
-                    self.gate.wait()
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            with contextlib.suppress(OSError):
-                dst.shutdown(socket.SHUT_WR)
+    def answer_gate(self) -> None:
+        """While the gate is clear, hold the answer back (and say so)."""
+        if not self.gate.is_set():
+            self.held.set()
+            self.gate.wait()
 
 
 class AwayStore:
