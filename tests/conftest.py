@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 from support import FAST_TIER, dummy_aws_env, nodes, weed_or_skip
+from support.storeaway import AwayStore
 from support.users import local_user  # noqa: F401  (a fixture for every test module)
 
 from harness.s3server import S3Server, start_server
@@ -178,3 +179,12 @@ def store_url(store_location: StoreLocation) -> str:
 def store_args(store_location: StoreLocation) -> list[str]:
     """CLI arguments naming the store: ``--store URL [--s3-endpoint EP]``."""
     return store_location.cli_args()
+
+
+@pytest.fixture
+def away_store(store_location: StoreLocation) -> Iterator[AwayStore]:
+    """The test's store as a daemon reaches it, which the test can take away
+    and bring back (tests/support/storeaway.py)."""
+    reachable = AwayStore(store_location.url, store_location.endpoint)
+    yield reachable
+    reachable.close()

@@ -19,7 +19,7 @@ import pytest
 from support import build
 from support.baseenv import CHUNK, publish_base_env
 from support.nodes import NodeDaemon
-from support.storeaway import AwayStore
+from support.storeaway import STORE_LOST
 
 from harness.daemonproc import LAYERFS
 from harness.s3server import free_ports
@@ -32,14 +32,8 @@ from layerfs.retention import remove
 from layerfs.store.base import Store
 
 TTL = "5"  # seconds: the node renews every second
-LOST = r"WARNING layerfs\.node\.replica\.storehealth: store \S+ unreachable \(.*\); serving what"
+LOST = STORE_LOST
 
-
-@pytest.fixture
-def away_store(store_location):
-    reachable = AwayStore(store_location.url, store_location.endpoint)
-    yield reachable
-    reachable.close()
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import pytest
 from conftest import TEST_BUCKET
 from support.baseenv import publish_base_env, settle
 from support.nodes import NodeDaemon, wait_for_log
-from support.storeaway import AwayStore
+from support.storeaway import STORE_LOST
 
 from harness.daemonproc import LAYERFS
 from layerfs.builder.disk import build_disk
@@ -40,14 +40,8 @@ pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
 
 NOTE = re.compile(r"^layerfs: warning: using the resolution of e@1 from "
                   r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ; store unreachable$")
-LOST = r"WARNING layerfs\.node\.replica\.storehealth: store \S+ unreachable \(.*\); serving what"
+LOST = STORE_LOST
 
-
-@pytest.fixture
-def away_store(store_location):
-    reachable = AwayStore(store_location.url, store_location.endpoint)
-    yield reachable
-    reachable.close()
 
 
 @pytest.fixture

@@ -17,6 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
+# the daemon's line when it finds its store away
+STORE_LOST = (r"WARNING layerfs\.node\.replica\.storehealth: store \S+ unreachable \(.*\); "
+              r"serving what")
+
 
 class Relay:
     """127.0.0.1:<port> → ``target`` (host:port), byte for byte."""
