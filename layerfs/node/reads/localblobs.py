@@ -113,6 +113,15 @@ class LocalBlobs:
         self._used(hex_)
         return LocalBlob(path, fd, fetched=True)
 
+    async def adopt(self, hex_: str) -> bool:
+        """A small layer's mount kept across a live restart: whether its
+        local file is there (then counted in use: the mount reads it), else
+        the mount is on the FUSE file."""
+        if not await trio.to_thread.run_sync(self.path(hex_).exists):
+            return False
+        self._used(hex_)
+        return True
+
     def _used(self, hex_: str) -> None:
         self.in_use[hex_] = self.in_use.get(hex_, 0) + 1
 

@@ -124,11 +124,12 @@ class LayerMounts:
             target = self.root / "layers" / rl.hex
             device = str(self.root / "fuse" / "blobs" / rl.hex)
             try:
-                wanted = self.local is not None and self.local.wanted(rl.table)
-                if wanted and self.adopt(target):  # kept across a restart, on its own file
-                    return self._adopted_local(digest, blob, target, rl.hex)
-                if wanted and self.local is not None:
-                    local = await self.local.open(rl.hex, rl.table)
+                whole = self.local if self.local and self.local.wanted(rl.table) else None
+                if whole is not None and self.adopt(target):  # kept across a restart
+                    on_file = await whole.adopt(rl.hex)
+                    return MountedLayer(digest, blob, target, local=on_file)
+                if whole is not None:
+                    local = await whole.open(rl.hex, rl.table)
                 if may_mount is not None:
                     await may_mount.wait()
                 if self.adopt(target):
@@ -159,16 +160,6 @@ class LayerMounts:
             if local is None or not local.wanted(table):
                 reporter(table)
         return report
-
-    def _adopted_local(self, digest: str, blob: BlobFile, target: Path,
-                       hex_: str) -> MountedLayer:
-        """A small layer's mount kept across a live restart: on its local
-        file if one is there (it stays, in use), else on the FUSE file."""
-        assert self.local is not None
-        on_file = self.local.path(hex_).exists()
-        if on_file:
-            self.local.in_use[hex_] = self.local.in_use.get(hex_, 0) + 1
-        return MountedLayer(digest, blob, target, local=on_file)
 
     async def release(self, digest: str) -> None:
         """One user of the layer fewer. The last one's release unmounts it
