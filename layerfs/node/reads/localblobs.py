@@ -132,11 +132,12 @@ class LocalBlobs:
             self.in_use[hex_] = left
             return
         self.in_use.pop(hex_, None)
-        await trio.to_thread.run_sync(self.trim)
+        await trio.to_thread.run_sync(self.trim, frozenset(self.in_use))
 
-    def trim(self) -> list[str]:
-        """Worker thread: delete files no mount uses, least recently used
-        first, while all files together exceed the bound; their names."""
+    def trim(self, in_use: frozenset[str]) -> list[str]:
+        """Worker thread: delete files no mount uses (``in_use``: the loop's
+        count, as it was when called), least recently used first, while all
+        files together exceed the bound; their names."""
         files = []
         for entry in os.scandir(self.dir):
             if entry.is_file(follow_symlinks=False):
@@ -147,7 +148,7 @@ class LocalBlobs:
         for _, name, size in sorted(files):
             if total <= self.limit:
                 break
-            if name in self.in_use:
+            if name in in_use:
                 continue
             (self.dir / name).unlink(missing_ok=True)
             total -= size
