@@ -10,7 +10,7 @@ fetched ahead or replayed.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import trio
@@ -30,3 +30,10 @@ class TaskGroup:
                 yield nursery
             finally:
                 self.nursery = None
+
+    def start_soon(self, fn: Callable[..., Awaitable[object]], *args: object) -> bool:
+        """``fn(*args)`` in the group, if it is open; whether it was started."""
+        if self.nursery is None:
+            return False
+        self.nursery.start_soon(fn, *args)
+        return True

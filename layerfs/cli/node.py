@@ -90,6 +90,10 @@ def failure_status(command: Callable[..., None]) -> Callable[..., None]:
 @click.option("--local-blobs", default="4G", show_default=True, metavar="SIZE",
               help="Bound of the whole-layer files under ROOT/blobs: files of layers no "
                    "sandbox uses are deleted, oldest use first, beyond it.")
+@click.option("--kernel-reads/--no-kernel-reads", default=True, show_default=True,
+              help="Larger layers are mounted over partial local files the daemon fills "
+                   "as they are read (fanotify pre-content events, Linux 6.14+, with live "
+                   "restart on); off, or where the kernel has none, over FUSE files.")
 @click.option("--store-fetches", default=16, show_default=True,
               help="Store reads (a chunk or a run of chunks each) the daemon has in flight "
                    "at once.")
@@ -126,7 +130,8 @@ def failure_status(command: Callable[..., None]) -> Callable[..., None]:
 def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size: str,
            reserve: str, cache_form: str, read_timeout: float, store_wait: float,
            lease_ttl: float, readahead: str, layer_readahead: str,
-           miss_span: str, fetch_whole_below: str, local_blobs: str, store_fetches: int,
+           miss_span: str, fetch_whole_below: str, local_blobs: str, kernel_reads: bool,
+           store_fetches: int,
            fuse_group: str | None, takeover: bool,
            live_restart: bool, restart_grace: float, forget_after: str | None,
            metrics: str | None, containerd_snapshotter: str | None, containerd_prefetch: str,
@@ -164,7 +169,7 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
                        layer_readahead=parse_size(layer_readahead),
                        miss_span=parse_size(miss_span), fetch_parallel=store_fetches,
                        fetch_whole_below=parse_size(fetch_whole_below),
-                       local_blobs=parse_size(local_blobs),
+                       local_blobs=parse_size(local_blobs), kernel_reads=kernel_reads,
                        fuse_group=group_id(fuse_group) if fuse_group else None,
                        takeover=takeover, live_restart=live_restart,
                        restart_grace=restart_grace,

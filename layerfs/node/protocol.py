@@ -329,6 +329,7 @@ class LayerStats(Message):
     chunks: int
     blob_bytes: int
     local: bool = False  # fetched whole into a local file: the kernel serves its reads
+    partial: bool = False  # over a partial file the daemon fills as the kernel reads it
     name: str = ""  # name@version, from the manifest the node holds ("" if none)
 
 

@@ -29,13 +29,17 @@ class NodeDaemon(DaemonProcess):
     """A daemon with short timeouts, and the CLI pointed at its root.
 
     Its layers are read lazily through FUSE whatever their size
-    (``--fetch-whole-below 0``: the path most tests exercise) unless
-    ``whole_below`` says otherwise (tests/test_localblobs.py)."""
+    (``--fetch-whole-below 0 --no-kernel-reads``: the path most tests
+    exercise, and VM drives and disks always) unless ``whole_below`` or
+    ``kernel_reads`` say otherwise (tests/test_localblobs.py,
+    tests/test_partialblobs.py)."""
 
     def __init__(self, root: Path, store_args: list[str], cache_size: str = "1G",
-                 read_timeout: float = 5.0, whole_below: str = "0") -> None:
+                 read_timeout: float = 5.0, whole_below: str = "0",
+                 kernel_reads: bool = False) -> None:
         super().__init__(root, store_args, cache_size, read_timeout)
-        self.fixed_args = ["--fetch-whole-below", whole_below]
+        self.fixed_args = ["--fetch-whole-below", whole_below,
+                           "--kernel-reads" if kernel_reads else "--no-kernel-reads"]
         self.expected: list[re.Pattern[str]] = []
         self.log_checked = 0  # the log's bytes already checked
         DAEMONS.add(self)

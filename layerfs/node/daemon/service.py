@@ -29,10 +29,12 @@ its loop) leaves its mounts and the keeper as a crash does, for the next one.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import select
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from ... import fanotify
 from ...errors import LayerfsError, RefNotFound, UsageError
 from ...formats.erofs import write_meta_image
 from ...leases import Holder
@@ -69,6 +72,7 @@ from ..reads.chunkcache import ChunkCache
 from ..reads.fetcher import ChunkFetcher
 from ..reads.fetcher import log as fetch_log
 from ..reads.localblobs import LocalBlobs
+from ..reads.partialblobs import PartialBlobs
 from ..reads.prefetch import Prefetcher
 from ..reads.tracereplay import pushed_trace
 from ..replica.leaser import Leaser, node_holders, node_id
@@ -156,6 +160,7 @@ class DaemonConfig:
     miss_span: int = 0  # a small chunk's miss fetches the chunks after it, up to this
     fetch_whole_below: int = 32 << 20  # a layer this small is fetched whole into a local file
     local_blobs: int = 4 << 30  # bound of those files (ROOT/blobs) no mount uses
+    kernel_reads: bool = True  # larger layers over partial files (fanotify), where it can be
     fuse_group: int | None = None  # a gid that may open ROOT/fuse files besides root (a VMM's)
     takeover: bool = False  # replace the daemon serving ROOT, keeping its FUSE connection
     live_restart: bool = True  # keep the FUSE connection in a keeper (else libfuse mounts it)
@@ -355,9 +360,10 @@ class Daemon:
         self.local_blobs = LocalBlobs(self.root, self.fetcher, cfg.fetch_whole_below,
                                       cfg.local_blobs)
         self.local_blobs.prepare()
+        self.partial_blobs = self._partial_blobs(conn)
         self.layers = LayerMounts(
             self.root, self.refstore, self.replica, self.blobs, self.fetcher,
-            readahead=cfg.layer_readahead, local=self.local_blobs,
+            readahead=cfg.layer_readahead, local=self.local_blobs, partial=self.partial_blobs,
             kept=kept_mounts(self.root) if self.conn is not None else None)
         self.sandboxes = Sandboxes(self.root, self.refs, self.replica, self.layers, self.tasks)
         self.vms = Vms(self.root, self.refs, self.replica, self.blobs, self.fetcher,
@@ -392,6 +398,27 @@ class Daemon:
         # handover, or a daemon that fails, leaves both to the next daemon (as a crash does)
         self.stopping = False
 
+    def _partial_blobs(self, conn: fuseconn.FuseConnection | None) -> PartialBlobs | None:
+        """Partial files for larger layers, with the pre-content group the
+        keeper keeps (a taken-over connection's, or a new one); None without
+        live restart (no keeper would outlive a crash), with
+        ``--no-kernel-reads``, or where the kernel has no such group."""
+        if not (self.cfg.live_restart and self.cfg.kernel_reads):
+            return None
+        if conn is not None:
+            group = conn.group
+        else:
+            try:
+                group = fanotify.new_group()
+            except OSError as exc:
+                log.info("larger layers are read through FUSE files: %s", exc)
+                return None
+        if group is None:
+            return None
+        partial = PartialBlobs(self.root, self.fetcher, group, self.cfg.cache_size, self.tasks)
+        partial.prepare()
+        return partial
+
     def _serve_metrics(self, address: MetricsAddress) -> None:
         """Serve /metrics in a thread."""
         self.metrics.read_from(NodeReadings(
@@ -416,6 +443,8 @@ class Daemon:
             trio.run(self._main)
             return
         conn = self.conn or fuseconn.mount_fresh(self.root / "fuse")
+        if self.partial_blobs is not None:
+            conn.group = self.partial_blobs.group  # the keeper keeps it with the connection
         try:
             fuseconn.attach(self.fs, conn, set(FUSE_OPTIONS))
         except BaseException:
@@ -435,8 +464,12 @@ class Daemon:
             return False
         if conn.taken_over:
             log.info("took over the FUSE connection; its pending requests are queued again")
-            return True
-        return await self._start_keeper(conn)
+            kept = True
+        else:
+            kept = await self._start_keeper(conn)
+        if kept and self.partial_blobs is not None:
+            self.partial_blobs.serve()
+        return kept
 
     async def _start_keeper(self, conn: fuseconn.FuseConnection) -> bool:
         """A keeper of ``conn`` holding this daemon's lease (started in a
@@ -459,7 +492,16 @@ class Daemon:
         replaced = -KEEPER_RESTART_INTERVAL
         while conn.lease is not None:
             await trio.lowlevel.wait_readable(conn.lease)
-            if self.stopping or conn.lease is None or conn.lease.recv(64) != b"":
+            if conn.lease is None:
+                return
+            try:
+                message, fds, _, _ = socket.recv_fds(conn.lease, 256, 1, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+            if message:
+                self._keeper_says(conn, message, fds)
+                continue
+            if self.stopping:
                 return
             conn.lease.close()
             conn.lease = None
@@ -470,6 +512,27 @@ class Daemon:
             replaced = trio.current_time()
             log.warning("the FUSE keeper exited; starting another")
             await self._start_keeper(conn)
+
+    def _keeper_says(self, conn: fuseconn.FuseConnection, message: bytes,
+                     fds: list[int]) -> None:
+        """A message on the lease: a read of a partial file to answer."""
+        event = fanotify.parse_event_message(message)
+        if event is None or len(fds) != 1 or self.partial_blobs is None:
+            for fd in fds:
+                os.close(fd)
+            log.warning("ignored a message from the keeper: %r", message[:40])
+            return
+
+        def done(number: int) -> None:
+            if conn.lease is not None:
+                try:
+                    conn.lease.send(fanotify.done_message([number]))
+                except OSError:
+                    pass  # the keeper is gone: it closed the event with it
+        if not self.tasks.start_soon(self.partial_blobs.answer, event, fds[0], done):
+            os.close(fds[0])  # (not serving yet, or any more): the read fails
+            fanotify.respond(self.partial_blobs.group, event.fd, errno.EIO)
+            done(event.fd)
 
     def _forgetter(self, forget_after: float) -> LayerForgetter:
         """Forgets the layers no sandbox, and no vm or disk, used for ``forget_after``
@@ -502,6 +565,8 @@ class Daemon:
                 await self.disks.restore()
                 await self.vms.restore()  # after the disks: a vm's writable disk is one
                 self.fs.restored.set()
+                if self.partial_blobs is not None:
+                    self.partial_blobs.restored.set()
                 nursery.start_soon(self.leaser.run)  # (what was restored is held)
                 if self.cfg.forget_after is not None:
                     nursery.start_soon(self._forgetter(self.cfg.forget_after).run)
@@ -716,7 +781,7 @@ class Daemon:
         layers = {d: protocol.LayerStats(users=m.users, bytes_read=m.blob.bytes_read,
                                          chunks_touched=len(m.blob.touched),
                                          chunks=len(m.blob.table), blob_bytes=m.blob.size,
-                                         local=m.local, name=name)
+                                         local=m.local, partial=m.partial, name=name)
                   for (d, m), name in zip(mounted.items(), names, strict=True)}
         return protocol.StatsAnswer(self.cache.snapshot(), layers, len(self.sandboxes.records),
                                     self.store.requests())

@@ -58,6 +58,9 @@ class FuseConnection:
     init: bytes  # the kernel's FUSE_INIT request, as it came at the mount
     taken_over: bool  # from the keeper: the mounts above it are up and in use
     lease: socket.socket | None = None  # open while this daemon lives (see the keeper)
+    # the fanotify pre-content group of the node's partly fetched layers (layerfs.fanotify), kept
+    # by the keeper with the connection; None where the kernel has none
+    group: int | None = None
 
 
 def mount_fresh(mountpoint: Path, fsname: str = "layerfs") -> FuseConnection:
@@ -89,17 +92,19 @@ def take_over(root: Path, grace: float) -> FuseConnection | None:
     try:
         sock.connect(str(root / KEEPER_SOCKET))
         sock.sendall(b"take %r" % grace)
-        init, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+        init, fds, _, _ = socket.recv_fds(sock, 4096, 2)
     except OSError:
         sock.close()
         return None
-    if len(fds) != 1 or len(init) < IN_HEADER.size:
+    if len(fds) not in (1, 2) or len(init) < IN_HEADER.size:
         for fd in fds:
             os.close(fd)
         sock.close()
         return None
-    os.set_inheritable(fds[0], False)
-    return FuseConnection(fds[0], init, taken_over=True, lease=sock)
+    for fd in fds:
+        os.set_inheritable(fd, False)
+    return FuseConnection(fds[0], init, taken_over=True, lease=sock,
+                          group=fds[1] if len(fds) == 2 else None)
 
 
 def let_go(conn: FuseConnection) -> None:
@@ -177,11 +182,12 @@ def _start_keeper(root: Path, conn: FuseConnection, grace: float,
     path.unlink(missing_ok=True)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}  # the daemon's own
+    group = [] if conn.group is None else [conn.group]
     try:
         keeper = subprocess.Popen(
             wrap([sys.executable, "-m", "layerfs.node.fuse.keeper", str(path), str(conn.fd),
-                  conn.init.hex(), str(theirs.fileno()), repr(grace)]),
-            pass_fds=[conn.fd, theirs.fileno()], start_new_session=True,
+                  conn.init.hex(), str(theirs.fileno()), repr(grace), *map(str, group)]),
+            pass_fds=[conn.fd, theirs.fileno(), *group], start_new_session=True,
             stdin=subprocess.DEVNULL, env=env)
     except BaseException:
         ours.close()

@@ -1,7 +1,7 @@
 """The FUSE connection keeper: holds the daemon's ``/dev/fuse`` file open while
 daemons come and go, and hands it to the next one.
 
-``python -m layerfs.node.fuse.keeper SOCKET FD INIT_HEX LEASE_FD GRACE`` is started
+``python -m layerfs.node.fuse.keeper SOCKET FD INIT_HEX LEASE_FD GRACE [GROUP_FD]`` is started
 by the first daemon on a fresh mount, with the connection's file as ``FD`` (a
 dup of the daemon's: the same open file, so requests a dying daemon had read
 stay queued in the kernel instead of failing), the kernel's FUSE_INIT request
@@ -32,12 +32,26 @@ sends ``end`` on its lease: the keeper exits at once. It also exits when the
 connection ends (the FUSE mount was unmounted or aborted: ``poll`` reports an
 error on the file) or on SIGTERM.
 
+It keeps the daemon's fanotify pre-content group too (``GROUP_FD``, when the
+kernel has one: :mod:`layerfs.fanotify`), for the same reason: a group whose last
+descriptor closes allows the reads still waiting on it, and they would get a
+partly fetched file's holes. The keeper is the group's only reader: each
+event goes to the newest lease (``ev N OFFSET COUNT`` with the event's
+descriptor attached), the daemon fills the range, answers the kernel itself
+(naming the keeper's descriptor number N) and says ``done N``; the keeper
+then closes its descriptor. Events a daemon had and did not answer when its
+lease ended go to the next daemon that takes the file; when the keeper ends,
+every event still pending is denied with EIO, so that no reader gets holes.
+A ``take`` gets the group with the FUSE file.
+
 Tiny on purpose: the standard library only, no layerfs imports beyond this
-package's empty ``__init__``, no threads, nothing to upgrade but itself.
+package's ``__init__`` and :mod:`layerfs.fanotify` (standard library only too), no
+threads, nothing to upgrade but itself.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -49,6 +63,8 @@ import struct
 import sys
 import time
 
+from ... import fanotify
+
 ROOT_UID = 0
 CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 ERRORS = select.POLLERR | select.POLLHUP | select.POLLNVAL
@@ -56,6 +72,7 @@ TAKE, END = b"take", b"end"
 CALLER_TIMEOUT = 5.0  # seconds a caller has to send its request before it is closed on
 MAX_GRACE = 86400.0  # seconds; also ``layerfs daemon --restart-grace``'s bound
 MAX_REQUEST = 64  # bytes: ``take`` and a grace as ``repr`` writes it fit many times over
+MAX_LEASE_MESSAGE = 8192  # bytes: a daemon's ``done N ...`` of many events
 DECIMAL = re.compile(rb"[0-9]{1,20}(\.[0-9]{1,20})?(e[+-]?[0-9]{1,3})?")
 FD_NUMBER = re.compile(r"[0-9]{1,9}")
 log = logging.getLogger("layerfs.node.fuse.keeper")
@@ -136,14 +153,20 @@ class Keeper:
     """The file, its INIT request, and the daemons' leases."""
 
     def __init__(self, server: socket.socket, fuse_fd: int, init: bytes,
-                 lease: socket.socket, grace: float) -> None:
+                 lease: socket.socket, grace: float, group: int | None = None) -> None:
         self.server, self.fuse_fd, self.init, self.grace = server, fuse_fd, init, grace
-        self.leases: dict[int, socket.socket] = {}
+        self.group = group
+        self.leases: dict[int, socket.socket] = {}  # oldest first: events go to the newest
+        # pre-content events read and not answered: its descriptor number → (event, the
+        # lease it went to, None while no daemon has it)
+        self.pending: dict[int, tuple[fanotify.PreRead, int | None]] = {}
         # callers accepted and not yet heard: (socket, when accepted); none blocks the others
         self.callers: dict[int, tuple[socket.socket, float]] = {}
         self.poller = select.poll()
         self.poller.register(server.fileno(), select.POLLIN)
         self.poller.register(fuse_fd, 0)  # errors only: never read the connection's requests
+        if group is not None:
+            self.poller.register(group, select.POLLIN)
         self.alone_since = 0.0
         self.add_lease(lease)
 
@@ -156,6 +179,49 @@ class Keeper:
         self.leases.pop(fd).close()
         if not self.leases:
             self.alone_since = time.monotonic()
+        for number, (event, holder) in list(self.pending.items()):
+            if holder == fd:  # its daemon is gone: the next one answers it
+                self.pending[number] = (event, None)
+        self.hand_on()
+
+    def take_events(self) -> None:
+        """Read the group's new events and hand each to the newest daemon."""
+        assert self.group is not None
+        for event in fanotify.read_events(self.group):
+            self.pending[event.fd] = (event, None)
+        self.hand_on()
+
+    def hand_on(self) -> None:
+        """Every pending event no daemon has goes to the newest lease."""
+        if not self.leases:
+            return
+        fd = next(reversed(self.leases))
+        for number, (event, holder) in list(self.pending.items()):
+            if holder is None:
+                try:
+                    socket.send_fds(self.leases[fd], [fanotify.event_message(event)],
+                                    [event.fd])
+                except OSError:
+                    return  # its daemon is going: the lease's end hands them on
+                self.pending[number] = (event, fd)
+
+    def answered(self, numbers: list[int]) -> None:
+        """A daemon answered these events: their descriptors are closed."""
+        for number in numbers:
+            if self.pending.pop(number, None) is not None:
+                os.close(number)
+
+    def deny_pending(self) -> None:
+        """The keeper ends: every event still pending fails its read (EIO)."""
+        if self.group is None:
+            return
+        for number in list(self.pending):
+            fanotify.respond(self.group, number, errno.EIO)
+            os.close(number)
+        if self.pending:
+            log.warning("%d reads of partly fetched layers failed: no daemon answered them",
+                        len(self.pending))
+        self.pending.clear()
 
     def accept(self) -> None:
         """A new caller: kept until its request comes (or CALLER_TIMEOUT passes)."""
@@ -180,7 +246,8 @@ class Keeper:
             if not message and not flags & socket.MSG_TRUNC:
                 raise ConnectionError("the caller went away")  # said nothing: no error
             grace = parse_take(message, truncated=bool(flags & socket.MSG_TRUNC))
-            socket.send_fds(conn, [self.init], [self.fuse_fd])
+            fds = [self.fuse_fd] if self.group is None else [self.fuse_fd, self.group]
+            socket.send_fds(conn, [self.init], fds)
         except BadRequest as exc:
             self.refuse(conn, str(exc))
             return
@@ -189,6 +256,7 @@ class Keeper:
             return
         self.grace = grace
         self.add_lease(conn)
+        self.hand_on()
 
     @staticmethod
     def refuse(conn: socket.socket, reason: str) -> None:
@@ -211,12 +279,15 @@ class Keeper:
     def lease_says(self, fd: int) -> bool:
         """Read a lease; False if its daemon asked the keeper to end."""
         try:
-            message = self.leases[fd].recv(MAX_REQUEST)
+            message = self.leases[fd].recv(MAX_LEASE_MESSAGE)
         except OSError:
             message = b""
         if message == END:
             return False
-        if not message:
+        done = fanotify.parse_done_message(message)
+        if done is not None:
+            self.answered(done)
+        elif not message:
             self.drop_lease(fd)  # its daemon is gone
         else:
             log.warning("ignored a message on a lease: %s", shown(message))
@@ -240,6 +311,8 @@ class Keeper:
                 if fd == self.fuse_fd:
                     if flags & ERRORS:
                         return ""  # the connection is gone: nothing left to keep
+                elif fd == self.group:
+                    self.take_events()
                 elif fd == self.server.fileno():
                     self.accept()
                 elif fd in self.callers:
@@ -267,20 +340,25 @@ def main(argv: list[str]) -> int:
     if os.environ.get("LAYERFS_LOG_FORMAT") == "json":  # the daemon's --log-format json
         logging.getLogger().handlers[0].setFormatter(JsonLines())
     try:
-        path, fd, init_hex, lease_fd, grace = argv
+        if len(argv) not in (5, 6):
+            raise BadRequest(f"{len(argv)} arguments")
+        path, fd, init_hex, lease_fd, grace = argv[:5]
+        group = parse_fd(argv[5]) if len(argv) == 6 else None
         fuse_fd, lease_no = parse_fd(fd), parse_fd(lease_fd)
         init, grace_s = bytes.fromhex(init_hex), parse_grace(grace.encode())
     except ValueError as exc:  # BadRequest, a wrong count, bad hex
-        log.error("usage: keeper SOCKET FD INIT_HEX LEASE_FD GRACE: %s", exc)
+        log.error("usage: keeper SOCKET FD INIT_HEX LEASE_FD GRACE [GROUP_FD]: %s", exc)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is meant for the daemon
     lease = socket.socket(fileno=lease_no)
     server = listen(path)
     inode = os.stat(path).st_ino
+    keeper = Keeper(server, fuse_fd, init, lease, grace_s, group)
     try:
-        reason = Keeper(server, fuse_fd, init, lease, grace_s).serve()
+        reason = keeper.serve()
     finally:
+        keeper.deny_pending()
         unlink_own(path, inode)
         server.close()
     if reason:

@@ -120,6 +120,12 @@ class BlobFile:
         last = bisect.bisect_left(self.offsets, end)
         return range(first, last)
 
+    def note_read(self, indexes: list[int], size: int) -> None:
+        """A read the kernel served from elsewhere (a partial blob file):
+        its chunks join the access trace and its bytes the count."""
+        self._record(indexes)
+        self.bytes_read += size
+
     async def read(self, off: int, size: int) -> Buffer:
         """The bytes of ``[off, off + size)``: a view into the chunk when one
         chunk holds them all (no copy), else one new buffer (one copy)."""

@@ -135,28 +135,8 @@ class LocalBlobs:
         await trio.to_thread.run_sync(self.trim, frozenset(self.in_use))
 
     def trim(self, in_use: frozenset[str]) -> list[str]:
-        """Worker thread: delete files no mount uses (``in_use``: the loop's
-        count, as it was when called), least recently used first, while all
-        files together exceed the bound; their names."""
-        files = []
-        for entry in os.scandir(self.dir):
-            if entry.is_file(follow_symlinks=False):
-                st = entry.stat(follow_symlinks=False)
-                files.append((st.st_atime, entry.name, st.st_blocks * 512))
-        total = sum(size for _, _, size in files)
-        dropped = []
-        for _, name, size in sorted(files):
-            if total <= self.limit:
-                break
-            if name in in_use:
-                continue
-            (self.dir / name).unlink(missing_ok=True)
-            total -= size
-            dropped.append(name)
-        if dropped:
-            log.info("local blob files of %d unused layers deleted (bound %d MiB)",
-                     len(dropped), self.limit >> 20)
-        return dropped
+        """Worker thread: see :func:`trim_files`."""
+        return trim_files(self.dir, self.limit, in_use)
 
     def forget(self, hex_: str) -> None:
         """Worker thread: a forgotten layer's file, gone (unless mounted)."""
@@ -218,6 +198,32 @@ class LocalBlobs:
                 nursery.start_soon(task, functools.partial(from_node, entry), nursery.cancel_scope)
         if failed:
             raise failed[0]
+
+
+def trim_files(directory: Path, limit: int, in_use: frozenset[str]) -> list[str]:
+    """Worker thread: delete the files of ``directory`` no mount uses
+    (``in_use``: the loop's count, as it was when called), least recently
+    used first, while all of them together take more than ``limit`` bytes of
+    disk; their names."""
+    files = []
+    for entry in os.scandir(directory):
+        if entry.is_file(follow_symlinks=False):
+            st = entry.stat(follow_symlinks=False)
+            files.append((st.st_atime, entry.name, st.st_blocks * 512))
+    total = sum(size for _, _, size in files)
+    dropped = []
+    for _, name, size in sorted(files):
+        if total <= limit:
+            break
+        if name in in_use:
+            continue
+        (directory / name).unlink(missing_ok=True)
+        total -= size
+        dropped.append(name)
+    if dropped:
+        log.info("%s: files of %d unused layers deleted (bound %d MiB)", directory,
+                 len(dropped), limit >> 20)
+    return dropped
 
 
 def new_sparse(path: Path, size: int) -> int:

@@ -2,7 +2,8 @@
 
 A layer is mounted with kernel EROFS (file-backed: source = its local meta
 image, ``device=`` its lazy FUSE blob file, or for a small layer its local
-blob file, fetched whole: :mod:`.reads.localblobs`) at ``ROOT/layers/<hex>``,
+blob file, fetched whole: :mod:`.reads.localblobs`, or for a large one its
+partial blob file, filled as it is read: :mod:`.reads.partialblobs`) at ``ROOT/layers/<hex>``,
 ``nosuid,nodev``, and reference-counted across the sandboxes that use it.
 The last user's release saves the layer's access trace, unmounts it and only
 then forgets it: an unmount that fails (``EBUSY``: a process has its working
@@ -34,6 +35,7 @@ from ..reads.accesstraces import merge_traces
 from ..reads.blobfiles import BlobDirectory, BlobFile
 from ..reads.fetcher import ChunkFetcher
 from ..reads.localblobs import LocalBlobs
+from ..reads.partialblobs import PartialBlobs
 from ..reads.tracereplay import TraceReplay
 from ..replica.replica import Replica
 
@@ -47,6 +49,7 @@ class MountedLayer:
     path: Path
     users: int = 0
     local: bool = False  # its device is a local blob file (the kernel serves every read)
+    partial: bool = False  # its device is a partial blob file (filled as it is read)
 
 
 class LayerMounts:
@@ -54,11 +57,13 @@ class LayerMounts:
 
     def __init__(self, root: Path, refstore: RefStore, replica: Replica, blobs: BlobDirectory,
                  fetcher: ChunkFetcher, readahead: int = 0,
-                 local: LocalBlobs | None = None, kept: set[str] | None = None) -> None:
+                 local: LocalBlobs | None = None, kept: set[str] | None = None,
+                 partial: PartialBlobs | None = None) -> None:
         """``kept``: the mounts an earlier daemon left on a taken-over FUSE
         connection, adopted, not redone."""
         self.root = root
         self.local = local  # small layers fetched whole into local files (None: never)
+        self.partial = partial  # the others over partial files (None: over FUSE files)
         self.refstore = refstore
         self.replica = replica
         self.blobs = blobs
@@ -118,6 +123,7 @@ class LayerMounts:
         log.debug("layer %s: meta image checked in %.1f ms", digest,
                   (time.perf_counter() - start) * 1000)
         local = None
+        partial = None  # the partial file's device, once it is open and marked
         try:
             rl = meta.layer
             blob = self.blobs.add(digest, rl.table, self.fetcher)
@@ -125,30 +131,41 @@ class LayerMounts:
             device = str(self.root / "fuse" / "blobs" / rl.hex)
             try:
                 whole = self.local if self.local and self.local.wanted(rl.table) else None
+                part = (self.partial if whole is None and rl.table.blob_size > 0
+                        and self.partial is not None and self.partial.serving else None)
                 if whole is not None and self.adopt(target):  # kept across a restart
                     on_file = await whole.adopt(rl.hex)
                     return MountedLayer(digest, blob, target, local=on_file)
+                if part is not None and self.adopt(target):
+                    on_file = await part.adopt(blob)
+                    return MountedLayer(digest, blob, target, partial=on_file)
                 if whole is not None:
                     local = await whole.open(rl.hex, rl.table)
+                elif part is not None:
+                    partial = await part.open(blob)
                 if may_mount is not None:
                     await may_mount.wait()
                 if self.adopt(target):
                     return MountedLayer(digest, blob, target)
                 await trio.to_thread.run_sync(  # one thread job: each hop waits for the loop
                     functools.partial(mount_layer, meta.source,
-                                      local.source if local else device, target,
+                                      local.source if local else partial or device, target,
                                       self.readahead),
                     limiter=self.mount_limit)
             except BaseException:  # a failed mount, or cancelled before it
                 self.blobs.remove(digest)
                 if local is not None and self.local is not None:
                     await self.local.release(rl.hex)
+                if partial is not None and self.partial is not None:
+                    with trio.CancelScope(shield=True):
+                        await self.partial.release(rl.hex)
                 raise
         finally:
             meta.close()  # the mount keeps its own reference to the file
             if local is not None:
                 local.close()
-        return MountedLayer(digest, blob, target, local=local is not None)
+        return MountedLayer(digest, blob, target, local=local is not None,
+                            partial=partial is not None)
 
     def _unless_local(self, reporter: Callable[[ChunkTable], None]
                       ) -> Callable[[ChunkTable], None]:
@@ -173,6 +190,8 @@ class LayerMounts:
                 self.blobs.remove(digest)
                 if layer.local and self.local is not None:
                     await self.local.release(layer.path.name)
+                if layer.partial and self.partial is not None:
+                    await self.partial.release(layer.path.name)
             layer.users -= 1
 
     def _unmount(self, layer: MountedLayer) -> None:
@@ -199,9 +218,36 @@ class LayerMounts:
         for digest in list(self.mounted):
             layer = self.mounted.pop(digest)
             await trio.to_thread.run_sync(self.save_trace, layer.blob)
-            if await unmount_or_detach(layer.path):
+            if layer.partial and self.partial is not None:
+                await self._unmount_partial(layer)
+            elif await unmount_or_detach(layer.path):
                 await trio.to_thread.run_sync(remove_mount_point, layer.path)
             self.blobs.remove(digest)
+
+    async def _unmount_partial(self, layer: MountedLayer) -> None:
+        """A stop's unmount of a layer over a partial file. One a process keeps
+        busy is detached only once its file is complete: its reads go on
+        after this daemon and the keeper are gone, with no one to fill a
+        hole (the kernel would return zeros)."""
+        assert self.partial is not None
+        hex_ = layer.path.name
+        try:
+            await trio.to_thread.run_sync(unmount, layer.path)
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                log.error("cannot unmount %s: %s", layer.path, exc)
+                return
+            log.warning("stopping: %s is busy (a process uses it): its partial blob file is "
+                        "filled before it is detached", layer.path)
+            if not await self.partial.complete(hex_):
+                log.error("stopping: %s stays mounted: its data could not be fetched whole, "
+                          "and without the daemon its reads would get zeros", layer.path)
+                return
+            if not await detach(str(layer.path)):
+                return
+        else:
+            await trio.to_thread.run_sync(remove_mount_point, layer.path)
+        await self.partial.release(hex_)
 
 
 def unmount(path: Path) -> None:

@@ -1,0 +1,366 @@
+"""Partial blob files: a large layer's data blob on the node's disk, filled as it is read.
+
+A layer too large to fetch whole (:mod:`.localblobs`) is mounted over a
+sparse file of its blob's size, ``ROOT/blobs/partial/<hex>``, marked with a
+fanotify pre-content mark (:mod:`layerfs.fanotify`). Every read the layer's
+EROFS mount makes of that file stops in an event carrying its range; the
+keeper hands the event to the daemon (:meth:`PartialBlobs.answer`), which
+writes the range's missing chunks into the file, each decoded and checked
+against its sha256 first, and then allows the read. So a range the node
+holds is read by the kernel from ext4 (the daemon only says yes), and the
+data is in the page cache once: EROFS reads the file with ``directio``.
+Once every chunk of the blob is in, the mark is removed and its reads raise
+no event at all.
+
+Trust: only this daemon's checked writes count (``PartialBlob.present``).
+A file that was there before (an earlier mount, an earlier daemon) may
+hold anything: each of its chunks is hashed again on its first read, and
+fetched again if it does not match (a hole is fetched without hashing). A
+read is allowed only when every chunk it covers is present; a failure (the
+store away past ``--read-timeout``, a damaged chunk) denies it with EIO.
+A daemon killed in the middle of a fill leaves its events with the keeper,
+which hands them to the next daemon: that one sees the chunk absent, fetches
+it and allows the read. Reads never see a hole the daemon did not fill.
+
+Writes go through a descriptor that raises no event: one opened before the
+mark (a fresh mount), or an event's own (a mount kept across a restart).
+
+Bound: files of layers no mount uses are deleted, oldest use first, while
+the files together exceed the bound (``--cache-size``: they hold what the
+chunk cache held for these layers).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from ... import fanotify
+from ...chunks import pack_runs
+from ...formats.chunktable import ChunkEntry
+from ...ratelog import RateLimitedLog
+from ...tasks import TaskGroup
+from .blobfiles import BlobFile
+from .chunkstates import ChunkState, FetchError
+from .fetcher import ChunkFetcher
+from .localblobs import WHOLE_GAP, WHOLE_SPAN, trim_files, write_at
+
+log = logging.getLogger(__name__)
+
+AHEAD_FIRST = 2 << 20  # a read that continues a stream fills this far past it ...
+AHEAD_MOST = 32 << 20  # ... doubling with each such read up to this
+
+
+@dataclass(eq=False)
+class PartialBlob:
+    """One layer's partial file while the layer is mounted."""
+
+    blob: BlobFile  # the chunk table's index, the access trace, bytes read
+    path: Path
+    writer: int | None  # writes through it raise no event (None: the next event's)
+    may_hold: bool  # the file was there before: its chunks are checked before use
+    present: bytearray = field(default_factory=bytearray)  # per entry: checked in the file
+    missing: int = 0
+    flights: dict[int, trio.Event] = field(default_factory=dict)
+    stream_end: int = -1  # where the last read ended
+    ahead: int = 0  # how far past a stream the next fill goes
+    ahead_end: int = 0  # what is filled (or filling) ahead of the stream so far
+
+    def __post_init__(self) -> None:
+        self.present = bytearray(len(self.blob.table.entries))
+        self.missing = len(self.present)
+
+    @property
+    def hex(self) -> str:
+        return self.path.name
+
+
+class PartialBlobs:
+    """The node's partial blob files (``ROOT/blobs/partial``) and the answers to their events."""
+
+    def __init__(self, root: Path, fetcher: ChunkFetcher, group: int, limit: int,
+                 tasks: TaskGroup) -> None:
+        self.dir = root / "blobs" / "partial"
+        self.fetcher = fetcher
+        self.group = group
+        self.limit = limit
+        self.tasks = tasks
+        self.by_inode: dict[tuple[int, int], PartialBlob] = {}
+        self.by_hex: dict[str, PartialBlob] = {}
+        self.restored = trio.Event()  # set once kept mounts are adopted
+        self.serving = False  # a keeper reads the group (else layers mount over FUSE files)
+        self.warnings = RateLimitedLog(log)
+
+    def prepare(self) -> None:
+        """At start: the directory, root's only."""
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def path(self, hex_: str) -> Path:
+        return self.dir / hex_
+
+    def serve(self) -> None:
+        """A keeper reads the group and hands its events to this daemon: new
+        mounts of large layers use partial files from now on."""
+        self.serving = True
+
+    async def complete(self, hex_: str) -> bool:
+        """Every chunk of a mounted layer into its file (a busy mount at a
+        stop); whether it is complete."""
+        part = self.by_hex.get(hex_)
+        if part is None or part.writer is None:
+            return part is not None and part.missing == 0
+        try:
+            await self._ensure(part, list(range(len(part.present))))
+        except (FetchError, OSError) as exc:
+            log.error("layer %s could not be fetched whole: %s", hex_[:16], exc)
+            return False
+        return True
+
+    async def open(self, blob: BlobFile) -> str:
+        """The layer's partial file, open and marked: what its mount names as
+        its device (``/proc/self/fd/N``: the checked file, not the name
+        again). Marked before the mount opens it, so that every read the
+        mount makes raises an event; :meth:`release` after the unmount, or
+        when the mount fails."""
+        hex_ = blob.name
+        path = self.path(hex_)
+        writer, fresh = await trio.to_thread.run_sync(open_partial, self.group, path,
+                                                      blob.table.blob_size)
+        try:
+            fanotify.mark(self.group, writer)
+        except BaseException:
+            os.close(writer)
+            raise
+        self._add(PartialBlob(blob, path, writer, may_hold=not fresh), writer)
+        return f"/proc/self/fd/{writer}"
+
+    async def adopt(self, blob: BlobFile) -> bool:
+        """A kept mount's file (a live restart): known again, its chunks
+        unknown (checked on first read); False if it is not there."""
+        path = self.path(blob.name)
+        try:
+            st = await trio.to_thread.run_sync(os.stat, path)
+        except FileNotFoundError:
+            return False
+        part = PartialBlob(blob, path, None, may_hold=True)
+        self.by_inode[(st.st_dev, st.st_ino)] = part
+        self.by_hex[blob.name] = part
+        return True
+
+    def _add(self, part: PartialBlob, fd: int) -> None:
+        st = os.fstat(fd)
+        self.by_inode[(st.st_dev, st.st_ino)] = part
+        self.by_hex[part.hex] = part
+
+    async def release(self, hex_: str) -> None:
+        """The layer's mount ended: its mark and writer go; files beyond the
+        bound are dropped."""
+        part = self.by_hex.pop(hex_, None)
+        if part is None:
+            return
+        self.by_inode = {k: v for k, v in self.by_inode.items() if v is not part}
+        if part.writer is not None:
+            fanotify.unmark(self.group, part.writer)
+            os.close(part.writer)
+            part.writer = None
+        await trio.to_thread.run_sync(trim_files, self.dir, self.limit, frozenset(self.by_hex))
+
+    def forget(self, hex_: str) -> None:
+        """Worker thread: a forgotten layer's file, gone (unless mounted)."""
+        if hex_ not in self.by_hex:
+            self.path(hex_).unlink(missing_ok=True)
+
+    # -- events --------------------------------------------------------------
+
+    async def answer(self, event: fanotify.PreRead, fd: int,
+                     done: Callable[[int], None]) -> None:
+        """One read of a partial file (``event.fd``: the keeper's number for
+        it, ``fd``: this daemon's copy): its chunks in the file, then the
+        read allowed; EIO if they cannot be had."""
+        error = errno.EIO
+        try:
+            part = await self._part_of(fd)
+            if part is None:
+                self.warnings.warning("unknown", "a read of a file that is no partial blob of "
+                                      "a mounted layer: failed (EIO)")
+            else:
+                if part.writer is None:
+                    part.writer = os.dup(fd)
+                await self._fill_range(part, event.offset, event.count)
+                error = 0
+        except (FetchError, OSError) as exc:
+            self.warnings.warning("fill", "a read of layer data failed (EIO): %s", exc)
+        finally:
+            os.close(fd)
+            fanotify.respond(self.group, event.fd, error)
+            done(event.fd)
+
+    async def _part_of(self, fd: int) -> PartialBlob | None:
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        if key not in self.by_inode:
+            await self.restored.wait()  # a kept mount's read, before its adoption
+        return self.by_inode.get(key)
+
+    async def _fill_range(self, part: PartialBlob, offset: int, count: int) -> None:
+        blob = part.blob
+        end = min(offset + count, blob.size)
+        entries = blob.table.entries
+        wanted = [i for i in blob.span(offset, end)
+                  if entries[i].blob_offset + entries[i].length > offset]
+        blob.note_read(wanted, max(end - offset, 0))
+        self._read_ahead(part, offset, end)
+        await self._ensure(part, [i for i in wanted if not part.present[i]])
+
+    def _read_ahead(self, part: PartialBlob, offset: int, end: int) -> None:
+        """A read that continues the last one fills ahead of the stream, in
+        the background, further each time."""
+        streaming = offset == part.stream_end
+        part.stream_end = end
+        if not streaming:
+            part.ahead = 0
+            return
+        part.ahead = min(max(part.ahead * 2, AHEAD_FIRST), AHEAD_MOST)
+        start, stop = max(end, part.ahead_end), min(end + part.ahead, part.blob.size)
+        if start >= stop:
+            return
+        part.ahead_end = stop
+        indexes = [i for i in part.blob.span(start, stop)
+                   if not part.present[i] and i not in part.flights]
+        if indexes:
+            self.tasks.start_soon(self._ahead, part, indexes)
+
+    async def _ahead(self, part: PartialBlob, indexes: list[int]) -> None:
+        try:
+            await self._ensure(part, indexes)
+        except (FetchError, OSError) as exc:  # a read that needs them tries again
+            log.debug("read-ahead of layer %s: %s", part.hex[:16], exc)
+
+    async def _ensure(self, part: PartialBlob, indexes: list[int]) -> None:
+        """Entries ``indexes`` in the file, checked, or FetchError: those no
+        one fills are filled now, those in flight waited for."""
+        mine, theirs = [], []
+        for i in indexes:
+            if part.present[i]:
+                continue
+            if i in part.flights:
+                theirs.append(part.flights[i])
+            else:
+                part.flights[i] = trio.Event()
+                mine.append(i)
+        try:
+            if mine:
+                await self._bring(part, mine)
+        finally:
+            for i in mine:
+                part.flights.pop(i).set()
+        for flight in theirs:
+            await flight.wait()
+        absent = [i for i in indexes if not part.present[i]]
+        if absent:
+            entry = part.blob.table.entries[absent[0]]
+            raise FetchError(f"chunk {entry.sha256.hex()[:16]} of layer {part.hex[:16]} "
+                             "could not be had")
+
+    async def _bring(self, part: PartialBlob, indexes: list[int]) -> None:
+        """Into the file: chunks a file from before holds already (checked),
+        the node's other copies, then the store's in runs of neighbours."""
+        entries = part.blob.table.entries
+        writer = part.writer
+        assert writer is not None
+        if part.may_hold:
+            found = await trio.to_thread.run_sync(held_in_file, writer, entries, indexes)
+            self._present(part, found)
+            indexes = [i for i in indexes if not part.present[i]]
+        at: dict[bytes, list[int]] = {}  # a chunk twice in the blob is written twice
+        for i in indexes:
+            at.setdefault(entries[i].sha256, []).append(i)
+        states = self.fetcher.states
+        firsts = [entries[ix[0]] for ix in at.values()]
+        held = [e for e in firsts if states.state(e.sha256) is not ChunkState.ABSENT]
+        absent = sorted((e for e in firsts if states.state(e.sha256) is ChunkState.ABSENT),
+                        key=lambda e: (e.pack, e.pack_offset))
+        deadline = trio.current_time() + self.fetcher.timeout
+
+        def sink(entry: ChunkEntry, data: bytes | memoryview) -> None:
+            for i in at[entry.sha256]:  # worker thread: written, then counted present
+                write_at(writer, data, entries[i].blob_offset)
+            self._present(part, at[entry.sha256])
+
+        async def from_node(entry: ChunkEntry) -> None:
+            data = await self.fetcher.get(entry, deadline=deadline)
+            await trio.to_thread.run_sync(sink, entry, data)
+
+        async with trio.open_nursery() as nursery:
+            for run in pack_runs(absent, span=WHOLE_SPAN, gap=WHOLE_GAP):
+                nursery.start_soon(self.fetcher.read_run_into, run, sink, deadline)
+            for entry in held:
+                nursery.start_soon(from_node, entry)
+
+    def _present(self, part: PartialBlob, indexes: list[int]) -> None:
+        """Entries now checked in the file; a complete file's mark goes."""
+        for i in indexes:
+            if not part.present[i]:
+                part.present[i] = 1
+                part.missing -= 1
+        if part.missing == 0 and part.writer is not None:
+            fanotify.unmark(self.group, part.writer)
+
+
+def open_partial(group: int, path: Path, size: int) -> tuple[int, bool]:
+    """Worker thread: the partial file at ``path`` open read-write before any
+    mark (so its writes raise no event), of ``size`` bytes; whether it is new.
+    A file that is not a regular file of root's, or of another size, is
+    replaced by a new one."""
+    fanotify_unmark_path(group, path)  # a mark a crashed daemon left
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == 0 and st.st_size == size:
+            return fd, False
+        os.close(fd)
+        path.unlink()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, True
+
+
+def fanotify_unmark_path(group: int, path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        fanotify.unmark(group, fd)
+    finally:
+        os.close(fd)
+
+
+def held_in_file(fd: int, entries: list[ChunkEntry], indexes: list[int]) -> list[int]:
+    """Worker thread: the entries a file from before holds, checked against
+    their sha256 (a hole is not looked at)."""
+    found = []
+    for i in indexes:
+        entry = entries[i]
+        try:
+            data_at = os.lseek(fd, entry.blob_offset, os.SEEK_DATA)
+        except OSError:  # ENXIO: holes to the end
+            continue
+        if data_at >= entry.blob_offset + entry.length:
+            continue
+        data = os.pread(fd, entry.length, entry.blob_offset)
+        if len(data) == entry.length and hashlib.sha256(data).digest() == entry.sha256:
+            found.append(i)
+    return found

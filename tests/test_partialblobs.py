@@ -1,0 +1,178 @@
+"""Larger layers over partial blob files the daemon fills as they are read
+(``--kernel-reads``, layerfs/node/reads/partialblobs.py, fanotify pre-content
+events kept by the keeper): the same bytes as the source, reads of data the
+node holds answered without a store request, a file left with wrong bytes
+fetched again, a daemon killed while a read waits (the next daemon answers
+it), and a read still waiting when no daemon comes back fails with EIO, not
+with the file's holes.
+
+Tier: node (a real daemon, kernel EROFS and overlay mounts, fanotify; root).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support import build, need_root
+from support.nodes import NodeDaemon
+
+from layerfs.builder.env import create_env
+from layerfs.refstore import RefStore
+
+
+def make_tree(root: Path, seed: int) -> dict[str, str]:
+    """Three files of several chunks each and 60 small ones; sha256 by path."""
+    rng = random.Random(seed)
+    sums = {}
+    for i, size in enumerate((5 << 20 | 123, 3 << 20, 2 << 20 | 777)):
+        sums[f"big{i}"] = write(root / f"big{i}", rng.randbytes(size))
+    for i in range(60):
+        sums[f"small/f{i}"] = write(root / f"small/f{i}", rng.randbytes(rng.randint(100, 20000)))
+    return sums
+
+
+def write(path: Path, data: bytes) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def sums_of(top: Path, names) -> dict[str, str]:
+    return {rel: hashlib.sha256((top / rel).read_bytes()).hexdigest() for rel in names}
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+@pytest.fixture
+def published(tmp_path, store):
+    """Env e@1: a layer of 10 MiB (``data``, larger than --fetch-whole-below)
+    over a busybox base; the data's sums."""
+    need_root()
+    base = tmp_path / "base"
+    for sub in ("bin", "proc", "dev", "tmp"):
+        (base / sub).mkdir(parents=True)
+    shutil.copy("/bin/busybox", base / "bin" / "busybox")
+    sums = make_tree(tmp_path / "dsrc" / "data", seed=36)
+    build(store, str(base), name="base")
+    build(store, str(tmp_path / "dsrc"), name="data")
+    create_env(RefStore(store), "e", "1", ["data@1", "base@1"])
+    return sums
+
+
+def new_node(tmp_path: Path, store_location, grace: float = 60) -> NodeDaemon:
+    node = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="256M",
+                      read_timeout=4.0, whole_below="1M", kernel_reads=True)
+    node.extra_args = ["--restart-grace", str(grace)]
+    return node
+
+
+@pytest.fixture
+def node(tmp_path, store_location, published):
+    daemon = new_node(tmp_path, store_location).start()
+    try:
+        yield daemon
+    finally:
+        assert daemon.cleanup() == []
+
+
+def up(node: NodeDaemon, sid: str) -> Path:
+    return Path(node.cli("up", "e@1", "--id", sid, "--prefetch", "none").stdout.strip())
+
+
+def data_hex(store) -> str:
+    return RefStore(store).resolve("layers", "data@1").removeprefix("sha256:")
+
+
+def test_a_large_layer_is_read_through_its_partial_file(node, published, store):
+    rootfs = up(node, "s1")
+    layer = node.request("stats")["layers"]["sha256:" + data_hex(store)]
+    assert layer["partial"] and not layer["local"]
+    assert sums_of(rootfs / "data", published) == published
+    partial = node.root / "blobs" / "partial" / data_hex(store)
+    assert partial.stat().st_uid == 0 and partial.stat().st_mode & 0o077 == 0
+    before = node.request("stats")["store"].get("get", 0)
+    drop_caches()  # the data is on the node: read again without a store request
+    assert sums_of(rootfs / "data", published) == published
+    assert node.request("stats")["store"].get("get", 0) == before
+    node.cli("down", "s1")
+
+
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.daemon\.service: unmounted stale ")
+def test_wrong_bytes_left_in_a_partial_file_are_fetched_again(node, published, store):
+    rootfs = up(node, "s1")
+    assert sums_of(rootfs / "data", published) == published
+    node.cli("down", "s1")  # unmounted, unmarked: the file is kept
+    partial = node.root / "blobs" / "partial" / data_hex(store)
+    with open(partial, "r+b") as f:
+        for offset in range(0, partial.stat().st_size, 1 << 20):
+            f.seek(offset + 4096)
+            f.write(b"\xa5" * 4096)
+    drop_caches()
+    rootfs = up(node, "s2")
+    assert sums_of(rootfs / "data", published) == published
+    node.cli("down", "s2")
+
+
+READER = "import sys, hashlib; print(hashlib.sha256(open(sys.argv[1], 'rb').read()).hexdigest())"
+
+
+def start_reader(path: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", READER, str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def waiting(reader: subprocess.Popen[str], seconds: float = 1.0) -> bool:
+    """Whether the reader is still blocked after ``seconds``."""
+    time.sleep(seconds)
+    return reader.poll() is None
+
+
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.daemon\.service: unmounted stale ")
+def test_a_read_waiting_on_a_killed_daemon_is_answered_by_the_next(node, published):
+    rootfs = up(node, "s1")
+    os.kill(node.proc.pid, signal.SIGSTOP)  # events reach it and wait
+    try:
+        reader = start_reader(rootfs / "data" / "big0")
+        assert waiting(reader)
+    finally:
+        os.kill(node.proc.pid, signal.SIGKILL)
+    node.kill()
+    node.start()  # takes the connection and the group over from the keeper
+    out, err = reader.communicate(timeout=60)
+    assert reader.returncode == 0, err
+    assert out.strip() == published["big0"]
+    node.cli("down", "s1")
+
+
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.daemon\.service: unmounted stale ",
+                        r"WARNING layerfs\.node\.fuse\.keeper: \d+ reads of partly fetched",
+                        r"WARNING layerfs\.node\.fuse\.keeper: no daemon took the FUSE")
+def test_a_read_no_daemon_answers_fails_with_eio_not_holes(tmp_path, store_location,
+                                                          published):
+    node = new_node(tmp_path, store_location, grace=1).start()
+    try:
+        rootfs = up(node, "s1")
+        os.kill(node.proc.pid, signal.SIGSTOP)
+        reader = start_reader(rootfs / "data" / "big1")
+        try:
+            assert waiting(reader)
+        finally:
+            os.kill(node.proc.pid, signal.SIGKILL)
+        node.kill()  # no daemon comes back: the keeper denies the read and lets go
+        out, err = reader.communicate(timeout=60)
+        assert reader.returncode != 0 and "Input/output error" in err, (out, err)
+        assert out.strip() != published["big1"]
+    finally:
+        node.cleanup()
