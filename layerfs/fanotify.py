@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 FAN_CLOEXEC, FAN_NONBLOCK = 0x1, 0x2
 FAN_CLASS_PRE_CONTENT = 0x8
-FAN_MARK_ADD, FAN_MARK_REMOVE = 0x1, 0x2
+FAN_MARK_ADD, FAN_MARK_REMOVE, FAN_MARK_DONT_FOLLOW = 0x1, 0x2, 0x4
+AT_FDCWD = -100
 FAN_PRE_ACCESS = 0x00100000
 FAN_ALLOW, FAN_DENY = 0x1, 0x2
 FAN_EVENT_INFO_TYPE_RANGE = 6
@@ -88,6 +89,25 @@ def unmark(group: int, fd: int) -> None:
     except OSError as exc:
         if exc.errno != errno.ENOENT:  # (not marked: nothing to remove)
             raise
+
+
+def unmark_path(group: int, path: str) -> None:
+    """The file at ``path`` (not followed if a link) is no longer marked."""
+    flags = FAN_MARK_REMOVE | FAN_MARK_DONT_FOLLOW
+    if _libc.fanotify_mark(group, flags, FAN_PRE_ACCESS, AT_FDCWD, path.encode()) < 0:
+        err = ctypes.get_errno()
+        if err not in (errno.ENOENT,):
+            raise OSError(err, os.strerror(err), path)
+
+
+def marked_inodes(group: int) -> set[int]:
+    """The inode numbers the group has marks on (from its fdinfo)."""
+    found = set()
+    with open(f"/proc/self/fdinfo/{group}") as info:
+        for line in info:
+            if line.startswith("fanotify ino:"):
+                found.add(int(line.split()[1].removeprefix("ino:"), 16))
+    return found
 
 
 def parse_events(buf: bytes) -> list[PreRead]:

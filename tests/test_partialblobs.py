@@ -158,7 +158,8 @@ def test_a_read_waiting_on_a_killed_daemon_is_answered_by_the_next(node, publish
 
 @pytest.mark.daemon_log(r"WARNING layerfs\.node\.daemon\.service: unmounted stale ",
                         r"WARNING layerfs\.node\.fuse\.keeper: \d+ reads of partly fetched",
-                        r"WARNING layerfs\.node\.fuse\.keeper: no daemon took the FUSE")
+                        r"WARNING layerfs\.node\.fuse\.keeper: no daemon took the FUSE",
+                        r"WARNING layerfs\.node\.fuse\.keeper: the keeper keeps the pre")
 def test_a_read_no_daemon_answers_fails_with_eio_not_holes(tmp_path, store_location,
                                                           published):
     node = new_node(tmp_path, store_location, grace=1).start()
@@ -170,9 +171,15 @@ def test_a_read_no_daemon_answers_fails_with_eio_not_holes(tmp_path, store_locat
             assert waiting(reader)
         finally:
             os.kill(node.proc.pid, signal.SIGKILL)
-        node.kill()  # no daemon comes back: the keeper denies the read and lets go
+        node.kill()  # no daemon comes back: the keeper denies the read and lingers
         out, err = reader.communicate(timeout=60)
         assert reader.returncode != 0 and "Input/output error" in err, (out, err)
         assert out.strip() != published["big1"]
+        again = start_reader(rootfs / "data" / "big1")  # a read of the holes, later
+        out, err = again.communicate(timeout=60)
+        assert again.returncode != 0 and "Input/output error" in err, (out, err)
+        node.start()  # takes the group from the lingering keeper, which exits
+        rootfs = up(node, "s2")
+        assert sums_of(rootfs / "data", published) == published
     finally:
-        node.cleanup()
+        assert node.cleanup() == []

@@ -299,18 +299,21 @@ class Daemon:
         root = Path(cfg.root).resolve()
         retire_running(root, cfg.takeover)
         # the keeper's, if a daemon died or retired
-        conn = fuseconn.take_over(root, cfg.restart_grace) if cfg.live_restart else None
+        taken = fuseconn.take_over(root, cfg.restart_grace) if cfg.live_restart else None
+        group = taken.fd if isinstance(taken, fuseconn.KeptGroup) else None
+        conn = taken if isinstance(taken, fuseconn.FuseConnection) else None
         if conn is None:
             clean_stale_mounts(root)  # a crashed daemon's mounts (dead FUSE included)
         secure_root(root, cfg.fuse_group, fuse_mounted=conn is not None)
         probe_erofs_mounts(root)
-        return cls(cfg, root, conn)
+        return cls(cfg, root, conn, group)
 
     def __init__(self, cfg: DaemonConfig, root: Path,
-                 conn: fuseconn.FuseConnection | None) -> None:
+                 conn: fuseconn.FuseConnection | None, group: int | None = None) -> None:
         """The daemon's parts, each given what it needs when it is made, in
         order (nothing is set on a part afterwards), on a ROOT made ready by
-        :meth:`start` (``conn``: the FUSE connection it took over, if any)."""
+        :meth:`start` (``conn``: the FUSE connection it took over, if any;
+        ``group``: a lingering keeper's pre-content group, if any)."""
         self.cfg = cfg
         self.root = root
         self.conn = conn
@@ -360,7 +363,7 @@ class Daemon:
         self.local_blobs = LocalBlobs(self.root, self.fetcher, cfg.fetch_whole_below,
                                       cfg.local_blobs)
         self.local_blobs.prepare()
-        self.partial_blobs = self._partial_blobs(conn)
+        self.partial_blobs = self._partial_blobs(conn, group)
         self.layers = LayerMounts(
             self.root, self.refstore, self.replica, self.blobs, self.fetcher,
             readahead=cfg.layer_readahead, local=self.local_blobs, partial=self.partial_blobs,
@@ -398,15 +401,19 @@ class Daemon:
         # handover, or a daemon that fails, leaves both to the next daemon (as a crash does)
         self.stopping = False
 
-    def _partial_blobs(self, conn: fuseconn.FuseConnection | None) -> PartialBlobs | None:
+    def _partial_blobs(self, conn: fuseconn.FuseConnection | None,
+                       kept: int | None) -> PartialBlobs | None:
         """Partial files for larger layers, with the pre-content group the
-        keeper keeps (a taken-over connection's, or a new one); None without
+        keeper keeps (a taken-over connection's, a lingering keeper's, or a
+        new one); None without
         live restart (no keeper would outlive a crash), with
         ``--no-kernel-reads``, or where the kernel has no such group."""
         if not (self.cfg.live_restart and self.cfg.kernel_reads):
             return None
         if conn is not None:
             group = conn.group
+        elif kept is not None:
+            group = kept
         else:
             try:
                 group = fanotify.new_group()

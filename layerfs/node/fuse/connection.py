@@ -48,6 +48,7 @@ IN_HEADER = struct.Struct("<IIQ")  # fuse_in_header: len, opcode, unique (the re
 OUT_HEADER = struct.Struct("<IiQ")  # fuse_out_header: len, error (or notify code), unique
 READ_SIZE = (1 << 20) + (1 << 16)  # more than any request the kernel may send
 KEEPER_SOCKET = "keeper.sock"
+GROUP_ONLY = b"group"  # a lingering keeper's answer (layerfs.node.fuse.keeper)
 
 
 @dataclass
@@ -82,11 +83,20 @@ def mount_fresh(mountpoint: Path, fsname: str = "layerfs") -> FuseConnection:
     return FuseConnection(fd, init, taken_over=False)
 
 
-def take_over(root: Path, grace: float) -> FuseConnection | None:
+@dataclass
+class KeptGroup:
+    """A lingering keeper's pre-content group, without a connection (see the
+    keeper): the daemon starts afresh, with this group."""
+
+    fd: int
+
+
+def take_over(root: Path, grace: float) -> FuseConnection | KeptGroup | None:
     """The connection the keeper of ``root`` holds, or None when no keeper
-    answers (none was started, or it is gone with the connection). The
-    socket stays open as this daemon's lease; ``grace``: how long the keeper
-    waits for a next daemon once this one is gone."""
+    answers (none was started, or it is gone with the connection), or the
+    group alone of a keeper that lingers. The socket stays open as this
+    daemon's lease; ``grace``: how long the keeper waits for a next daemon
+    once this one is gone."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.settimeout(5)
     try:
@@ -96,13 +106,17 @@ def take_over(root: Path, grace: float) -> FuseConnection | None:
     except OSError:
         sock.close()
         return None
-    if len(fds) not in (1, 2) or len(init) < IN_HEADER.size:
+    group_only = init == GROUP_ONLY and len(fds) == 1
+    if len(fds) not in (1, 2) or len(init) < IN_HEADER.size and not group_only:
         for fd in fds:
             os.close(fd)
         sock.close()
         return None
     for fd in fds:
         os.set_inheritable(fd, False)
+    if group_only:
+        sock.close()
+        return KeptGroup(fds[0])
     return FuseConnection(fds[0], init, taken_over=True, lease=sock,
                           group=fds[1] if len(fds) == 2 else None)
 

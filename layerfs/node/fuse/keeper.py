@@ -41,8 +41,15 @@ descriptor attached), the daemon fills the range, answers the kernel itself
 (naming the keeper's descriptor number N) and says ``done N``; the keeper
 then closes its descriptor. Events a daemon had and did not answer when its
 lease ended go to the next daemon that takes the file; when the keeper ends,
-every event still pending is denied with EIO, so that no reader gets holes.
-A ``take`` gets the group with the FUSE file.
+every event still pending is denied with EIO. A ``take`` gets the group with
+the FUSE file.
+
+A keeper that ends while its group still marks files (a mount over one, or
+a detached one, may still be read, and without the group such reads would
+return the file's holes) lingers: the FUSE file goes, the group stays, and
+every read of a partial file fails with EIO, until no mark is left or a
+starting daemon sends ``take``: that one gets the group alone (``group``
+instead of an INIT) and the lingering keeper exits.
 
 Tiny on purpose: the standard library only, no layerfs imports beyond this
 package's ``__init__`` and :mod:`layerfs.fanotify` (standard library only too), no
@@ -69,9 +76,11 @@ ROOT_UID = 0
 CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 ERRORS = select.POLLERR | select.POLLHUP | select.POLLNVAL
 TAKE, END = b"take", b"end"
+GROUP_ONLY = b"group"  # a lingering keeper's answer to take: the group, no connection
 CALLER_TIMEOUT = 5.0  # seconds a caller has to send its request before it is closed on
 MAX_GRACE = 86400.0  # seconds; also ``layerfs daemon --restart-grace``'s bound
 MAX_REQUEST = 64  # bytes: ``take`` and a grace as ``repr`` writes it fit many times over
+LINGER_CHECK_MS = 5000  # how often a lingering keeper looks whether marks are left
 MAX_LEASE_MESSAGE = 8192  # bytes: a daemon's ``done N ...`` of many events
 DECIMAL = re.compile(rb"[0-9]{1,20}(\.[0-9]{1,20})?(e[+-]?[0-9]{1,3})?")
 FD_NUMBER = re.compile(r"[0-9]{1,9}")
@@ -210,6 +219,43 @@ class Keeper:
         for number in numbers:
             if self.pending.pop(number, None) is not None:
                 os.close(number)
+
+    def linger(self) -> None:
+        """The keeper's end with files still marked: see the module docstring."""
+        assert self.group is not None
+        self.poller.unregister(self.fuse_fd)
+        os.close(self.fuse_fd)
+        for fd in list(self.leases):
+            self.drop_lease(fd)
+        log.warning("the keeper keeps the pre-content group of partly fetched layers that "
+                    "mounts may still read: their reads fail (EIO) until a daemon starts")
+        while fanotify.marked_inodes(self.group):
+            for fd, _ in self.poller.poll(LINGER_CHECK_MS):
+                if fd == self.group:
+                    for event in fanotify.read_events(self.group):
+                        fanotify.respond(self.group, event.fd, errno.EIO)
+                        os.close(event.fd)
+                elif fd == self.server.fileno():
+                    self.accept()
+                elif fd in self.callers and self.hand_group(fd):
+                    return
+            self.drop_silent_callers()
+
+    def hand_group(self, fd: int) -> bool:
+        """A lingering keeper's answer to ``take``: the group alone; whether
+        it went (then the keeper exits)."""
+        assert self.group is not None
+        conn, _ = self.callers.pop(fd)
+        self.poller.unregister(fd)
+        try:
+            message, _, flags, _ = conn.recvmsg(MAX_REQUEST)
+            parse_take(message, truncated=bool(flags & socket.MSG_TRUNC))
+            socket.send_fds(conn, [GROUP_ONLY], [self.group])
+        except (BadRequest, OSError):
+            conn.close()
+            return False
+        conn.close()
+        return True
 
     def deny_pending(self) -> None:
         """The keeper ends: every event still pending fails its read (EIO)."""
@@ -357,12 +403,15 @@ def main(argv: list[str]) -> int:
     keeper = Keeper(server, fuse_fd, init, lease, grace_s, group)
     try:
         reason = keeper.serve()
+        keeper.deny_pending()
+        if reason:
+            log.warning("%s: letting it go; reads waiting on its mounts fail", reason)
+        if group is not None and fanotify.marked_inodes(group):
+            keeper.linger()
     finally:
         keeper.deny_pending()
         unlink_own(path, inode)
         server.close()
-    if reason:
-        log.warning("%s: letting it go; reads waiting on its mounts fail", reason)
     return 0
 
 

@@ -23,7 +23,9 @@ which hands them to the next daemon: that one sees the chunk absent, fetches
 it and allows the read. Reads never see a hole the daemon did not fill.
 
 Writes go through a descriptor that raises no event: one opened before the
-mark (a fresh mount), or an event's own (a mount kept across a restart).
+mark (a fresh mount), or an event's own (a mount kept across a restart, or
+a file the group marks already: one a mount of an earlier daemon may still
+read, whose mark must never lapse).
 
 Bound: files of layers no mount uses are deleted, oldest use first, while
 the files together exceed the bound (``--cache-size``: they hold what the
@@ -67,6 +69,7 @@ class PartialBlob:
     path: Path
     writer: int | None  # writes through it raise no event (None: the next event's)
     may_hold: bool  # the file was there before: its chunks are checked before use
+    hold: int | None = None  # the file, open for its mount's source while it has no writer
     present: bytearray = field(default_factory=bytearray)  # per entry: checked in the file
     missing: int = 0
     flights: dict[int, trio.Event] = field(default_factory=dict)
@@ -132,15 +135,17 @@ class PartialBlobs:
         when the mount fails."""
         hex_ = blob.name
         path = self.path(hex_)
-        writer, fresh = await trio.to_thread.run_sync(open_partial, self.group, path,
-                                                      blob.table.blob_size)
+        fd, fresh = await trio.to_thread.run_sync(open_partial, path, blob.table.blob_size)
+        if os.fstat(fd).st_ino in fanotify.marked_inodes(self.group):  # marked all along
+            self._add(PartialBlob(blob, path, None, may_hold=True, hold=fd), fd)
+            return f"/proc/self/fd/{fd}"
         try:
-            fanotify.mark(self.group, writer)
+            fanotify.mark(self.group, fd)
         except BaseException:
-            os.close(writer)
+            os.close(fd)
             raise
-        self._add(PartialBlob(blob, path, writer, may_hold=not fresh), writer)
-        return f"/proc/self/fd/{writer}"
+        self._add(PartialBlob(blob, path, fd, may_hold=not fresh), fd)
+        return f"/proc/self/fd/{fd}"
 
     async def adopt(self, blob: BlobFile) -> bool:
         """A kept mount's file (a live restart): known again, its chunks
@@ -167,10 +172,11 @@ class PartialBlobs:
         if part is None:
             return
         self.by_inode = {k: v for k, v in self.by_inode.items() if v is not part}
-        if part.writer is not None:
-            fanotify.unmark(self.group, part.writer)
-            os.close(part.writer)
-            part.writer = None
+        fanotify.unmark_path(self.group, str(part.path))  # no mount reads it any more
+        for fd in (part.writer, part.hold):
+            if fd is not None:
+                os.close(fd)
+        part.writer = part.hold = None
         await trio.to_thread.run_sync(trim_files, self.dir, self.limit, frozenset(self.by_hex))
 
     def forget(self, hex_: str) -> None:
@@ -315,16 +321,16 @@ class PartialBlobs:
             fanotify.unmark(self.group, part.writer)
 
 
-def open_partial(group: int, path: Path, size: int) -> tuple[int, bool]:
-    """Worker thread: the partial file at ``path`` open read-write before any
-    mark (so its writes raise no event), of ``size`` bytes; whether it is new.
-    A file that is not a regular file of root's, or of another size, is
-    replaced by a new one."""
-    fanotify_unmark_path(group, path)  # a mark a crashed daemon left
+def open_partial(path: Path, size: int) -> tuple[int, bool]:
+    """Worker thread: the partial file at ``path`` open read-write (before
+    its mark, if it has none: then its writes raise no event), of ``size``
+    bytes; whether it is new. A file that is not a regular file of root's,
+    or of another size, is replaced by a new one."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         st = os.fstat(fd)
         if stat.S_ISREG(st.st_mode) and st.st_uid == 0 and st.st_size == size:
+            os.utime(fd)  # its last use, for the bound's order
             return fd, False
         os.close(fd)
         path.unlink()
@@ -335,17 +341,6 @@ def open_partial(group: int, path: Path, size: int) -> tuple[int, bool]:
         os.close(fd)
         raise
     return fd, True
-
-
-def fanotify_unmark_path(group: int, path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    try:
-        fanotify.unmark(group, fd)
-    finally:
-        os.close(fd)
 
 
 def held_in_file(fd: int, entries: list[ChunkEntry], indexes: list[int]) -> list[int]:
