@@ -9,6 +9,7 @@ chunk cache or the store (the symptom: a slow or failing read).
 - ``accesstraces``: the order in which sandboxes first touched a layer's chunks
 - ``tracereplay``: replaying those traces while a sandbox comes up
 - ``localblobs``: a small layer's blob, whole and verified, on the node's disk
+- ``partialblobs``: a large layer's blob on the node's disk, filled as the kernel reads it
 - ``chunkcache``: the node's chunk cache (content addressed, bounded, LRU, crash safe)
 - ``chunkfile``: the layout of one cache file, and checking what is read from it
 """
