@@ -20,10 +20,12 @@ keeper's messages that carry them.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import errno
 import os
 import re
+import socket
 import struct
 from dataclasses import dataclass
 
@@ -164,6 +166,14 @@ def parse_event_message(message: bytes) -> PreRead | None:
     if match is None:
         return None
     return PreRead(*(int(g) for g in match.groups()))
+
+
+def send_event(sock: socket.socket, event: PreRead) -> None:
+    """Hand ``event`` on over a unix socket, its descriptor attached, without
+    waiting (BlockingIOError when the socket is full; ``socket.send_fds`` of
+    Python 3.11 drops its flags and would wait)."""
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [event.fd]))]
+    sock.sendmsg([event_message(event)], rights, socket.MSG_DONTWAIT)
 
 
 def done_message(numbers: list[int]) -> bytes:

@@ -80,10 +80,13 @@ class LayerForgetter:
 
     def _drop(self, digest: str) -> int:
         """Worker thread: the layer's replica entries, meta image and local
-        blob file, then its chunks' cache files that no other held layer has; bytes freed."""
+        or partial blob file, then its chunks' cache files that no other held
+        layer has; bytes freed."""
         chunks = self.replica.forget_layer(digest)
         if self.layers.local is not None:
             self.layers.local.forget(digest.removeprefix("sha256:"))
+        if self.layers.partial is not None:
+            self.layers.partial.forget(digest.removeprefix("sha256:"))
         for other in self.replica.layer_digests():
             chunks -= self.replica.chunk_shas(other)
         return sum(self.cache.discard(sha) for sha in chunks)

@@ -400,6 +400,7 @@ class Daemon:
         # a SIGTERM/SIGINT stop: FUSE unmounted and the keeper let go at the end; a
         # handover, or a daemon that fails, leaves both to the next daemon (as a crash does)
         self.stopping = False
+        self.answered: list[int] = []  # the keeper's events answered, not yet said so
 
     def _partial_blobs(self, conn: fuseconn.FuseConnection | None,
                        kept: int | None) -> PartialBlobs | None:
@@ -501,15 +502,19 @@ class Daemon:
             await trio.lowlevel.wait_readable(conn.lease)
             if conn.lease is None:
                 return
-            try:
-                message, fds, _, _ = socket.recv_fds(conn.lease, 256, 1, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                continue
-            if message:
-                self._keeper_says(conn, message, fds)
+            message = b"-"
+            while message and conn.lease is not None:  # every message there now
+                try:
+                    message, fds = fuseconn.receive(conn.lease)
+                except BlockingIOError:
+                    break
+                if message:
+                    self._keeper_says(conn, message, fds)
+            if message or conn.lease is None:
                 continue
             if self.stopping:
                 return
+            self.answered.clear()  # the numbers of the keeper that died
             conn.lease.close()
             conn.lease = None
             if trio.current_time() - replaced < KEEPER_RESTART_INTERVAL:
@@ -531,15 +536,27 @@ class Daemon:
             return
 
         def done(number: int) -> None:
-            if conn.lease is not None:
-                try:
-                    conn.lease.send(fanotify.done_message([number]))
-                except OSError:
-                    pass  # the keeper is gone: it closed the event with it
+            self.answered.append(number)
+            if len(self.answered) == 1:
+                self.tasks.start_soon(self._say_answered, conn)
         if not self.tasks.start_soon(self.partial_blobs.answer, event, fds[0], done):
             os.close(fds[0])  # (not serving yet, or any more): the read fails
             fanotify.respond(self.partial_blobs.group, event.fd, errno.EIO)
-            done(event.fd)
+
+    async def _say_answered(self, conn: fuseconn.FuseConnection) -> None:
+        """Tell the keeper which of its events are answered, in batches,
+        never waiting on it in a blocking send (it may be waiting on us)."""
+        while self.answered and conn.lease is not None:
+            batch = self.answered[:500]
+            try:
+                conn.lease.send(fanotify.done_message(batch), socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(conn.lease)
+                continue
+            except OSError:
+                break  # the keeper is gone, with its descriptors
+            del self.answered[:len(batch)]
+        self.answered.clear()
 
     def _forgetter(self, forget_after: float) -> LayerForgetter:
         """Forgets the layers no sandbox, and no vm or disk, used for ``forget_after``

@@ -114,11 +114,26 @@ def take_over(root: Path, grace: float) -> FuseConnection | KeptGroup | None:
         return None
     for fd in fds:
         os.set_inheritable(fd, False)
+    sock.setblocking(False)  # the daemon's loop reads it (no timeout's hidden waits)
     if group_only:
         sock.close()
         return KeptGroup(fds[0])
     return FuseConnection(fds[0], init, taken_over=True, lease=sock,
                           group=fds[1] if len(fds) == 2 else None)
+
+
+def receive(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One message on a lease and the descriptor it carries, without
+    waiting (BlockingIOError if none is there; ``socket.recv_fds`` of
+    Python 3.11 drops its flags and would wait)."""
+    size = socket.CMSG_LEN(struct.calcsize("i"))
+    message, ancillary, _, _ = sock.recvmsg(256, size, socket.MSG_DONTWAIT)
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % 4
+            fds += struct.unpack(f"{usable // 4}i", data[:usable])
+    return message, fds
 
 
 def let_go(conn: FuseConnection) -> None:
@@ -127,6 +142,7 @@ def let_go(conn: FuseConnection) -> None:
     if conn.lease is None:
         return
     try:
+        conn.lease.settimeout(5)  # (the keeper reads its lease at once)
         conn.lease.send(b"end")
     except OSError:
         pass  # the keeper is gone already
@@ -213,6 +229,7 @@ def _start_keeper(root: Path, conn: FuseConnection, grace: float,
             ours.close()
             raise OSError(errno.ECHILD, f"the FUSE keeper exited with status {keeper.returncode}")
         if path.exists():
+            ours.setblocking(False)  # the daemon's loop reads it
             conn.lease = ours  # only a keeper that listens holds this daemon's lease
             return keeper
         time.sleep(0.01)

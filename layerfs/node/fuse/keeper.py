@@ -58,6 +58,7 @@ threads, nothing to upgrade but itself.
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import logging
@@ -167,8 +168,9 @@ class Keeper:
         self.group = group
         self.leases: dict[int, socket.socket] = {}  # oldest first: events go to the newest
         # pre-content events read and not answered: its descriptor number → (event, the
-        # lease it went to, None while no daemon has it)
+        # lease it went to, None while no daemon has it); the numbers no daemon has, in order
         self.pending: dict[int, tuple[fanotify.PreRead, int | None]] = {}
+        self.unassigned: collections.deque[int] = collections.deque()
         # callers accepted and not yet heard: (socket, when accepted); none blocks the others
         self.callers: dict[int, tuple[socket.socket, float]] = {}
         self.poller = select.poll()
@@ -191,6 +193,7 @@ class Keeper:
         for number, (event, holder) in list(self.pending.items()):
             if holder == fd:  # its daemon is gone: the next one answers it
                 self.pending[number] = (event, None)
+                self.unassigned.append(number)
         self.hand_on()
 
     def take_events(self) -> None:
@@ -198,21 +201,31 @@ class Keeper:
         assert self.group is not None
         for event in fanotify.read_events(self.group):
             self.pending[event.fd] = (event, None)
+            self.unassigned.append(event.fd)
         self.hand_on()
 
     def hand_on(self) -> None:
-        """Every pending event no daemon has goes to the newest lease."""
+        """Pending events no daemon has go to the newest lease, as many as its
+        socket takes now (the rest when it has room: never waiting on a
+        daemon, which may be waiting on the keeper)."""
         if not self.leases:
             return
         fd = next(reversed(self.leases))
-        for number, (event, holder) in list(self.pending.items()):
-            if holder is None:
-                try:
-                    socket.send_fds(self.leases[fd], [fanotify.event_message(event)],
-                                    [event.fd])
-                except OSError:
-                    return  # its daemon is going: the lease's end hands them on
-                self.pending[number] = (event, fd)
+        while self.unassigned:
+            number = self.unassigned[0]
+            event, holder = self.pending.get(number, (None, 0))
+            if event is None or holder is not None:
+                self.unassigned.popleft()  # answered, or handed on already
+                continue
+            try:
+                fanotify.send_event(self.leases[fd], event)
+            except BlockingIOError:
+                self.poller.modify(fd, select.POLLIN | select.POLLOUT)
+                return
+            except OSError:
+                return  # its daemon is going: the lease's end hands them on
+            self.unassigned.popleft()
+            self.pending[number] = (event, fd)
 
     def answered(self, numbers: list[int]) -> None:
         """A daemon answered these events: their descriptors are closed."""
@@ -363,6 +376,11 @@ class Keeper:
                     self.accept()
                 elif fd in self.callers:
                     self.hand_out(fd)
+                elif fd in self.leases and flags & select.POLLOUT:
+                    self.poller.modify(fd, select.POLLIN)  # room again
+                    self.hand_on()
+                    if flags & select.POLLIN and not self.lease_says(fd):
+                        return ""
                 elif fd in self.leases and not self.lease_says(fd):
                     return ""
             self.drop_silent_callers()

@@ -34,6 +34,7 @@ chunk cache held for these layers).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import logging
@@ -56,6 +57,11 @@ from .fetcher import ChunkFetcher
 from .localblobs import WHOLE_GAP, WHOLE_SPAN, trim_files, write_at
 
 log = logging.getLogger(__name__)
+
+# sync_file_range: wait for any writeback of the range, write it, wait for that
+SYNC_RANGE_ALL = 0x1 | 0x2 | 0x4
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 
 AHEAD_FIRST = 2 << 20  # a read that continues a stream fills this far past it ...
 AHEAD_MOST = 32 << 20  # ... doubling with each such read up to this
@@ -177,12 +183,25 @@ class PartialBlobs:
             if fd is not None:
                 os.close(fd)
         part.writer = part.hold = None
-        await trio.to_thread.run_sync(trim_files, self.dir, self.limit, frozenset(self.by_hex))
+        await trio.to_thread.run_sync(self.trim, frozenset(self.by_hex))
+
+    def trim(self, mounted: frozenset[str]) -> list[str]:
+        """Worker thread: files beyond the bound dropped, but none a mount
+        uses (``mounted``) or the group marks (a mount of an earlier daemon
+        may read it: deleting the file would end its mark)."""
+        return trim_files(self.dir, self.limit, mounted | self._marked())
 
     def forget(self, hex_: str) -> None:
-        """Worker thread: a forgotten layer's file, gone (unless mounted)."""
-        if hex_ not in self.by_hex:
+        """Worker thread: a forgotten layer's file, gone (unless a mount uses
+        it or the group marks it)."""
+        if hex_ not in self.by_hex and hex_ not in self._marked():
             self.path(hex_).unlink(missing_ok=True)
+
+    def _marked(self) -> frozenset[str]:
+        """Worker thread: the names of the files the group marks."""
+        inodes = fanotify.marked_inodes(self.group)
+        return frozenset(e.name for e in os.scandir(self.dir)
+                         if e.inode() in inodes and e.is_file(follow_symlinks=False))
 
     # -- events --------------------------------------------------------------
 
@@ -298,7 +317,7 @@ class PartialBlobs:
 
         def sink(entry: ChunkEntry, data: bytes | memoryview) -> None:
             for i in at[entry.sha256]:  # worker thread: written, then counted present
-                write_at(writer, data, entries[i].blob_offset)
+                write_through(writer, data, entries[i].blob_offset)
             self._present(part, at[entry.sha256])
 
         async def from_node(entry: ChunkEntry) -> None:
@@ -341,6 +360,17 @@ def open_partial(path: Path, size: int) -> tuple[int, bool]:
         os.close(fd)
         raise
     return fd, True
+
+
+def write_through(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """Worker thread: ``data`` at ``offset``, on the disk and out of the page
+    cache: the mount reads the file with O_DIRECT into its own cache (the
+    bytes are cached once), and a read need not wait for their writeback."""
+    write_at(fd, data, offset)
+    if _libc.sync_file_range(fd, offset, len(data), SYNC_RANGE_ALL) < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    os.posix_fadvise(fd, offset, len(data), os.POSIX_FADV_DONTNEED)
 
 
 def held_in_file(fd: int, entries: list[ChunkEntry], indexes: list[int]) -> list[int]:
