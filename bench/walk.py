@@ -135,14 +135,16 @@ def op_build(work: Path) -> Callable[[], None]:
     return run
 
 
-def read_setup(work: Path, fresh: bool) -> Any:
+def read_setup(work: Path, fresh: bool) -> tuple[Any, Any]:
     """The layer's blob as the node reads it: a BlobFile over a new fetcher
-    (empty memory) and the chunk cache under ``work`` (emptied if ``fresh``)."""
+    (empty memory) and the chunk cache under ``work`` (emptied if ``fresh``);
+    and the task group its background work runs in (to open)."""
     from layerfs.builder.layer import BuildOptions, build_layer
     from layerfs.node.reads.blobfiles import BlobFile
     from layerfs.node.reads.chunkcache import ChunkCache
     from layerfs.node.reads.fetcher import ChunkFetcher
     from layerfs.store.file import FileStore
+    from layerfs.tasks import TaskGroup
 
     store = FileStore(work / "read-store")
     refstore = refstore_class()(store)
@@ -151,20 +153,22 @@ def read_setup(work: Path, fresh: bool) -> Any:
         build_layer(refstore, str(source_tree(work / "src")), BuildOptions(LAYER, "1"))
     digest = refstore.resolve("layers", f"{LAYER}@1")
     table = refstore.chunk_table(refstore.layer(digest))
-    fetcher = ChunkFetcher(store, ChunkCache(work / "cache", 1 << 30, compressed=True))
-    return BlobFile(digest, table, fetcher, 16)
+    tasks = TaskGroup()
+    fetcher = ChunkFetcher(store, ChunkCache(work / "cache", 1 << 30, compressed=True),
+                           tasks=tasks)
+    return BlobFile(digest, table, fetcher, 16), tasks
 
 
 def op_read(work: Path, fresh: bool) -> Callable[[], None]:
     """The read; a cold one until its cache file is written (a hit writes none)."""
     import trio
 
-    blob = read_setup(work, fresh)
+    blob, tasks = read_setup(work, fresh)
 
     def run() -> None:
         async def main() -> None:
             async with trio.open_nursery() as nursery:
-                blob.fetcher.tasks.nursery = nursery
+                tasks.nursery = nursery  # (not TaskGroup.open: its code is not the read's)
                 data = await blob.read(0, READ)
                 if fresh:
                     await blob.fetcher.writes_done()

@@ -29,10 +29,6 @@ class LayerfsError(Exception):
         super().__init_subclass__(**kwargs)
         cls.kind = cls.__name__
 
-    def __init__(self, *args: object) -> None:
-        super().__init__(*args)
-        self.args = args
-
     def message(self) -> str:
         doc = (type(self).__doc__ or "{}").strip().splitlines()[0]
         try:

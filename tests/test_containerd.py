@@ -793,7 +793,7 @@ def test_a_tree_deeper_than_overlayfs_stacks_is_refused(tmp_path):
     longer than containerd can pass to mount(2) even written relative, a
     Prepare or View is refused with INVALID_ARGUMENT and says why."""
     store = records_store(tmp_path)
-    sn = Snapshotter(tmp_path, store, None, None, None)  # (records and paths only)
+    sn = Snapshotter(tmp_path, store, None, None, None, None)  # (records and paths only)
     parent = ""
     with store.replica.env.begin(write=True) as txn:  # 501 committed, one on the other
         for n in range(MAX_LOWERS + 1):

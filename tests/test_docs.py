@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 # a backticked file of the repository: one of its top folders (or ../), then a
@@ -50,3 +52,33 @@ def test_the_design_and_formats_pages_are_in_the_clone():
     assert "[docs/design.md](docs/design.md)" in readme
     assert "[docs/formats.md](docs/formats.md)" in readme
     assert "shared/" not in readme
+
+
+# The node commands whose options docs/usage.md describes (README: a line and a link).
+OPTIONS_IN_USAGE = ("daemon", "up", "down", "run", "commit")
+
+
+def usage_section(command: str) -> str:
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    return usage.split(f"### `layerfs {command}`\n", 1)[1].split("\n## ", 1)[0].split("\n### ")[0]
+
+
+@pytest.mark.parametrize("command", OPTIONS_IN_USAGE)
+def test_a_node_commands_options_are_described_in_one_place(command):
+    """README's table gives the command a short line and a link; its options'
+    details are docs/usage.md's (and the one-line ``--help``), where every
+    option the command has is named."""
+    import click
+
+    from layerfs.cli.group import cli
+
+    readme = (ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith(f"| `layerfs {command} "))
+    assert f"(docs/usage.md#layerfs-{command})" in row and len(row.split("|")[2]) < 300, row
+    cmd = cli.get_command(click.Context(cli), command)
+    assert cmd is not None
+    generic = {"--root", "--store", "--s3-endpoint", "--json", "--log-level", "--help", "-h",
+               "--live-restart", "--name", "--version", "--layer", "--id", "--role"}
+    options = {o for p in cmd.params for o in [*p.opts, *p.secondary_opts] if o.startswith("--")}
+    section = usage_section(command)
+    assert sorted(o for o in options - generic if f"{o}" not in section) == []

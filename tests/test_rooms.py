@@ -1,6 +1,7 @@
 """The node's rooms hold: no room imports one above it in the declared order,
-the root API (``client``, ``protocol``, ``control``) imports no daemon code, and
-each room's ``__init__`` lists its modules (docs/README.md maps the rooms).
+the root API (``client``, ``protocol``, ``control``) imports no daemon code,
+each room's ``__init__`` lists its modules (docs/README.md maps the rooms), and
+the fetch core is asked through its methods, not reached into by attribute hops.
 
 Read from the source (every import, lazy and type-checking ones too), so the
 test needs no daemon and runs in the fast tier.
@@ -128,6 +129,74 @@ def test_a_room_says_its_job_and_lists_its_modules(room):
     assert doc and all(f"``{m}``" in doc for m in members), (room, sorted(members))
     body = ast.parse((NODE / room / "__init__.py").read_text()).body
     assert len(body) == 1, f"{room}/__init__.py re-exports: it holds its docstring only"
+
+
+# The fetch core: the only modules that read its state (its chunk states, the
+# timeout, its slots, its task group's nursery) by attribute.
+FETCH_CORE = {Path("reads/fetcher.py"), Path("reads/chunkstates.py")}
+# A fetcher's attributes other modules may read that are not its methods, with why.
+FETCHER_FIELDS = {
+    "tasks": "a Prefetcher made without the daemon's task group (a test, a blob file's "
+             "own policy) shares the core's; read, never reached through",
+}
+# Hops the sandboxes and containerd rooms do not take into the read path's parts:
+# they are given the policy, and a mounted layer answers for its blob.
+HOPS_BARRED = {("blob", "table"), ("blobs", "prefetcher"), ("layers", "fetcher"),
+               ("layers", "blobs")}
+
+
+def fetcher_methods() -> set[str]:
+    """``ChunkFetcher``'s public methods: its own, and those it answers with
+    its chunk states' (``self.absent = self.states.absent``)."""
+    tree = ast.parse((NODE / "reads" / "fetcher.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ChunkFetcher")
+    methods = {f.name for f in cls.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)}
+    init = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    methods |= {a.targets[0].attr for a in init.body if isinstance(a, ast.Assign)
+                and isinstance(a.targets[0], ast.Attribute)
+                and ast.unparse(a.value).startswith("self.states.")}
+    assert {"absent", "claim", "read_held", "slots"} <= methods
+    return {m for m in methods if not m.startswith("_")}
+
+
+def names_fetcher(node: ast.expr) -> bool:
+    return ((isinstance(node, ast.Name) and node.id == "fetcher")
+            or (isinstance(node, ast.Attribute) and node.attr == "fetcher"))
+
+
+@pytest.mark.parametrize("path", [p for p in node_modules()
+                                  if p.relative_to(NODE) not in FETCH_CORE],
+                         ids=lambda p: str(p.relative_to(NODE)))
+def test_the_fetch_core_is_asked_through_its_methods(path):
+    """Outside the fetch core, a ``fetcher`` is used through its methods
+    (``deadline``, ``absent``, ``claim``...), never by hops into its parts
+    (``fetcher.states``, ``.timeout``, ``.parallel``, ``.tasks.nursery``)."""
+    methods = fetcher_methods()
+    tree = ast.parse(path.read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    wrong = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and names_fetcher(node.value)):
+            continue
+        if node.attr in methods:
+            continue
+        if node.attr in FETCHER_FIELDS and not isinstance(parents.get(node), ast.Attribute):
+            continue
+        wrong.append(f"line {node.lineno}: {ast.unparse(node)}")
+    assert not wrong, f"{path.relative_to(NODE)} reaches into the fetch core: {wrong}"
+
+
+@pytest.mark.parametrize("path", [p for p in node_modules()
+                                  if p.relative_to(NODE).parts[0] in ("sandboxes", "containerd")],
+                         ids=lambda p: str(p.relative_to(NODE)))
+def test_sandboxes_and_containerd_take_no_hops_into_the_read_path(path):
+    """(A mounted layer reads its own blob's table: ``self.blob.table``.)"""
+    wrong = [f"line {node.lineno}: {ast.unparse(node)}"
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+             and (node.value.attr, node.attr) in HOPS_BARRED
+             and ast.unparse(node) != "self.blob.table"]
+    assert not wrong, f"{path.relative_to(NODE)}: {wrong}"
 
 
 def test_the_old_entry_point_is_the_cli():

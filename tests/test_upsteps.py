@@ -81,7 +81,7 @@ class NotedLayers:
 def sandboxes_of(tmp_path, steps: Steps, monkeypatch, fail_first: bool = False) -> Sandboxes:
     replica = NotedReplica(steps, fail_first)
     boxes = Sandboxes(tmp_path, NodeRefs(None, replica, None),  # type: ignore[arg-type]
-                      replica, NotedLayers(steps))  # type: ignore[arg-type]
+                      replica, NotedLayers(steps), None)  # type: ignore[arg-type]
     monkeypatch.setattr(boxes, "_resolve", lambda env, refs: ([LAYER], None, []))
     monkeypatch.setattr(sandboxes_module, "make_rootfs",
                         lambda *a, **kw: steps.seen.append("rootfs mounted"))

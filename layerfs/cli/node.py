@@ -111,8 +111,9 @@ def failure_status(command: Callable[..., None]) -> Callable[..., None]:
                    "next daemon once this one is gone; then it lets go, and reads waiting on "
                    "the node's sandboxes fail instead of waiting.")
 @click.option("--forget-after", metavar="DURATION",
-              help="Drop a layer's cache files and replica entries once no sandbox used it "
-                   "for DURATION (90s, 12h, 7d); by default layers stay until evicted.")
+              help="Drop a layer's cache files, meta image and replica entries once no "
+                   "sandbox used it for DURATION (90s, 12h, 7d; nothing while a vm is up); "
+                   "by default layers stay until evicted.")
 @click.option("--metrics", metavar="HOST:PORT",
               help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: off).")
 @click.option("--containerd-snapshotter", metavar="PATH",

@@ -62,6 +62,7 @@ from ...refstore import RefStore
 from ...tasks import TaskGroup
 from ..containers.bundle import UnsafeBundleDir, open_bundle_dir
 from ..protocol import ContainerdSnapshot
+from ..reads.prefetch import Prefetcher
 from ..reads.tracereplay import TraceReplay
 from ..replica.noderefs import NodeRefs
 from ..sandboxes.layermounts import LayerMounts
@@ -158,9 +159,10 @@ class Snapshotter:
     Its methods run in gRPC threads; :meth:`restore` on the daemon's loop."""
 
     def __init__(self, root: Path, store: SnapshotStore, layers: LayerMounts, refs: NodeRefs,
-                 refstore: RefStore, prefetch: str = "auto",
+                 refstore: RefStore, policy: Prefetcher, prefetch: str = "auto",
                  tasks: TaskGroup | None = None) -> None:
         self.root = root
+        self.policy = policy  # the node's prefetch policy: trace replays hand it their chunks
         self.tasks = tasks or TaskGroup()  # the daemon's: trace replays run in it
         self.dir = root / "snapshots"
         self.store = store
@@ -184,8 +186,8 @@ class Snapshotter:
         nursery = self.tasks.nursery
         if nursery is None or self.prefetch != "auto":
             return None
-        replay = TraceReplay(self.refstore.store, self.store.replica, self.layers.blobs.prefetcher,
-                             digests, pushed_only=True)
+        replay = TraceReplay(self.refstore.store, self.store.replica, self.policy, digests,
+                             pushed_only=True)
         nursery.start_soon(replay.run)
         return replay
 

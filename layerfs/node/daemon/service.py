@@ -368,7 +368,8 @@ class Daemon:
             self.root, self.refstore, self.replica, self.blobs, self.fetcher,
             readahead=cfg.layer_readahead, local=self.local_blobs, partial=self.partial_blobs,
             kept=kept_mounts(self.root) if self.conn is not None else None)
-        self.sandboxes = Sandboxes(self.root, self.refs, self.replica, self.layers, self.tasks)
+        self.sandboxes = Sandboxes(self.root, self.refs, self.replica, self.layers, self.policy,
+                                   self.tasks)
         self.vms = Vms(self.root, self.refs, self.replica, self.blobs, self.fetcher,
                        self.disks, self.pmem, self.tasks)
         self.snapshots: SnapshotServer | None = None
@@ -379,8 +380,8 @@ class Daemon:
             )
 
             snapshotter = Snapshotter(self.root, SnapshotStore(self.replica), self.layers,
-                                      self.refs, self.refstore, cfg.containerd_prefetch,
-                                      self.tasks)
+                                      self.refs, self.refstore, self.policy,
+                                      cfg.containerd_prefetch, self.tasks)
             self.snapshots = SnapshotServer(snapshotter,
                                             Path(cfg.containerd_snapshotter).absolute())
             self.snapshots.bind()

@@ -152,10 +152,10 @@ class BlobFile:
             plan = policy.plan(reads, streamed, self.table.chunk_size)
             last = pieces[-1][0]
             policy.read_ahead(entries[last + 1:last + 1 + plan.depth], plan)
-        states = self.fetcher.states
+        states = self.fetcher  # what the node holds, asked through the fetch core
         datas: list[Buffer] = [b""] * len(pieces)
 
-        deadline = trio.current_time() + self.fetcher.timeout  # the whole read's
+        deadline = self.fetcher.deadline()  # the whole read's
 
         async def get(k: int) -> None:
             i, lo, hi = pieces[k]
@@ -185,7 +185,7 @@ class BlobFile:
             if from_start and self.table.entries[i].flags & FILE_START:
                 self._fetch_rest_of_file(i, along)
         except BaseException:
-            self.fetcher.states.release(claim)  # (no flight left led by no one)
+            self.fetcher.release(claim)  # (no flight left led by no one)
             raise
         return await self.fetcher.fetch(claim, along, deadline)
 
@@ -236,7 +236,7 @@ class BlobFile:
         from its start (a loader opening a library, a small file read whole)
         reads the rest of it next: one round trip, not one per chunk. A read
         that starts inside a file may want only that part."""
-        entries, states = self.table.entries, self.fetcher.states
+        entries, states = self.table.entries, self.fetcher
         brought = {e.sha256 for e in along}
         rest = [e for j in self.rest_of_file(i)
                 if (e := entries[j]).sha256 not in brought and states.absent(e.sha256)]

@@ -117,6 +117,11 @@ class ChunkStates:
         self._written = trio.lowlevel.ParkingLot()  # woken when _unwritten empties
         self.warnings = RateLimitedLog(log)  # one per chunk otherwise, on a full ROOT
 
+    def deadline(self) -> float:
+        """When a read that starts now must be answered by: now (a
+        ``trio.current_time()``) plus the read timeout (``--read-timeout``)."""
+        return trio.current_time() + self.timeout
+
     def keep(self, sha: bytes, data: Chunk, *, reader: bool = True) -> None:
         """Keep a chunk's bytes in memory: the only way into it. A reader's
         chunk goes in, pushing out the least recently used; any other (a

@@ -20,8 +20,12 @@ fetched with one range read; each chunk of it has its own flight.
 The boundary is one-way: the prefetch policies (layerfs/node/reads/prefetch.py,
 layerfs/node/reads/tracereplay.py) decide what to fetch and hand this core runs
 (``fetch``'s ``along``, ``get_run``, ``lead`` of a claim); this core knows no
-policy. A read that hits (memory, a flight, the cache) never enters it:
-``ChunkStates.read_held`` serves it, and hands a miss's claim to ``fetch``.
+policy. The policies and the blob files ask it through methods named for what
+they answer (``deadline``, ``slots``, ``state``, ``absent``, ``claim``,
+``release``, ``read_held``), never through its attributes; those about what
+the node holds are the chunk states' own (``ChunkStates``). A read that hits
+(memory, a flight, the cache) never enters this module: ``read_held``
+(``ChunkStates.read_held``) serves it, and hands a miss's claim to ``fetch``.
 Memory is written only through ``ChunkStates`` (``keep``).
 Invariants: docs/dev/node.md.
 """
@@ -98,6 +102,14 @@ class ChunkFetcher:
         self.probe_thread = trio.CapacityLimiter(1)  # the health probe's (one at a time)
         self.io_limit = trio.CapacityLimiter(io_threads)
         self.states = ChunkStates(cache, memory, self.io_limit, timeout)
+        # What a policy or a blob file asks of what the node holds, answered by
+        # the chunk states' own methods (so a cache hit runs no code of this module).
+        self.deadline = self.states.deadline
+        self.state = self.states.state
+        self.absent = self.states.absent
+        self.claim = self.states.claim
+        self.release = self.states.release
+        self.read_held = self.states.read_held
         self.tasks = tasks or TaskGroup()
         self.fail_fast = FailFast()
         # a store outage fails every read: one line a minute
@@ -106,6 +118,11 @@ class ChunkFetcher:
         self.pack_missing = pack_missing or (lambda pack: None)  # the store has no such pack
         self._reader_fetches = 0  # store reads that readers (or an eager up) wait for
         self._quiet = trio.lowlevel.ParkingLot()  # woken when they drop to QUIET
+
+    def slots(self) -> int:
+        """How many store reads run at once (``--store-fetches``); a policy's
+        workers take a share of them."""
+        return self.parallel
 
     # -- reading one chunk -------------------------------------------------
 
@@ -116,7 +133,7 @@ class ChunkFetcher:
         the store (:meth:`fetch`, with ``along``); raises FetchError within
         the timeout (by ``deadline``, a ``trio.current_time()``, if given)."""
         if deadline is None:
-            deadline = trio.current_time() + self.timeout
+            deadline = self.deadline()
         got = await self.states.read_held(entry, deadline)
         if isinstance(got, Claim):
             return await self.fetch(got, along, deadline)
@@ -217,7 +234,7 @@ class ChunkFetcher:
         """Load ``part`` (claimed by the caller) and settle its flights: each
         gets its bytes or FetchError, all of them the error of a failed read."""
         if deadline is None:
-            deadline = trio.current_time() + self.timeout
+            deadline = self.deadline()
         try:
             if len(part) == 1 and for_reader:
                 got = await self._load(part[0], deadline)

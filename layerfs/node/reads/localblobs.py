@@ -163,12 +163,12 @@ class LocalBlobs:
     async def _fill(self, fd: int, table: ChunkTable) -> None:
         """The chunks the node holds from where they are; the others from
         the store in runs, all at once (bounded by the fetcher's slots)."""
-        states = self.fetcher.states
-        held = [e for e in table.entries if states.state(e.sha256) is not ChunkState.ABSENT]
+        fetcher = self.fetcher
+        held = [e for e in table.entries if fetcher.state(e.sha256) is not ChunkState.ABSENT]
         absent = sorted((e for e in table.entries
-                         if states.state(e.sha256) is ChunkState.ABSENT),
+                         if fetcher.state(e.sha256) is ChunkState.ABSENT),
                         key=lambda e: (e.pack, e.pack_offset))
-        deadline = trio.current_time() + self.fetcher.timeout
+        deadline = self.fetcher.deadline()
         # distinct chunks only per run; a chunk twice in the layer is written twice
         runs = list(pack_runs(absent, span=WHOLE_SPAN, gap=WHOLE_GAP))
 

@@ -308,12 +308,12 @@ class PartialBlobs:
         at: dict[bytes, list[int]] = {}  # a chunk twice in the blob is written twice
         for i in indexes:
             at.setdefault(entries[i].sha256, []).append(i)
-        states = self.fetcher.states
+        fetcher = self.fetcher
         firsts = [entries[ix[0]] for ix in at.values()]
-        held = [e for e in firsts if states.state(e.sha256) is not ChunkState.ABSENT]
-        absent = sorted((e for e in firsts if states.state(e.sha256) is ChunkState.ABSENT),
+        held = [e for e in firsts if fetcher.state(e.sha256) is not ChunkState.ABSENT]
+        absent = sorted((e for e in firsts if fetcher.state(e.sha256) is ChunkState.ABSENT),
                         key=lambda e: (e.pack, e.pack_offset))
-        deadline = trio.current_time() + self.fetcher.timeout
+        deadline = fetcher.deadline()
 
         def sink(entry: ChunkEntry, data: bytes | memoryview) -> None:
             for i in at[entry.sha256]:  # worker thread: written, then counted present

@@ -2,8 +2,9 @@
 
 The boundary is one-way: a policy decides what to fetch and hands the fetch
 core (``ChunkFetcher``: ``fetch``'s ``along``, ``get_run``, ``lead`` of a
-``ChunkStates.claim``) runs; the core, which alone decides whether a chunk is
-fetched, waited for or already there, never calls a policy. Who needs both
+``claim``) runs, and asks it through its methods (``absent``, ``state``,
+``slots``...); the core, which alone decides whether a chunk is fetched,
+waited for or already there, never calls a policy. Who needs both
 composes them (``BlobFile``, the daemon). The policies:
 
 * eager (``--prefetch full``): every chunk not yet cached, in pack order, a
@@ -66,7 +67,7 @@ class Prefetcher:
         self.fetcher = fetcher
         self.tasks = tasks or fetcher.tasks
         self.miss_span = miss_span
-        self.background_limit = trio.CapacityLimiter(max(1, fetcher.parallel // 4))
+        self.background_limit = trio.CapacityLimiter(max(1, fetcher.slots() // 4))
 
     # -- reads -------------------------------------------------------------
 
@@ -87,7 +88,7 @@ class Prefetcher:
         for n, entry in enumerate(following[:plan.depth]):
             if entry.flags & FILE_START:
                 break
-            if n < plan.ahead and self.fetcher.states.absent(entry.sha256):
+            if n < plan.ahead and self.fetcher.absent(entry.sha256):
                 fetch.append(entry)
             else:
                 self.warm(entry)
@@ -110,7 +111,7 @@ class Prefetcher:
             last = run[-1]
             if (nxt.pack != entry.pack or nxt.pack_offset != last.pack_offset + last.stored_length
                     or total + nxt.stored_length > self.miss_span or nxt.sha256 in shas
-                    or not self.fetcher.states.absent(nxt.sha256)):
+                    or not self.fetcher.absent(nxt.sha256)):
                 break
             run.append(nxt)
             total += nxt.stored_length
@@ -122,16 +123,15 @@ class Prefetcher:
         sequential reader's next chunk: ``ChunkStates.read_held``); never a
         store fetch for it."""
         nursery = self.tasks.nursery
-        if nursery is not None and self.fetcher.states.state(entry.sha256) is ChunkState.CACHED:
+        if nursery is not None and self.fetcher.state(entry.sha256) is ChunkState.CACHED:
             nursery.start_soon(self._warm_quietly, entry)
 
     async def _warm_quietly(self, entry: ChunkEntry) -> None:
         """``read_held`` in the background: a failure is logged where it happened."""
-        states = self.fetcher.states
         with contextlib.suppress(FetchError):  # logged; the reader that wants it tries again
-            got = await states.read_held(entry, trio.current_time() + self.fetcher.timeout)
+            got = await self.fetcher.read_held(entry, self.fetcher.deadline())
             if isinstance(got, Claim):  # no longer cached: never the store's here
-                states.release(got)  # (abandoned: a reader that waits claims again)
+                self.fetcher.release(got)  # (abandoned: a reader that waits claims again)
 
     def fetch_ahead(self, entries: list[ChunkEntry]) -> None:
         """Fetch from the store, in the background, the chunks a reader reads
@@ -144,7 +144,7 @@ class Prefetcher:
         nursery = self.tasks.nursery
         if nursery is None:
             return
-        claim = self.fetcher.states.claim(entries)
+        claim = self.fetcher.claim(entries)
         flights = dict(zip((e.sha256 for e in claim.lead), claim.flights, strict=True))
         for run in pack_runs(claim.lead):
             part = Claim(run, [flights[e.sha256] for e in run], [])
@@ -156,13 +156,15 @@ class Prefetcher:
 
     # -- whole layers ---------------------------------------------------------
 
-    async def fetch_all(self, entries: list[ChunkEntry], workers: int) -> None:
+    async def fetch_all(self, entries: list[ChunkEntry], workers: int | None = None) -> None:
         """Fetch every chunk not yet cached, in pack order, a run per range read,
-        with a bounded pool of workers (the eager ``--prefetch full``); raises
-        the first FetchError."""
-        states = self.fetcher.states
-        wanted = sorted((e for e in _unique(entries)
-                         if states.state(e.sha256) in (ChunkState.ABSENT, ChunkState.IN_FLIGHT)),
+        with a bounded pool of workers (the eager ``--prefetch full``; by
+        default half the fetch core's slots, so that sandboxes already up
+        still get theirs); raises the first FetchError."""
+        if workers is None:
+            workers = max(1, self.fetcher.slots() // 2)
+        wanted = sorted((e for e in _unique(entries) if self.fetcher.state(e.sha256)
+                         in (ChunkState.ABSENT, ChunkState.IN_FLIGHT)),
                         key=lambda e: e.location)
         todo = pack_runs(wanted)
         failed: list[FetchError] = []
@@ -188,7 +190,7 @@ class Prefetcher:
         ``workers`` at a time (all prefetches share ``background_limit``); a
         run starts only while readers' fetches are quiet (``ChunkFetcher.quiet``);
         a worker stops at its first error, which is only logged."""
-        todo = pack_runs((e for e in entries if self.fetcher.states.absent(e.sha256)),
+        todo = pack_runs((e for e in entries if self.fetcher.absent(e.sha256)),
                          span=BACKGROUND_SPAN)
 
         async def worker() -> None:

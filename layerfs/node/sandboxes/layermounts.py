@@ -51,6 +51,11 @@ class MountedLayer:
     local: bool = False  # its device is a local blob file (the kernel serves every read)
     partial: bool = False  # its device is a partial blob file (filled as it is read)
 
+    @property
+    def table(self) -> ChunkTable:
+        """The layer's chunk table (its blob file's)."""
+        return self.blob.table
+
 
 class LayerMounts:
     """Reference-counted EROFS mounts of layers, one per layer per node."""
@@ -106,7 +111,7 @@ class LayerMounts:
                 layer = await self._mount(digest, replay, may_mount)
                 self.mounted[digest] = layer
             elif replay is not None and not layer.local:
-                replay.table_known(digest, layer.blob.table)
+                replay.table_known(digest, layer.table)
             layer.users += 1
             return layer
 

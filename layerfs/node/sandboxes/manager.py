@@ -57,6 +57,7 @@ from ..protocol import (
     SandboxRecord,
     SandboxStatus,
 )
+from ..reads.prefetch import Prefetcher
 from ..reads.tracereplay import TraceReplay
 from ..replica.noderefs import NodeRefs
 from ..replica.replica import Replica
@@ -97,10 +98,13 @@ class Sandboxes:
     """Bring sandboxes up and down; their records live in the replica."""
 
     def __init__(self, root: Path, refs: NodeRefs, replica: Replica,
-                 layers: LayerMounts, tasks: TaskGroup | None = None) -> None:
-        """``tasks``: the daemon's task group, where trace replays run (none:
-        no replay)."""
+                 layers: LayerMounts, policy: Prefetcher,
+                 tasks: TaskGroup | None = None) -> None:
+        """``policy``: the node's prefetch policy (trace replays, ``--prefetch
+        full``); ``tasks``: the daemon's task group, where trace replays run
+        (none: no replay)."""
         self.root = root
+        self.policy = policy
         self.tasks = tasks or TaskGroup()
         self.refs = refs
         self.refstore: RefStore = refs.refstore
@@ -240,8 +244,8 @@ class Sandboxes:
         nursery = self.tasks.nursery
         if record.prefetch not in ("trace", "auto") or nursery is None:
             return None
-        replay = TraceReplay(self.refstore.store, self.replica, self.layers.blobs.prefetcher,
-                             record.layers, pushed_only=record.prefetch == "auto")
+        replay = TraceReplay(self.refstore.store, self.replica, self.policy, record.layers,
+                             pushed_only=record.prefetch == "auto")
         nursery.start_soon(replay.run)
         return replay
 
@@ -325,12 +329,9 @@ class Sandboxes:
         """An eager up's fetch of every chunk (``trace`` and ``auto`` replay
         from the start of the up: :meth:`_replay`)."""
         if record.prefetch == "full":
-            fetcher = self.layers.fetcher
             entries = [e for d in record.layers if not (m := self.layers.mounted[d]).local
-                       for e in m.blob.table.entries]  # a local layer is all on the node
-            # half the fetch slots, so that sandboxes already up still get theirs
-            await self.layers.blobs.prefetcher.fetch_all(entries,
-                                                         workers=max(1, fetcher.parallel // 2))
+                       for e in m.table.entries]  # a local layer is all on the node
+            await self.policy.fetch_all(entries)
 
     async def down(self, sid: str, keep_upper: bool = False,
                    force: bool = False) -> SandboxRecord:
