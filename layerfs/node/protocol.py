@@ -132,6 +132,13 @@ class Commit(Request):
     expire: float | None = None  # seconds after the commit its ref expires (None: never)
 
 
+class Suspend(Request):
+    op = "suspend"
+    id: str = ""
+    name: str = ""
+    version: str = ""
+
+
 class Stats(Request):
     op = "stats"
 
@@ -199,7 +206,7 @@ class VmPs(Request):
 
 
 REQUESTS: dict[str, type[Request]] = {cls.op: cls for cls in (
-    Ping, Up, Down, Ps, Commit, Stats, TracePush,
+    Ping, Up, Down, Ps, Commit, Suspend, Stats, TracePush,
     DiskCreate, DiskLs, DiskRm, DiskCommit, VmUp, VmDown, VmPs, VmSuspend, VmResume)}
 
 
@@ -320,6 +327,18 @@ class CommitAnswer(Message):
     vanished: list[str]
     changed: list[str]
     expires: float | None = None  # when its ref expires (seconds since the epoch)
+
+
+class SuspendAnswer(Message):
+    """A sandbox suspended into the store: ``ref`` (an env: the committed
+    upper over the sandbox's layers) brings it up again with ``resume``."""
+
+    id: str
+    ref: str  # the env name@version
+    digest: str  # its manifest's
+    commit: CommitAnswer  # the upper, as layer name@version
+    frozen: list[str] = field(default_factory=list)  # the containers frozen while it committed
+    frozen_seconds: float = 0.0  # how long they were frozen before it ended
 
 
 class LayerStats(Message):

@@ -616,6 +616,7 @@ class Daemon:
             protocol.Down: self.down,
             protocol.Ps: self.ps,
             protocol.Commit: self.commit,
+            protocol.Suspend: self.suspend,
             protocol.Stats: self.stats,
             protocol.TracePush: self.trace_push,
             protocol.DiskCreate: self.disk_create,
@@ -669,6 +670,11 @@ class Daemon:
         started = time.monotonic()
         answer = await self.sandboxes.commit(r.id, r.name, r.version, r.role, r.expire)
         events.sandbox_committed(answer, time.monotonic() - started)
+        return answer
+
+    async def suspend(self, r: protocol.Suspend) -> protocol.SuspendAnswer:
+        answer = await self.sandboxes.suspend(r.id, r.name, r.version)
+        self.dataloss.forget(r.id)
         return answer
 
     async def disk_create(self, r: protocol.DiskCreate) -> protocol.DiskAnswer:
