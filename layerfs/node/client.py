@@ -175,11 +175,14 @@ class Client:
                                 base_disk=base_disk, pmem=pmem, ram=ram)
         return call(self.root, request, protocol.VmAnswer, self.timeout).vm
 
-    def vm_suspend(self, vm_id: str, name: str, version: str) -> VmRecord:
+    def vm_suspend(self, vm_id: str, name: str, version: str,
+                   max_depth: int = protocol.DEFAULT_SNAPSHOT_DEPTH) -> VmRecord:
         """Save a running vm (up with ``ram``) into the store as
         ``name@version`` (its writable disk as ``name-disk@version``); its VMM
-        ends, the vm is ``suspended`` (``snapshot``: the ref)."""
-        request = protocol.VmSuspend(id=vm_id, name=name, version=version)
+        ends, the vm is ``suspended`` (``snapshot``: the ref). A snapshot
+        chain (a resumed vm's RAM, its disk's commits) that would grow past
+        ``max_depth`` layers is merged into one."""
+        request = protocol.VmSuspend(id=vm_id, name=name, version=version, max_depth=max_depth)
         return call(self.root, request, protocol.VmAnswer, self.timeout).vm
 
     def vm_resume(self, ref: str, vm_id: str) -> VmRecord:

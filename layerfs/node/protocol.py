@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     M = TypeVar("M", bound="Message")
 
 DEFAULT_VM_DISK = 10 << 30
+DEFAULT_SNAPSHOT_DEPTH = 8  # vm suspend: a chain deeper than this is merged into one layer
 LAYER_ROLES = ("base", "toolchain", "workspace")  # what a committed upper may be
 
 
@@ -169,6 +170,7 @@ class DiskCommit(Request):
     id: str = ""
     name: str = ""
     version: str = ""
+    max_depth: int = 0  # past this many layers the chain is merged into one (0: no bound)
 
 
 class VmUp(Request):
@@ -187,6 +189,7 @@ class VmSuspend(Request):
     id: str = ""
     name: str = ""
     version: str = ""
+    max_depth: int = DEFAULT_SNAPSHOT_DEPTH  # of the RAM's and the disk's chains
 
 
 class VmResume(Request):
@@ -413,6 +416,8 @@ class DiskCommitAnswer(Message):
     stored_bytes: int
     uploaded_bytes: int
     parent: str | None
+    depth: int = 0  # the layers a disk over this commit reads through
+    merged: int = 0  # the layers this commit merged into one (0: it is only what changed)
 
 
 VM_DRIVE_ROLES = ("meta", "device", "disk")

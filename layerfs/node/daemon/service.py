@@ -688,7 +688,7 @@ class Daemon:
         return protocol.DiskRemoved(r.id)
 
     async def disk_commit(self, r: protocol.DiskCommit) -> protocol.DiskCommitAnswer:
-        return await self.disks.commit(r.id, r.name, r.version)
+        return await self.disks.commit(r.id, r.name, r.version, max_depth=r.max_depth)
 
     async def vm_up(self, r: protocol.VmUp) -> protocol.VmAnswer:
         started = time.monotonic()
@@ -698,7 +698,8 @@ class Daemon:
         return protocol.VmAnswer(record)
 
     async def vm_suspend(self, r: protocol.VmSuspend) -> protocol.VmAnswer:
-        return protocol.VmAnswer(await self.vms.suspend(r.id, r.name, r.version))
+        return protocol.VmAnswer(await self.vms.suspend(r.id, r.name, r.version,
+                                                        r.max_depth))
 
     async def vm_resume(self, r: protocol.VmResume) -> protocol.VmAnswer:
         return protocol.VmAnswer(await self.vms.resume(r.ref, r.id))

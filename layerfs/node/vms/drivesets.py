@@ -46,7 +46,16 @@ from ...builder.disk import publish_disk
 from ...errors import LayerfsError, UsageError, VmBusy, VmExists, VmNotFound
 from ...formats.chunktable import ChunkTable
 from ...tasks import TaskGroup
-from ..protocol import VM_PMEM, BadMessage, OfflineRef, VmDrive, VmLayer, VmRam, VmRecord
+from ..protocol import (
+    DEFAULT_SNAPSHOT_DEPTH,
+    VM_PMEM,
+    BadMessage,
+    OfflineRef,
+    VmDrive,
+    VmLayer,
+    VmRam,
+    VmRecord,
+)
 from ..reads.accesstraces import trace_bytes, trace_key
 from ..reads.blobfiles import BlobDirectory, BlobFile
 from ..reads.fetcher import ChunkFetcher
@@ -54,7 +63,7 @@ from ..reads.tracereplay import pushed_trace
 from ..replica.noderefs import NodeRefs
 from ..replica.replica import Replica, ReplicaLayer
 from .diskfiles import SECTOR, pwrite_all
-from .disks import DiskManager, check_disk_size
+from .disks import DiskManager, check_disk_size, check_max_depth
 from .pmem import PmemDirectory, like_parent, padded_copy
 from .snapshots import (
     HEADER_BYTES,
@@ -259,12 +268,16 @@ class Vms:
         return home
 
     # -- suspend and resume --
-    async def suspend(self, vid: str, name: str, version: str) -> VmRecord:
+    async def suspend(self, vid: str, name: str, version: str,
+                      max_depth: int = DEFAULT_SNAPSHOT_DEPTH) -> VmRecord:
         """Save vm ``vid`` (its VMM running on the drive set with its RAM
         file) into the store as ``name@version``: device state through QMP,
         the writable disk committed (``name-disk@version``), RAM, state and a
         header sealed into one layer. The VMM ends; the vm is ``suspended``
-        (its drive set kept until ``vm down``)."""
+        (its drive set kept until ``vm down``). A RAM or disk chain that
+        would grow past ``max_depth`` layers is merged into one
+        (:meth:`.vms.disks.DiskManager.commit`)."""
+        check_max_depth(max_depth)
         record = self.records.get(vid)
         if record is None:
             raise VmNotFound(vid)
@@ -278,12 +291,14 @@ class Vms:
         try:
             state = await trio.to_thread.run_sync(self.vm_home, vid) / "state.out"
             await trio.to_thread.run_sync(save_state, ram.qmp, state)
-            disk = await self.disks.commit(record.disk, f"{name}-disk", version)
+            disk = await self.disks.commit(record.disk, f"{name}-disk", version,
+                                           max_depth=max_depth)
             raw_state = await trio.to_thread.run_sync(read_state, state)
             header = SnapshotHeader(ram.size, len(raw_state), record.blobs, disk.digest,
                                     record.pmem, drives=[d.drive_id for d in record.drives])
             if ram_disk_of(vid) in self.disks.disks:  # resumed: its RAM is that disk
-                ref = await self._commit_ram(vid, ram, raw_state, header, name, version)
+                ref = await self._commit_ram(vid, ram, raw_state, header, name, version,
+                                             max_depth)
             else:
                 source = snapshot_source(Path(ram.path), ram.size, raw_state, header)
                 ref = (await trio.to_thread.run_sync(
@@ -297,7 +312,7 @@ class Vms:
         return record
 
     async def _commit_ram(self, vid: str, ram: VmRam, state: bytes, header: SnapshotHeader,
-                          name: str, version: str) -> str:
+                          name: str, version: str, max_depth: int) -> str:
         """A resumed vm's snapshot: what its VMM wrote to the RAM disk (flushed
         from the page cache first), the state and the header written to the
         disk, committed over the snapshot it resumed from: only the pages
@@ -311,7 +326,7 @@ class Vms:
         padded = state.ljust(-(-len(state) // SECTOR) * SECTOR, b"\0")
         await disk.write(ram.size, padded)
         await disk.write(disk.size - HEADER_BYTES, header.pack())
-        return (await self.disks.commit(sid, name, version, RAM_CHUNK)).ref
+        return (await self.disks.commit(sid, name, version, RAM_CHUNK, max_depth)).ref
 
     async def resume(self, ref: str, vid: str) -> VmRecord:
         """Vm ``vid`` from snapshot ``ref``: its RAM a disk over the snapshot
