@@ -32,6 +32,7 @@ owns or deletes that disk.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -45,6 +46,7 @@ import trio
 from ...builder.disk import publish_disk
 from ...errors import LayerfsError, UsageError, VmBusy, VmExists, VmNotFound
 from ...formats.chunktable import ChunkTable
+from ...formats.lsmt import HT_SPACE
 from ...tasks import TaskGroup
 from ..protocol import (
     DEFAULT_SNAPSHOT_DEPTH,
@@ -68,12 +70,14 @@ from .pmem import PmemDirectory, like_parent, padded_copy
 from .snapshots import (
     HEADER_BYTES,
     SnapshotHeader,
+    coalesce,
     flush_file,
     load_state,
     new_private_file,
     read_state,
     save_state,
     snapshot_source,
+    warm_pages,
 )
 
 log = logging.getLogger(__name__)
@@ -126,6 +130,8 @@ class Vms:
         self.held_pmem: dict[str, list[str]] = {}  # the pmem files (and meta copies) it holds
         self.meta_users: dict[str, int] = {}  # pmem meta copy name -> vms holding it
         self._busy: set[str] = set()  # an up or a down under way
+        # a resumed vm's working set, as (offset, length) ranges of its RAM file
+        self._working: dict[str, list[tuple[int, int]]] = {}
         self.tasks = tasks or TaskGroup()  # the daemon's: resumed vms' state loads in it
 
     async def _save(self, record: VmRecord) -> None:
@@ -367,8 +373,10 @@ class Vms:
                 log.warning("vm %s: no VMM came for its device state", vid)
                 return
             await trio.sleep(0.02)
+        runs = coalesce(self._working.pop(vid, []), record.ram.size)
+        warm = functools.partial(self._warm, vid, record.ram.path, runs) if runs else None
         try:
-            took = await trio.to_thread.run_sync(load_state, qmp, state)
+            took = await trio.to_thread.run_sync(load_state, qmp, state, warm)
         except (LayerfsError, OSError, ValueError) as exc:
             log.error("vm %s: its device state did not load: %s", vid, exc)
             return
@@ -376,6 +384,21 @@ class Vms:
         await trio.sleep(WORKING_SET_SECONDS)
         if self.records.get(vid) is record:
             await self._push_working_set(vid)
+
+    @staticmethod
+    def _warm(vid: str, path: str, runs: list[tuple[int, int]]) -> None:
+        """Worker thread: the working set's pages read into the page cache
+        of resumed vm ``vid``'s RAM file before its guest goes on
+        (:func:`.snapshots.warm_pages`); how it went, logged."""
+        started = time.monotonic()
+        try:
+            done = warm_pages(path, runs)
+        except OSError as exc:
+            log.warning("vm %s: its working set is not read ahead (%s): the guest faults "
+                        "it in", vid, exc)
+            return
+        log.info("vm %s: working set read ahead (%d bytes in %d runs, %.3f s)", vid, done,
+                 len(runs), time.monotonic() - started)
 
     def _ram_blobs(self, vid: str) -> list[tuple[str, BlobFile]]:
         """The blob files of resumed vm ``vid``'s RAM disk chain (top first)."""
@@ -412,6 +435,8 @@ class Vms:
             if wanted:
                 self.blobs.prefetcher.fetch_ahead(wanted)
                 count += len(wanted)
+                self._working.setdefault(vid, []).extend(  # (RAM at its own offsets)
+                    (e.blob_offset - HT_SPACE, e.length) for e in wanted)
         return count
 
     async def _read_snapshot(self, vid: str, ref: str) -> tuple[SnapshotHeader, Path]:
