@@ -202,15 +202,16 @@ def flush_file(path: str) -> None:
         os.close(fd)
 
 
-def load_state(qmp_path: str, state: str,
-               warm: Callable[[], object] | None = None) -> float:
+def load_state(qmp_path: str, state: str, warm: Callable[[], object] | None = None,
+               wait_warm: bool = False) -> float:
     """Worker thread: load device state file ``state`` into a QEMU started
     with ``-incoming defer`` (its RAM the snapshot's, so ``x-ignore-shared``
     as on the side that saved it), then let it run (it comes back paused,
     the state the saved side was stopped in). ``warm``, if given, runs in
     a thread of its own from the moment QEMU answers (it has opened and
-    mapped its RAM then) while the state loads, and the guest goes on only
-    once it is done. Seconds taken."""
+    mapped its RAM then) while the state loads; with ``wait_warm`` the guest
+    goes on only once it is done, else at once, the warming going on beside
+    it. Seconds taken."""
     started = time.monotonic()
     q = Qmp(qmp_path, wait=10.0)
     warmer = threading.Thread(target=warm, daemon=True) if warm is not None else None
@@ -225,7 +226,7 @@ def load_state(qmp_path: str, state: str,
             info = q.cmd("query-migrate")
             status = info.get("status") if isinstance(info, dict) else None
             if status == "completed":  # paused, as the saved side was: go on
-                if warmer is not None:
+                if warmer is not None and wait_warm:
                     warmer.join(WARM_TIMEOUT)
                 q.cmd("cont")
                 return time.monotonic() - started
