@@ -343,9 +343,11 @@ class Vms:
         try:
             ram_disk = await self.disks.create(ram_disk_of(vid), None, ref)
             try:
+                # the header and the state first: behind the working set's fetches
+                # (the state is at the blob's end, its pack's last chunks) they waited
+                header, state = await self._read_snapshot(vid, ref)
                 if await self._prefetch_working_set(vid):
                     log.info("vm %s: prefetching the working set of %s", vid, ref)
-                header, state = await self._read_snapshot(vid, ref)
                 record = await self._up(vid, None, header.layers, 0, header.disk, header.pmem,
                                         resuming=Resuming(header, ram_disk.path, state, ref))
             except BaseException:
