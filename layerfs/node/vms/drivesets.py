@@ -343,11 +343,7 @@ class Vms:
         try:
             ram_disk = await self.disks.create(ram_disk_of(vid), None, ref)
             try:
-                # the header and the state first: behind the working set's fetches
-                # (the state is at the blob's end, its pack's last chunks) they waited
                 header, state = await self._read_snapshot(vid, ref)
-                if await self._prefetch_working_set(vid):
-                    log.info("vm %s: prefetching the working set of %s", vid, ref)
                 record = await self._up(vid, None, header.layers, 0, header.disk, header.pmem,
                                         resuming=Resuming(header, ram_disk.path, state, ref))
             except BaseException:
@@ -356,6 +352,10 @@ class Vms:
                     await self.disks.discard(ram_disk_of(vid))
                     await trio.to_thread.run_sync(shutil.rmtree, self.vm_dir(vid), True)
                 raise
+            # only now: what the answer needs (the header, the state, the drives'
+            # indexes and meta images) waited behind the working set's fetches
+            if await self._prefetch_working_set(vid):
+                log.info("vm %s: prefetching the working set of %s", vid, ref)
         finally:
             self._busy.discard(vid)
         if self.tasks.nursery is not None:
@@ -431,7 +431,11 @@ class Vms:
         layers of resumed vm ``vid``'s RAM; the chunks it names."""
         count = 0
         for digest, blob in self._ram_blobs(vid):
-            order = await trio.to_thread.run_sync(pushed_trace, self.refstore.store, digest)
+            try:
+                order = await trio.to_thread.run_sync(pushed_trace, self.refstore.store, digest)
+            except OSError as exc:  # (pushed_trace's own: LayerfsError is a miss)
+                log.warning("vm %s: the working set of %s is not read (%s)", vid, digest, exc)
+                continue
             entries = blob.table.entries
             wanted = [entries[i] for i in order or [] if 0 <= i < len(entries)]
             if wanted:
