@@ -20,8 +20,7 @@ each measures
 * **first command**: the request to the guest's answer to its first
   command (it reads a file of its tmpfs and a file of the layer);
 * **fetched**: bytes the node fetched from the store by then, against the
-  RAM size (and by ready: how much of it came before the guest ran).
-
+  RAM size (and by ready: how much of it came before the guest ran);
 * **from QEMU**: QEMU's start to the first command's answer (what a hot
   resume is compared on).
 
