@@ -92,7 +92,8 @@ def ticks(node: NodeDaemon, sid: str) -> int:
 
 def test_frozen_container_writes_nothing_until_thawed(nodes) -> None:
     """The freezer stops every process of a runc container (the kernel says
-    ``frozen``, its file does not grow) and a thaw lets it go on."""
+    ``frozen`` of the container's own cgroup, cgroup2's where there is one;
+    its file does not grow) and a thaw lets it go on."""
     a, _, _ = nodes
     with working(a, "fz"):
         (container,) = runner.running_containers(str(a.root), "fz")
@@ -100,6 +101,10 @@ def test_frozen_container_writes_nothing_until_thawed(nodes) -> None:
         try:
             assert [c.container_id for c in frozen] == [container.container_id]
             assert freezer.is_frozen(frozen[0])
+            points = freezer.freezer_points()  # cgroup2's cgroup.freeze where runc put it there
+            if "cgroup2" in points:
+                assert frozen[0].v2 and frozen[0].path.startswith(points["cgroup2"] + "/")
+            assert container.container_id in frozen[0].path.split("/")
             before = ticks(a, "fz")
             time.sleep(0.3)
             assert ticks(a, "fz") == before

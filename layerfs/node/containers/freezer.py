@@ -53,9 +53,12 @@ def init_pid(container: Container) -> int | None:
     return pid if isinstance(pid, int) and pid > 0 else None
 
 
-def cgroup_of(pid: int) -> tuple[str, bool] | None:
+def cgroup_of(pid: int, container_id: str) -> tuple[str, bool] | None:
     """The cgroup directory of process ``pid`` to freeze and whether it is a
-    cgroup2 one; None if the process is gone or no freezer holds it."""
+    cgroup2 one; None if the process is gone or no freezer holds it. Only a
+    cgroup of the container's own (its id a component of the path) is
+    taken: a process the runtime left in a cgroup it inherited (crun on a
+    hybrid host leaves cgroup2 alone) shares it with others, never frozen."""
     points = freezer_points()
     try:
         with open(f"/proc/{pid}/cgroup", encoding="utf-8") as f:
@@ -67,7 +70,7 @@ def cgroup_of(pid: int) -> tuple[str, bool] | None:
         _, controllers, path = line.split(":", 2)
         paths[controllers or "cgroup2"] = path
     for key, v2 in (("cgroup2", True), ("freezer", False)):
-        if key in paths and key in points and paths[key] != "/":
+        if key in paths and key in points and container_id in paths[key].split("/"):
             directory = points[key] + paths[key]
             if os.path.exists(os.path.join(directory, "cgroup.freeze" if v2 else "freezer.state")):
                 return directory, v2
@@ -141,7 +144,7 @@ def freeze_all(containers: list[Container]) -> list[FrozenCgroup]:
     try:
         for container in containers:
             pid = init_pid(container)
-            found = cgroup_of(pid) if pid is not None else None
+            found = cgroup_of(pid, container.container_id) if pid is not None else None
             if found is None:
                 if pid is not None and os.path.exists(f"/proc/{pid}"):
                     raise FreezeFailed(f"container {container.container_id}",

@@ -513,6 +513,7 @@ class Vms:
         if vid in self._busy:
             raise VmBusy(vid)
         self._busy.add(vid)
+        self._working.pop(vid, None)
         try:
             own = record.disk == disk_of(vid)  # (a tampered record may name another's)
             await self._release(vid, record.disk if own and not keep else None)
