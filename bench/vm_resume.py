@@ -8,15 +8,25 @@ commands on its console. ``vm suspend`` saves it into a ``file://`` store
 under the work directory (measured: seconds, bytes stored against RAM).
 Then, per rep, on a fresh node root each (empty cache, a daemon of its
 own), a resume **without** the working set (the pushed trace removed from
-the store) and one **with** it (the trace the first resume pushed), the
-order alternating between reps; each measures
+the store), one **with** it (the trace the first resume pushed) and, with
+``--all``, one with **all** of the snapshot's RAM chunks as its working set
+(every chunk in the node), and with ``--hot`` one whose QEMU maps a local
+copy of the whole RAM, its pages in the page cache (the copy made before
+QEMU starts: what no prefetch can beat), the order rotating between reps;
+each measures
 
 * **ready**: ``vm resume``'s request to the daemon's log line that the
   state is loaded and the guest runs (QEMU started right after the answer);
 * **first command**: the request to the guest's answer to its first
   command (it reads a file of its tmpfs and a file of the layer);
 * **fetched**: bytes the node fetched from the store by then, against the
-  RAM size.
+  RAM size (and by ready: how much of it came before the guest ran);
+* **from QEMU**: QEMU's start to the first command's answer (what a hot
+  resume is compared on).
+
+The report has the working set's size, and the medians of the per-rep
+ratios without/with (and without/all) of the first command's time, and
+without/hot of the time from QEMU's start.
 
 Last, a resumed guest changes ``--change`` of memory and is suspended
 again: what that second snapshot stored, against what changed.
@@ -40,9 +50,10 @@ from bench import RESULTS, WORK, git_head
 from bench.daemons import DaemonRuns, clear_dir, print_footer
 from harness import guest
 from layerfs.builder.layer import BuildOptions, build_layer
+from layerfs.formats.lsmt import HT_SPACE
 from layerfs.node.client import Client
-from layerfs.node.protocol import VmRecord
-from layerfs.node.reads.accesstraces import trace_key
+from layerfs.node.protocol import VmRam, VmRecord
+from layerfs.node.reads.accesstraces import parse_trace, trace_bytes, trace_key
 from layerfs.node.vms.vmmargs import qemu_drive_args, qemu_ram_args
 from layerfs.refstore import RefStore
 from layerfs.sizes import parse_size
@@ -82,24 +93,48 @@ def start(kernel, initramfs: Path, vm: VmRecord, work: Path, name: str) -> guest
     return guest.Guest(argv, work / f"{name}.log")
 
 
+def local_copy(ram: VmRam, path: Path) -> VmRam:
+    """The resumed RAM read whole into a local file (its zero 4 MiB pieces
+    left as holes), its pages in the page cache: a RAM no prefetch can beat."""
+    with open(ram.path, "rb") as src, open(path, "wb") as dst:
+        for at in range(0, ram.size, 4 * MiB):
+            piece = src.read(4 * MiB)
+            if piece.count(0) != len(piece):
+                dst.seek(at)
+                dst.write(piece)
+        dst.truncate(ram.size)
+    return VmRam(path=str(path), size=ram.size, share=ram.share, qmp=ram.qmp,
+                 incoming=ram.incoming)
+
+
 def resume(runs: DaemonRuns, store_dir: Path, work: Path, kernel, initramfs: Path, ref: str,
-           name: str, oddities: list[str], timeout: float, keep: bool = False) -> dict:
-    """One resume on a fresh node root: its times and bytes fetched."""
+           name: str, oddities: list[str], timeout: float, keep: bool = False,
+           hot: bool = False) -> dict:
+    """One resume on a fresh node root: its times and bytes fetched. ``hot``:
+    its QEMU maps a local copy of the whole RAM instead (made before QEMU
+    starts, not timed: ``from_qemu_s`` is what to compare)."""
     root = clear_dir(work / f"root-{name}", oddities)
     node = runs.start(root, name, ["--store", f"file://{store_dir}"])
     client = Client(root)
     t0 = time.monotonic()
     vm = client.vm_resume(ref, name)
     answered = time.monotonic()
+    if hot:
+        assert vm.ram is not None
+        vm.ram = local_copy(vm.ram, work / f"{name}.ram")
+    qemu_at = time.monotonic()
     g = start(kernel, initramfs, vm, work, name)
     try:
         ready = wait_log(node, f"vm {name} resumed from its snapshot", timeout)
+        fetched_ready = client.stats().cache.get("bytes_fetched", 0)
         g.send("cmd")
         at, _ = g.wait_for(r"^DONE ", timeout)
         first = g.times[at]
         fetched = client.stats().cache.get("bytes_fetched", 0)
         row = {"answer_s": round(answered - t0, 3), "ready_s": round(ready - t0, 3),
                "first_command_s": round(first - t0, 3), "fetched_bytes": fetched,
+               "fetched_at_ready_bytes": fetched_ready,
+               "from_qemu_s": round(first - qemu_at, 3),
                "prefetched_working_set": f"vm {name}: prefetching the working set" in node.log()}
         if keep:
             return {"row": row, "node": node, "guest": g, "client": client}
@@ -125,6 +160,11 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=WORK / "vm_resume")
     ap.add_argument("--readahead", default=None,
                     help="the daemons' --readahead (the fault read-around of the RAM disk)")
+    ap.add_argument("--all", action="store_true",
+                    help="also resume with every RAM chunk of the snapshot as the working set")
+    ap.add_argument("--hot", action="store_true",
+                    help="also resume with QEMU on a local copy of the whole RAM, its pages in "
+                         "the page cache (the floor of any prefetch; compare from_qemu_s)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     ram, touch, change = (parse_size(x) for x in (args.ram, args.touch, args.change))
@@ -144,7 +184,9 @@ def main() -> None:
         touch=touch // MiB, change=change // MiB))
     runs = DaemonRuns(work, oddities, cache_size="4G", daemon_args=(
         ["--readahead", args.readahead] if args.readahead else []))
-    results: dict = {"without": [], "with": []}
+    results: dict = {"without": [], "with": [], **({"all": []} if args.all else {}),
+                     **({"hot": []} if args.hot else {})}
+    sides = list(results)
     try:
         root = clear_dir(work / "root-first", oddities)
         node = runs.start(root, "first", ["--store", f"file://{store_dir}"])
@@ -162,28 +204,48 @@ def main() -> None:
         runs.finish(node, remove_root=True)
         snap = RefStore(store).disk(RefStore(store).resolve("layers", "bench/snap@1"))
         digest = RefStore(store).resolve("layers", "bench/snap@1")
-        trace: bytes | None = None
+        traces: dict[str, bytes] = {"all": trace_bytes(ram_chunks(store, digest, ram))}
         for rep in range(args.reps):
-            order = ("without", "with") if rep % 2 == 0 else ("with", "without")
+            order = sides[rep % len(sides):] + sides[:rep % len(sides)]
+            if rep == 0:  # (its first, without, pushes the working set)
+                order = ["without"] + [x for x in sides if x != "without"]
             for side in order:
-                assert side == "without" or trace is not None  # (rep 0's first pushes it)
-                if side == "without":
+                if side in ("without", "hot"):
                     store.delete(trace_key(digest)) if store.exists(trace_key(digest)) else None
                 else:
-                    store.put(trace_key(digest), trace)
+                    store.put(trace_key(digest), traces[side])
                 row = resume(runs, store_dir, work, kernel, initramfs, "bench/snap@1",
-                             f"r{rep}{side[0]}", oddities, args.timeout)["row"]
+                             f"r{rep}{side[0]}", oddities, args.timeout,
+                             hot=side == "hot")["row"]
                 results[side].append(row)
                 print(f"rep {rep} {side:7}: ready {row['ready_s']:.2f} s, first command "
-                      f"{row['first_command_s']:.2f} s, fetched "
+                      f"{row['first_command_s']:.2f} s (from QEMU {row['from_qemu_s']:.2f} s), "
+                      "fetched "
                       f"{row['fetched_bytes'] / MiB:.1f} MiB", flush=True)
-                if trace is None and store.exists(trace_key(digest)):
-                    trace = store.get(trace_key(digest))
+                if "with" not in traces and store.exists(trace_key(digest)):
+                    traces["with"] = store.get(trace_key(digest))
         second = second_suspend(runs, store_dir, work, kernel, initramfs, oddities, args)
     finally:
         runs.stop_all()
+    sets = {side: chunk_bytes(store, digest, traces[side]) for side in traces if side in results}
     report(args, ram, touch, change, suspend_s, snap, results, second, runs, oddities,
-           time.monotonic() - t0)
+           time.monotonic() - t0, sets)
+
+
+def ram_chunks(store: FileStore, digest: str, ram: int) -> list[int]:
+    """The snapshot layer's chunks that hold RAM (in the blob: after the
+    header space, at the RAM's own offsets), by index."""
+    refstore = RefStore(store)
+    entries = refstore.chunk_table(refstore.disk(digest)).entries
+    return [i for i, e in enumerate(entries) if HT_SPACE <= e.blob_offset < HT_SPACE + ram]
+
+
+def chunk_bytes(store: FileStore, digest: str, trace: bytes) -> dict:
+    """A working set's chunks and bytes."""
+    refstore = RefStore(store)
+    entries = refstore.chunk_table(refstore.disk(digest)).entries
+    order = parse_trace(trace) or []
+    return {"chunks": len(order), "bytes": sum(entries[i].length for i in order)}
 
 
 def second_suspend(runs, store_dir: Path, work: Path, kernel, initramfs: Path,
@@ -207,16 +269,30 @@ def second_suspend(runs, store_dir: Path, work: Path, kernel, initramfs: Path,
 
 
 def report(args, ram: int, touch: int, change: int, suspend_s: float, snap, results: dict,
-           second: dict, runs: DaemonRuns, oddities: list[str], total: float) -> None:
+           second: dict, runs: DaemonRuns, oddities: list[str], total: float,
+           sets: dict) -> None:
     med = {side: {k: statistics.median(r[k] for r in rows)
-                  for k in ("ready_s", "first_command_s", "fetched_bytes")}
+                  for k in ("ready_s", "first_command_s", "fetched_bytes",
+                            "fetched_at_ready_bytes", "from_qemu_s")}
            for side, rows in results.items() if rows}
+    key = {"hot": "from_qemu_s"}  # (a hot resume's copy is not timed)
+    ratios = {side: [round(w[key.get(side, "first_command_s")]
+                           / r[key.get(side, "first_command_s")], 3)
+                     for w, r in zip(results["without"], rows, strict=True)]
+              for side, rows in results.items() if side != "without"}
+    for side, per_rep in ratios.items():
+        print(f"first command, without / {side}: per rep {per_rep}, median "
+              f"{statistics.median(per_rep):.2f}x")
+    for side, got in sets.items():
+        print(f"working set {side}: {got['chunks']} chunks, {got['bytes'] / MiB:.1f} MiB")
     print(f"\n{ram // MiB} MiB RAM, {touch // MiB} MiB of it filled; suspend "
           f"{suspend_s:.2f} s, stored {snap.stats.stored_bytes / MiB:.1f} MiB "
           f"({snap.stats.file_bytes / MiB:.1f} MiB non-zero)")
-    print(f"{'resume':8} {'ready s':>8} {'1st cmd s':>10} {'fetched MiB':>12} {'of RAM':>7}")
+    print(f"{'resume':8} {'ready s':>8} {'1st cmd s':>10} {'from QEMU s':>12} "
+          f"{'fetched MiB':>12} {'of RAM':>7}")
     for side, m in med.items():
         print(f"{side:8} {m['ready_s']:8.2f} {m['first_command_s']:10.2f} "
+              f"{m['from_qemu_s']:12.2f} "
               f"{m['fetched_bytes'] / MiB:12.1f} {m['fetched_bytes'] / ram:7.1%}")
     print(f"second suspend after changing {change // MiB} MiB: stored "
           f"{second['stored_bytes'] / MiB:.1f} MiB ({second['stored_bytes'] / change:.1f}x)")
@@ -224,6 +300,9 @@ def report(args, ram: int, touch: int, change: int, suspend_s: float, snap, resu
            "readahead": args.readahead,
            "suspend_s": round(suspend_s, 3), "snapshot_stored_bytes": snap.stats.stored_bytes,
            "snapshot_nonzero_bytes": snap.stats.file_bytes, "medians": med, "runs": results,
+           "first_command_ratios": {side: {"per_rep": r, "median": statistics.median(r)}
+                                    for side, r in ratios.items()},
+           "working_sets": sets,
            "second_suspend": {**second, "changed_bytes": change}, "oddities": oddities}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")

@@ -100,6 +100,12 @@ class VersionExists(LayerfsError):
     exit_code = 4
 
 
+class SnapshotExists(LayerfsError):
+    """{} already exists: a suspend never writes over a ref (give another version)"""
+
+    exit_code = 4
+
+
 class DestinationExists(LayerfsError):
     """destination {}: {}"""
 

@@ -552,7 +552,10 @@ def test_a_guest_suspended_on_one_node_resumes_on_another(kernel, node, node2, s
     resumed on the first node: both writes are there. The first resume
     pushed the chunks it touched in its first seconds as the snapshot's
     working set, which the last resume (its chain has the first snapshot)
-    prefetches."""
+    prefetches and reads into its RAM file's page cache before the guest
+    goes on. Suspended once more with a chain bound of 2, its RAM and
+    disk chains are merged into one layer each, and the guest resumed from
+    them (on the second node) has both writes and the fsynced sector."""
     src = tmp_path / "src"
     layer_tree(src, 7)
     build(store, str(src), name="sr/data", chunk_size=MiB)
@@ -620,19 +623,79 @@ def test_a_guest_suspended_on_one_node_resumes_on_another(kernel, node, node2, s
         wait_for(lambda: "vm s3 resumed from its snapshot" in node.log(), "the state", 90)
         g3.send("again")
         _, both = g3.wait_for(r"^AGAIN (.*)$")
-        g3.send("stop")
-        assert g3.finish() == 0
+        # a bound of 2 on the chains: the RAM's (snap@1, snap@2) and the disk's are merged
+        Client(node.root).vm_suspend("s3", "sr/snap", "3", max_depth=2)
+        assert g3.proc.wait(60) == 0
     finally:
         g3.stop()
     assert both.group(1) == "written to tmpfs before the suspend / written after the resume"
     assert "vm s3: prefetching the working set of sr/snap@2" in node.log()  # (its parent's)
-    assert [line for line in g1.lines + g2.lines + g3.lines if "GUEST-ERROR" in line] == []
-    node2.cli("vm", "down", "s2")
+    assert re.search(r"vm s3: working set read ahead \(\d+ bytes", node.log())  # before cont
+    for ref in ("sr/snap@3", "sr/snap-disk@3"):
+        assert len(RefStore(store).disk_chain(RefStore(store).resolve("layers", ref))) == 1
+
+    fourth = Client(node2.root).vm_resume("sr/snap@3", "s4")  # from the merged layer
+    assert fourth.ram is not None
+    argv = guest.qemu_argv(kernel, initramfs, qemu_drive_args(fourth.drives)
+                           + qemu_ram_args(fourth.ram), memory_mb=ram // MiB)
+    g4 = guest.Guest(argv, tmp_path / "sr4.log")
+    try:
+        wait_for(lambda: "vm s4 resumed from its snapshot" in node2.log(), "the state", 90)
+        g4.send("again")
+        _, merged = g4.wait_for(r"^AGAIN (.*)$")
+        g4.send("check")
+        _, disk4 = g4.wait_for(r"^DISK (.*)$")
+        g4.send("stop")
+        assert g4.finish() == 0
+    finally:
+        g4.stop()
+    assert merged.group(1) == both.group(1)
+    assert disk4.group(1) == "fsynced-before-suspend"
+    lines = g1.lines + g2.lines + g3.lines + g4.lines
+    assert [line for line in lines if "GUEST-ERROR" in line] == []
+    for vid in ("s2", "s4"):
+        node2.cli("vm", "down", vid)
     for vid in ("s1", "s3"):
         node.cli("vm", "down", vid)
     for n in (node, node2):
         assert json.loads(n.cli("disk", "ls", "--json").stdout) == []
         assert os.listdir(n.root / "vms") == []
+
+
+@FILE_STORE
+def test_a_chain_past_its_bound_is_merged_into_one_layer(node, node2, store):
+    """``disk commit --max-depth 3`` (what ``vm suspend`` does to a resumed
+    vm's RAM and disk chains, with its default of 8): three commits chain
+    (depth 1, 2, 3), the fourth merges the chain into one layer with no
+    parent, the fifth chains over it again. A disk over the merged commit on
+    a second node reads exactly what was written: each commit's block, and
+    the block every commit overwrote as the last one wrote it."""
+    refstore = RefStore(store)
+    node.cli("disk", "create", "m", "--size", "4M")
+    expected = bytearray(4 * MiB)
+    commits = []
+    with open(node.root / "fuse" / "disks" / "m", "r+b", buffering=0) as f:
+        for i in range(1, 6):
+            for off, data in ((0, bytes([i]) * 8192), (i * 256 * 1024, os.urandom(65536))):
+                os.pwrite(f.fileno(), data, off)
+                expected[off:off + len(data)] = data
+            os.fsync(f.fileno())
+            commits.append(json.loads(node.cli("disk", "commit", "m", "--name", "chain/m",
+                                               "--version", str(i), "--max-depth", "3",
+                                               "--json").stdout))
+            if i == 4:
+                merged_view = bytes(expected)
+    assert [c["depth"] for c in commits] == [1, 2, 3, 1, 2]
+    assert [c["merged"] for c in commits] == [0, 0, 0, 4, 0]
+    assert commits[3]["parent"] is None and commits[4]["parent"] == "chain/m@4"
+    for c in commits:
+        assert len(refstore.disk_chain(c["digest"])) == c["depth"] <= 3
+    for sid, version, want in (("m4", "4", merged_view), ("m5", "5", bytes(expected))):
+        node2.cli("disk", "create", sid, "--base", f"chain/m@{version}")
+        got = (node2.root / "fuse" / "disks" / sid).read_bytes()
+        assert got == want, sid
+        node2.cli("disk", "rm", sid)
+    node.cli("disk", "rm", "m")
 
 
 @FILE_STORE

@@ -104,14 +104,19 @@ def disk_rm(sid: str, root: str) -> None:
 @click.argument("sid", metavar="ID")
 @click.option("--name", required=True)
 @click.option("--version", "version", required=True)
+@click.option("--max-depth", type=int, default=0, show_default=True,
+              help="A chain that would grow past this many layers is merged into one "
+                   "(0: no bound).")
 @root_option
 @json_option
-def disk_commit(sid: str, name: str, version: str, root: str, as_json: bool) -> None:
+def disk_commit(sid: str, name: str, version: str, max_depth: int, root: str,
+                as_json: bool) -> None:
     """Seal the writes made to disk ID since its last commit into the layer
     NAME@VERSION (parent: the previous commit or the base) and push it."""
-    res = call(root, protocol.DiskCommit(id=sid, name=name, version=version),
-               protocol.DiskCommitAnswer)
-    Output(as_json).emit(res.to_json(), f"{res.ref} {res.digest}\n  changed "
+    request = protocol.DiskCommit(id=sid, name=name, version=version, max_depth=max_depth)
+    res = call(root, request, protocol.DiskCommitAnswer)
+    merged = f" (merged a chain of {res.merged} layers)" if res.merged else ""
+    Output(as_json).emit(res.to_json(), f"{res.ref} {res.digest}{merged}\n  changed "
                          f"{human_bytes(res.changed_bytes)}, stored "
                          f"{human_bytes(res.stored_bytes)}, uploaded "
                          f"{human_bytes(res.uploaded_bytes)}")
@@ -221,14 +226,19 @@ def vm_text(record: protocol.VmRecord) -> str:
 @click.argument("vid", metavar="ID")
 @click.option("--name", required=True)
 @click.option("--version", "version", required=True)
+@click.option("--max-depth", type=int, default=protocol.DEFAULT_SNAPSHOT_DEPTH,
+              show_default=True,
+              help="A RAM or disk chain that would grow past this many layers is merged "
+                   "into one.")
 @root_option
 @json_option
-def vm_suspend(vid: str, name: str, version: str, root: str, as_json: bool) -> None:
+def vm_suspend(vid: str, name: str, version: str, max_depth: int, root: str,
+               as_json: bool) -> None:
     """Save running VM ID (up with --ram, its VMM started with the qemu_ram
     arguments) into the store as NAME@VERSION: device state, RAM and the
     writable disk (NAME-disk@VERSION). Its VMM ends."""
-    record = call(root, protocol.VmSuspend(id=vid, name=name, version=version),
-                  protocol.VmAnswer).vm
+    request = protocol.VmSuspend(id=vid, name=name, version=version, max_depth=max_depth)
+    record = call(root, request, protocol.VmAnswer).vm
     Output(as_json).emit(vm_doc(record), f"{vid} suspended as {record.snapshot}")
 
 

@@ -22,12 +22,14 @@ COMMANDS = {
     "revoke": "revoke:revoke", "unrevoke": "revoke:unrevoke",
     "daemon": "node:daemon", "up": "node:up", "down": "node:down", "ps": "node:ps",
     "run": "run:run", "stats": "node:stats", "trace": "node:trace", "commit": "node:commit",
+    "suspend": "node:suspend", "resume": "node:resume",
     "build-disk": "disks:build_disk_cmd", "disk": "disks:disk", "vm": "disks:vm",
 }
 # Commands that only talk to the daemon and log nothing themselves (its answers
 # carry its messages): they skip importing and configuring logging. A record
 # one of them logged anyway still reaches stderr (logging's last resort).
-CLIENT_COMMANDS = frozenset({"up", "down", "ps", "run", "stats", "trace", "commit"})
+CLIENT_COMMANDS = frozenset({"up", "down", "ps", "run", "stats", "trace", "commit", "suspend",
+                             "resume"})
 
 
 class LazyGroup(click.Group):

@@ -1,4 +1,4 @@
-"""Node commands: daemon, up, down, ps, stats, trace push, commit (``run`` is in
+"""Node commands: daemon, up, down, ps, stats, trace push, commit, suspend, resume (``run`` is in
 :mod:`.run`): their click options and help. Each client command is a thin call
 of :class:`layerfs.node.Client`, its body in :mod:`.client_commands` (which
 :mod:`.fastpath` runs without click for the plain forms); this module imports
@@ -259,6 +259,34 @@ def commit(sid: str, name: str, version: str, role: str, expire: str | None, roo
     if res.expires is not None:
         state += f"  (expires {utc_time(res.expires)})"
     Output(as_json).emit(res.to_json(), f"{res.ref} {res.digest}{state}")
+
+
+@click.command()
+@click.argument("sid", metavar="ID")
+@click.option("--name", required=True, help="Name of the snapshot (a layer and an env).")
+@click.option("--version", required=True, help="Its version (must not exist).")
+@root_option
+@json_option
+def suspend(sid: str, name: str, version: str, root: str, as_json: bool) -> None:
+    """Suspend sandbox ID into the store: its `layerfs run` containers frozen
+    (cgroup freezer) while its upper is committed as layer NAME@VERSION and env
+    NAME@VERSION (that layer over the sandbox's) is pushed; then the sandbox
+    ends. `layerfs resume NAME@VERSION` brings it up on any node."""
+    res = Client(root).suspend(sid, name, version)
+    Output(as_json).emit(res.to_json(), f"{sid} suspended as {res.ref} {res.digest}")
+
+
+@click.command()
+@click.argument("ref", metavar="REF")
+@click.option("--id", "sid", required=True, help="Sandbox id.")
+@click.option("--prefetch", type=click.Choice(PREFETCH_MODES), default="auto",
+              show_default=True, help="As `up --prefetch`.")
+@root_option
+@json_option
+def resume(ref: str, sid: str, prefetch: str, root: str, as_json: bool) -> None:
+    """Bring up sandbox ID from REF, the env a `layerfs suspend` pushed (an
+    `up` of it, on any node); print its rootfs path."""
+    client_commands.up(ref, (), sid, prefetch, None, root, as_json)
 
 
 @click.command()

@@ -26,6 +26,7 @@ from .protocol import (
     SandboxRecord,
     SandboxStatus,
     StatsAnswer,
+    SuspendAnswer,
     TracePushAnswer,
     VmRecord,
 )
@@ -136,6 +137,26 @@ class Client:
                                   expire=None if expire is None else float(expire))
         return call(self.root, request, CommitAnswer, self.timeout)
 
+    def suspend(self, sandbox_id: str, name: str, version: str) -> SuspendAnswer:
+        """Suspend a sandbox into the store: its containers frozen (cgroup
+        freezer) while its upper is committed as layer ``name@version``, env
+        ``name@version`` (that layer over the sandbox's layers) published,
+        then the sandbox ended (its containers killed, taken down). A ref that
+        exists is refused (:class:`~layerfs.errors.SnapshotExists`, exit 4)
+        and nothing changes. :meth:`resume` brings it up again, on any node."""
+        request = protocol.Suspend(id=sandbox_id, name=name, version=version)
+        return call(self.root, request, SuspendAnswer, self.timeout)
+
+    def resume(self, ref: str, sandbox_id: str, prefetch: str = "auto",
+               bundle_dir: str | None = None, *, memory: int | None = None,
+               cpus: float | None = None, pids: int | None = None,
+               disk_quota: int | None = None) -> SandboxRecord:
+        """Sandbox ``sandbox_id`` from the env ``ref`` a :meth:`suspend` made,
+        on this node: an :meth:`up` of it (the same options), with the files
+        the suspended sandbox had; its processes start anew."""
+        return self.up(sandbox_id, env=ref, prefetch=prefetch, bundle_dir=bundle_dir,
+                       memory=memory, cpus=cpus, pids=pids, disk_quota=disk_quota)
+
     def trace_push(self, ref: str) -> TracePushAnswer:
         """Store this node's access trace of layer ``ref`` beside the layer."""
         return call(self.root, protocol.TracePush(ref=ref), TracePushAnswer, self.timeout)
@@ -154,11 +175,14 @@ class Client:
                                 base_disk=base_disk, pmem=pmem, ram=ram)
         return call(self.root, request, protocol.VmAnswer, self.timeout).vm
 
-    def vm_suspend(self, vm_id: str, name: str, version: str) -> VmRecord:
+    def vm_suspend(self, vm_id: str, name: str, version: str,
+                   max_depth: int = protocol.DEFAULT_SNAPSHOT_DEPTH) -> VmRecord:
         """Save a running vm (up with ``ram``) into the store as
         ``name@version`` (its writable disk as ``name-disk@version``); its VMM
-        ends, the vm is ``suspended`` (``snapshot``: the ref)."""
-        request = protocol.VmSuspend(id=vm_id, name=name, version=version)
+        ends, the vm is ``suspended`` (``snapshot``: the ref). A snapshot
+        chain (a resumed vm's RAM, its disk's commits) that would grow past
+        ``max_depth`` layers is merged into one."""
+        request = protocol.VmSuspend(id=vm_id, name=name, version=version, max_depth=max_depth)
         return call(self.root, request, protocol.VmAnswer, self.timeout).vm
 
     def vm_resume(self, ref: str, vm_id: str) -> VmRecord:

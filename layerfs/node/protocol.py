@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     M = TypeVar("M", bound="Message")
 
 DEFAULT_VM_DISK = 10 << 30
+DEFAULT_SNAPSHOT_DEPTH = 8  # vm suspend: a chain deeper than this is merged into one layer
 LAYER_ROLES = ("base", "toolchain", "workspace")  # what a committed upper may be
 
 
@@ -132,6 +133,13 @@ class Commit(Request):
     expire: float | None = None  # seconds after the commit its ref expires (None: never)
 
 
+class Suspend(Request):
+    op = "suspend"
+    id: str = ""
+    name: str = ""
+    version: str = ""
+
+
 class Stats(Request):
     op = "stats"
 
@@ -162,6 +170,7 @@ class DiskCommit(Request):
     id: str = ""
     name: str = ""
     version: str = ""
+    max_depth: int = 0  # past this many layers the chain is merged into one (0: no bound)
 
 
 class VmUp(Request):
@@ -180,6 +189,7 @@ class VmSuspend(Request):
     id: str = ""
     name: str = ""
     version: str = ""
+    max_depth: int = DEFAULT_SNAPSHOT_DEPTH  # of the RAM's and the disk's chains
 
 
 class VmResume(Request):
@@ -199,7 +209,7 @@ class VmPs(Request):
 
 
 REQUESTS: dict[str, type[Request]] = {cls.op: cls for cls in (
-    Ping, Up, Down, Ps, Commit, Stats, TracePush,
+    Ping, Up, Down, Ps, Commit, Suspend, Stats, TracePush,
     DiskCreate, DiskLs, DiskRm, DiskCommit, VmUp, VmDown, VmPs, VmSuspend, VmResume)}
 
 
@@ -322,6 +332,18 @@ class CommitAnswer(Message):
     expires: float | None = None  # when its ref expires (seconds since the epoch)
 
 
+class SuspendAnswer(Message):
+    """A sandbox suspended into the store: ``ref`` (an env: the committed
+    upper over the sandbox's layers) brings it up again with ``resume``."""
+
+    id: str
+    ref: str  # the env name@version
+    digest: str  # its manifest's
+    commit: CommitAnswer  # the upper, as layer name@version
+    frozen: list[str] = field(default_factory=list)  # the containers frozen while it committed
+    frozen_seconds: float = 0.0  # how long they were frozen before it ended
+
+
 class LayerStats(Message):
     users: int
     bytes_read: int
@@ -395,6 +417,8 @@ class DiskCommitAnswer(Message):
     stored_bytes: int
     uploaded_bytes: int
     parent: str | None
+    depth: int = 0  # the layers a disk over this commit reads through
+    merged: int = 0  # the layers this commit merged into one (0: it is only what changed)
 
 
 VM_DRIVE_ROLES = ("meta", "device", "disk")

@@ -706,6 +706,7 @@ class Daemon:
             protocol.Down: self.down,
             protocol.Ps: self.ps,
             protocol.Commit: self.commit,
+            protocol.Suspend: self.suspend,
             protocol.Stats: self.stats,
             protocol.TracePush: self.trace_push,
             protocol.DiskCreate: self.disk_create,
@@ -761,6 +762,11 @@ class Daemon:
         events.sandbox_committed(answer, time.monotonic() - started)
         return answer
 
+    async def suspend(self, r: protocol.Suspend) -> protocol.SuspendAnswer:
+        answer = await self.sandboxes.suspend(r.id, r.name, r.version)
+        self.dataloss.forget(r.id)
+        return answer
+
     async def disk_create(self, r: protocol.DiskCreate) -> protocol.DiskAnswer:
         return protocol.DiskAnswer(await self.disks.create(r.id, r.size, r.base))
 
@@ -772,7 +778,7 @@ class Daemon:
         return protocol.DiskRemoved(r.id)
 
     async def disk_commit(self, r: protocol.DiskCommit) -> protocol.DiskCommitAnswer:
-        return await self.disks.commit(r.id, r.name, r.version)
+        return await self.disks.commit(r.id, r.name, r.version, max_depth=r.max_depth)
 
     async def vm_up(self, r: protocol.VmUp) -> protocol.VmAnswer:
         started = time.monotonic()
@@ -782,7 +788,8 @@ class Daemon:
         return protocol.VmAnswer(record)
 
     async def vm_suspend(self, r: protocol.VmSuspend) -> protocol.VmAnswer:
-        return protocol.VmAnswer(await self.vms.suspend(r.id, r.name, r.version))
+        return protocol.VmAnswer(await self.vms.suspend(r.id, r.name, r.version,
+                                                        r.max_depth))
 
     async def vm_resume(self, r: protocol.VmResume) -> protocol.VmAnswer:
         return protocol.VmAnswer(await self.vms.resume(r.ref, r.id))

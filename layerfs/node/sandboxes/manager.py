@@ -47,7 +47,7 @@ from ...refstore import LAYERS, RefStore
 from ...retention import expires_at, set_expiry
 from ...sizes import du
 from ...tasks import TaskGroup
-from ..containers import runner
+from ..containers import freezer, runner
 from ..protocol import (
     LAYER_ROLES,
     BadMessage,
@@ -56,13 +56,14 @@ from ..protocol import (
     OfflineRef,
     SandboxRecord,
     SandboxStatus,
+    SuspendAnswer,
 )
 from ..reads.prefetch import Prefetcher
 from ..reads.tracereplay import TraceReplay
 from ..replica.noderefs import NodeRefs
 from ..replica.replica import Replica
 from . import limits as sandbox_limits
-from . import quota
+from . import quota, suspend
 from .layermounts import LayerMounts, MountedLayer, detach, unmount, unmount_or_detach
 from .lifecycle import SandboxState, move, state_of
 
@@ -416,19 +417,25 @@ class Sandboxes:
         record = ready_record(sid, self.records.get(sid), self._busy)
         self._busy.add(sid)
         try:
-            source = UpperSource(str(self._dir(sid) / "upper"))
-            chunk_size = await trio.to_thread.run_sync(self._chunk_size, record.layers)
-            opts = BuildOptions(name, version, role=role, chunk_size=chunk_size,
-                                dedup_with=list(record.layers))
-            result = await trio.to_thread.run_sync(functools.partial(
-                build_layer, self.refstore, f"sandbox {sid}", opts, source=source))
-            expires = None
-            if expire is not None and result.published:
-                expires = expires_at(expire)
-                await trio.to_thread.run_sync(set_expiry, self.refstore, LAYERS, name, version,
-                                              result.digest, expires)
+            return await self._commit(record, name, version, role, expire)
         finally:
             self._busy.discard(sid)
+
+    async def _commit(self, record: SandboxRecord, name: str, version: str,
+                      role: str = "workspace", expire: float | None = None) -> CommitAnswer:
+        """:meth:`commit` of a sandbox the caller holds busy."""
+        sid = record.id
+        source = UpperSource(str(self._dir(sid) / "upper"))
+        chunk_size = await trio.to_thread.run_sync(self._chunk_size, record.layers)
+        opts = BuildOptions(name, version, role=role, chunk_size=chunk_size,
+                            dedup_with=list(record.layers))
+        result = await trio.to_thread.run_sync(functools.partial(
+            build_layer, self.refstore, f"sandbox {sid}", opts, source=source))
+        expires = None
+        if expire is not None and result.published:
+            expires = expires_at(expire)
+            await trio.to_thread.run_sync(set_expiry, self.refstore, LAYERS, name, version,
+                                          result.digest, expires)
         for path in source.vanished:
             log.warning("commit of %s: %s vanished during the walk, skipped", sid, path)
         for path in source.changed:
@@ -442,6 +449,42 @@ class Sandboxes:
                             reused_chunks=stats.reused_chunks, dedup_sources=record.layers,
                             vanished=source.vanished, changed=source.changed,
                             expires=expires)
+
+    async def suspend(self, sid: str, name: str, version: str) -> SuspendAnswer:
+        """Freeze the sandbox's containers, commit its upper as layer
+        ``name@version`` and publish env ``name@version`` over its layers
+        (:mod:`.sandboxes.suspend`), then end it: its containers killed (still
+        frozen), the sandbox taken down. An unknown id or a ref that exists
+        is refused before anything is frozen; a failed commit thaws them and
+        leaves the sandbox up."""
+        record = ready_record(sid, self.records.get(sid), self._busy)
+        await trio.to_thread.run_sync(suspend.check_free, self.refstore, name, version)
+        self._busy.add(sid)
+        try:
+            containers = await trio.to_thread.run_sync(runner.running_containers,
+                                                       str(self.root), sid)
+            frozen = await trio.to_thread.run_sync(freezer.freeze_all, containers)
+            started = time.monotonic()
+            try:
+                answer = await self._commit(record, name, version)
+                env = await trio.to_thread.run_sync(suspend.publish_snapshot, self.refstore,
+                                                    name, version, record, answer.digest)
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(freezer.thaw_all, frozen)
+                raise
+        finally:
+            self._busy.discard(sid)
+        try:
+            await self.down(sid, force=True)  # (a frozen process still dies of SIGKILL)
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(freezer.thaw_all, frozen)
+        held = time.monotonic() - started
+        log.info("sandbox %s suspended as %s@%s (%d containers frozen for %.3f s)", sid, name,
+                 version, len(frozen), held)
+        return SuspendAnswer(id=sid, ref=f"{name}@{version}", digest=env, commit=answer,
+                             frozen=[c.container_id for c in frozen], frozen_seconds=held)
 
     def _chunk_size(self, digests: list[str]) -> int:
         """Worker thread: the chunk size of the sandbox's top layer, so that a

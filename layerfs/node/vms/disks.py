@@ -226,18 +226,34 @@ class DiskManager:
             raise DiskBusy(sid)
         return disk
 
-    async def commit(self, sid: str, name: str, version: str,
-                     chunk_size: int = 1 << 20) -> DiskCommitAnswer:
+    async def commit(self, sid: str, name: str, version: str, chunk_size: int = 1 << 20,
+                     max_depth: int = 0) -> DiskCommitAnswer:
+        """Seal the writes since the last commit into layer ``name@version``
+        over the previous commit (or the base). With ``max_depth``, a commit
+        that would make the chain deeper than that merges it instead: the
+        layer holds the whole disk (the chain's data and the writes, read
+        through the disk; its chunks mostly the chain's, deduplicated) and
+        has no parent, so a disk over it reads through one layer."""
+        check_max_depth(max_depth)
         disk = self._get(sid)
         async with disk.lock:  # a consistent cut of the log; writes wait briefly
             await trio.to_thread.run_sync(disk.sync, limiter=disk.io)
             changes = disk.changes_since_commit()
             mark = len(disk.log)
-        source = commit_source(disk, changes)
         parent = disk.state.base_ref or disk.state.base
+        below = [d for d, _ in await trio.to_thread.run_sync(
+            self.refstore.disk_chain, disk.state.base)] if disk.state.base else []
+        merge = bool(max_depth) and len(below) + 1 > max_depth
+        if merge:
+            source, parent, dedup = merged_source(disk), None, below
+        else:
+            source, dedup = commit_source(disk, changes), []
         result = await trio.to_thread.run_sync(
             lambda: publish_disk(self.refstore, source, name, version, parent,
-                                 chunk_size=chunk_size))
+                                 chunk_size=chunk_size, dedup_with=dedup))
+        if merge:
+            log.info("disk %s: %s merges its chain of %d layers into one", sid, result.ref,
+                     len(below) + 1)
         disk.state.base, disk.state.base_ref, disk.state.commit_mark = (
             result.digest, result.ref, mark)
         await trio.to_thread.run_sync(WritableDisk.save_state, disk.path, disk.state)
@@ -247,7 +263,8 @@ class DiskManager:
                                 changed_bytes=sum(m.length for m in changes) * SECTOR,
                                 stored_bytes=result.manifest.stats.stored_bytes,
                                 uploaded_bytes=result.uploaded_bytes,
-                                parent=parent)
+                                parent=parent, depth=1 if merge else len(below) + 1,
+                                merged=len(below) + 1 if merge else 0)
 
     async def _keep_commit(self, sid: str, name: str, version: str,
                            result: DiskResult) -> None:
@@ -298,6 +315,33 @@ def check_disk_size(size: object) -> int:
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0 or size % SECTOR:
         raise UsageError(f"disk size {size!r} is not a positive multiple of 512")
     return size
+
+
+def check_max_depth(depth: object) -> int:
+    """A chain bound: 0 (none) or 1 to the LSMT limit of layers."""
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= lsmt.MAX_LAYERS:
+        raise UsageError(f"max depth {depth!r} is not a number of layers from 1 to "
+                         f"{lsmt.MAX_LAYERS} (0: no bound)")
+    return depth
+
+
+def merged_source(disk: WritableDisk) -> DiskSource:
+    """The whole disk as one sealed layer's source: every sector the chain
+    maps (its zeroed extents left as holes) or the disk wrote, read through
+    the disk (the chain's chunks fetched as for any read) from the worker
+    thread that builds the layer."""
+    extents = lsmt.SegmentMap()
+    for m in disk.chain.map.items if disk.chain is not None else []:
+        if not m.zeroed:
+            extents.insert(lsmt.Mapping(m.offset, m.length, 0))
+    for m in disk.map.items:
+        extents.insert(lsmt.Mapping(m.offset, m.length, 0))
+    mappings = [lsmt.Mapping(m.offset, m.length, m.offset + DATA_START) for m in extents.items]
+
+    def read(offset: int, length: int) -> bytes:
+        return bytes(trio.from_thread.run(disk.read, offset, length))
+
+    return DiskSource(disk.size, mappings, read)
 
 
 def commit_source(disk: WritableDisk, changes: list[lsmt.Mapping]) -> DiskSource:

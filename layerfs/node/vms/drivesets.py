@@ -32,6 +32,7 @@ owns or deletes that disk.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -45,8 +46,18 @@ import trio
 from ...builder.disk import publish_disk
 from ...errors import LayerfsError, UsageError, VmBusy, VmExists, VmNotFound
 from ...formats.chunktable import ChunkTable
+from ...formats.lsmt import HT_SPACE
 from ...tasks import TaskGroup
-from ..protocol import VM_PMEM, BadMessage, OfflineRef, VmDrive, VmLayer, VmRam, VmRecord
+from ..protocol import (
+    DEFAULT_SNAPSHOT_DEPTH,
+    VM_PMEM,
+    BadMessage,
+    OfflineRef,
+    VmDrive,
+    VmLayer,
+    VmRam,
+    VmRecord,
+)
 from ..reads.accesstraces import trace_bytes, trace_key
 from ..reads.blobfiles import BlobDirectory, BlobFile
 from ..reads.fetcher import ChunkFetcher
@@ -54,17 +65,19 @@ from ..reads.tracereplay import pushed_trace
 from ..replica.noderefs import NodeRefs
 from ..replica.replica import Replica, ReplicaLayer
 from .diskfiles import SECTOR, pwrite_all
-from .disks import DiskManager, check_disk_size
+from .disks import DiskManager, check_disk_size, check_max_depth
 from .pmem import PmemDirectory, like_parent, padded_copy
 from .snapshots import (
     HEADER_BYTES,
     SnapshotHeader,
+    coalesce,
     flush_file,
     load_state,
     new_private_file,
     read_state,
     save_state,
     snapshot_source,
+    warm_pages,
 )
 
 log = logging.getLogger(__name__)
@@ -117,6 +130,8 @@ class Vms:
         self.held_pmem: dict[str, list[str]] = {}  # the pmem files (and meta copies) it holds
         self.meta_users: dict[str, int] = {}  # pmem meta copy name -> vms holding it
         self._busy: set[str] = set()  # an up or a down under way
+        # a resumed vm's working set, as (offset, length) ranges of its RAM file
+        self._working: dict[str, list[tuple[int, int]]] = {}
         self.tasks = tasks or TaskGroup()  # the daemon's: resumed vms' state loads in it
 
     async def _save(self, record: VmRecord) -> None:
@@ -259,12 +274,16 @@ class Vms:
         return home
 
     # -- suspend and resume --
-    async def suspend(self, vid: str, name: str, version: str) -> VmRecord:
+    async def suspend(self, vid: str, name: str, version: str,
+                      max_depth: int = DEFAULT_SNAPSHOT_DEPTH) -> VmRecord:
         """Save vm ``vid`` (its VMM running on the drive set with its RAM
         file) into the store as ``name@version``: device state through QMP,
         the writable disk committed (``name-disk@version``), RAM, state and a
         header sealed into one layer. The VMM ends; the vm is ``suspended``
-        (its drive set kept until ``vm down``)."""
+        (its drive set kept until ``vm down``). A RAM or disk chain that
+        would grow past ``max_depth`` layers is merged into one
+        (:meth:`.vms.disks.DiskManager.commit`)."""
+        check_max_depth(max_depth)
         record = self.records.get(vid)
         if record is None:
             raise VmNotFound(vid)
@@ -278,12 +297,14 @@ class Vms:
         try:
             state = await trio.to_thread.run_sync(self.vm_home, vid) / "state.out"
             await trio.to_thread.run_sync(save_state, ram.qmp, state)
-            disk = await self.disks.commit(record.disk, f"{name}-disk", version)
+            disk = await self.disks.commit(record.disk, f"{name}-disk", version,
+                                           max_depth=max_depth)
             raw_state = await trio.to_thread.run_sync(read_state, state)
             header = SnapshotHeader(ram.size, len(raw_state), record.blobs, disk.digest,
                                     record.pmem, drives=[d.drive_id for d in record.drives])
             if ram_disk_of(vid) in self.disks.disks:  # resumed: its RAM is that disk
-                ref = await self._commit_ram(vid, ram, raw_state, header, name, version)
+                ref = await self._commit_ram(vid, ram, raw_state, header, name, version,
+                                             max_depth)
             else:
                 source = snapshot_source(Path(ram.path), ram.size, raw_state, header)
                 ref = (await trio.to_thread.run_sync(
@@ -297,7 +318,7 @@ class Vms:
         return record
 
     async def _commit_ram(self, vid: str, ram: VmRam, state: bytes, header: SnapshotHeader,
-                          name: str, version: str) -> str:
+                          name: str, version: str, max_depth: int) -> str:
         """A resumed vm's snapshot: what its VMM wrote to the RAM disk (flushed
         from the page cache first), the state and the header written to the
         disk, committed over the snapshot it resumed from: only the pages
@@ -311,7 +332,7 @@ class Vms:
         padded = state.ljust(-(-len(state) // SECTOR) * SECTOR, b"\0")
         await disk.write(ram.size, padded)
         await disk.write(disk.size - HEADER_BYTES, header.pack())
-        return (await self.disks.commit(sid, name, version, RAM_CHUNK)).ref
+        return (await self.disks.commit(sid, name, version, RAM_CHUNK, max_depth)).ref
 
     async def resume(self, ref: str, vid: str) -> VmRecord:
         """Vm ``vid`` from snapshot ``ref``: its RAM a disk over the snapshot
@@ -322,8 +343,6 @@ class Vms:
         try:
             ram_disk = await self.disks.create(ram_disk_of(vid), None, ref)
             try:
-                if await self._prefetch_working_set(vid):
-                    log.info("vm %s: prefetching the working set of %s", vid, ref)
                 header, state = await self._read_snapshot(vid, ref)
                 record = await self._up(vid, None, header.layers, 0, header.disk, header.pmem,
                                         resuming=Resuming(header, ram_disk.path, state, ref))
@@ -333,6 +352,10 @@ class Vms:
                     await self.disks.discard(ram_disk_of(vid))
                     await trio.to_thread.run_sync(shutil.rmtree, self.vm_dir(vid), True)
                 raise
+            # only now: what the answer needs (the header, the state, the drives'
+            # indexes and meta images) waited behind the working set's fetches
+            if await self._prefetch_working_set(vid):
+                log.info("vm %s: prefetching the working set of %s", vid, ref)
         finally:
             self._busy.discard(vid)
         if self.tasks.nursery is not None:
@@ -352,8 +375,10 @@ class Vms:
                 log.warning("vm %s: no VMM came for its device state", vid)
                 return
             await trio.sleep(0.02)
+        runs = coalesce(self._working.pop(vid, []), record.ram.size)
+        warm = functools.partial(self._warm, vid, record.ram.path, runs) if runs else None
         try:
-            took = await trio.to_thread.run_sync(load_state, qmp, state)
+            took = await trio.to_thread.run_sync(load_state, qmp, state, warm)
         except (LayerfsError, OSError, ValueError) as exc:
             log.error("vm %s: its device state did not load: %s", vid, exc)
             return
@@ -361,6 +386,21 @@ class Vms:
         await trio.sleep(WORKING_SET_SECONDS)
         if self.records.get(vid) is record:
             await self._push_working_set(vid)
+
+    @staticmethod
+    def _warm(vid: str, path: str, runs: list[tuple[int, int]]) -> None:
+        """Worker thread: the working set's pages read into the page cache
+        of resumed vm ``vid``'s RAM file before its guest goes on
+        (:func:`.snapshots.warm_pages`); how it went, logged."""
+        started = time.monotonic()
+        try:
+            done = warm_pages(path, runs)
+        except OSError as exc:
+            log.warning("vm %s: its working set is not read ahead (%s): the guest faults "
+                        "it in", vid, exc)
+            return
+        log.info("vm %s: working set read ahead (%d bytes in %d runs, %.3f s)", vid, done,
+                 len(runs), time.monotonic() - started)
 
     def _ram_blobs(self, vid: str) -> list[tuple[str, BlobFile]]:
         """The blob files of resumed vm ``vid``'s RAM disk chain (top first)."""
@@ -391,12 +431,18 @@ class Vms:
         layers of resumed vm ``vid``'s RAM; the chunks it names."""
         count = 0
         for digest, blob in self._ram_blobs(vid):
-            order = await trio.to_thread.run_sync(pushed_trace, self.refstore.store, digest)
+            try:
+                order = await trio.to_thread.run_sync(pushed_trace, self.refstore.store, digest)
+            except OSError as exc:  # (pushed_trace's own: LayerfsError is a miss)
+                log.warning("vm %s: the working set of %s is not read (%s)", vid, digest, exc)
+                continue
             entries = blob.table.entries
             wanted = [entries[i] for i in order or [] if 0 <= i < len(entries)]
             if wanted:
                 self.blobs.prefetcher.fetch_ahead(wanted)
                 count += len(wanted)
+                self._working.setdefault(vid, []).extend(  # (RAM at its own offsets)
+                    (e.blob_offset - HT_SPACE, e.length) for e in wanted)
         return count
 
     async def _read_snapshot(self, vid: str, ref: str) -> tuple[SnapshotHeader, Path]:
@@ -467,6 +513,7 @@ class Vms:
         if vid in self._busy:
             raise VmBusy(vid)
         self._busy.add(vid)
+        self._working.pop(vid, None)
         try:
             own = record.disk == disk_of(vid)  # (a tampered record may name another's)
             await self._release(vid, record.disk if own and not keep else None)

@@ -32,7 +32,10 @@ import os
 import shlex
 import socket
 import stat
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,6 +47,9 @@ HEADER_BYTES = 4096
 STATE_AREA = 64 << 20  # room for the device state in a snapshot (a hole where unused)
 SNAPSHOT_KIND = "layerfs-vm-snapshot"
 MIGRATE_TIMEOUT = 600.0  # seconds a device-state save may take
+WARM_PIECE = 4 << 20  # a resume's working set is read into the page cache this much a read
+WARM_THREADS = 4  # reads at once
+WARM_TIMEOUT = 120.0  # seconds a guest waits for its working set at most
 
 
 class QmpError(UsageError):
@@ -196,14 +202,22 @@ def flush_file(path: str) -> None:
         os.close(fd)
 
 
-def load_state(qmp_path: str, state: str) -> float:
+def load_state(qmp_path: str, state: str, warm: Callable[[], object] | None = None,
+               wait_warm: bool = False) -> float:
     """Worker thread: load device state file ``state`` into a QEMU started
     with ``-incoming defer`` (its RAM the snapshot's, so ``x-ignore-shared``
     as on the side that saved it), then let it run (it comes back paused,
-    the state the saved side was stopped in). Seconds taken."""
+    the state the saved side was stopped in). ``warm``, if given, runs in
+    a thread of its own from the moment QEMU answers (it has opened and
+    mapped its RAM then) while the state loads; with ``wait_warm`` the guest
+    goes on only once it is done, else at once, the warming going on beside
+    it. Seconds taken."""
     started = time.monotonic()
     q = Qmp(qmp_path, wait=10.0)
+    warmer = threading.Thread(target=warm, daemon=True) if warm is not None else None
     try:
+        if warmer is not None:
+            warmer.start()
         q.cmd("migrate-set-capabilities",
               capabilities=[{"capability": "x-ignore-shared", "state": True}])
         q.cmd("migrate-incoming", uri=f"exec:cat {shlex.quote(state)}")
@@ -212,6 +226,8 @@ def load_state(qmp_path: str, state: str) -> float:
             info = q.cmd("query-migrate")
             status = info.get("status") if isinstance(info, dict) else None
             if status == "completed":  # paused, as the saved side was: go on
+                if warmer is not None and wait_warm:
+                    warmer.join(WARM_TIMEOUT)
                 q.cmd("cont")
                 return time.monotonic() - started
             if status in ("failed", "cancelled") or time.monotonic() > deadline:
@@ -219,6 +235,39 @@ def load_state(qmp_path: str, state: str) -> float:
             time.sleep(0.01)
     finally:
         q.close()
+
+
+def coalesce(ranges: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` ranges clipped to ``[0, limit)``, sorted, the
+    touching and overlapping ones joined into runs."""
+    runs: list[tuple[int, int]] = []
+    for off, length in sorted(ranges):
+        off, end = max(off, 0), min(off + length, limit)
+        if end <= off:
+            continue
+        if runs and off <= runs[-1][0] + runs[-1][1]:
+            start = runs[-1][0]
+            runs[-1] = (start, max(end, start + runs[-1][1]) - start)
+        else:
+            runs.append((off, end - off))
+    return runs
+
+
+def warm_pages(path: str, runs: list[tuple[int, int]], threads: int = WARM_THREADS) -> int:
+    """Worker thread: read ``runs`` of file ``path`` (a resumed vm's RAM
+    disk, which its VMM has open and mapped shared) into the kernel's page
+    cache, :data:`WARM_PIECE` bytes a read, ``threads`` reads at once, so
+    that the guest's first touches of those pages are page cache hits, not
+    a FUSE request each. Bytes read; a read that fails ends it (logged by
+    the caller: what is not warm faults in as before)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        pieces = [(off + at, min(WARM_PIECE, length - at))
+                  for off, length in runs for at in range(0, length, WARM_PIECE)]
+        with ThreadPoolExecutor(threads) as pool:
+            return sum(pool.map(lambda p: len(os.pread(fd, p[1], p[0])), pieces))
+    finally:
+        os.close(fd)
 
 
 def snapshot_source(ram: Path, ram_size: int, state: bytes,
