@@ -66,7 +66,7 @@ TARGET = 1.2  # ctr_layerfs / client, issue 35
 # the workload between two stamps of the wall clock (stdout lines "@@ SECONDS")
 STAMPED = f"echo @@ $(date +%s.%N); {WORKLOAD}; echo @@ $(date +%s.%N)"
 STAMP = re.compile(rb"^@@ (\d+\.\d+)$", re.M)
-ANSWERED = re.compile(r"containerd (\w+) .*?: answered in ([\d.]+) ms \(asked at ([\d.]+)\)")
+ANSWERED = re.compile(r"containerd (\w+)\b.*?: answered in ([\d.]+) ms \(asked at ([\d.]+)\)")
 # the daemon's info line at the end of a lazy Prepare (its text log's clock: local time)
 LAZY = re.compile(r"^(\S+ \S+),(\d{3}) INFO .*containerd snapshot .* lazily, in (\d+) ms$", re.M)
 
