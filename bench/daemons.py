@@ -73,11 +73,15 @@ class DaemonRuns:
     def add_arguments(ap: Any) -> None:
         ap.add_argument("--miss-span", default=None,
                         help="the daemons' --miss-span (default: the daemon's own)")
+        ap.add_argument("--no-kernel-reads", action="store_true",
+                        help="the daemons read larger layers through FUSE files "
+                             "(--no-kernel-reads; default: partial files, where the kernel can)")
 
     @staticmethod
     def options(args: Any) -> list[str]:
         """The daemon options the command line asked for."""
-        return ["--miss-span", args.miss_span] if args.miss_span is not None else []
+        span = ["--miss-span", args.miss_span] if args.miss_span is not None else []
+        return span + (["--no-kernel-reads"] if args.no_kernel_reads else [])
 
     def finish(self, node: DaemonProcess, remove_root: bool = False) -> None:
         """Stop ``node``; detach what it left mounted; remove its root if asked."""
