@@ -2,15 +2,17 @@
 (``--kernel-reads``, layerfs/node/reads/partialblobs.py, fanotify pre-content
 events kept by the keeper): the same bytes as the source, reads of data the
 node holds answered without a store request, a file left with wrong bytes
-fetched again, a daemon killed while a read waits (the next daemon answers
-it), and a read still waiting when no daemon comes back fails with EIO, not
-with the file's holes.
+fetched again, a layer unmounted while its read-ahead fills, a damaged
+chunk failing only the file that holds it, a daemon killed while a read
+waits (the next daemon answers it), and a read still waiting when no daemon
+comes back fails with EIO, not with the file's holes.
 
 Tier: node (a real daemon, kernel EROFS and overlay mounts, fanotify; root).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
@@ -27,6 +29,7 @@ from support.nodes import NodeDaemon
 
 from layerfs.builder.env import create_env
 from layerfs.refstore import RefStore
+from layerfs.store.base import blob_key
 
 
 def make_tree(root: Path, seed: int) -> dict[str, str]:
@@ -183,3 +186,40 @@ def test_a_read_no_daemon_answers_fails_with_eio_not_holes(tmp_path, store_locat
         assert sums_of(rootfs / "data", published) == published
     finally:
         assert node.cleanup() == []
+
+
+def test_a_layer_unmounted_while_its_read_ahead_fills_leaves_the_daemon_serving(node,
+                                                                               published):
+    rootfs = up(node, "s1")
+    with open(rootfs / "data" / "big0", "rb") as f:  # a stream: fills run ahead of it
+        for _ in range(3):
+            f.read(1 << 20)
+    node.cli("down", "s1")  # while those fills may still be writing
+    rootfs = up(node, "s2")
+    assert sums_of(rootfs / "data", published) == published
+    node.cli("down", "s2")
+
+
+@pytest.mark.daemon_log(r"ERROR layerfs\.node\.reads\.fetcher: .*(sha256 mismatch|cannot "
+                        r"decompress)",
+                        r"ERROR layerfs\.node\.reads\.fetcher: chunk \S+: ",
+                        r"WARNING layerfs\.node\.reads\.partialblobs: a read of layer data "
+                        r"failed \(EIO\)")
+def test_a_damaged_chunk_fails_only_the_reads_that_need_it(node, published, store):
+    refstore = RefStore(store)
+    table = refstore.chunk_table(refstore.layer("sha256:" + data_hex(store)))
+    victim = max(table.entries, key=lambda e: e.blob_offset)  # in the last big file
+    data = bytearray(store.get(blob_key(victim.pack)))
+    data[victim.pack_offset + 10] ^= 0x55
+    store.put(blob_key(victim.pack), bytes(data))
+    rootfs = up(node, "s1")
+    got = {}
+    for rel in published:
+        try:
+            got[rel] = hashlib.sha256((rootfs / "data" / rel).read_bytes()).hexdigest()
+        except OSError as exc:
+            got[rel] = errno.errorcode[exc.errno or 0]
+    bad = {rel for rel, s in got.items() if s != published[rel]}
+    assert len(bad) == 1 and got[bad.pop()] == "EIO"
+    assert node.request("stats")["layers"]["sha256:" + data_hex(store)]["partial"]
+    node.cli("down", "s1")

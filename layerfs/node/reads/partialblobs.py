@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import hashlib
 import logging
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +83,7 @@ class PartialBlob:
     stream_end: int = -1  # where the last read ended
     ahead: int = 0  # how far past a stream the next fill goes
     ahead_end: int = 0  # what is filled (or filling) ahead of the stream so far
+    released: bool = False  # its mount ended: nothing more is written
 
     def __post_init__(self) -> None:
         self.present = bytearray(len(self.blob.table.entries))
@@ -178,6 +180,9 @@ class PartialBlobs:
         if part is None:
             return
         self.by_inode = {k: v for k, v in self.by_inode.items() if v is not part}
+        part.released = True
+        while part.flights:  # fills (a read-ahead) still writing through its writer
+            await next(iter(part.flights.values())).wait()
         fanotify.unmark_path(self.group, str(part.path))  # no mount reads it any more
         for fd in (part.writer, part.hold):
             if fd is not None:
@@ -300,7 +305,8 @@ class PartialBlobs:
         the node's other copies, then the store's in runs of neighbours."""
         entries = part.blob.table.entries
         writer = part.writer
-        assert writer is not None
+        if writer is None or part.released:
+            raise FetchError(f"layer {part.hex[:16]} is no longer mounted")
         if part.may_hold:
             found = await trio.to_thread.run_sync(held_in_file, writer, entries, indexes)
             self._present(part, found)
@@ -324,11 +330,24 @@ class PartialBlobs:
             data = await self.fetcher.get(entry, deadline=deadline)
             await trio.to_thread.run_sync(sink, entry, data)
 
+        failed: list[Exception] = []  # the first failure ends the fill
+
+        async def task(step: Callable[[], Awaitable[None]], cancel: trio.CancelScope) -> None:
+            try:
+                await step()
+            except (FetchError, OSError) as exc:
+                failed.append(exc)
+                cancel.cancel()
+
         async with trio.open_nursery() as nursery:
             for run in pack_runs(absent, span=WHOLE_SPAN, gap=WHOLE_GAP):
-                nursery.start_soon(self.fetcher.read_run_into, run, sink, deadline)
+                nursery.start_soon(task, functools.partial(fetcher.read_run_into, run, sink,
+                                                           deadline), nursery.cancel_scope)
             for entry in held:
-                nursery.start_soon(from_node, entry)
+                nursery.start_soon(task, functools.partial(from_node, entry),
+                                   nursery.cancel_scope)
+        if failed:
+            raise failed[0]
 
     def _present(self, part: PartialBlob, indexes: list[int]) -> None:
         """Entries now checked in the file; a complete file's mark goes."""
