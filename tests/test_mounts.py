@@ -146,3 +146,19 @@ def test_a_readahead_window_that_cannot_be_written_is_one_warning(tmp_path, monk
         mounts._write_readahead("erofs-2", 1 << 20)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "kernel's default is used" in warned[0]
+
+
+def test_an_erofs_entry_gone_before_its_window_is_written_is_no_warning(tmp_path, monkeypatch,
+                                                                        caplog):
+    """The new ``erofs-N`` entries seen around a mount may include another
+    process's mount, unmounted since: its entry is gone, and that is no warning."""
+    import layerfs.mounts as mounts
+
+    monkeypatch.setattr(mounts, "BDI", str(tmp_path))
+    monkeypatch.setattr(mounts, "_readahead_warned", False)
+    (tmp_path / "erofs-2").mkdir()
+    with caplog.at_level(logging.WARNING, logger="layerfs.mounts"):
+        mounts._write_readahead("erofs-1", 1 << 20)  # gone
+        mounts._write_readahead("erofs-2", 1 << 20)  # there
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert (tmp_path / "erofs-2" / "read_ahead_kb").read_text() == "1024"

@@ -5,7 +5,7 @@ The load of the two switch tests: 8 readers streaming large files through
 two sandboxes (each pass drops the page cache first, so every pass asks the
 daemon again), a process holding files open in a sandbox, and ext4 on a loop
 device over a writable disk being written and fsynced. Each of those takes
-about 20 s on either store; the others 5-15 s.
+about 20 s on either store; the others, on files of two chunks each, 5-15 s.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from layerfs.refstore import RefStore
 
 MiB = 1 << 20
 FILES = 4  # per sandbox
-FILE_SIZE = 12 * MiB
+FILE_SIZE = 12 * MiB  # under load: a reader's pass lasts long enough to span a switch
+SMALL_FILE_SIZE = 2 * MiB  # two chunks: enough for the tests without the load
 KEEPER = re.compile(r"the FUSE connection is kept by pid (\d+)")
 
 # a reader: passes over one file (page cache dropped first) until STOP exists,
@@ -110,15 +111,14 @@ class Load:
     mnt: Path
 
 
-@pytest.fixture
-def live(starts_a_server, tmp_path, store, store_location):
-    """Layer big@1 (8 files of 12 MiB), env e@1, and a daemon with sandboxes
-    s1 and s2 up and a writable disk w."""
+def live_node(tmp_path: Path, store, store_location, file_size: int):
+    """Layer big@1 (8 files of ``file_size``), env e@1, and a daemon with
+    sandboxes s1 and s2 up and a writable disk w (a fixture's life)."""
     need_root()
     src = tmp_path / "big"
     (src / "data").mkdir(parents=True)
     for i in range(2 * FILES):
-        (src / "data" / f"f{i}").write_bytes(os.urandom(FILE_SIZE))
+        (src / "data" / f"f{i}").write_bytes(os.urandom(file_size))
     build(store, str(src), name="big", chunk_size=MiB)
     create_env(RefStore(store), "e", "1", ["big@1"])
     node = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="1G").start()
@@ -131,6 +131,18 @@ def live(starts_a_server, tmp_path, store, store_location):
     finally:
         left = node.cleanup()
         assert not left, f"left mounted: {left}"
+
+
+@pytest.fixture
+def live(starts_a_server, tmp_path, store, store_location):
+    """The node of :func:`live_node` on files of two chunks each."""
+    yield from live_node(tmp_path, store, store_location, SMALL_FILE_SIZE)
+
+
+@pytest.fixture
+def loaded(starts_a_server, tmp_path, store, store_location):
+    """The node of :func:`live_node` on files of 12 MiB, for the switches under load."""
+    yield from live_node(tmp_path, store, store_location, FILE_SIZE)
 
 
 def sandbox(node: NodeDaemon, sid: str) -> Path:
@@ -265,13 +277,13 @@ def node_argv(node: NodeDaemon) -> list[str]:
             "--log-level", "info", *node.fixed_args, *node.extra_args]
 
 
-def test_kill_9_keeps_every_sandbox_and_read(live, tmp_path):
-    switch_under_load(live, tmp_path, kill_and_restart)
+def test_kill_9_keeps_every_sandbox_and_read(loaded, tmp_path):
+    switch_under_load(loaded, tmp_path, kill_and_restart)
 
 
-def test_takeover_under_load_fails_no_read(live, tmp_path):
-    switch_under_load(live, tmp_path, take_over)
-    assert "handing the FUSE connection over" in live.log()
+def test_takeover_under_load_fails_no_read(loaded, tmp_path):
+    switch_under_load(loaded, tmp_path, take_over)
+    assert "handing the FUSE connection over" in loaded.log()
 
 
 def test_second_daemon_without_takeover_is_refused(live):
