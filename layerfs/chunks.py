@@ -36,8 +36,16 @@ class FetchedChunk:
 
 def decode_chunk(entry: ChunkEntry, stored: bytes | memoryview) -> bytes:
     """Stored bytes → the chunk's bytes, checked against its sha256."""
+    data = decode_view(entry, stored)
+    return data if isinstance(data, bytes) else bytes(data)
+
+
+def decode_view(entry: ChunkEntry, stored: bytes | memoryview) -> bytes | memoryview:
+    """:func:`decode_chunk` without a copy of a chunk stored raw: ``stored``
+    itself (a view, while it lives), checked."""
     if len(stored) != entry.stored_length:
         raise IntegrityError(_where(entry), f"short read ({len(stored)} bytes)")
+    data: bytes | memoryview
     if entry.compression == ZSTD:
         try:
             data = zstandard.ZstdDecompressor().decompress(
@@ -46,7 +54,7 @@ def decode_chunk(entry: ChunkEntry, stored: bytes | memoryview) -> bytes:
         except zstandard.ZstdError as exc:
             raise IntegrityError(_where(entry), f"cannot decompress ({exc})") from None
     else:
-        data = stored if isinstance(stored, bytes) else bytes(stored)
+        data = stored
     if len(data) != entry.length or hashlib.sha256(data).digest() != entry.sha256:
         raise IntegrityError(_where(entry), "sha256 mismatch")
     return data
@@ -97,6 +105,24 @@ def fetch_run(store: Store, run: list[ChunkEntry]) -> list[bytes | IntegrityErro
     """One range read for a run (see :func:`pack_runs`); each chunk's bytes, or
     the IntegrityError that chunk alone failed with."""
     return [r if isinstance(r, IntegrityError) else r.data for r in fetch_run_frames(store, run)]
+
+
+def fetch_run_views(store: Store, run: list[ChunkEntry]
+                    ) -> list[bytes | memoryview | IntegrityError]:
+    """One range read of ``run``, each chunk decoded and checked, those
+    stored raw as views of the read (no copy): for a caller that writes them
+    out at once."""
+    base = run[0].pack_offset
+    stored = memoryview(store.get(blob_key(run[0].pack), base,
+                                  run[-1].pack_offset + run[-1].stored_length))
+    out: list[bytes | memoryview | IntegrityError] = []
+    for entry in run:
+        at = entry.pack_offset - base
+        try:
+            out.append(decode_view(entry, stored[at:at + entry.stored_length]))
+        except IntegrityError as exc:
+            out.append(exc)
+    return out
 
 
 def fetch_run_frames(store: Store, run: list[ChunkEntry]) -> list[FetchedChunk | IntegrityError]:

@@ -39,7 +39,13 @@ from typing import TypeAlias, TypeVar, cast
 
 import trio
 
-from ...chunks import FetchedChunk, fetch_chunk_frame, fetch_run_frames, pack_runs
+from ...chunks import (
+    FetchedChunk,
+    fetch_chunk_frame,
+    fetch_run_frames,
+    fetch_run_views,
+    pack_runs,
+)
 from ...errors import IntegrityError, LayerfsError, ObjectNotFound, StoreError, StoreUnreachable
 from ...formats.chunktable import ChunkEntry
 from ...logcontext import LOG_CONTEXT
@@ -169,11 +175,11 @@ class ChunkFetcher:
 
         def read(chunks: list[ChunkEntry]) -> None:
             got = 0
-            for entry, result in zip(chunks, fetch_run_frames(self.store, chunks), strict=True):
+            for entry, result in zip(chunks, fetch_run_views(self.store, chunks), strict=True):
                 if isinstance(result, IntegrityError):
                     raise result
-                sink(entry, result.data)
-                got += len(result.data)
+                sink(entry, result)
+                got += len(result)
             self.cache.note_fetched(got)
 
         await self._from_store(where, run[0].pack, read, run, deadline)
