@@ -111,9 +111,12 @@ class Load:
     mnt: Path
 
 
-def live_node(tmp_path: Path, store, store_location, file_size: int):
+def live_node(tmp_path: Path, store, store_location, file_size: int,
+              kernel_reads: bool = False):
     """Layer big@1 (8 files of ``file_size``), env e@1, and a daemon with
-    sandboxes s1 and s2 up and a writable disk w (a fixture's life)."""
+    sandboxes s1 and s2 up and a writable disk w (a fixture's life); with
+    ``kernel_reads``, the layer is over its partial blob file (fanotify, the
+    keeper holding the group), else over its FUSE blob file."""
     need_root()
     src = tmp_path / "big"
     (src / "data").mkdir(parents=True)
@@ -121,12 +124,15 @@ def live_node(tmp_path: Path, store, store_location, file_size: int):
         (src / "data" / f"f{i}").write_bytes(os.urandom(file_size))
     build(store, str(src), name="big", chunk_size=MiB)
     create_env(RefStore(store), "e", "1", ["big@1"])
-    node = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="1G").start()
+    node = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="1G",
+                      kernel_reads=kernel_reads).start()
     node.src = src
     try:
         for sid in ("s1", "s2"):
             node.cli("up", "e@1", "--id", sid)
         node.cli("disk", "create", "w", "--size", "64M")
+        layers = node.request("stats")["layers"].values()
+        assert [layer["partial"] for layer in layers] == [kernel_reads]
         yield node
     finally:
         left = node.cleanup()
@@ -139,10 +145,12 @@ def live(starts_a_server, tmp_path, store, store_location):
     yield from live_node(tmp_path, store, store_location, SMALL_FILE_SIZE)
 
 
-@pytest.fixture
-def loaded(starts_a_server, tmp_path, store, store_location):
-    """The node of :func:`live_node` on files of 12 MiB, for the switches under load."""
-    yield from live_node(tmp_path, store, store_location, FILE_SIZE)
+@pytest.fixture(params=["fuse", "partial"])
+def loaded(request, starts_a_server, tmp_path, store, store_location):
+    """The node of :func:`live_node` on files of 12 MiB, for the switches under
+    load: the layer over its FUSE blob file, or over its partial blob file."""
+    yield from live_node(tmp_path, store, store_location, FILE_SIZE,
+                         kernel_reads=request.param == "partial")
 
 
 def sandbox(node: NodeDaemon, sid: str) -> Path:
