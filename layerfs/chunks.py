@@ -107,19 +107,26 @@ def fetch_run(store: Store, run: list[ChunkEntry]) -> list[bytes | IntegrityErro
     return [r if isinstance(r, IntegrityError) else r.data for r in fetch_run_frames(store, run)]
 
 
+def _run_slices(store: Store, run: list[ChunkEntry]) -> Iterator[tuple[ChunkEntry, memoryview]]:
+    """One range read of ``run`` (see :func:`pack_runs`): each entry with its
+    stored bytes, a view of the read."""
+    base = run[0].pack_offset
+    stored = memoryview(store.get(blob_key(run[0].pack), base,
+                                  run[-1].pack_offset + run[-1].stored_length))
+    for entry in run:
+        at = entry.pack_offset - base
+        yield entry, stored[at:at + entry.stored_length]
+
+
 def fetch_run_views(store: Store, run: list[ChunkEntry]
                     ) -> list[bytes | memoryview | IntegrityError]:
     """One range read of ``run``, each chunk decoded and checked, those
     stored raw as views of the read (no copy): for a caller that writes them
     out at once."""
-    base = run[0].pack_offset
-    stored = memoryview(store.get(blob_key(run[0].pack), base,
-                                  run[-1].pack_offset + run[-1].stored_length))
     out: list[bytes | memoryview | IntegrityError] = []
-    for entry in run:
-        at = entry.pack_offset - base
+    for entry, stored in _run_slices(store, run):
         try:
-            out.append(decode_view(entry, stored[at:at + entry.stored_length]))
+            out.append(decode_view(entry, stored))
         except IntegrityError as exc:
             out.append(exc)
     return out
@@ -127,14 +134,10 @@ def fetch_run_views(store: Store, run: list[ChunkEntry]
 
 def fetch_run_frames(store: Store, run: list[ChunkEntry]) -> list[FetchedChunk | IntegrityError]:
     """:func:`fetch_run`, each chunk with the frame it was stored as."""
-    base = run[0].pack_offset
-    stored = memoryview(store.get(blob_key(run[0].pack), base,
-                                  run[-1].pack_offset + run[-1].stored_length))
     out: list[FetchedChunk | IntegrityError] = []
-    for entry in run:
-        at = entry.pack_offset - base
+    for entry, stored in _run_slices(store, run):
         try:
-            out.append(_fetched(entry, stored[at:at + entry.stored_length]))
+            out.append(_fetched(entry, stored))
         except IntegrityError as exc:
             out.append(exc)
     return out

@@ -21,13 +21,13 @@ import time
 from pathlib import Path
 
 import pytest
-from support import build, need_root
-from support.nodes import LAYERFS, NodeDaemon
+from support import build, damage_chunk, need_root
+from support.nodes import LAYERFS, NodeDaemon, serving
+from support.nodes import up_lazy as up
 from support.storeaway import GatedRelay
 
 from layerfs.builder.env import create_env
 from layerfs.refstore import RefStore
-from layerfs.store.base import blob_key
 
 SMALL_FILES = 400
 
@@ -89,16 +89,8 @@ def published(tmp_path, store):
 
 @pytest.fixture
 def whole_node(tmp_path, store_location, published):
-    daemon = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="256M",
-                        read_timeout=4.0, whole_below="32M").start()
-    try:
-        yield daemon
-    finally:
-        assert daemon.cleanup() == []
-
-
-def up(node: NodeDaemon, sid: str) -> Path:
-    return Path(node.cli("up", "e@1", "--id", sid, "--prefetch", "none").stdout.strip())
+    yield from serving(NodeDaemon(tmp_path / "node", store_location.cli_args(),
+                                  cache_size="256M", read_timeout=4.0, whole_below="32M"))
 
 
 def ws_digest(store) -> str:
@@ -156,12 +148,7 @@ def test_a_damaged_local_file_is_fetched_again_before_it_is_mounted(whole_node, 
                         r"ERROR layerfs\.node\.fuse\.nodefs: read: cannot read chunk \S+: "
                         r"integrity")
 def test_a_layer_that_cannot_be_fetched_whole_is_read_lazily(whole_node, published, store):
-    refstore = RefStore(store)
-    table = refstore.chunk_table(refstore.layer(ws_digest(store)))
-    victim = max(table.entries, key=lambda e: e.length)
-    data = bytearray(store.get(blob_key(victim.pack)))
-    data[victim.pack_offset + 10] ^= 0x55
-    store.put(blob_key(victim.pack), bytes(data))
+    damage_chunk(store, ws_digest(store), key=lambda e: e.length)
     rootfs = up(whole_node, "s1")
     got = read_all(rootfs, published)
     bad = {rel for rel, s in got.items() if s != published[rel]}

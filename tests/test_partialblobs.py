@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 
 import pytest
-from support import build, need_root
-from support.nodes import NodeDaemon
+from support import build, damage_chunk, need_root
+from support.nodes import NodeDaemon, serving
+from support.nodes import up_lazy as up
 
 from layerfs.builder.env import create_env
 from layerfs.refstore import RefStore
-from layerfs.store.base import blob_key
 
 
 def make_tree(root: Path, seed: int) -> dict[str, str]:
@@ -83,15 +83,7 @@ def new_node(tmp_path: Path, store_location, grace: float = 60) -> NodeDaemon:
 
 @pytest.fixture
 def node(tmp_path, store_location, published):
-    daemon = new_node(tmp_path, store_location).start()
-    try:
-        yield daemon
-    finally:
-        assert daemon.cleanup() == []
-
-
-def up(node: NodeDaemon, sid: str) -> Path:
-    return Path(node.cli("up", "e@1", "--id", sid, "--prefetch", "none").stdout.strip())
+    yield from serving(new_node(tmp_path, store_location))
 
 
 def data_hex(store) -> str:
@@ -206,12 +198,7 @@ def test_a_layer_unmounted_while_its_read_ahead_fills_leaves_the_daemon_serving(
                         r"WARNING layerfs\.node\.reads\.partialblobs: a read of layer data "
                         r"failed \(EIO\)")
 def test_a_damaged_chunk_fails_only_the_reads_that_need_it(node, published, store):
-    refstore = RefStore(store)
-    table = refstore.chunk_table(refstore.layer("sha256:" + data_hex(store)))
-    victim = max(table.entries, key=lambda e: e.blob_offset)  # in the last big file
-    data = bytearray(store.get(blob_key(victim.pack)))
-    data[victim.pack_offset + 10] ^= 0x55
-    store.put(blob_key(victim.pack), bytes(data))
+    damage_chunk(store, "sha256:" + data_hex(store))  # in the last big file
     rootfs = up(node, "s1")
     got = {}
     for rel in published:

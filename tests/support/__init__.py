@@ -109,3 +109,16 @@ def small_ext4(tmp_path: Path, size: int = 24 * MiB) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def damage_chunk(store: Store, layer_digest: str, pick=max, key=None) -> None:
+    """Flip a byte of one stored chunk of the layer (by default the one at
+    the highest blob offset; ``pick``/``key`` choose another) in its pack."""
+    from layerfs.store.base import blob_key
+
+    refstore = RefStore(store)
+    table = refstore.chunk_table(refstore.layer(layer_digest))
+    victim = pick(table.entries, key=key or (lambda e: e.blob_offset))
+    data = bytearray(store.get(blob_key(victim.pack)))
+    data[victim.pack_offset + 10] ^= 0x55
+    store.put(blob_key(victim.pack), bytes(data))

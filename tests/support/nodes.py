@@ -87,6 +87,11 @@ class NodeDaemon(DaemonProcess):
         return left
 
 
+def up_lazy(node: NodeDaemon, sid: str, env: str = "e@1") -> Path:
+    """``layerfs up ENV --id SID --prefetch none`` on ``node``: the rootfs."""
+    return Path(node.cli("up", env, "--id", sid, "--prefetch", "none").stdout.strip())
+
+
 def serving(daemon: NodeDaemon) -> Iterator[NodeDaemon]:
     """A fixture's life of ``daemon`` (``yield from serving(...)``): started,
     handed to the test, and cleaned up after it with nothing left mounted."""

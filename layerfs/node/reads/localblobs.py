@@ -161,43 +161,46 @@ class LocalBlobs:
             os.close(fd)
 
     async def _fill(self, fd: int, table: ChunkTable) -> None:
-        """The chunks the node holds from where they are; the others from
-        the store in runs, all at once (bounded by the fetcher's slots)."""
-        fetcher = self.fetcher
-        held = [e for e in table.entries if fetcher.state(e.sha256) is not ChunkState.ABSENT]
-        absent = sorted((e for e in table.entries
-                         if fetcher.state(e.sha256) is ChunkState.ABSENT),
-                        key=lambda e: (e.pack, e.pack_offset))
-        deadline = self.fetcher.deadline()
-        # distinct chunks only per run; a chunk twice in the layer is written twice
-        runs = list(pack_runs(absent, span=WHOLE_SPAN, gap=WHOLE_GAP))
-
+        """Every chunk of the layer at its blob offset in the file ``fd``
+        (a chunk twice in the layer is written twice)."""
         def write(entry: ChunkEntry, data: bytes | memoryview) -> None:
             write_at(fd, data, entry.blob_offset)
 
-        failed: list[Exception] = []  # the first failure ends the fill
+        await fill_chunks(self.fetcher, table.entries, write)
 
-        async def from_store(run: list[ChunkEntry]) -> None:
-            await self.fetcher.read_run_into(run, write, deadline)
 
-        async def from_node(entry: ChunkEntry) -> None:
-            data = await self.fetcher.get(entry, deadline=deadline)
-            await trio.to_thread.run_sync(write, entry, data)
+async def fill_chunks(fetcher: ChunkFetcher, entries: list[ChunkEntry],
+                      sink: Callable[[ChunkEntry, bytes | memoryview], None]) -> None:
+    """Each of ``entries`` handed, decoded and checked, to ``sink`` (in a
+    worker thread: it writes it): the chunks the node holds from where they
+    are, the others from the store in runs of neighbours (``pack_runs``, up to
+    ``WHOLE_SPAN``), all at once within the fetcher's slots, by one deadline.
+    The first failure (FetchError, OSError) ends the others and is raised."""
+    held = [e for e in entries if fetcher.state(e.sha256) is not ChunkState.ABSENT]
+    absent = sorted((e for e in entries if fetcher.state(e.sha256) is ChunkState.ABSENT),
+                    key=lambda e: (e.pack, e.pack_offset))
+    deadline = fetcher.deadline()
+    failed: list[Exception] = []
 
-        async def task(step: Callable[[], Awaitable[None]], cancel: trio.CancelScope) -> None:
-            try:
-                await step()
-            except (FetchError, OSError) as exc:
-                failed.append(exc)
-                cancel.cancel()
+    async def from_node(entry: ChunkEntry) -> None:
+        data = await fetcher.get(entry, deadline=deadline)
+        await trio.to_thread.run_sync(sink, entry, data)
 
-        async with trio.open_nursery() as nursery:
-            for run in runs:
-                nursery.start_soon(task, functools.partial(from_store, run), nursery.cancel_scope)
-            for entry in held:
-                nursery.start_soon(task, functools.partial(from_node, entry), nursery.cancel_scope)
-        if failed:
-            raise failed[0]
+    async def task(step: Callable[[], Awaitable[None]], cancel: trio.CancelScope) -> None:
+        try:
+            await step()
+        except (FetchError, OSError) as exc:
+            failed.append(exc)
+            cancel.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for run in pack_runs(absent, span=WHOLE_SPAN, gap=WHOLE_GAP):
+            nursery.start_soon(task, functools.partial(fetcher.read_run_into, run, sink,
+                                                       deadline), nursery.cancel_scope)
+        for entry in held:
+            nursery.start_soon(task, functools.partial(from_node, entry), nursery.cancel_scope)
+    if failed:
+        raise failed[0]
 
 
 def trim_files(directory: Path, limit: int, in_use: frozenset[str]) -> list[str]:

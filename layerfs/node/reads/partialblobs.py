@@ -36,26 +36,24 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import hashlib
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
 
 from ... import fanotify
-from ...chunks import pack_runs
 from ...formats.chunktable import ChunkEntry
 from ...ratelog import RateLimitedLog
 from ...tasks import TaskGroup
 from .blobfiles import BlobFile
-from .chunkstates import ChunkState, FetchError
+from .chunkstates import FetchError
 from .fetcher import ChunkFetcher
-from .localblobs import WHOLE_GAP, WHOLE_SPAN, trim_files, write_at
+from .localblobs import fill_chunks, trim_files, write_at
 
 log = logging.getLogger(__name__)
 
@@ -314,40 +312,13 @@ class PartialBlobs:
         at: dict[bytes, list[int]] = {}  # a chunk twice in the blob is written twice
         for i in indexes:
             at.setdefault(entries[i].sha256, []).append(i)
-        fetcher = self.fetcher
-        firsts = [entries[ix[0]] for ix in at.values()]
-        held = [e for e in firsts if fetcher.state(e.sha256) is not ChunkState.ABSENT]
-        absent = sorted((e for e in firsts if fetcher.state(e.sha256) is ChunkState.ABSENT),
-                        key=lambda e: (e.pack, e.pack_offset))
-        deadline = fetcher.deadline()
 
         def sink(entry: ChunkEntry, data: bytes | memoryview) -> None:
             for i in at[entry.sha256]:  # worker thread: written, then counted present
                 write_through(writer, data, entries[i].blob_offset)
             self._present(part, at[entry.sha256])
 
-        async def from_node(entry: ChunkEntry) -> None:
-            data = await self.fetcher.get(entry, deadline=deadline)
-            await trio.to_thread.run_sync(sink, entry, data)
-
-        failed: list[Exception] = []  # the first failure ends the fill
-
-        async def task(step: Callable[[], Awaitable[None]], cancel: trio.CancelScope) -> None:
-            try:
-                await step()
-            except (FetchError, OSError) as exc:
-                failed.append(exc)
-                cancel.cancel()
-
-        async with trio.open_nursery() as nursery:
-            for run in pack_runs(absent, span=WHOLE_SPAN, gap=WHOLE_GAP):
-                nursery.start_soon(task, functools.partial(fetcher.read_run_into, run, sink,
-                                                           deadline), nursery.cancel_scope)
-            for entry in held:
-                nursery.start_soon(task, functools.partial(from_node, entry),
-                                   nursery.cancel_scope)
-        if failed:
-            raise failed[0]
+        await fill_chunks(self.fetcher, [entries[ix[0]] for ix in at.values()], sink)
 
     def _present(self, part: PartialBlob, indexes: list[int]) -> None:
         """Entries now checked in the file; a complete file's mark goes."""
