@@ -3,7 +3,9 @@ sandbox fills until ENOSPC keeps serving reads (not cached, a rate-limited
 warning), refuses a new ``up`` and a ``run`` with exit 16 on one line, takes
 the full sandbox down, and brings sandboxes up again once there is room; the
 cache's bound is lowered at start to what the file system has room for. The
-replica's LMDB commits on a full file system get the held space back."""
+replica's LMDB commits on a full file system get the held space back. Over a
+partial blob file, a read that finds no room fails with EIO, never returns
+other bytes, and succeeds once there is room."""
 
 from __future__ import annotations
 
@@ -81,6 +83,44 @@ def test_a_sandbox_filling_root_leaves_the_node_serving(tmp_path):
             node.cli("down", "s1")
             node.cli("up", "--layer", "big@1", "--id", "s2")
             node.cli("down", "s2")
+        finally:
+            assert node.cleanup() == []
+
+
+PARTIAL_FAILED = r"a read of layer data failed \(EIO\): .*No space left"
+
+
+@pytest.mark.daemon_log(HELD_GIVEN_UP, CACHE_LOWERED, PARTIAL_FAILED)
+def test_a_full_root_fails_partial_file_reads_with_eio_until_there_is_room(tmp_path):
+    """Over a partial blob file, a read of data the node has not got needs
+    room on ROOT for it: the fill makes room (the held space), and what still
+    does not fit fails with EIO, never with other bytes; once the sandbox's
+    file is gone, the same reads succeed."""
+    need_root()
+    src = tmp_path / "big"
+    src.mkdir()
+    data = os.urandom(24 * MiB)
+    (src / "data").write_bytes(data)
+    store = tmp_path / "store"
+    build(FileStore(str(store)), str(src), name="big", chunk_size=1 << 20)
+    with small_ext4(tmp_path, 160 * MiB) as small:
+        node = NodeDaemon(small / "node", ["--store", f"file://{store}"], cache_size="20G",
+                          kernel_reads=True)
+        node.log_path = tmp_path / "daemon.log"  # not on the ROOT that fills up
+        node.start()
+        try:
+            rootfs = Path(node.cli("up", "--layer", "big@1", "--id", "s1").stdout.strip())
+            assert [layer["partial"] for layer in node.request("stats")["layers"].values()] \
+                == [True]
+            fill_up(rootfs / "filler")
+            try:
+                got = (rootfs / "data").read_bytes()
+                assert got == data  # the held space was room enough
+            except OSError as exc:
+                assert exc.errno == errno.EIO
+            (rootfs / "filler").unlink()
+            assert (rootfs / "data").read_bytes() == data
+            node.cli("down", "s1")
         finally:
             assert node.cleanup() == []
 

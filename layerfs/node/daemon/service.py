@@ -424,9 +424,15 @@ class Daemon:
                 return None
         if group is None:
             return None
-        partial = PartialBlobs(self.root, self.fetcher, group, self.cfg.cache_size, self.tasks)
+        partial = PartialBlobs(self.root, self.fetcher, group, self.cfg.cache_size, self.tasks,
+                               make_room=self._make_room)
         partial.prepare()
         return partial
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Worker thread: room on a full ROOT for a partial file's fill: the
+        chunk cache's least recently used files, else the held space."""
+        return self.cache.make_room(nbytes) or self.space.release()
 
     def _serve_metrics(self, address: MetricsAddress) -> None:
         """Serve /metrics in a thread."""

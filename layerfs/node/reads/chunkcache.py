@@ -255,7 +255,7 @@ class ChunkCache:
                 return
             except OSError as exc:
                 if exc.errno not in NO_SPACE or attempt == NO_SPACE_RETRIES \
-                        or not self._make_room(max(2 * size, ROOM)):
+                        or not self.make_room(max(2 * size, ROOM)):
                     if exc.errno in NO_SPACE:
                         with self._lock:
                             self.stats.not_cached += 1
@@ -275,7 +275,7 @@ class ChunkCache:
             tmp.unlink(missing_ok=True)
             raise
 
-    def _make_room(self, nbytes: int) -> bool:
+    def make_room(self, nbytes: int) -> bool:
         """Evict least recently used files of at least ``nbytes`` in all (the
         file system is full); False if the cache had none to evict."""
         with self._lock:

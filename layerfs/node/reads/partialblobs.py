@@ -49,6 +49,7 @@ import trio
 from ... import fanotify
 from ...formats.chunktable import ChunkEntry
 from ...ratelog import RateLimitedLog
+from ...sizes import NO_SPACE
 from ...tasks import TaskGroup
 from .blobfiles import BlobFile
 from .chunkstates import FetchError
@@ -62,6 +63,7 @@ SYNC_RANGE_ALL = 0x1 | 0x2 | 0x4
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 
+NO_SPACE_RETRIES = 2  # rooms made and new tries of a write that found ROOT full
 AHEAD_FIRST = 2 << 20  # a read that continues a stream fills this far past it ...
 AHEAD_MOST = 32 << 20  # ... doubling with each such read up to this
 
@@ -96,9 +98,13 @@ class PartialBlobs:
     """The node's partial blob files (``ROOT/blobs/partial``) and the answers to their events."""
 
     def __init__(self, root: Path, fetcher: ChunkFetcher, group: int, limit: int,
-                 tasks: TaskGroup) -> None:
+                 tasks: TaskGroup, make_room: Callable[[int], bool] = lambda _: False) -> None:
+        """``make_room(nbytes)``: a worker thread's way to free room on ROOT's
+        file system for a fill that found it full (the chunk cache's least
+        recently used files, the held space); whether it freed any."""
         self.dir = root / "blobs" / "partial"
         self.fetcher = fetcher
+        self.make_room = make_room
         self.group = group
         self.limit = limit
         self.tasks = tasks
@@ -315,10 +321,25 @@ class PartialBlobs:
 
         def sink(entry: ChunkEntry, data: bytes | memoryview) -> None:
             for i in at[entry.sha256]:  # worker thread: written, then counted present
-                write_through(writer, data, entries[i].blob_offset)
+                self._write(writer, data, entries[i].blob_offset)
             self._present(part, at[entry.sha256])
 
         await fill_chunks(self.fetcher, [entries[ix[0]] for ix in at.values()], sink)
+
+    def _write(self, fd: int, data: bytes | memoryview, offset: int) -> None:
+        """Worker thread: :func:`write_through`; on a full file system, the
+        files of layers no mount uses go, then what ``make_room`` frees, and
+        the write is tried again (then the OSError: the read fails)."""
+        for attempt in range(NO_SPACE_RETRIES + 1):
+            try:
+                write_through(fd, data, offset)
+                return
+            except OSError as exc:
+                if exc.errno not in NO_SPACE or attempt == NO_SPACE_RETRIES:
+                    raise
+                unused = trim_files(self.dir, 0, frozenset(self.by_hex) | self._marked())
+                if not unused and not self.make_room(max(2 * len(data), 16 << 20)):
+                    raise
 
     def _present(self, part: PartialBlob, indexes: list[int]) -> None:
         """Entries now checked in the file; a complete file's mark goes."""
