@@ -47,7 +47,7 @@ from pathlib import Path
 import trio
 
 from ... import fanotify
-from ...formats.chunktable import ChunkEntry
+from ...formats.chunktable import FILE_START, ChunkEntry
 from ...ratelog import RateLimitedLog
 from ...sizes import NO_SPACE
 from ...tasks import TaskGroup
@@ -245,6 +245,10 @@ class PartialBlobs:
         return self.by_inode.get(key)
 
     async def _fill_range(self, part: PartialBlob, offset: int, count: int) -> None:
+        """The chunks a read of ``[offset, +count)`` covers in the file; a
+        read from the start of a small file of several chunks brings the
+        rest of the file along (one store request: a loader reads the rest
+        next), as the FUSE path's file fetch-ahead does."""
         blob = part.blob
         end = min(offset + count, blob.size)
         entries = blob.table.entries
@@ -252,7 +256,12 @@ class PartialBlobs:
                   if entries[i].blob_offset + entries[i].length > offset]
         blob.note_read(wanted, max(end - offset, 0))
         self._read_ahead(part, offset, end)
-        await self._ensure(part, [i for i in wanted if not part.present[i]])
+        absent = [i for i in wanted if not part.present[i]]
+        if absent and absent[0] == wanted[0] and entries[wanted[0]].flags & FILE_START \
+                and entries[wanted[0]].blob_offset == offset:
+            absent += [j for j in blob.rest_of_file(wanted[0])
+                       if j not in wanted and not part.present[j]]
+        await self._ensure(part, absent)
 
     def _read_ahead(self, part: PartialBlob, offset: int, end: int) -> None:
         """A read that continues the last one fills ahead of the stream, in
