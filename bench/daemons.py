@@ -73,15 +73,15 @@ class DaemonRuns:
     def add_arguments(ap: Any) -> None:
         ap.add_argument("--miss-span", default=None,
                         help="the daemons' --miss-span (default: the daemon's own)")
-        ap.add_argument("--no-kernel-reads", action="store_true",
-                        help="the daemons read larger layers through FUSE files "
-                             "(--no-kernel-reads; default: partial files, where the kernel can)")
+        ap.add_argument("--kernel-reads", action="store_true",
+                        help="the daemons mount larger layers over partial blob files "
+                             "(--kernel-reads; default: over FUSE files)")
 
     @staticmethod
     def options(args: Any) -> list[str]:
         """The daemon options the command line asked for."""
         span = ["--miss-span", args.miss_span] if args.miss_span is not None else []
-        return span + (["--no-kernel-reads"] if args.no_kernel_reads else [])
+        return span + (["--kernel-reads"] if args.kernel_reads else [])
 
     def finish(self, node: DaemonProcess, remove_root: bool = False) -> None:
         """Stop ``node``; detach what it left mounted; remove its root if asked."""

@@ -90,10 +90,11 @@ def failure_status(command: Callable[..., None]) -> Callable[..., None]:
 @click.option("--local-blobs", default="4G", show_default=True, metavar="SIZE",
               help="Bound of the whole-layer files under ROOT/blobs: files of layers no "
                    "sandbox uses are deleted, oldest use first, beyond it.")
-@click.option("--kernel-reads/--no-kernel-reads", default=True, show_default=True,
-              help="Larger layers are mounted over partial local files the daemon fills "
-                   "as they are read (fanotify pre-content events, Linux 6.14+, with live "
-                   "restart on); off, or where the kernel has none, over FUSE files.")
+@click.option("--kernel-reads/--no-kernel-reads", default=False, show_default=True,
+              help="Mount larger layers over partial local files the daemon fills as they "
+                   "are read, so that what the node holds is read by the kernel alone "
+                   "(fanotify pre-content events, Linux 6.14+, needs live restart); "
+                   "otherwise, and where the kernel has none, over FUSE files.")
 @click.option("--store-fetches", default=16, show_default=True,
               help="Store reads (a chunk or a run of chunks each) the daemon has in flight "
                    "at once.")

@@ -160,7 +160,7 @@ class DaemonConfig:
     miss_span: int = 0  # a small chunk's miss fetches the chunks after it, up to this
     fetch_whole_below: int = 32 << 20  # a layer this small is fetched whole into a local file
     local_blobs: int = 4 << 30  # bound of those files (ROOT/blobs) no mount uses
-    kernel_reads: bool = True  # larger layers over partial files (fanotify), where it can be
+    kernel_reads: bool = False  # larger layers over partial files (fanotify), where it can be
     fuse_group: int | None = None  # a gid that may open ROOT/fuse files besides root (a VMM's)
     takeover: bool = False  # replace the daemon serving ROOT, keeping its FUSE connection
     live_restart: bool = True  # keep the FUSE connection in a keeper (else libfuse mounts it)
