@@ -542,7 +542,11 @@ class Daemon:
             log.warning("ignored a message from the keeper: %r", message[:40])
             return
 
+        lease = conn.lease
+
         def done(number: int) -> None:
+            if conn.lease is not lease:  # a dead keeper's number: not the next keeper's
+                return
             self.answered.append(number)
             if len(self.answered) == 1:
                 self.tasks.start_soon(self._say_answered, conn)
