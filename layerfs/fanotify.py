@@ -136,11 +136,17 @@ def parse_events(buf: bytes) -> list[PreRead]:
 
 
 def read_events(group: int) -> list[PreRead]:
-    """The events the group has now (none: an empty list)."""
+    """The events the group has now (none: an empty list). A reader out of
+    descriptors gets none: the kernel denies the event it could not give
+    a descriptor (its read fails with EPERM) instead of leaving it pending."""
     try:
         return parse_events(os.read(group, READ_SIZE))
     except BlockingIOError:
         return []
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            return []
+        raise
 
 
 def respond(group: int, fd: int, error: int = 0) -> None:

@@ -409,13 +409,17 @@ class Daemon:
         keeper keeps (a taken-over connection's, a lingering keeper's, or a
         new one); None without
         live restart (no keeper would outlive a crash), with
-        ``--no-kernel-reads``, or where the kernel has no such group."""
-        if not (self.cfg.live_restart and self.cfg.kernel_reads):
+        ``--no-kernel-reads`` (unless a group was kept: its marked files may
+        still be read, and its events are answered), or where the kernel has
+        no such group."""
+        if not self.cfg.live_restart:
             return None
         if conn is not None:
             group = conn.group
         elif kept is not None:
-            group = kept
+            group = kept  # (kept and read even with --no-kernel-reads: marked files are read)
+        elif not self.cfg.kernel_reads:
+            return None
         else:
             try:
                 group = fanotify.new_group()
@@ -482,7 +486,7 @@ class Daemon:
             kept = True
         else:
             kept = await self._start_keeper(conn)
-        if kept and self.partial_blobs is not None:
+        if kept and self.partial_blobs is not None and self.cfg.kernel_reads:
             self.partial_blobs.serve()
         return kept
 
@@ -542,7 +546,11 @@ class Daemon:
             log.warning("ignored a message from the keeper: %r", message[:40])
             return
 
+        lease = conn.lease
+
         def done(number: int) -> None:
+            if conn.lease is not lease:  # a dead keeper's number: not the next keeper's
+                return
             self.answered.append(number)
             if len(self.answered) == 1:
                 self.tasks.start_soon(self._say_answered, conn)

@@ -64,6 +64,7 @@ import json
 import logging
 import os
 import re
+import resource
 import select
 import signal
 import socket
@@ -413,6 +414,9 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:  # BadRequest, a wrong count, bad hex
         log.error("usage: keeper SOCKET FD INIT_HEX LEASE_FD GRACE [GROUP_FD]: %s", exc)
         return 2
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a descriptor per pending read
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is meant for the daemon
     lease = socket.socket(fileno=lease_no)

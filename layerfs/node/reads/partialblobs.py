@@ -219,7 +219,7 @@ class PartialBlobs:
         """One read of a partial file (``event.fd``: the keeper's number for
         it, ``fd``: this daemon's copy): its chunks in the file, then the
         read allowed; EIO if they cannot be had."""
-        error = errno.EIO
+        error: int | None = errno.EIO
         try:
             part = await self._part_of(fd)
             if part is None:
@@ -232,10 +232,14 @@ class PartialBlobs:
                 error = 0
         except (FetchError, OSError) as exc:
             self.warnings.warning("fill", "a read of layer data failed (EIO): %s", exc)
+        except trio.Cancelled:  # the daemon exits (a handover): the keeper keeps the
+            error = None        # event for the next daemon, which fills and answers it
+            raise
         finally:
             os.close(fd)
-            fanotify.respond(self.group, event.fd, error)
-            done(event.fd)
+            if error is not None:
+                fanotify.respond(self.group, event.fd, error)
+                done(event.fd)
 
     async def _part_of(self, fd: int) -> PartialBlob | None:
         st = os.fstat(fd)
