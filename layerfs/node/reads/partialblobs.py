@@ -187,7 +187,9 @@ class PartialBlobs:
         part.released = True
         while part.flights:  # fills (a read-ahead) still writing through its writer
             await next(iter(part.flights.values())).wait()
-        fanotify.unmark_path(self.group, str(part.path))  # no mount reads it any more
+        if part.hold is None:  # a mark this daemon made: no mount reads the file any more
+            fanotify.unmark_path(self.group, str(part.path))
+        # (a mark from before stays: a detached mount of an earlier daemon may read the file)
         for fd in (part.writer, part.hold):
             if fd is not None:
                 os.close(fd)
