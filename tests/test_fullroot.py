@@ -42,6 +42,19 @@ def fill_up(path: Path) -> None:
         os.close(fd)
 
 
+def big_layer(tmp_path: Path) -> tuple[bytes, Path]:
+    """Layer big@1 (one 24 MiB file of 1 MiB chunks) in a file store: its
+    file's bytes and the store's directory."""
+    need_root()
+    src = tmp_path / "big"
+    src.mkdir()
+    data = os.urandom(24 * MiB)
+    (src / "data").write_bytes(data)
+    store = tmp_path / "store"
+    build(FileStore(str(store)), str(src), name="big", chunk_size=1 << 20)
+    return data, store
+
+
 def one_line_exit_16(proc) -> None:
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == NodeFull.exit_code == 16, proc.stderr
@@ -50,13 +63,7 @@ def one_line_exit_16(proc) -> None:
 
 @pytest.mark.daemon_log(CACHE_WARNING, HELD_GIVEN_UP, CACHE_LOWERED)
 def test_a_sandbox_filling_root_leaves_the_node_serving(tmp_path):
-    need_root()
-    src = tmp_path / "big"
-    src.mkdir()
-    data = os.urandom(24 * MiB)
-    (src / "data").write_bytes(data)
-    store = tmp_path / "store"
-    build(FileStore(str(store)), str(src), name="big", chunk_size=1 << 20)
+    data, store = big_layer(tmp_path)
     with small_ext4(tmp_path, 160 * MiB) as small:
         node = NodeDaemon(small / "node", ["--store", f"file://{store}"], cache_size="20G")
         node.log_path = tmp_path / "daemon.log"  # not on the ROOT that fills up
@@ -96,13 +103,7 @@ def test_a_full_root_fails_partial_file_reads_with_eio_until_there_is_room(tmp_p
     room on ROOT for it: the fill makes room (the held space), and what still
     does not fit fails with EIO, never with other bytes; once the sandbox's
     file is gone, the same reads succeed."""
-    need_root()
-    src = tmp_path / "big"
-    src.mkdir()
-    data = os.urandom(24 * MiB)
-    (src / "data").write_bytes(data)
-    store = tmp_path / "store"
-    build(FileStore(str(store)), str(src), name="big", chunk_size=1 << 20)
+    data, store = big_layer(tmp_path)
     with small_ext4(tmp_path, 160 * MiB) as small:
         node = NodeDaemon(small / "node", ["--store", f"file://{store}"], cache_size="20G",
                           kernel_reads=True)
