@@ -29,12 +29,10 @@ its loop) leaves its mounts and the keeper as a crash does, for the next one.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import select
 import signal
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -66,6 +64,7 @@ from .. import protocol
 from ..containerd.snapstore import SnapshotStore
 from ..control import DEFAULT_ROOT, DaemonNotRunning, call, socket_path
 from ..fuse import connection as fuseconn
+from ..fuse.keeperlink import KeeperLink
 from ..reads.accesstraces import merge_traces, trace_bytes, trace_key
 from ..reads.blobfiles import BlobDirectory
 from ..reads.chunkcache import ChunkCache
@@ -401,17 +400,15 @@ class Daemon:
         # a SIGTERM/SIGINT stop: FUSE unmounted and the keeper let go at the end; a
         # handover, or a daemon that fails, leaves both to the next daemon (as a crash does)
         self.stopping = False
-        self.answered: list[int] = []  # the keeper's events answered, not yet said so
 
     def _partial_blobs(self, conn: fuseconn.FuseConnection | None,
                        kept: int | None) -> PartialBlobs | None:
         """Partial files for larger layers, with the pre-content group the
         keeper keeps (a taken-over connection's, a lingering keeper's, or a
-        new one); None without
-        live restart (no keeper would outlive a crash), with
-        ``--no-kernel-reads`` (unless a group was kept: its marked files may
-        still be read, and its events are answered), or where the kernel has
-        no such group."""
+        new one); None without live restart (no keeper would outlive a
+        crash), with ``--no-kernel-reads`` (unless a group was kept: its marked
+        files may still be read, and its events are answered), or where the
+        kernel has no such group."""
         if not self.cfg.live_restart:
             return None
         if conn is not None:
@@ -509,23 +506,15 @@ class Daemon:
         dies again within KEEPER_RESTART_INTERVAL is not (the connection
         itself may be gone)."""
         replaced = -KEEPER_RESTART_INTERVAL
+        link = KeeperLink(conn, self.partial_blobs, self.tasks)  # and its pre-content events
         while conn.lease is not None:
             await trio.lowlevel.wait_readable(conn.lease)
             if conn.lease is None:
                 return
-            message = b"-"
-            while message and conn.lease is not None:  # every message there now
-                try:
-                    message, fds = fuseconn.receive(conn.lease)
-                except BlockingIOError:
-                    break
-                if message:
-                    self._keeper_says(conn, message, fds)
-            if message or conn.lease is None:
+            if link.read() or conn.lease is None:
                 continue
             if self.stopping:
                 return
-            self.answered.clear()  # the numbers of the keeper that died
             conn.lease.close()
             conn.lease = None
             if trio.current_time() - replaced < KEEPER_RESTART_INTERVAL:
@@ -535,43 +524,6 @@ class Daemon:
             replaced = trio.current_time()
             log.warning("the FUSE keeper exited; starting another")
             await self._start_keeper(conn)
-
-    def _keeper_says(self, conn: fuseconn.FuseConnection, message: bytes,
-                     fds: list[int]) -> None:
-        """A message on the lease: a read of a partial file to answer."""
-        event = fanotify.parse_event_message(message)
-        if event is None or len(fds) != 1 or self.partial_blobs is None:
-            for fd in fds:
-                os.close(fd)
-            log.warning("ignored a message from the keeper: %r", message[:40])
-            return
-
-        lease = conn.lease
-
-        def done(number: int) -> None:
-            if conn.lease is not lease:  # a dead keeper's number: not the next keeper's
-                return
-            self.answered.append(number)
-            if len(self.answered) == 1:
-                self.tasks.start_soon(self._say_answered, conn)
-        if not self.tasks.start_soon(self.partial_blobs.answer, event, fds[0], done):
-            os.close(fds[0])  # (not serving yet, or any more): the read fails
-            fanotify.respond(self.partial_blobs.group, event.fd, errno.EIO)
-
-    async def _say_answered(self, conn: fuseconn.FuseConnection) -> None:
-        """Tell the keeper which of its events are answered, in batches,
-        never waiting on it in a blocking send (it may be waiting on us)."""
-        while self.answered and conn.lease is not None:
-            batch = self.answered[:500]
-            try:
-                conn.lease.send(fanotify.done_message(batch), socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(conn.lease)
-                continue
-            except OSError:
-                break  # the keeper is gone, with its descriptors
-            del self.answered[:len(batch)]
-        self.answered.clear()
 
     def _forgetter(self, forget_after: float) -> LayerForgetter:
         """Forgets the layers no sandbox, and no vm or disk, used for ``forget_after``

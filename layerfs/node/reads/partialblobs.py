@@ -187,14 +187,20 @@ class PartialBlobs:
         part.released = True
         while part.flights:  # fills (a read-ahead) still writing through its writer
             await next(iter(part.flights.values())).wait()
-        if part.hold is None:  # a mark this daemon made: no mount reads the file any more
-            fanotify.unmark_path(self.group, str(part.path))
-        # (a mark from before stays: a detached mount of an earlier daemon may read the file)
-        for fd in (part.writer, part.hold):
+        fds, part.writer, part.hold = (part.writer, part.hold), None, None
+        await trio.to_thread.run_sync(self._let_go, part.path, fds, frozenset(self.by_hex))
+
+    def _let_go(self, path: Path, fds: tuple[int | None, int | None],
+                mounted: frozenset[str]) -> None:
+        """Worker thread: a released file's mark, if this daemon made it (a
+        mark from before stays: a detached mount of an earlier daemon may
+        read the file), and descriptors; then the bound."""
+        if fds[1] is None:
+            fanotify.unmark_path(self.group, str(path))
+        for fd in fds:
             if fd is not None:
                 os.close(fd)
-        part.writer = part.hold = None
-        await trio.to_thread.run_sync(self.trim, frozenset(self.by_hex))
+        self.trim(mounted)
 
     def trim(self, mounted: frozenset[str]) -> list[str]:
         """Worker thread: files beyond the bound dropped, but none a mount
