@@ -25,7 +25,7 @@ from pathlib import Path
 from harness.serverprocs import die_with_parent, log_tail, wait_ready
 
 GRPC_OFFSET = 10000  # SeaweedFS listens for gRPC on every port + 10000
-PORT_RANGE = (20000, 55000)
+PORT_FLOOR = 10000
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 10.0  # to reap a killed server
 
@@ -56,23 +56,39 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def port_range() -> tuple[int, int]:
+    """Ports whose gRPC twin (+10000) is below the ephemeral range too: weed's
+    own outgoing connections (filer to master, s3 to filer) take ephemeral
+    ports, and one that took a twin between our check and weed's bind made the
+    S3 gateway exit with "address already in use"."""
+    return PORT_FLOOR, max(PORT_FLOOR + 1000, ephemeral_low() - GRPC_OFFSET)
+
+
 def worker_port_range() -> tuple[int, int]:
-    """This process's slice of ``PORT_RANGE``: the whole range, or under
+    """This process's slice of :func:`port_range`: the whole range, or under
     pytest-xdist (``PYTEST_XDIST_WORKER=gwN``) the N-th of as many slices as
     there are workers."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if not worker.startswith("gw") or count <= 1:
-        return PORT_RANGE
-    low, high = PORT_RANGE
+        return port_range()
+    low, high = port_range()
     width = (high - low) // count
     start = low + int(worker[2:]) % count * width
     return start, start + width
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports below 55000 whose gRPC twin (+10000) is free too,
-    from this worker's slice of the range."""
+    """``count`` distinct free ports whose gRPC twin (+10000) is free too, from
+    this worker's slice of :func:`port_range`."""
     chosen: list[int] = []
     taken: set[int] = set()
     ports = worker_port_range()
