@@ -25,9 +25,11 @@ import ctypes
 import errno
 import os
 import re
+import resource
 import socket
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 FAN_CLOEXEC, FAN_NONBLOCK = 0x1, 0x2
 FAN_CLASS_PRE_CONTENT = 0x8
@@ -157,6 +159,34 @@ def respond(group: int, fd: int, error: int = 0) -> None:
         os.write(group, RESPONSE.pack(fd, answer))
     except FileNotFoundError:
         pass  # answered already (by a daemon before a restart)
+
+
+def numbers_below() -> int:
+    """A bound on the event numbers of a reader this process starts: its
+    descriptor numbers stay below the hard limit it inherits, which the
+    kernel caps at ``fs.nr_open``."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    try:
+        cap = int(Path("/proc/sys/fs/nr_open").read_text())
+    except (OSError, ValueError):
+        cap = 1 << 20
+    return cap if hard == resource.RLIM_INFINITY else min(hard, cap)
+
+
+def deny_all(group: int, below: int, error: int = errno.EIO) -> int:
+    """Fail every event read and not answered whose descriptor number is
+    below ``below``: those of a reader that died (its numbers are unknown
+    and may be given again to the next reader's events, which an answer
+    by number would confuse with them); how many there were."""
+    denied = 0
+    answer = FAN_DENY | (error & 0xFF) << 24
+    for number in range(below):
+        try:
+            os.write(group, RESPONSE.pack(number, answer))
+        except FileNotFoundError:
+            continue
+        denied += 1
+    return denied
 
 
 def event_message(event: PreRead) -> bytes:

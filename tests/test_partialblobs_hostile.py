@@ -1,6 +1,7 @@
 """Partial blob files under stress and attack: readers streaming a larger
 layer through a ``--takeover`` and through a daemon killed again and again
-get every byte right (never an EIO, never a hole); many reads leave the
+get every byte right (never an EIO, never a hole); a dead keeper's reads
+fail with EIO or end right, never as the next keeper's; many reads leave the
 daemon and the keeper with no more descriptors than before; a local
 unprivileged user can neither read nor write the partial files, nor plant a
 file or a link among them.
@@ -28,6 +29,7 @@ from support import build, need_root
 from support.nodes import NodeDaemon, serving, take_over, wait_for
 from support.nodes import up_lazy as up
 
+from layerfs import fanotify
 from layerfs.builder.env import create_env
 from layerfs.refstore import RefStore
 
@@ -359,3 +361,111 @@ def test_a_lingering_group_taken_with_kernel_reads_off_still_answers(tmp_path, s
         if holder is not None and holder.poll() is None:
             holder.kill()
         assert node.cleanup() == []
+
+
+# a keeper's stand-in: reads one event of the group it inherits, prints its
+# number, and allows it when told to (a line "allow" on stdin)
+ONE_EVENT_READER = """
+import os, select, sys
+from layerfs import fanotify
+group = int(sys.argv[1])
+while not (events := fanotify.read_events(group)):
+    select.select([group], [], [])
+print(events[0].fd, flush=True)
+if sys.stdin.readline().strip() == "allow":
+    fanotify.respond(group, events[0].fd, 0)
+    print("allowed", flush=True)
+sys.stdin.readline()
+"""
+
+# reads 4 KiB at OFFSET of a file: "data", or the error
+READ_AT = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+try:
+    os.pread(fd, 4096, int(sys.argv[2]))
+    print("data")
+except OSError as exc:
+    print(os.strerror(exc.errno))
+"""
+
+
+def test_a_dead_readers_events_fail_and_none_is_let_through_as_the_nexts(tmp_path):
+    """The kernel matches an answer to the oldest event of its number, and a
+    new reader of the group is given the numbers a dead one had: answering
+    the new reader's event would let the dead one's read through to the
+    file's holes. fanotify.deny_all (the daemon's step before a new keeper)
+    fails the dead reader's events first, so the number then means the new
+    event alone."""
+    need_root()
+    path = tmp_path / "partial"
+    with open(path, "wb") as f:
+        f.truncate(4 << 20)  # holes only: a read let through gets zeros
+    group = fanotify.new_group()
+    writer = os.open(path, os.O_RDWR)
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(*argv: str) -> subprocess.Popen[str]:
+        env = {**os.environ, "PYTHONPATH": str(Path(fanotify.__file__).parents[1])}
+        procs.append(subprocess.Popen([sys.executable, "-c", *argv], pass_fds=[group], env=env,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      text=True))
+        return procs[-1]
+
+    try:
+        fanotify.mark(group, writer)
+        first_keeper = start(ONE_EVENT_READER, str(group))
+        first_read = start(READ_AT, str(path), "0")
+        assert first_keeper.stdout is not None
+        number = int(first_keeper.stdout.readline())
+        first_keeper.kill()
+        first_keeper.wait(10)
+        wait_for(lambda: in_pre_content_wait(first_read.pid), "the read to wait on its event")
+
+        assert fanotify.deny_all(group, fanotify.numbers_below()) == 1
+        assert first_read.communicate(timeout=10)[0].strip() == "Input/output error"
+
+        next_keeper = start(ONE_EVENT_READER, str(group))
+        next_read = start(READ_AT, str(path), str(1 << 20))
+        assert next_keeper.stdout is not None and next_keeper.stdin is not None
+        assert int(next_keeper.stdout.readline()) == number  # the same number, given again
+        next_keeper.stdin.write("allow\n")
+        next_keeper.stdin.flush()
+        assert next_keeper.stdout.readline() == "allowed\n"
+        assert next_read.communicate(timeout=10)[0].strip() == "data"
+        assert fanotify.deny_all(group, fanotify.numbers_below()) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+        os.close(writer)
+        os.close(group)
+
+
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.daemon\.service: the FUSE keeper exited; "
+                        r"starting another")
+def test_reads_a_killed_keeper_had_handed_on_are_answered_and_the_next_keeper_serves(
+        node, published, tmp_path):
+    """The keeper is killed while the daemon has 40 of its events in hand
+    (the daemon stopped: they wait in the lease): each read ends with the
+    right bytes or EIO, none waits for ever, none gets holes; the next
+    keeper's reads are answered as before."""
+    rootfs = up(node, "s1")
+    keeper = int(KEEPER.findall(node.log())[-1])
+    os.kill(node.proc.pid, signal.SIGSTOP)
+    try:
+        reader = subprocess.Popen([sys.executable, "-c", SCATTERED,
+                                   str(rootfs / "data" / "big0"),
+                                   str(tmp_path / "dsrc" / "data" / "big0"), "40", str(128 << 10)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: open_fds(keeper) >= 40, "the keeper to hold the reads' events")
+        os.kill(keeper, signal.SIGKILL)
+    finally:
+        os.kill(node.proc.pid, signal.SIGCONT)
+    out, err = reader.communicate(timeout=60)
+    assert reader.returncode == 0, err
+    assert set(out.strip().split("|")) <= {"ok", "Input/output error"}
+    wait_for(lambda: len(set(KEEPER.findall(node.log()))) == 2, "the next keeper")
+    assert sums_of_big(rootfs / "data") == published
+    node.cli("down", "s1")

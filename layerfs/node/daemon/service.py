@@ -517,12 +517,14 @@ class Daemon:
                 return
             conn.lease.close()
             conn.lease = None
+            failed = await link.forget_keeper()
+            lost = f" ({failed} reads it had not answered failed: EIO)" if failed else ""
             if trio.current_time() - replaced < KEEPER_RESTART_INTERVAL:
                 log.error("the FUSE keeper exited again: live restart is unavailable until "
-                          "this daemon restarts")
+                          "this daemon restarts%s", lost)
                 return
             replaced = trio.current_time()
-            log.warning("the FUSE keeper exited; starting another")
+            log.warning("the FUSE keeper exited; starting another%s", lost)
             await self._start_keeper(conn)
 
     def _forgetter(self, forget_after: float) -> LayerForgetter:

@@ -223,10 +223,11 @@ class PartialBlobs:
     # -- events --------------------------------------------------------------
 
     async def answer(self, event: fanotify.PreRead, fd: int,
-                     done: Callable[[int], None]) -> None:
+                     reply: Callable[[int], None]) -> None:
         """One read of a partial file (``event.fd``: the keeper's number for
-        it, ``fd``: this daemon's copy): its chunks in the file, then the
-        read allowed; EIO if they cannot be had."""
+        it, ``fd``: this daemon's copy): its chunks in the file, then
+        ``reply(0)`` (the read allowed); ``reply(EIO)`` if they cannot be
+        had. No reply if the daemon exits first (the keeper keeps the event)."""
         error: int | None = errno.EIO
         try:
             part = await self._part_of(fd)
@@ -246,8 +247,7 @@ class PartialBlobs:
         finally:
             os.close(fd)
             if error is not None:
-                fanotify.respond(self.group, event.fd, error)
-                done(event.fd)
+                reply(error)
 
     async def _part_of(self, fd: int) -> PartialBlob | None:
         st = os.fstat(fd)
