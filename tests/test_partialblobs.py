@@ -5,7 +5,8 @@ node holds answered without a store request, a file left with wrong bytes
 fetched again, a layer unmounted while its read-ahead fills, a damaged
 chunk failing only the file that holds it, a daemon killed while a read
 waits (the next daemon answers it), and a read still waiting when no daemon
-comes back fails with EIO, not with the file's holes.
+comes back fails with EIO, not with the file's holes; a sandbox that read
+a layer while its daemon and keeper were both dead is marked data_lost.
 
 Tier: node (a real daemon, kernel EROFS and overlay mounts, fanotify; root).
 """
@@ -16,6 +17,7 @@ import errno
 import hashlib
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from support import build, damage_chunk, need_root
-from support.nodes import NodeDaemon, serving
+from support.nodes import NodeDaemon, serving, wait_for
 from support.nodes import up_lazy as up
 
 from layerfs.builder.env import create_env
@@ -148,6 +150,47 @@ def test_a_read_waiting_on_a_killed_daemon_is_answered_by_the_next(node, publish
     out, err = reader.communicate(timeout=60)
     assert reader.returncode == 0, err
     assert out.strip() == published["big0"]
+    node.cli("down", "s1")
+
+
+def kill_daemon_and_keeper(node: NodeDaemon) -> None:
+    keeper = int(re.findall(r"the FUSE connection is kept by pid (\d+)", node.log())[-1])
+    node.kill()
+    os.kill(keeper, signal.SIGKILL)
+    wait_for(lambda: not Path(f"/proc/{keeper}").exists()
+             or " Z " in Path(f"/proc/{keeper}/stat").read_text(), "the keeper to die")
+
+
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.daemon\.service: unmounted stale ",
+                        r"ERROR layerfs\.node\.sandboxes\.dataloss: sandbox s1: its layer "
+                        r"sha256:[0-9a-f]{64} \(e@1\) was read with no daemon and no keeper")
+def test_a_sandbox_read_without_daemon_and_keeper_is_marked_data_lost(node, published, store):
+    """kill -9 of the daemon and of its keeper ends the pre-content group,
+    and the partial file's mark with it: the layer's mount reads the file's
+    holes (zeros) until the next daemon, and a process holding the old mount
+    reads them still. The next daemon marks the sandbox ``data_lost`` (one
+    ERROR line, the layer named) for the scheduler to replace it."""
+    rootfs = up(node, "s1")
+    kill_daemon_and_keeper(node)
+    assert sums_of(rootfs / "data", ["big1"])["big1"] != published["big1"]  # holes
+    node.start()
+    ps = {r["id"]: r for r in node.request("ps")["sandboxes"]}
+    assert ps["s1"]["state"] == "data_lost"
+    assert sums_of(rootfs / "data", published) == published  # mounted again, filled
+    node.cli("down", "s1")
+
+
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.daemon\.service: unmounted stale ")
+def test_a_complete_partial_file_read_without_its_group_marks_nothing(node, published):
+    """The same crash after every chunk of both layers came in: their files
+    have no hole, so nothing unverified could be read, and the sandbox stays up."""
+    rootfs = up(node, "s1")
+    assert sums_of(rootfs / "data", published) == published
+    assert (rootfs / "bin" / "busybox").read_bytes() == Path("/bin/busybox").read_bytes()
+    kill_daemon_and_keeper(node)
+    node.start()
+    ps = {r["id"]: r for r in node.request("ps")["sandboxes"]}
+    assert ps["s1"]["state"] == "up"
     node.cli("down", "s1")
 
 

@@ -71,7 +71,7 @@ from ..reads.chunkcache import ChunkCache
 from ..reads.fetcher import ChunkFetcher
 from ..reads.fetcher import log as fetch_log
 from ..reads.localblobs import LocalBlobs
-from ..reads.partialblobs import PartialBlobs
+from ..reads.partialblobs import PartialBlobs, reads_holes, unguarded_layers
 from ..reads.prefetch import Prefetcher
 from ..reads.tracereplay import pushed_trace
 from ..replica.leaser import Leaser, node_holders, node_id
@@ -301,21 +301,27 @@ class Daemon:
         taken = fuseconn.take_over(root, cfg.restart_grace) if cfg.live_restart else None
         group = taken.fd if isinstance(taken, fuseconn.KeptGroup) else None
         conn = taken if isinstance(taken, fuseconn.FuseConnection) else None
+        unguarded = {}
         if conn is None:
+            if group is None:  # a crashed daemon's partial layers lost their group too
+                unguarded = unguarded_layers(root, mounts_under(root))
             clean_stale_mounts(root)  # a crashed daemon's mounts (dead FUSE included)
         secure_root(root, cfg.fuse_group, fuse_mounted=conn is not None)
         probe_erofs_mounts(root)
-        return cls(cfg, root, conn, group)
+        return cls(cfg, root, conn, group, unguarded)
 
     def __init__(self, cfg: DaemonConfig, root: Path,
-                 conn: fuseconn.FuseConnection | None, group: int | None = None) -> None:
+                 conn: fuseconn.FuseConnection | None, group: int | None = None,
+                 unguarded: dict[str, list[tuple[int, int]]] | None = None) -> None:
         """The daemon's parts, each given what it needs when it is made, in
         order (nothing is set on a part afterwards), on a ROOT made ready by
         :meth:`start` (``conn``: the FUSE connection it took over, if any;
-        ``group``: a lingering keeper's pre-content group, if any)."""
+        ``group``: a lingering keeper's pre-content group, if any;
+        ``unguarded``: the layers a crashed daemon's mounts read unguarded)."""
         self.cfg = cfg
         self.root = root
         self.conn = conn
+        self.unguarded = unguarded or {}
         self.tasks = TaskGroup()  # opened by the loop (_main): background work runs in it
         self.metrics = NodeMetrics()
         self.store = CountingStore(open_store(cfg.store_url, s3_endpoint=cfg.s3_endpoint,
@@ -429,6 +435,13 @@ class Daemon:
                                make_room=self._make_room)
         partial.prepare()
         return partial
+
+    def _read_holes(self) -> list[str]:
+        """The layers a crashed daemon's mounts read unguarded where the node
+        held no data (their sandboxes restored: their tables known)."""
+        blobs = [(self.blobs.by_name.get(hex_), holes) for hex_, holes in self.unguarded.items()]
+        return [blob.digest for blob, holes in blobs
+                if blob is not None and reads_holes(blob, holes)]
 
     def _make_room(self, nbytes: int) -> bool:
         """Worker thread: room on a full ROOT for a partial file's fill: the
@@ -552,6 +565,7 @@ class Daemon:
                 await self._set_readahead()
                 await trio.to_thread.run_sync(self.checker.start)
                 await self.sandboxes.restore()
+                self.dataloss.read_unguarded(self._read_holes())
                 if self.snapshots is not None:
                     await self.snapshots.snapshotter.restore()
                 await self.layers.drop_unadopted()

@@ -372,6 +372,50 @@ class PartialBlobs:
             fanotify.unmark(self.group, part.writer)
 
 
+def unguarded_layers(root: Path, stale_points: list[str]) -> dict[str, list[tuple[int, int]]]:
+    """At a start that found no keeper and no group: the layers (hex) a
+    crashed daemon had mounted over a partial file, each with the file's
+    holes then. Their group went with the daemon and its keeper (both
+    killed), and with it the file's mark: since then their mounts read the
+    holes as zeros (:func:`reads_holes` says whether a hole is layer data)."""
+    found = {}
+    for point in map(Path, stale_points):
+        if point.parent != root / "layers":
+            continue
+        try:
+            fd = os.open(root / "blobs" / "partial" / point.name, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            found[point.name] = holes_of(fd)
+        finally:
+            os.close(fd)
+    return found
+
+
+def holes_of(fd: int) -> list[tuple[int, int]]:
+    """The file's holes, ``(start, end)``."""
+    size, out, at = os.fstat(fd).st_size, [], 0
+    while at < size:
+        hole = os.lseek(fd, at, os.SEEK_HOLE)
+        if hole >= size:
+            break
+        try:
+            at = os.lseek(fd, hole, os.SEEK_DATA)
+        except OSError:  # ENXIO: a hole to the end
+            at = size
+        out.append((hole, at))
+    return out
+
+
+def reads_holes(blob: BlobFile, holes: list[tuple[int, int]]) -> bool:
+    """Whether a chunk of ``blob`` lies (partly) in one of ``holes``: a
+    read of it there got zeros (gaps between chunks are no data)."""
+    entries = blob.table.entries
+    return any(entries[i].blob_offset < end and start < entries[i].blob_offset + entries[i].length
+               for start, end in holes for i in blob.span(start, end))
+
+
 def open_partial(path: Path, size: int) -> tuple[int, bool]:
     """Worker thread: the partial file at ``path`` open read-write (before
     its mark, if it has none: then its writes raise no event), of ``size``

@@ -1,4 +1,5 @@
-"""Sandboxes and vms whose data is gone from the store.
+"""Sandboxes and vms whose data can no longer be trusted: gone from the
+store, or read unguarded after a crash.
 
 A chunk read that the store answers "no such object" for its pack (a gc that
 did not know the node held the layer, a lost volume, a pack deleted by hand)
@@ -11,6 +12,12 @@ ERROR line per sandbox (or vm) and layer, naming both, counts it
 ``data_lost`` in ``ps``, kept in the replica (``datalost``) so that a
 restarted daemon says so too, until the sandbox is down. Runs on the trio
 loop; the replica is written in a worker thread.
+
+The same mark, with its own ERROR line, goes to the sandboxes on a layer a
+crashed daemon had mounted over a partial file when its keeper died too
+(:meth:`DataLoss.read_unguarded`): the pre-content group went with both, so
+their mounts read the file's holes as zeros until the next daemon started,
+and a process that still has the old mount reads them still.
 """
 
 from __future__ import annotations
@@ -63,6 +70,21 @@ class DataLoss:
                               "(pack %s missing): its reads of it fail; take it down and "
                               "bring it up from a layer the store has", kind, sid, layer,
                               f" ({ref})" if ref else "", pack)
+
+    def read_unguarded(self, layers: list[str]) -> None:
+        """At a start: the sandboxes on ``layers`` (each mounted over a partial
+        file whose group is gone) are marked, each with one ERROR line."""
+        for kind, sid, ref, used in self._users():
+            for layer in sorted(set(layers) & set(used)):
+                if layer in self.lost.setdefault(sid, set()):
+                    continue
+                self.lost[sid].add(layer)
+                self.counted(layer)
+                self._save(sid)
+                log.error("%s %s: its layer %s%s was read with no daemon and no keeper to "
+                          "fill it (both were killed): reads of data the node did not hold "
+                          "got zeros; take it down and bring it up again",
+                          kind, sid, layer, f" ({ref})" if ref else "")
 
     def _users(self) -> Iterable[tuple[str, str, str, list[str]]]:
         for record in self.users.sandboxes():
