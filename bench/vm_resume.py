@@ -10,7 +10,10 @@ Then, per rep, on a fresh node root each (empty cache, a daemon of its
 own), a resume **without** the working set (the pushed trace removed from
 the store), one **with** it (the trace the first resume pushed) and, with
 ``--all``, one with **all** of the snapshot's RAM chunks as its working set
-(every chunk in the node), and with ``--hot`` one whose QEMU maps a local
+(every chunk in the node), with ``--staged`` one on a node that resumed the
+snapshot once before (its chunks in the node's cache, the page cache
+dropped: the store's part of a lazy resume taken out, the daemon's kept),
+and with ``--hot`` one whose QEMU maps a local
 copy of the whole RAM, its pages in the page cache (the copy made before
 QEMU starts: what no prefetch can beat), the order rotating between reps;
 each measures
@@ -47,7 +50,7 @@ import time
 from pathlib import Path
 
 from bench import RESULTS, WORK, git_head
-from bench.daemons import DaemonRuns, clear_dir, print_footer
+from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
 from harness import guest
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.formats.lsmt import HT_SPACE
@@ -107,15 +110,44 @@ def local_copy(ram: VmRam, path: Path) -> VmRam:
                  incoming=ram.incoming)
 
 
+def stage(node, client: Client, kernel, initramfs: Path, work: Path, ref: str, name: str,
+          store: FileStore, timeout: float) -> None:
+    """An untimed resume of ``ref`` and its first command on the node, then
+    down: its chunks stay in the node's cache; the trace it pushes is taken
+    out of the store again, the page cache dropped."""
+    vm = client.vm_resume(ref, name)
+    g = start(kernel, initramfs, vm, work, name)
+    try:
+        wait_log(node, f"vm {name} resumed from its snapshot", timeout)
+        g.send("cmd")
+        g.wait_for(r"^DONE ", timeout)
+        wait_log(node, f"vm {name}: working set", 30)
+        g.send("stop")
+        g.finish(timeout)
+    finally:
+        g.stop()
+    client.vm_down(name)
+    digest = RefStore(store).resolve("layers", ref)
+    if store.exists(trace_key(digest)):
+        store.delete(trace_key(digest))
+    drop_caches()
+
+
 def resume(runs: DaemonRuns, store_dir: Path, work: Path, kernel, initramfs: Path, ref: str,
            name: str, oddities: list[str], timeout: float, keep: bool = False,
-           hot: bool = False) -> dict:
+           hot: bool = False, staged: bool = False) -> dict:
     """One resume on a fresh node root: its times and bytes fetched. ``hot``:
     its QEMU maps a local copy of the whole RAM instead (made before QEMU
-    starts, not timed: ``from_qemu_s`` is what to compare)."""
+    starts, not timed: ``from_qemu_s`` is what to compare). ``staged``: the
+    node resumed the snapshot once before (untimed, :func:`stage`): what it
+    touched is in the node's cache, not in the page cache."""
     root = clear_dir(work / f"root-{name}", oddities)
     node = runs.start(root, name, ["--store", f"file://{store_dir}"])
     client = Client(root)
+    if staged:
+        stage(node, client, kernel, initramfs, work, ref, name + "-stage",
+              FileStore(str(store_dir)), timeout)
+    fetched0 = client.stats().cache.get("bytes_fetched", 0)
     t0 = time.monotonic()
     vm = client.vm_resume(ref, name)
     answered = time.monotonic()
@@ -126,11 +158,11 @@ def resume(runs: DaemonRuns, store_dir: Path, work: Path, kernel, initramfs: Pat
     g = start(kernel, initramfs, vm, work, name)
     try:
         ready = wait_log(node, f"vm {name} resumed from its snapshot", timeout)
-        fetched_ready = client.stats().cache.get("bytes_fetched", 0)
+        fetched_ready = client.stats().cache.get("bytes_fetched", 0) - fetched0
         g.send("cmd")
         at, _ = g.wait_for(r"^DONE ", timeout)
         first = g.times[at]
-        fetched = client.stats().cache.get("bytes_fetched", 0)
+        fetched = client.stats().cache.get("bytes_fetched", 0) - fetched0
         row = {"answer_s": round(answered - t0, 3), "ready_s": round(ready - t0, 3),
                "first_command_s": round(first - t0, 3), "fetched_bytes": fetched,
                "fetched_at_ready_bytes": fetched_ready,
@@ -162,6 +194,9 @@ def main() -> None:
                     help="the daemons' --readahead (the fault read-around of the RAM disk)")
     ap.add_argument("--all", action="store_true",
                     help="also resume with every RAM chunk of the snapshot as the working set")
+    ap.add_argument("--staged", action="store_true",
+                    help="also a resume on a node that resumed the snapshot once before "
+                         "(its chunks in the node's cache, the page cache dropped)")
     ap.add_argument("--hot", action="store_true",
                     help="also resume with QEMU on a local copy of the whole RAM, its pages in "
                          "the page cache (the floor of any prefetch; compare from_qemu_s)")
@@ -185,6 +220,7 @@ def main() -> None:
     runs = DaemonRuns(work, oddities, cache_size="4G", daemon_args=(
         ["--readahead", args.readahead] if args.readahead else []))
     results: dict = {"without": [], "with": [], **({"all": []} if args.all else {}),
+                     **({"staged": []} if args.staged else {}),
                      **({"hot": []} if args.hot else {})}
     sides = list(results)
     try:
@@ -210,13 +246,13 @@ def main() -> None:
             if rep == 0:  # (its first, without, pushes the working set)
                 order = ["without"] + [x for x in sides if x != "without"]
             for side in order:
-                if side in ("without", "hot"):
+                if side in ("without", "hot", "staged"):
                     store.delete(trace_key(digest)) if store.exists(trace_key(digest)) else None
                 else:
                     store.put(trace_key(digest), traces[side])
                 row = resume(runs, store_dir, work, kernel, initramfs, "bench/snap@1",
                              f"r{rep}{side[0]}", oddities, args.timeout,
-                             hot=side == "hot")["row"]
+                             hot=side == "hot", staged=side == "staged")["row"]
                 results[side].append(row)
                 print(f"rep {rep} {side:7}: ready {row['ready_s']:.2f} s, first command "
                       f"{row['first_command_s']:.2f} s (from QEMU {row['from_qemu_s']:.2f} s), "
