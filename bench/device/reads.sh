@@ -5,14 +5,8 @@
 #   bash bench/device/reads.sh BUNDLE.tar.gz OUTDIR COMMIT [bench.node options...]
 set -euo pipefail
 BUNDLE=$(realpath "$1"); OUT=$(realpath "$2"); COMMIT=$3; shift 3
-REPO=$(cd "$(dirname "$0")/../.." && pwd)
-B=/tmp/lfsb-reads; W=/tmp/reads-dev
-rm -rf "$B" "$W"; mkdir -p "$B" "$W/run/bench" "$W/run/harness" "$OUT"
-tar xzf "$BUNDLE" -C "$B"
-. "$B/env.sh"; lfsb_fill_libs
-D=$B/py/lib/python3/dist-packages
-cp "$REPO"/bench/*.py "$W/run/bench/"; cp "$REPO"/harness/*.py "$W/run/harness/"
-cd "$W/run"
+mkdir -p "$OUT"
+. "$(dirname "$0")/bundle.sh"; unpack_bundle "$BUNDLE" /tmp/lfsb-reads /tmp/reads-dev
 echo "machine: $(nproc) cpus, $(uname -r)"
 for mode in kernel fuse; do
   extra=(); [ "$mode" = kernel ] && extra=(--kernel-reads)

@@ -7,14 +7,9 @@
 #   bash bench/device/reads_bound.sh BUNDLE.tar.gz OUTDIR COMMIT [bench.node options...]
 set -euo pipefail
 BUNDLE=$(realpath "$1"); OUT=$(realpath "$2"); COMMIT=$3; shift 3
-REPO=$(cd "$(dirname "$0")/../.." && pwd)
-B=/tmp/lfsb-bound; W=/tmp/bound-dev; SHM=/dev/shm/bound-store
-rm -rf "$B" "$W" "$SHM"; mkdir -p "$B" "$W/run/bench" "$W/run/harness" "$OUT"
-tar xzf "$BUNDLE" -C "$B"
-. "$B/env.sh"; lfsb_fill_libs
-D=$B/py/lib/python3/dist-packages
-cp "$REPO"/bench/*.py "$W/run/bench/"; cp "$REPO"/harness/*.py "$W/run/harness/"
-cd "$W/run"
+SHM=/dev/shm/bound-store
+rm -rf "$SHM"; mkdir -p "$OUT"
+. "$(dirname "$0")/bundle.sh"; unpack_bundle "$BUNDLE" /tmp/lfsb-bound /tmp/bound-dev
 echo "machine: $(nproc) cpus, $(uname -r), $(free -g | awk '/Mem/ {print $2}') GiB"
 sectors() { awk '$3 !~ /^(loop|ram|dm-)/ && $3 !~ /[0-9]p?[0-9]+$/ {r += $6; w += $10} END {print r, w}' /proc/diskstats; }
 run() {  # MODE STORE-PLACE
