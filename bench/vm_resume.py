@@ -35,7 +35,7 @@ Last, a resumed guest changes ``--change`` of memory and is suspended
 again: what that second snapshot stored, against what changed.
 
 Needs root and ``qemu-system-x86_64``. ``python -m bench.vm_resume [--reps 3]
-[--readahead 4M] [--out FILE]``; prints a table and writes
+[--readahead 4M] [--cache-form plain] [--out FILE]``; prints a table and writes
 bench/results/vm_resume.json (or ``--out``).
 """
 
@@ -192,6 +192,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=WORK / "vm_resume")
     ap.add_argument("--readahead", default=None,
                     help="the daemons' --readahead (the fault read-around of the RAM disk)")
+    ap.add_argument("--cache-form", default=None, choices=["stored", "plain"],
+                    help="the daemons' --cache-form (default: the daemon's own)")
     ap.add_argument("--all", action="store_true",
                     help="also resume with every RAM chunk of the snapshot as the working set")
     ap.add_argument("--staged", action="store_true",
@@ -218,7 +220,8 @@ def main() -> None:
     initramfs = guest.make_initramfs(work / "guest.cpio", kernel, SCRIPT.format(
         touch=touch // MiB, change=change // MiB))
     runs = DaemonRuns(work, oddities, cache_size="4G", daemon_args=(
-        ["--readahead", args.readahead] if args.readahead else []))
+        ["--readahead", args.readahead] if args.readahead else []) + (
+        ["--cache-form", args.cache_form] if args.cache_form else []))
     results: dict = {"without": [], "with": [], **({"all": []} if args.all else {}),
                      **({"staged": []} if args.staged else {}),
                      **({"hot": []} if args.hot else {})}
@@ -333,7 +336,7 @@ def report(args, ram: int, touch: int, change: int, suspend_s: float, snap, resu
     print(f"second suspend after changing {change // MiB} MiB: stored "
           f"{second['stored_bytes'] / MiB:.1f} MiB ({second['stored_bytes'] / change:.1f}x)")
     doc = {"commit": git_head(), "reps": args.reps, "ram_bytes": ram, "touched_bytes": touch,
-           "readahead": args.readahead,
+           "readahead": args.readahead, "cache_form": args.cache_form,
            "suspend_s": round(suspend_s, 3), "snapshot_stored_bytes": snap.stats.stored_bytes,
            "snapshot_nonzero_bytes": snap.stats.file_bytes, "medians": med, "runs": results,
            "first_command_ratios": {side: {"per_rep": r, "median": statistics.median(r)}
