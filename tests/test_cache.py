@@ -189,6 +189,25 @@ def test_a_chunk_without_a_frame_is_kept_plain_in_a_compressed_cache(tmp_path):
     assert cache.read_range(SHA, 5, 9) == DATA[5:9] and not cache.reads_whole(SHA)
 
 
+def test_a_block_layers_chunks_are_kept_plain_in_a_compressed_cache(tmp_path):
+    """A guest reads a disk's or its RAM's chunks in blocks: kept plain, a
+    part is read alone; once no block layer names them, frames are kept again."""
+    cache = ChunkCache(tmp_path / "cache", 64 << 20, compressed=True)
+    cache.keep_plain([TEXT_SHA])
+    cache.keep_plain([TEXT_SHA])  # (two disks' chains)
+    cache.write(TEXT_SHA, TEXT, FRAME)
+    assert cache._path(TEXT_SHA).read_bytes()[:8] == b"LFSCACH3"
+    assert not cache.reads_whole(TEXT_SHA) and cache.read(TEXT_SHA) == TEXT
+    cache.forget_plain([TEXT_SHA])
+    cache.forget_plain([TEXT_SHA])
+    other = b"another compressible chunk\n" * 5000
+    cache.keep_plain([TEXT_SHA])
+    cache.forget_plain([TEXT_SHA])
+    sha = hashlib.sha256(other).hexdigest()
+    cache.write(sha, other, zstandard.ZstdCompressor().compress(other))
+    assert cache._path(sha).read_bytes()[:8] == ZSTD_MAGIC
+
+
 @pytest.mark.daemon_log(r"WARNING layerfs\.node\.reads\.chunkcache: cache file \S+ is damaged")
 @pytest.mark.parametrize("damage", ["frame bit", "torn", "header length", "other chunk"])
 def test_a_damaged_compressed_file_is_never_served(tmp_path, damage):

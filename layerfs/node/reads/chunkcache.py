@@ -33,8 +33,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -90,6 +90,7 @@ class ChunkCache:
         self.tmp = self.root / "tmp"
         self.limit = limit
         self.compressed = compressed
+        self._plain: Counter[str] = Counter()  # sha hex → users: kept plain even if compressed
         self.stats = CacheStats(limit=limit)
         self._lru: OrderedDict[str, int] = OrderedDict()  # sha hex → file size
         # sha hex → block layout of its file, for the most recently used files
@@ -213,13 +214,24 @@ class ChunkCache:
         elif first_old:
             log.info("cache files of an earlier format (%s) are dropped and fetched again", exc)
 
+    def keep_plain(self, shas: Iterable[str]) -> None:
+        """Chunks read in parts (a block layer's: a guest's disk or RAM): their
+        files are written plain even in a ``compressed`` cache, where every
+        read of a part would decompress the whole frame again."""
+        self._plain.update(shas)
+
+    def forget_plain(self, shas: Iterable[str]) -> None:
+        """Undo one :meth:`keep_plain` of ``shas``."""
+        self._plain.subtract(shas)
+        self._plain = +self._plain
+
     def write(self, sha: str, data: Chunk, stored: Chunk | None = None) -> None:
         """Store verified chunk bytes (``stored``: the zstd frame they were
         fetched as, if they were, kept instead if the cache is ``compressed``).
         Room is made first (least recently used chunks evicted, the new file's
         size reserved), so the files on disk, temporary ones included, stay
         within the limit."""
-        frame = stored if self.compressed else None
+        frame = stored if self.compressed and sha not in self._plain else None
         size = file_size(len(data)) if frame is None else zstd_file_size(len(frame))
         with self._lock:
             if sha in self._lru:

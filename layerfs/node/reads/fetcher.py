@@ -33,7 +33,7 @@ Invariants: docs/dev/node.md.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeAlias, TypeVar, cast
 
@@ -124,6 +124,13 @@ class ChunkFetcher:
         self.pack_missing = pack_missing or (lambda pack: None)  # the store has no such pack
         self._reader_fetches = 0  # store reads that readers (or an eager up) wait for
         self._quiet = trio.lowlevel.ParkingLot()  # woken when they drop to QUIET
+
+    def keep_plain(self, entries: Iterable[ChunkEntry]) -> None:
+        """A block layer's chunks (read in parts): cached plain (``ChunkCache.keep_plain``)."""
+        self.cache.keep_plain(e.sha256.hex() for e in entries)
+
+    def forget_plain(self, entries: Iterable[ChunkEntry]) -> None:
+        self.cache.forget_plain(e.sha256.hex() for e in entries)
 
     def slots(self) -> int:
         """How many store reads run at once (``--store-fetches``); a policy's

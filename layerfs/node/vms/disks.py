@@ -81,10 +81,18 @@ class DiskManager:
             undo.pop_all()
 
     def _hold_blob(self, undo: AsyncExitStack, digest: str, table: ChunkTable) -> BlobFile:
-        """Serve a layer's blob file; released again if the command fails."""
+        """Serve a layer's blob file, its chunks cached plain (a guest reads
+        them in blocks); released again if the command fails."""
         blob = self.blobs.add(digest, table, self.fetcher)
-        undo.callback(self.blobs.remove, digest)
+        self.fetcher.keep_plain(table.entries)
+        undo.callback(self._release_blob, digest)
         return blob
+
+    def _release_blob(self, digest: str) -> None:
+        blob = self.blobs.by_name.get(digest.removeprefix("sha256:"))
+        if blob is not None:
+            self.fetcher.forget_plain(blob.table.entries)
+        self.blobs.remove(digest)
 
     async def _delete_dir(self, path: Path) -> None:
         with trio.CancelScope(shield=True):  # also when the command was cancelled
@@ -202,7 +210,7 @@ class DiskManager:
             self.by_inode.pop(disk.inode, None)
             await trio.to_thread.run_sync(disk.close_files)
             for d in self.chain_digests.pop(sid, []):
-                self.blobs.remove(d)
+                self._release_blob(d)
             await trio.to_thread.run_sync(shutil.rmtree, disk.path, True)
         finally:
             self._busy.discard(sid)
