@@ -13,6 +13,8 @@ the store), one **with** it (the trace the first resume pushed) and, with
 (every chunk in the node), with ``--staged`` one on a node that resumed the
 snapshot once before (its chunks in the node's cache, the page cache
 dropped: the store's part of a lazy resume taken out, the daemon's kept),
+with ``--prestaged`` one after ``vm prefetch`` brought the working set onto
+the node (untimed, the page cache dropped),
 and with ``--hot`` one whose QEMU maps a local
 copy of the whole RAM, its pages in the page cache (the copy made before
 QEMU starts: what no prefetch can beat), the order rotating between reps;
@@ -135,18 +137,23 @@ def stage(node, client: Client, kernel, initramfs: Path, work: Path, ref: str, n
 
 def resume(runs: DaemonRuns, store_dir: Path, work: Path, kernel, initramfs: Path, ref: str,
            name: str, oddities: list[str], timeout: float, keep: bool = False,
-           hot: bool = False, staged: bool = False) -> dict:
+           hot: bool = False, staged: bool = False, prestaged: bool = False) -> dict:
     """One resume on a fresh node root: its times and bytes fetched. ``hot``:
     its QEMU maps a local copy of the whole RAM instead (made before QEMU
     starts, not timed: ``from_qemu_s`` is what to compare). ``staged``: the
     node resumed the snapshot once before (untimed, :func:`stage`): what it
-    touched is in the node's cache, not in the page cache."""
+    touched is in the node's cache, not in the page cache. ``prestaged``:
+    ``vm prefetch`` brought the snapshot's working set onto the node before
+    (untimed: a scheduler stages it where it will resume it)."""
     root = clear_dir(work / f"root-{name}", oddities)
     node = runs.start(root, name, ["--store", f"file://{store_dir}"])
     client = Client(root)
     if staged:
         stage(node, client, kernel, initramfs, work, ref, name + "-stage",
               FileStore(str(store_dir)), timeout)
+    if prestaged:
+        client.vm_prefetch(ref)
+        drop_caches()
     fetched0 = client.stats().cache.get("bytes_fetched", 0)
     t0 = time.monotonic()
     vm = client.vm_resume(ref, name)
@@ -199,6 +206,9 @@ def main() -> None:
     ap.add_argument("--staged", action="store_true",
                     help="also a resume on a node that resumed the snapshot once before "
                          "(its chunks in the node's cache, the page cache dropped)")
+    ap.add_argument("--prestaged", action="store_true",
+                    help="also a resume after `vm prefetch` brought the working set onto the "
+                         "node (untimed)")
     ap.add_argument("--hot", action="store_true",
                     help="also resume with QEMU on a local copy of the whole RAM, its pages in "
                          "the page cache (the floor of any prefetch; compare from_qemu_s)")
@@ -224,6 +234,7 @@ def main() -> None:
         ["--cache-form", args.cache_form] if args.cache_form else []))
     results: dict = {"without": [], "with": [], **({"all": []} if args.all else {}),
                      **({"staged": []} if args.staged else {}),
+                     **({"prestaged": []} if args.prestaged else {}),
                      **({"hot": []} if args.hot else {})}
     sides = list(results)
     try:
@@ -252,10 +263,11 @@ def main() -> None:
                 if side in ("without", "hot", "staged"):
                     store.delete(trace_key(digest)) if store.exists(trace_key(digest)) else None
                 else:
-                    store.put(trace_key(digest), traces[side])
+                    store.put(trace_key(digest), traces["with" if side == "prestaged" else side])
                 row = resume(runs, store_dir, work, kernel, initramfs, "bench/snap@1",
                              f"r{rep}{side[0]}", oddities, args.timeout,
-                             hot=side == "hot", staged=side == "staged")["row"]
+                             hot=side == "hot", staged=side == "staged",
+                             prestaged=side == "prestaged")["row"]
                 results[side].append(row)
                 print(f"rep {rep} {side:7}: ready {row['ready_s']:.2f} s, first command "
                       f"{row['first_command_s']:.2f} s (from QEMU {row['from_qemu_s']:.2f} s), "

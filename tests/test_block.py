@@ -1,6 +1,7 @@
 """The microVM block path: sealed LSMT layers, writable disks through real loop
 devices, commit and resume on another node root, qemu-img as a VMM-side
-reader, VM drive sets, and bad LSMT input; on both store backends."""
+reader, VM drive sets, a snapshot's working set prefetched onto a node,
+and bad LSMT input; on both store backends."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from layerfs.builder.pipeline import ChunkPipeline, DedupIndex
 from layerfs.chunks import materialize_blob
 from layerfs.formats import lsmt
 from layerfs.manifest import BlobRef, DiskManifest
+from layerfs.node.reads.accesstraces import trace_bytes, trace_key
 from layerfs.refstore import LAYERS, RefStore
 from layerfs.store.base import blob_key
 
@@ -370,3 +372,38 @@ def test_disk_and_vm_errors_name_the_disk_or_vm(node):
     # the failed create left the first disk serving as it was
     assert os.path.getsize(disk_path(node, "d1")) == 1 << 20
     node.cli("disk", "rm", "d1")
+
+
+def test_vm_prefetch_brings_a_snapshots_working_set_onto_the_node(node, node2, store):
+    """``vm prefetch``: the working set pushed for a snapshot's RAM layer
+    (the chunks a first resume touched) fetched onto another node ahead of a
+    resume there, cached plain (a guest reads its RAM in pages), once: a
+    second prefetch fetches nothing; a snapshot with no working set yet
+    brings nothing; an unknown ref is one error line."""
+    node.cli("disk", "create", "ram", "--size", "16M")
+    text = b"".join(b"page %d of a guest's memory\n" % i for i in range(400_000))
+    with open(disk_path(node, "ram"), "r+b") as f:
+        f.write(text[:8 * MiB])  # compressible: the store holds zstd frames
+        f.flush()
+        os.fsync(f.fileno())
+    node.cli("disk", "commit", "ram", "--name", "snap/ram", "--version", "1")
+    node.cli("disk", "rm", "ram")
+    refstore = RefStore(store)
+    digest = refstore.resolve(LAYERS, "snap/ram@1")
+    entries = refstore.chunk_table(refstore.disk(digest)).entries
+
+    def prefetch() -> dict:
+        return json.loads(node2.cli("vm", "prefetch", "snap/ram@1", "--json").stdout)
+
+    assert prefetch() == {"ref": "snap/ram@1", "chunks": 0, "bytes": 0, "fetched_bytes": 0}
+    store.put(trace_key(digest), trace_bytes([1, 0, 3]))
+    want = sum(entries[i].length for i in (0, 1, 3))
+    assert prefetch() == {"ref": "snap/ram@1", "chunks": 3, "bytes": want, "fetched_bytes": want}
+    fetched = node2.request("stats")["cache"]["bytes_fetched"]  # (and the layer's index)
+    assert prefetch()["fetched_bytes"] == 0
+    assert node2.request("stats")["cache"]["bytes_fetched"] == fetched
+    for i in (0, 1, 3):
+        sha = entries[i].sha256.hex()
+        assert (node2.root / "cache" / sha[:2] / sha).read_bytes()[:8] == b"LFSCACH3"
+    missing = node2.cli("vm", "prefetch", "snap/none@1", check=False)
+    assert missing.returncode != 0 and len(missing.stderr.strip().splitlines()) == 1

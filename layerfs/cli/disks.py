@@ -256,6 +256,19 @@ def vm_resume(ref: str, vid: str, root: str, as_json: bool) -> None:
     Output(as_json).emit(vm_doc(record), lambda: vm_text(record))
 
 
+@vm.command("prefetch")
+@click.argument("ref", metavar="REF")
+@root_option
+@json_option
+def vm_prefetch(ref: str, root: str, as_json: bool) -> None:
+    """Fetch the working set of snapshot REF onto this node now, ahead of a
+    vm resume of it here (nothing if no resume pushed one yet)."""
+    got = call(root, protocol.VmPrefetch(ref=ref), protocol.VmPrefetchAnswer)
+    Output(as_json).emit(got.to_json(),
+                         f"{ref}: working set on the node, {got.chunks} chunks "
+                         f"({got.bytes} bytes, {got.fetched_bytes} fetched now)")
+
+
 @vm.command("down")
 @click.argument("vid", metavar="ID")
 @click.option("--keep", is_flag=True, help="Keep the writable disk.")

@@ -192,6 +192,12 @@ class Client:
         request = protocol.VmResume(ref=ref, id=vm_id)
         return call(self.root, request, protocol.VmAnswer, self.timeout).vm
 
+    def vm_prefetch(self, ref: str) -> protocol.VmPrefetchAnswer:
+        """Snapshot ``ref``'s working set fetched onto this node now, ahead of
+        a :meth:`vm_resume` of it here."""
+        return call(self.root, protocol.VmPrefetch(ref=ref), protocol.VmPrefetchAnswer,
+                    self.timeout)
+
     def vm_ps(self) -> list[VmRecord]:
         """Every vm's drive set (state ``up``, or ``broken`` with its error)."""
         return call(self.root, protocol.VmPs(), protocol.VmList, self.timeout).vms

@@ -198,6 +198,11 @@ class VmResume(Request):
     id: str = ""
 
 
+class VmPrefetch(Request):
+    op = "vm-prefetch"
+    ref: str = ""
+
+
 class VmDown(Request):
     op = "vm-down"
     id: str = ""
@@ -210,7 +215,8 @@ class VmPs(Request):
 
 REQUESTS: dict[str, type[Request]] = {cls.op: cls for cls in (
     Ping, Up, Down, Ps, Commit, Suspend, Stats, TracePush,
-    DiskCreate, DiskLs, DiskRm, DiskCommit, VmUp, VmDown, VmPs, VmSuspend, VmResume)}
+    DiskCreate, DiskLs, DiskRm, DiskCommit, VmUp, VmDown, VmPs, VmSuspend, VmResume,
+    VmPrefetch)}
 
 
 def parse_request(data: object) -> Request:
@@ -502,6 +508,13 @@ class VmRecord(Message):
 
 class VmAnswer(Message):
     vm: VmRecord
+
+
+class VmPrefetchAnswer(Message):
+    ref: str
+    chunks: int  # the working set's chunks, now on the node
+    bytes: int  # their bytes
+    fetched_bytes: int  # of those, fetched from the store by this request
 
 
 class VmList(Message):

@@ -700,6 +700,7 @@ class Daemon:
             protocol.VmPs: self.vm_ps,
             protocol.VmSuspend: self.vm_suspend,
             protocol.VmResume: self.vm_resume,
+            protocol.VmPrefetch: self.vm_prefetch,
         }
 
     async def up(self, r: protocol.Up) -> protocol.SandboxAnswer:
@@ -775,6 +776,9 @@ class Daemon:
 
     async def vm_resume(self, r: protocol.VmResume) -> protocol.VmAnswer:
         return protocol.VmAnswer(await self.vms.resume(r.ref, r.id))
+
+    async def vm_prefetch(self, r: protocol.VmPrefetch) -> protocol.VmPrefetchAnswer:
+        return await self.vms.prefetch(r.ref)
 
     async def vm_down(self, r: protocol.VmDown) -> protocol.VmAnswer:
         started = time.monotonic()

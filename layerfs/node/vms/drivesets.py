@@ -38,15 +38,18 @@ import os
 import re
 import shutil
 import time
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
 from ...builder.disk import publish_disk
+from ...chunks import pack_runs
 from ...errors import LayerfsError, UsageError, VmBusy, VmExists, VmNotFound
-from ...formats.chunktable import ChunkTable
+from ...formats.chunktable import ChunkEntry, ChunkTable
 from ...formats.lsmt import HT_SPACE
+from ...refstore import LAYERS
 from ...tasks import TaskGroup
 from ..protocol import (
     DEFAULT_SNAPSHOT_DEPTH,
@@ -55,6 +58,7 @@ from ..protocol import (
     OfflineRef,
     VmDrive,
     VmLayer,
+    VmPrefetchAnswer,
     VmRam,
     VmRecord,
 )
@@ -425,6 +429,34 @@ class Vms:
                 log.warning("vm %s: its working set of %s is not pushed: %s", vid, digest, exc)
                 continue
             log.info("vm %s: working set of %s pushed (%d chunks)", vid, digest, len(order))
+
+    async def prefetch(self, ref: str) -> VmPrefetchAnswer:
+        """The working set pushed for snapshot ``ref`` (its RAM layers') in the
+        node's cache now, ahead of a resume here (a scheduler that knows where
+        it will resume a snapshot stages it there): the resume then reads it
+        from the node, not the store. Its chunks are cached plain (a guest's
+        RAM is read in pages). A snapshot no resume has pushed a working set
+        for yet brings nothing (0 chunks); a chunk the store cannot give
+        fails the request (FetchError)."""
+        offline: list[OfflineRef] = []
+        digest = await trio.to_thread.run_sync(self.disks.refs.resolve, LAYERS, ref, offline)
+        async with AsyncExitStack() as held:
+            _, used = await self.disks.load_chain(digest, held)
+            wanted: list[ChunkEntry] = []
+            for layer in used:
+                blob = self.blobs.by_name[layer.removeprefix("sha256:")]
+                order = await trio.to_thread.run_sync(pushed_trace, self.refstore.store, layer)
+                entries = blob.table.entries
+                wanted += [entries[i] for i in order or [] if 0 <= i < len(entries)]
+            absent = list({e.sha256: e for e in wanted if self.fetcher.absent(e.sha256)}.values())
+            async with trio.open_nursery() as nursery:
+                for run in pack_runs(absent):
+                    nursery.start_soon(self.fetcher.get_run, run)
+            await self.fetcher.writes_done()  # (plain: while the chain is held)
+        log.info("vm snapshot %s: working set on the node (%d chunks, %d fetched)", ref,
+                 len(wanted), len(absent))
+        return VmPrefetchAnswer(ref, len(wanted), sum(e.length for e in wanted),
+                                sum(e.length for e in absent))
 
     async def _prefetch_working_set(self, vid: str) -> int:
         """Start fetching, in the background, the working set pushed for the
