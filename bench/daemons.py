@@ -76,16 +76,12 @@ class DaemonRuns:
         ap.add_argument("--kernel-reads", action="store_true",
                         help="the daemons mount larger layers over partial blob files "
                              "(--kernel-reads; default: over FUSE files)")
-        ap.add_argument("--layer-readahead", default=None,
-                        help="the daemons' --layer-readahead (default: the daemon's own)")
 
     @staticmethod
     def options(args: Any) -> list[str]:
         """The daemon options the command line asked for."""
-        out = ["--miss-span", args.miss_span] if args.miss_span is not None else []
-        if args.layer_readahead is not None:
-            out += ["--layer-readahead", args.layer_readahead]
-        return out + (["--kernel-reads"] if args.kernel_reads else [])
+        span = ["--miss-span", args.miss_span] if args.miss_span is not None else []
+        return span + (["--kernel-reads"] if args.kernel_reads else [])
 
     def finish(self, node: DaemonProcess, remove_root: bool = False) -> None:
         """Stop ``node``; detach what it left mounted; remove its root if asked."""

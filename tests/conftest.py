@@ -21,6 +21,9 @@ stays in the full suite.
 from __future__ import annotations
 
 import os
+
+# before any test module imports grpc: see layerfs/node/containerd/__init__.py
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import re
 import time
 import uuid
