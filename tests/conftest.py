@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-# before any test module imports grpc: see layerfs/node/containerd/__init__.py
+# before any test module imports grpc: see the daemon's (layerfs/node/daemon/service.py)
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import re
 import time

@@ -379,6 +379,12 @@ class Daemon:
                        self.disks, self.pmem, self.tasks)
         self.snapshots: SnapshotServer | None = None
         if cfg.containerd_snapshotter:
+            # grpcio (1.81 and later) restarts its poller in a forked child, and a
+            # child that closes its descriptors before exec (subprocess's
+            # close_fds) can then abort on EBADF before its program runs
+            # (grpc/grpc#43055; seen once in this suite). This daemon forks
+            # (meta checkers, runc, mounts) while it serves gRPC.
+            os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
             from ..containerd.snapshotter import (  # grpc: only when served
                 SnapshotServer,
                 Snapshotter,
