@@ -365,8 +365,14 @@ def test_missing_configuration_fails_the_start(machine: Machine) -> None:
         # (the start fails before any process: Result=resources; Restart=on-failure
         # tries again a second later, up to StartLimitBurst)
         assert state["Result"] == "resources" and state["MainPID"] == "0", state
-        said = box.run("journalctl", "--no-pager", "-o", "cat", "-u", "layerfs.service").stdout
-        assert "Failed to load environment files: No such file or directory" in said, said
+        line = "Failed to load environment files: No such file or directory"
+        deadline = time.monotonic() + 15  # journald writes the manager's line a moment later
+        while line not in (said := box.run("journalctl", "--no-pager", "-o", "cat", "-u",
+                                           "layerfs.service").stdout):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert line in said, said
     finally:
         box.run("systemctl", "stop", "layerfs.service", check=False)
         box.write(env.lstrip("/"), kept, mode=0o600)
