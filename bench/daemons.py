@@ -76,12 +76,15 @@ class DaemonRuns:
         ap.add_argument("--kernel-reads", action="store_true",
                         help="the daemons mount larger layers over partial blob files "
                              "(--kernel-reads; default: over FUSE files)")
+        ap.add_argument("--layer-readahead", default=None,
+                        help="the daemons' --layer-readahead (default: the daemon's own)")
 
     @staticmethod
     def options(args: Any) -> list[str]:
         """The daemon options the command line asked for."""
         span = ["--miss-span", args.miss_span] if args.miss_span is not None else []
-        return span + (["--kernel-reads"] if args.kernel_reads else [])
+        ahead = ["--layer-readahead", args.layer_readahead] if args.layer_readahead else []
+        return span + ahead + (["--kernel-reads"] if args.kernel_reads else [])
 
     def finish(self, node: DaemonProcess, remove_root: bool = False) -> None:
         """Stop ``node``; detach what it left mounted; remove its root if asked."""

@@ -367,7 +367,7 @@ def push_minbase(store: Any, work: Path, info: dict, chunk_size: int) -> dict:
 def granularity_run(args: argparse.Namespace, work: Path, store_args: list[str], oddities: list,
                     layer: dict, miss_span: str, rep: int) -> dict:
     runs = DaemonRuns(work, oddities, "20G", args.read_timeout,
-                      daemon_args=["--miss-span", miss_span, *layer_readahead(args)])
+                      daemon_args=[*DaemonRuns.options(args), "--miss-span", miss_span])
     node = runs.start(clear_dir(work / "node" / "g", oddities), "g", store_args)
     try:
         drop_caches()
@@ -446,10 +446,6 @@ def granularity_main(args: argparse.Namespace, work: Path) -> None:
     print(f"wrote {out}")
 
 
-def layer_readahead(args: argparse.Namespace) -> list[str]:
-    return ["--layer-readahead", args.layer_readahead] if args.layer_readahead else []
-
-
 def corpus_size(text: str) -> int:
     from layerfs.sizes import parse_size
 
@@ -473,8 +469,6 @@ def main() -> None:
     ap.add_argument("--workload", choices=("pytest", "debian"), default="pytest")
     ap.add_argument("--chunk-sizes", default="1M,256K,64K", help="--workload debian")
     ap.add_argument("--miss-spans", default="0,128K", help="--workload debian")
-    ap.add_argument("--layer-readahead", default=None,
-                    help="--workload debian: the daemons' --layer-readahead")
     args = ap.parse_args()
     args.out_given = "--out" in sys.argv
     if os.geteuid() != 0:
