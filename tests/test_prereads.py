@@ -18,6 +18,8 @@ import ctypes
 import errno
 import os
 import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -193,3 +195,41 @@ def test_a_closed_group_allows_its_pending_events_and_the_reader_gets_holes(laye
         got = (mnt / "big").read_bytes()
     assert taken.is_set()
     assert got == bytes(len(got)) != (src / "big").read_bytes()
+
+
+def test_a_mapping_of_a_marked_file_raises_one_event_for_all_it_maps_and_none_on_faults(
+        tmp_path):
+    """Why a resumed guest's RAM is not a partial file the kernel fills on
+    demand (docs/dev/node.md, Partial blob files): on this kernel ``mmap`` of
+    a marked file raises one event for the whole mapped range before it
+    returns, and the page faults after it raise none, so the listener must
+    fill everything the VMM maps at once. A lazily served RAM stays a FUSE
+    file, whose faults each reach the daemon."""
+    size = 8 << 20
+    ram = tmp_path / "ram"
+    with open(ram, "wb") as f:
+        f.truncate(size)
+    group = pre_content_group(ram)
+    seen: list[tuple[int, int]] = []
+    threading.Thread(target=listen, args=(group, lambda *_: FAN_ALLOW, seen),
+                     daemon=True).start()
+    mapper = (f"import mmap, os\n"  # its own process: Python's mmap holds the GIL in mmap(2)
+              f"fd = os.open({str(ram)!r}, os.O_RDWR)\n"
+              f"m = mmap.mmap(fd, {size}, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)\n"
+              f"print(len(open('/proc/self/maps').read()) > 0, flush=True)\n"
+              f"input()\n"
+              f"print(sum(m[at] for at in range(0, {size}, 4096)), flush=True)\n")
+    child = subprocess.Popen([sys.executable, "-c", mapper], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "True"  # mapped
+        mapped = list(seen)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "0"  # every page faulted in
+        assert child.wait(10) == 0
+    finally:
+        child.kill()
+        os.close(group)
+    assert mapped == [(0, size)]  # the open raised none; the mmap one, for all of it
+    assert seen == mapped  # the faults none
