@@ -13,6 +13,11 @@ not count), through ``sys.setprofile`` and ``threading.setprofile``:
 
     python -m bench.walk [--tree DIR] [--out FILE]
 
+Each walk also lists its returns: a call into a module that is already
+on the call path below the calling module (A calls B, which calls back
+into A), each as ``A <- B (function)``; a read whose modules are layered
+has none.
+
 ``--tree`` measures another checkout (a worktree of another commit where the
 source tree is the package; its compiled check is taken from this one's if it
 has none built): each operation runs in a process of its own that imports
@@ -33,6 +38,7 @@ import threading
 import tomllib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,13 +73,42 @@ def compiled_check(tree: Path) -> None:
     shutil.copy(source, formats / source.name)
 
 
+def back_into(frame: Any, prefix: str) -> str | None:
+    """``A <- B (function)`` where ``frame``'s module A is on the call path
+    below its nearest caller under ``prefix``, a module B other than A."""
+    name = frame.f_code.co_filename
+    caller = frame.f_back
+    while caller is not None and not caller.f_code.co_filename.startswith(prefix):
+        caller = caller.f_back
+    if caller is None or caller.f_code.co_filename == name:
+        return None
+    below = caller.f_back
+    while below is not None:
+        if below.f_code.co_filename == name:
+            return (f"{name.removeprefix(prefix)} <- "
+                    f"{caller.f_code.co_filename.removeprefix(prefix)} "
+                    f"({frame.f_code.co_qualname})")
+        below = below.f_back
+    return None
+
+
+@dataclass
+class Walk:
+    """What :func:`profiled` saw: each file with its first function, and
+    the calls back into a module already left (:func:`back_into`)."""
+
+    seen: dict[str, str] = field(default_factory=dict)
+    returns: set[str] = field(default_factory=set)
+
+
 @contextmanager
-def profiled(prefix: str) -> Iterator[dict[str, str]]:
+def profiled(prefix: str) -> Iterator[Walk]:
     """The source files under ``prefix`` whose functions run in the block (in
-    any thread started meanwhile), each with the first function seen; what
-    runs while a module is being imported (its body, the functions it calls)
-    does not count."""
-    seen: dict[str, str] = {}
+    any thread started meanwhile), each with the first function seen, and
+    the returns to a module left; what runs while a module is being
+    imported (its body, the functions it calls) does not count."""
+    walk = Walk()
+    seen = walk.seen
     importing = threading.local()
 
     def hook(frame: Any, event: str, arg: object) -> None:
@@ -85,13 +120,17 @@ def profiled(prefix: str) -> Iterator[dict[str, str]]:
             return
         if event == "call" and not getattr(importing, "depth", 0):
             name = code.co_filename
-            if name.startswith(prefix) and name not in seen:
-                seen[name] = code.co_qualname
+            if name.startswith(prefix):
+                if name not in seen:
+                    seen[name] = code.co_qualname
+                back = back_into(frame, prefix)
+                if back is not None:
+                    walk.returns.add(back)
 
     threading.setprofile(hook)
     sys.setprofile(hook)
     try:
-        yield seen
+        yield walk
     finally:
         sys.setprofile(None)
         threading.setprofile(None)  # type: ignore[arg-type]
@@ -180,7 +219,7 @@ def op_read(work: Path, fresh: bool) -> Callable[[], None]:
     return run
 
 
-def measure_one(operation: str, tree: Path, work: Path) -> list[str]:
+def measure_one(operation: str, tree: Path, work: Path) -> dict[str, list[str]]:
     import layerfs  # (from the measured tree: first on this process's PYTHONPATH)
 
     prefix = str(tree / "layerfs") + os.sep
@@ -188,10 +227,11 @@ def measure_one(operation: str, tree: Path, work: Path) -> list[str]:
         raise SystemExit(f"layerfs imported from {layerfs.__file__}, not {prefix}")
     run = {"build": lambda: op_build(work), "cold read": lambda: op_read(work, True),
            "cache-hit read": lambda: op_read(work, False)}[operation]()
-    with profiled(prefix) as seen:
+    with profiled(prefix) as walk:
         run()
-    return [f"{name.removeprefix(str(tree) + os.sep)} ({first})"
-            for name, first in sorted(seen.items())]
+    return {"which": [f"{name.removeprefix(str(tree) + os.sep)} ({first})"
+                      for name, first in sorted(walk.seen.items())],
+            "returns": sorted(walk.returns)}
 
 
 # -- the driver ------------------------------------------------------------------------
@@ -223,13 +263,16 @@ def main() -> None:
                 env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)])})
             if proc.returncode != 0:
                 raise SystemExit(f"{operation}: {proc.stderr[-3000:]}")
-            files = json.loads(proc.stdout.splitlines()[-1])
-            result["walks"][operation] = {"files": len(files), "which": files}
+            walk = json.loads(proc.stdout.splitlines()[-1])
+            result["walks"][operation] = {"files": len(walk["which"]), **walk}
     print(f"commit {result['commit']}")
     for operation, walk in result["walks"].items():
         print(f"{operation}: {walk['files']} files")
         for line in walk["which"]:
             print(f"  {line}")
+        print(f"  returns to a module left: {len(walk['returns'])}")
+        for line in walk["returns"]:
+            print(f"    {line}")
     out = Path(args.out or RESULTS / f"walk-{result['commit']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -343,7 +343,8 @@ class Store(ABC):
         return NoAnswerInTime(f"{what}: no answer from {self.url} in time"
                               f" ({timeout:g}s without progress)")
 
-    # -- primitives each backend implements (no retries inside) --
+    # -- primitives each backend implements (no retries inside; every key and prefix
+    #    they get was checked by the API below: check_key, check_prefix) --
     @abstractmethod
     def _get(self, key: str, start: int | None, end: int | None) -> bytes: ...
 
@@ -377,16 +378,20 @@ class Store(ABC):
     # -- the API the rest of layerfs uses --
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """Whole object, or bytes ``[start, end)`` of it."""
+        check_key(key)
         return self._retry(f"get {key}", lambda: self._get(key, start, end))
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         """Atomic replace: readers see the old object or the new one, never a part."""
+        check_key(key)
         self._retry_bounded(f"put {key}", lambda: self._put(key, data))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
+        check_key(key)
         return self._retry_bounded(f"put {key}", lambda: self._put_if_absent(key, data))
 
     def head(self, key: str) -> ObjectInfo | None:
+        check_key(key)
         return self._retry_bounded(f"head {key}", lambda: self._head(key))
 
     def exists(self, key: str) -> bool:
@@ -395,6 +400,7 @@ class Store(ABC):
     def refresh(self, key: str) -> bool:
         """Make ``key`` young again (its mtime becomes now), so that gc's grace
         period counts from this call; False if ``key`` does not exist."""
+        check_key(key)
         return self._retry_bounded(f"refresh {key}", lambda: self._refresh(key))
 
     def list_temporaries(self) -> list[ObjectInfo]:
@@ -409,11 +415,13 @@ class Store(ABC):
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Objects whose key starts with ``prefix``, sorted by key."""
+        check_prefix(prefix)
         items = self._retry_bounded(f"list {prefix}", lambda: list(self._list(prefix)))
         return sorted(items, key=lambda o: o.key)
 
     def delete(self, key: str) -> None:
         """Delete ``key``; deleting a missing key is not an error."""
+        check_key(key)
         self._retry_bounded(f"delete {key}", lambda: self._delete(key))
 
     # -- content-addressed blobs --

@@ -64,7 +64,7 @@ from ..errors import (
     UsageError,
 )
 from ..safeopen import DIR_FLAGS, NotRegular, lookup, open_dir, open_error, open_regular
-from .base import BLOB_PREFIX, TEMP_MARK, ObjectInfo, RetryPolicy, Store, check_key, check_prefix
+from .base import BLOB_PREFIX, TEMP_MARK, ObjectInfo, RetryPolicy, Store, check_key
 
 DENIED = {errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
           errno.EROFS: "read-only file system"}  # fmt: skip
@@ -201,7 +201,6 @@ class FileStore(Store):
 
     # -- reads --
     def _get(self, key: str, start: int | None, end: int | None) -> bytes:
-        check_key(key)
         first = start or 0
         if first < 0 or (end is not None and end < 0):
             raise ValueError(f"bad range [{start}, {end}) for {key}")
@@ -217,7 +216,6 @@ class FileStore(Store):
             raise self._hostile(exc, key) from exc
 
     def _head(self, key: str) -> ObjectInfo | None:
-        check_key(key)
         try:
             with self._root_fd() as root:
                 st = lookup(root, key)
@@ -231,7 +229,6 @@ class FileStore(Store):
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
     def _list(self, prefix: str) -> Iterator[ObjectInfo]:
-        check_prefix(prefix)
         self._check_root()
         folder, start = _split(prefix)
         try:
@@ -326,7 +323,7 @@ class FileStore(Store):
         """``utime`` of a regular file at ``key`` (never of a symlink's target);
         False if there is none (a symlink or a FIFO there is no object: a put
         replaces it)."""
-        folder, name = _split(check_key(key))
+        folder, name = _split(key)
         try:
             with self._folder(folder) as fd:
                 if not stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
@@ -340,7 +337,7 @@ class FileStore(Store):
         return True
 
     def _put(self, key: str, data: bytes | memoryview) -> None:
-        folder, name = _split(check_key(key))
+        folder, name = _split(key)
         try:
             with self._folder(folder, create=True) as fd:
                 temp = self._write_temp(fd, data)
@@ -363,7 +360,7 @@ class FileStore(Store):
         holds ``data`` (a shared file system whose ``link(2)`` let another
         client's create win too shows here as other bytes, and this call lost).
         Anything at the key (a symlink too) is there already: this call lost."""
-        folder, name = _split(check_key(key))
+        folder, name = _split(key)
         try:
             with self._folder(folder, create=True) as fd:
                 if _entry_exists(fd, name):  # a client whose link(2) ignores others' files
@@ -381,7 +378,7 @@ class FileStore(Store):
             raise self._error(exc, key, "write", reading=False) from exc
 
     def _delete(self, key: str) -> None:
-        folder, name = _split(check_key(key))
+        folder, name = _split(key)
         self._unlink(folder, name, key)
 
     @staticmethod

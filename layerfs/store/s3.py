@@ -25,7 +25,7 @@ import botocore.exceptions as bx
 from botocore.config import Config
 
 from ..errors import AccessDenied, ObjectUnavailable, StoreError, StoreUnreachable, UsageError
-from .base import ObjectInfo, RetryPolicy, Store, check_key, check_prefix
+from .base import ObjectInfo, RetryPolicy, Store
 from .s3errors import S3Failure, classify, error_class
 from .s3ranges import POOL_CONNECTIONS, Missing, RangeReader, Unsupported
 
@@ -182,7 +182,7 @@ class S3Store(Store):
         return self.endpoint or str(self.client.meta.endpoint_url)
 
     def _key(self, key: str) -> str:
-        return self.prefix + check_key(key)
+        return self.prefix + key
 
     # -- errors --
     def _error(self, exc: Exception, key: str, action: str) -> StoreError:
@@ -271,7 +271,6 @@ class S3Store(Store):
         return ObjectInfo(key, response["ContentLength"], response["LastModified"].timestamp())
 
     def _list(self, prefix: str) -> Iterator[ObjectInfo]:
-        check_prefix(prefix)
         paginator = self.client.get_paginator("list_objects_v2")
         cut = len(self.prefix)
         try:
