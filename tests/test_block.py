@@ -5,8 +5,10 @@ and bad LSMT input; on both store backends."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
+import mmap
 import os
 import random
 import shutil
@@ -30,6 +32,8 @@ from layerfs.refstore import LAYERS, RefStore
 from layerfs.store.base import blob_key
 
 MiB = 1 << 20
+
+libc = ctypes.CDLL(None, use_errno=True)
 
 
 def sha256_file(path: str | Path) -> str:
@@ -87,6 +91,40 @@ def node2(starts_a_server, tmp_path, store_location):
 
 def disk_path(node: NodeDaemon, sid: str) -> Path:
     return node.root / "fuse" / "disks" / sid
+
+
+def page_cached(path: Path, length: int) -> int:
+    """Pages of the file's first ``length`` bytes in the page cache (mincore)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with mmap.mmap(fd, length, mmap.MAP_PRIVATE) as m:  # (untouched: the file's pages)
+            vec = (ctypes.c_ubyte * (length // mmap.PAGESIZE))()
+            at = ctypes.c_char.from_buffer(m)
+            assert libc.mincore(ctypes.byref(at), ctypes.c_size_t(length), vec) == 0
+            del at
+            return sum(b & 1 for b in vec)
+    finally:
+        os.close(fd)
+
+
+def test_a_disks_cached_pages_are_kept_across_opens_and_never_outlive_it(node):
+    """A disk's file keeps the kernel's cached pages from one open to the
+    next (a resumed guest's RAM read ahead before its VMM opens it), but a
+    disk of the same id made again (the same inode) never shows the pages
+    of the one before."""
+    for version, seed in ((1, b"A"), (2, b"B")):
+        node.cli("disk", "create", "p", "--size", "4M")
+        path = disk_path(node, "p")
+        with open(path, "r+b") as f:  # the first open: nothing of the old disk is kept
+            assert f.read(MiB) == bytes(MiB)
+            f.seek(0)
+            f.write(seed * MiB)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(path, "rb") as f:
+            assert f.read(2 * MiB) == seed * MiB + bytes(MiB)
+        assert page_cached(path, 2 * MiB) == 2 * MiB // mmap.PAGESIZE  # kept by this open
+        node.cli("disk", "rm", "p")
 
 
 # -- the sealed format --

@@ -205,8 +205,9 @@ class NodeFS(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: Any):
         await self.check_caller(ctx)
         await self.settle(inode)
-        if inode in self.disks.by_inode:
-            return pyfuse3.FileInfo(fh=inode, keep_cache=False)
+        disk = self.disks.by_inode.get(inode)
+        if disk is not None:
+            return pyfuse3.FileInfo(fh=inode, keep_cache=disk.kernel_open())
         if inode not in self.blobs.by_inode and inode not in self.pmem.by_inode:
             raise pyfuse3.FUSEError(errno.EISDIR if inode in DIRS else errno.ENOENT)
         if flags & (os.O_WRONLY | os.O_RDWR):
@@ -230,7 +231,7 @@ class NodeFS(pyfuse3.Operations):
         disk = self.disks.by_inode.get(fh)
         if disk is None:
             raise pyfuse3.FUSEError(errno.EBADF)
-        return await disk.write(off, buf)
+        return await disk.write(off, buf, through_kernel=True)
 
     @fuse_errors
     async def fsync(self, fh: int, datasync: bool) -> None:

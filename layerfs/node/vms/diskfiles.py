@@ -142,6 +142,7 @@ class WritableDisk:
         self.lock = trio.Lock()  # orders writes and commits; reads never take it
         self.io = trio.CapacityLimiter(4)
         self.inode = 0  # its file's inode under ROOT/fuse/disks (DiskManager sets it)
+        self.pages_current = False  # the kernel's cached pages of its file are its bytes
 
     @property
     def size(self) -> int:
@@ -272,7 +273,20 @@ class WritableDisk:
             parts += padded(data, length * SECTOR)
         return parts
 
-    async def write(self, off: int, buf: bytes) -> int:
+    def kernel_open(self) -> bool:
+        """An open of its file through FUSE: whether the kernel may keep what
+        it caches of the file (``FOPEN_KEEP_CACHE``). The first open since the
+        disk was made or restored drops it (an earlier disk of the same id had
+        the same inode), as does the first after the daemon wrote to the disk
+        other than through FUSE; its bytes change in no other way."""
+        keep, self.pages_current = self.pages_current, True
+        return keep
+
+    async def write(self, off: int, buf: bytes, through_kernel: bool = False) -> int:
+        """``buf`` at ``off``; ``through_kernel``: a FUSE write (the kernel's
+        cached pages of the file have the bytes already)."""
+        if not through_kernel:
+            self.pages_current = False
         if off + len(buf) > self.size:
             raise OSError(27, "write past the end of the disk")  # EFBIG
         if not buf:

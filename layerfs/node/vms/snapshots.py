@@ -32,7 +32,6 @@ import os
 import shlex
 import socket
 import stat
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -202,22 +201,16 @@ def flush_file(path: str) -> None:
         os.close(fd)
 
 
-def load_state(qmp_path: str, state: str, warm: Callable[[], object] | None = None,
-               wait_warm: bool = False) -> float:
+def load_state(qmp_path: str, state: str,
+               before_cont: Callable[[], object] | None = None) -> float:
     """Worker thread: load device state file ``state`` into a QEMU started
     with ``-incoming defer`` (its RAM the snapshot's, so ``x-ignore-shared``
     as on the side that saved it), then let it run (it comes back paused,
-    the state the saved side was stopped in). ``warm``, if given, runs in
-    a thread of its own from the moment QEMU answers (it has opened and
-    mapped its RAM then) while the state loads; with ``wait_warm`` the guest
-    goes on only once it is done, else at once, the warming going on beside
-    it. Seconds taken."""
+    the state the saved side was stopped in); ``before_cont``, if given,
+    runs between the two (what the guest waits for). Seconds taken."""
     started = time.monotonic()
     q = Qmp(qmp_path, wait=10.0)
-    warmer = threading.Thread(target=warm, daemon=True) if warm is not None else None
     try:
-        if warmer is not None:
-            warmer.start()
         q.cmd("migrate-set-capabilities",
               capabilities=[{"capability": "x-ignore-shared", "state": True}])
         q.cmd("migrate-incoming", uri=f"exec:cat {shlex.quote(state)}")
@@ -226,8 +219,8 @@ def load_state(qmp_path: str, state: str, warm: Callable[[], object] | None = No
             info = q.cmd("query-migrate")
             status = info.get("status") if isinstance(info, dict) else None
             if status == "completed":  # paused, as the saved side was: go on
-                if warmer is not None and wait_warm:
-                    warmer.join(WARM_TIMEOUT)
+                if before_cont is not None:
+                    before_cont()
                 q.cmd("cont")
                 return time.monotonic() - started
             if status in ("failed", "cancelled") or time.monotonic() > deadline:
@@ -255,9 +248,9 @@ def coalesce(ranges: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]
 
 def warm_pages(path: str, runs: list[tuple[int, int]], threads: int = WARM_THREADS) -> int:
     """Worker thread: read ``runs`` of file ``path`` (a resumed vm's RAM
-    disk, which its VMM has open and mapped shared) into the kernel's page
-    cache, :data:`WARM_PIECE` bytes a read, ``threads`` reads at once, so
-    that the guest's first touches of those pages are page cache hits, not
+    disk, which its VMM maps shared) into the kernel's page cache,
+    :data:`WARM_PIECE` bytes a read, ``threads`` reads at once, so that the
+    guest's first touches of those pages are page cache hits, not
     a FUSE request each. Bytes read; a read that fails ends it (logged by
     the caller: what is not warm faults in as before)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
