@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain
+from typing import TypeVar
 
 import zstandard
 
 from .errors import IntegrityError
 from .formats.chunktable import ZSTD, ChunkEntry, ChunkTable
 from .store.base import Store, blob_key
+
+T = TypeVar("T")
 
 RUN_SPAN = 4 << 20  # at most this many stored bytes in one range read of a run
 RUN_GAP = 64 << 10  # a run reads over at most this many bytes between two chunks
@@ -123,21 +126,22 @@ def fetch_run_views(store: Store, run: list[ChunkEntry]
     """One range read of ``run``, each chunk decoded and checked, those
     stored raw as views of the read (no copy): for a caller that writes them
     out at once."""
-    out: list[bytes | memoryview | IntegrityError] = []
-    for entry, stored in _run_slices(store, run):
-        try:
-            out.append(decode_view(entry, stored))
-        except IntegrityError as exc:
-            out.append(exc)
-    return out
+    return _decoded_run(store, run, decode_view)
 
 
 def fetch_run_frames(store: Store, run: list[ChunkEntry]) -> list[FetchedChunk | IntegrityError]:
     """:func:`fetch_run`, each chunk with the frame it was stored as."""
-    out: list[FetchedChunk | IntegrityError] = []
+    return _decoded_run(store, run, _fetched)
+
+
+def _decoded_run(store: Store, run: list[ChunkEntry],
+                 decode: Callable[[ChunkEntry, memoryview], T]) -> list[T | IntegrityError]:
+    """One range read of ``run``, each chunk through ``decode`` (its
+    IntegrityError in its place)."""
+    out: list[T | IntegrityError] = []
     for entry, stored in _run_slices(store, run):
         try:
-            out.append(_fetched(entry, stored))
+            out.append(decode(entry, stored))
         except IntegrityError as exc:
             out.append(exc)
     return out

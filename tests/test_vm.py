@@ -535,6 +535,18 @@ done
 """
 
 
+def resumed_guest(node: NodeDaemon, ref: str, vid: str, boot: tuple[guest.GuestKernel, Path, int],
+                  log: Path) -> tuple[VmRecord, guest.Guest]:
+    """Vm ``vid`` resumed from snapshot ``ref`` on ``node`` and its QEMU
+    started (``boot``: kernel, initramfs, RAM bytes); its record and guest."""
+    kernel, initramfs, ram = boot
+    answer = Client(node.root).vm_resume(ref, vid)
+    assert answer.ram is not None
+    argv = guest.qemu_argv(kernel, initramfs, qemu_drive_args(answer.drives)
+                           + qemu_ram_args(answer.ram), memory_mb=ram // MiB)
+    return answer, guest.Guest(argv, log)
+
+
 @FILE_STORE
 def test_a_guest_suspended_on_one_node_resumes_on_another(kernel, node, node2, store,
                                                           tmp_path):
@@ -584,14 +596,12 @@ def test_a_guest_suspended_on_one_node_resumes_on_another(kernel, node, node2, s
     stored = RefStore(store).disk(RefStore(store).resolve("layers", "sr/snap@1"))
     assert stored.stats.stored_bytes < ram // 2  # zero pages are not stored
 
-    second = Client(node2.root).vm_resume("sr/snap@1", "s2")
-    assert second.ram is not None and second.ram.share and second.ram.incoming
-    assert second.ram.path == str(node2.root / "fuse" / "disks" / "s2-ram")
-    assert [d.drive_id for d in second.drives] == [d.drive_id for d in first.drives]
-    argv = guest.qemu_argv(kernel, initramfs, qemu_drive_args(second.drives)
-                           + qemu_ram_args(second.ram), memory_mb=ram // MiB)
-    g2 = guest.Guest(argv, tmp_path / "sr2.log")
+    second, g2 = resumed_guest(node2, "sr/snap@1", "s2", (kernel, initramfs, ram),
+                               tmp_path / "sr2.log")
     try:  # (a line sent while the state loads is lost: the serial port's state is loaded)
+        assert second.ram is not None and second.ram.share and second.ram.incoming
+        assert second.ram.path == str(node2.root / "fuse" / "disks" / "s2-ram")
+        assert [d.drive_id for d in second.drives] == [d.drive_id for d in first.drives]
         wait_for(lambda: "vm s2 resumed from its snapshot" in node2.log(), "the state", 90)
         g2.send("check")
         _, note = g2.wait_for(r"^NOTE (.*)$")
@@ -614,11 +624,8 @@ def test_a_guest_suspended_on_one_node_resumes_on_another(kernel, node, node2, s
     again_stored = RefStore(store).disk(RefStore(store).resolve("layers", "sr/snap@2"))
     assert again_stored.stats.stored_bytes < stored.stats.stored_bytes // 4  # what changed
 
-    third = Client(node.root).vm_resume("sr/snap@2", "s3")  # back on the first node
-    assert third.ram is not None
-    argv = guest.qemu_argv(kernel, initramfs, qemu_drive_args(third.drives)
-                           + qemu_ram_args(third.ram), memory_mb=ram // MiB)
-    g3 = guest.Guest(argv, tmp_path / "sr3.log")
+    _, g3 = resumed_guest(node, "sr/snap@2", "s3", (kernel, initramfs, ram),  # the first node
+                          tmp_path / "sr3.log")
     try:
         wait_for(lambda: "vm s3 resumed from its snapshot" in node.log(), "the state", 90)
         g3.send("again")
@@ -634,11 +641,8 @@ def test_a_guest_suspended_on_one_node_resumes_on_another(kernel, node, node2, s
     for ref in ("sr/snap@3", "sr/snap-disk@3"):
         assert len(RefStore(store).disk_chain(RefStore(store).resolve("layers", ref))) == 1
 
-    fourth = Client(node2.root).vm_resume("sr/snap@3", "s4")  # from the merged layer
-    assert fourth.ram is not None
-    argv = guest.qemu_argv(kernel, initramfs, qemu_drive_args(fourth.drives)
-                           + qemu_ram_args(fourth.ram), memory_mb=ram // MiB)
-    g4 = guest.Guest(argv, tmp_path / "sr4.log")
+    _, g4 = resumed_guest(node2, "sr/snap@3", "s4", (kernel, initramfs, ram),  # merged
+                          tmp_path / "sr4.log")
     try:
         wait_for(lambda: "vm s4 resumed from its snapshot" in node2.log(), "the state", 90)
         g4.send("again")
