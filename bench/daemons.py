@@ -33,6 +33,12 @@ def print_footer(logs: dict, oddities: list[str], total: str) -> None:
     print(f"total {total}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (a daemon), all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def clear_dir(path: Path, oddities: list[str]) -> Path:
     """Detach what is mounted under ``path`` (noting it) and remove it."""
     left = detach_mounts(path)

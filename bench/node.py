@@ -56,7 +56,7 @@ from typing import Any
 
 import harness.daemonproc
 from bench import RESULTS, WORK, git_head
-from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
+from bench.daemons import DaemonRuns, clear_dir, cpu_seconds, drop_caches, print_footer
 from harness.daemonproc import DaemonProcess, detach_mounts
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.chunks import materialize_blob
@@ -271,13 +271,6 @@ def alternate(rep: int, a: Callable[[], None], b: Callable[[], None]) -> None:
     """Run both, swapping which goes first on odd repetitions."""
     for fn in ((a, b) if rep % 2 == 0 else (b, a)):
         fn()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, all its threads."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def mbps(nbytes: int, seconds: float) -> float:

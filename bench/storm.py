@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import RESULTS, WORK, git_head
-from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
+from bench.daemons import DaemonRuns, clear_dir, cpu_seconds, drop_caches, print_footer
 from bench.real_env import load_marker, save_marker, tree_bytes
 from layerfs.builder.env import create_env
 from layerfs.builder.layer import BuildOptions, build_layer
@@ -181,11 +181,6 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def daemon_cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def storm(creations: list[Any], threads: int, one: Any) -> dict:
     """Run ``one(item)`` for every item on ``threads`` threads: the rate and latencies."""
     latencies: list[float] = []
@@ -231,12 +226,12 @@ class LayerfsSide:
     def run(self, envs: list[str], threads: int, tag: str) -> dict:
         assert self.node.proc is not None
         gets = self.client.stats().store.get("get", 0)
-        cpu = daemon_cpu(self.node.proc.pid)
+        cpu = cpu_seconds(self.node.proc.pid)
         out = storm([(f"{tag}-{k}", env) for k, env in enumerate(envs)], threads, self.one)
         out["gets_per_creation"] = round((self.client.stats().store.get("get", 0) - gets)
                                          / len(envs), 1)
         out["daemon_cpu_ms_per_creation"] = round(
-            (daemon_cpu(self.node.proc.pid) - cpu) * 1000 / len(envs), 1)
+            (cpu_seconds(self.node.proc.pid) - cpu) * 1000 / len(envs), 1)
         return out
 
 

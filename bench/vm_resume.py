@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 
 from bench import RESULTS, WORK, git_head
-from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
+from bench.daemons import DaemonRuns, clear_dir, cpu_seconds, drop_caches, print_footer
 from harness import guest
 from layerfs.builder.layer import BuildOptions, build_layer
 from layerfs.formats.lsmt import HT_SPACE
@@ -151,10 +151,15 @@ def resume(runs: DaemonRuns, store_dir: Path, work: Path, kernel, initramfs: Pat
     if staged:
         stage(node, client, kernel, initramfs, work, ref, name + "-stage",
               FileStore(str(store_dir)), timeout)
-    if prestaged:
+    staging: dict[str, float] = {}
+    if prestaged:  # what staging costs: the working set's fetch alone
+        cpu0, t = cpu_seconds(node.proc.pid), time.monotonic()
         client.vm_prefetch(ref)
+        staging = {"prestage_s": round(time.monotonic() - t, 3),
+                   "prestage_daemon_cpu_s": round(cpu_seconds(node.proc.pid) - cpu0, 3)}
         drop_caches()
     fetched0 = client.stats().cache.get("bytes_fetched", 0)
+    cpu0 = cpu_seconds(node.proc.pid)
     t0 = time.monotonic()
     vm = client.vm_resume(ref, name)
     answered = time.monotonic()
@@ -170,11 +175,14 @@ def resume(runs: DaemonRuns, store_dir: Path, work: Path, kernel, initramfs: Pat
         at, _ = g.wait_for(r"^DONE ", timeout)
         first = g.times[at]
         fetched = client.stats().cache.get("bytes_fetched", 0) - fetched0
-        row = {"answer_s": round(answered - t0, 3), "ready_s": round(ready - t0, 3),
+        cpu = cpu_seconds(node.proc.pid) - cpu0  # (to the first command, with the stats calls)
+        row = {"daemon_cpu_s": round(cpu, 3), "answer_s": round(answered - t0, 3),
+               "ready_s": round(ready - t0, 3),
                "first_command_s": round(first - t0, 3), "fetched_bytes": fetched,
                "fetched_at_ready_bytes": fetched_ready,
                "from_qemu_s": round(first - qemu_at, 3),
-               "prefetched_working_set": f"vm {name}: prefetching the working set" in node.log()}
+               "prefetched_working_set": f"vm {name}: prefetching the working set" in node.log(),
+               **staging}
         if keep:
             return {"row": row, "node": node, "guest": g, "client": client}
         wait_log(node, f"vm {name}: working set", 30) if not row[
