@@ -123,15 +123,13 @@ def test_keeper_scope_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
 
 
 @pytest.mark.daemon_log(r"cannot start the FUSE keeper in a scope of its own")
-def test_keeper_without_its_scope(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                  caplog) -> None:
+def test_keeper_without_its_scope(tmp_path: Path, caplog) -> None:
     """A scope that cannot be made (systemd-run fails): the keeper is started
     all the same, as the daemon's child, with one warning."""
-    monkeypatch.setattr(systemd, "in_service", lambda: True)
-    monkeypatch.setattr(systemd, "keeper_command", lambda command: ["/bin/false", *command])
     held, other = socket.socketpair()  # stands for the connection's file: never ends
     conn = fuseconn.FuseConnection(held.fileno(), bytes(40), taken_over=False)
-    keeper = fuseconn.start_keeper(tmp_path, conn, 1.0)
+    keeper = fuseconn.start_keeper(tmp_path, conn, 1.0,
+                                   scope=lambda command: ["/bin/false", *command])
     try:
         assert keeper.args[:3] == [sys.executable, "-m", "layerfs.node.fuse.keeper"]
         assert (tmp_path / fuseconn.KEEPER_SOCKET).exists() and conn.lease is not None

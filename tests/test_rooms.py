@@ -30,11 +30,7 @@ ORDER = [
     {"daemon"},
 ]
 # Crossings against the order, each with why it is still there.
-KNOWN = {
-    ("fuse.connection", "daemon.systemd"):
-        "the keeper's start asks whether it runs under systemd; to be passed in "
-        "by the daemon when it wires the connection (issue 37, point 3)",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 # The root API's client loads these helpers lazily (a bundle, limits, room);
 # nothing of the daemon, FUSE, the read path or the replica.
 API_MAY_IMPORT = {"containers", "sandboxes"}

@@ -510,8 +510,9 @@ class Daemon:
         """A keeper of ``conn`` holding this daemon's lease (started in a
         thread: it waits until the keeper listens)."""
         try:
+            scope = systemd.keeper_command if systemd.in_service() else None
             keeper = await trio.to_thread.run_sync(fuseconn.start_keeper, self.root, conn,
-                                                   self.cfg.restart_grace)
+                                                   self.cfg.restart_grace, scope)
         except OSError as exc:
             log.warning("live restart unavailable: cannot start the FUSE keeper: %s", exc)
             return False

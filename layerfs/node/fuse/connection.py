@@ -39,7 +39,6 @@ import pyfuse3
 import trio
 
 from ...mounts import SAFE_FLAGS, mount
-from ..daemon import systemd
 
 log = logging.getLogger(__name__)
 FUSE_INIT = 26
@@ -191,15 +190,18 @@ def resend_pending(conn: FuseConnection) -> bool:
     return True
 
 
-def start_keeper(root: Path, conn: FuseConnection, grace: float) -> subprocess.Popen[bytes]:
+def start_keeper(root: Path, conn: FuseConnection, grace: float,
+                 scope: Callable[[list[str]], list[str]] | None = None
+                 ) -> subprocess.Popen[bytes]:
     """Start the keeper of ``conn`` in a session of its own (a kill of the
     daemon's process group leaves it), with this daemon's lease, and wait
-    until it listens. In a systemd service, the keeper runs in a scope unit
-    of its own (:func:`.daemon.systemd.keeper_command`: a restart of the service
-    leaves it); if that scope cannot be made, as a plain child, one warning."""
-    if systemd.in_service():
+    until it listens. ``scope``: the keeper's command run in a scope unit of
+    its own (a daemon in a systemd service passes
+    :func:`.daemon.systemd.keeper_command`: a restart of the service leaves
+    it); if that scope cannot be made, as a plain child, one warning."""
+    if scope is not None:
         try:
-            return _start_keeper(root, conn, grace, systemd.keeper_command)
+            return _start_keeper(root, conn, grace, scope)
         except OSError as exc:
             log.warning("cannot start the FUSE keeper in a scope of its own (%s): it runs in "
                         "the daemon's unit, which ends it at a restart or a crash", exc)
