@@ -5,59 +5,26 @@ builder's heavy modules: the property that keeps its start fast)."""
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import build, need_root
-from support.nodes import NodeDaemon
+from support.basenode import node  # noqa: F401  (the fixture: a daemon with base@1)
 
 from harness.daemonproc import LAYERFS
 from layerfs.errors import RefNotFound, SandboxNotFound, UsageError
 from layerfs.node import Client
 from layerfs.node.control import DaemonNotRunning, RemoteError, socket_path
 from layerfs.node.protocol import SandboxRecord, SandboxStatus, StatsAnswer
-from layerfs.store import open_store
 
 pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
 
 # What only the daemon, the store clients and the builder need.
 HEAVY = frozenset({"trio", "pyfuse3", "lmdb", "boto3", "botocore", "zstandard"})
 HEAVY_OURS = frozenset({"layerfs.node.daemon.service", "layerfs.refstore", "layerfs.store"})
-
-
-def make_rootfs(root: Path) -> Path:
-    for sub in ("bin", "etc", "proc", "dev", "tmp"):
-        (root / sub).mkdir(parents=True, exist_ok=True)
-    shutil.copy("/bin/busybox", root / "bin" / "busybox")
-    for applet in ("sh", "true", "cat"):
-        (root / "bin" / applet).symlink_to("busybox")
-    return root
-
-
-@pytest.fixture(scope="module")
-def node(starts_a_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
-    """A daemon on a file:// store with layer base@1 (the client does not
-    depend on the store backend, which test_node covers)."""
-    need_root()
-    work = tmp_path_factory.mktemp("client")
-    url = "file://" + str(work / "store")
-    store = open_store(url, None)
-    try:
-        build(store, str(make_rootfs(work / "base")), name="base")
-    finally:
-        store.close()
-    daemon = NodeDaemon(work / "node", ["--store", url], cache_size="64M").start()
-    try:
-        yield daemon
-    finally:
-        left = daemon.cleanup()
-        assert left == [], f"mounts left behind: {left}"
 
 
 def imported_modules(*args: str) -> tuple[subprocess.CompletedProcess, set[str]]:

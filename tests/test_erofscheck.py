@@ -11,7 +11,6 @@ import struct
 import subprocess
 import sys
 import sysconfig
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import IN_CI, build, need_root
 from support.gentree import make_tree
-from support.metaimages import Layout, layout_of, reseal
+from support.metaimages import CHUNK, Layout, Sample, layout_of, reseal, sample  # noqa: F401  (a fixture)
 
 from layerfs.chunks import materialize_blob
 from layerfs.errors import BadMetaImage
@@ -29,38 +28,6 @@ from layerfs.formats.erofscheck import check_meta_image
 from layerfs.mounts import mount_erofs, umount
 from layerfs.refstore import RefStore
 from layerfs.store import open_store
-
-CHUNK = 65536
-
-
-@dataclass
-class Sample:
-    """A built layer: its meta image, blob file and sizes."""
-
-    image: bytes
-    blob: Path
-    blob_size: int
-    chunk_size: int
-    layout: Layout
-
-
-@pytest.fixture(scope="module")
-def sample(tmp_path_factory: pytest.TempPathFactory) -> Sample:
-    """A small but feature-rich layer (gentree: xattrs, links, devices, holes)."""
-    need_root()
-    work = tmp_path_factory.mktemp("erofscheck")
-    src = make_tree(str(work / "src"), seed=3, chunk_size=CHUNK, big_dir=300,
-                    long_names=True)
-    store = open_store("file://" + str(work / "store"))
-    result = build(store, src, name="s", chunk_size=CHUNK)
-    refstore = RefStore(store)
-    manifest = refstore.layer(result.digest)
-    image = refstore.meta_image(manifest)
-    blob = work / "blob.img"
-    materialize_blob(store, refstore.chunk_table(manifest), str(blob))
-    store.close()
-    return Sample(image, blob, manifest.blob_size, manifest.chunk_size,
-                  layout_of(image, manifest.blob_size, manifest.chunk_size))
 
 
 def refused(image: bytes, sample: Sample) -> str:

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.basenode import node  # noqa: F401  (the fixture: a daemon with base@1)
 from support.gentree import write_tree
-from test_client import node  # noqa: F401  (a daemon with layer base@1)
 
 import layerfs
 from harness.daemonproc import LAYERFS

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 import zstandard
 from support import need_root
-from support.metaimages import layout_of, reseal
+from support.metaimages import layout_of, reseal, sample  # noqa: F401  (a fixture)
+from support.remotelayers import node, two_layers  # noqa: F401  (fixtures)
 from support.users import LocalUser
-from test_erofscheck import sample  # noqa: F401 - the fixture
-from test_remotetrust import node, two_layers  # noqa: F401 - the fixtures
 
 from layerfs.errors import BadMetaImage, CheckerTimeout, IntegrityError
 from layerfs.formats.erofscheck import check_meta_image

@@ -6,18 +6,15 @@ must pass the structural check before anything mounts it."""
 from __future__ import annotations
 
 import json
-import random
 import threading
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import zstandard
-from support import build, need_root
 from support.cli import layerfs, one_line_error
 from support.metaimages import layout_of, reseal
-from support.nodes import NodeDaemon
+from support.remotelayers import node, small_tree, two_layers  # noqa: F401  (fixtures)
 
 from layerfs.builder.env import create_env
 from layerfs.errors import (
@@ -37,22 +34,6 @@ from layerfs.refstore import ENVS, LAYERS, RefStore, ref_key
 from layerfs.store.base import Store, blob_key, sha256_digest
 
 pytestmark = pytest.mark.end_to_end  # the CLI and outside tools, end to end
-
-
-def small_tree(root: Path, text: str) -> str:
-    (root / "etc").mkdir(parents=True)
-    (root / "etc" / "who").write_text(text)
-    (root / "big").write_bytes(random.Random(text).randbytes(200_000))
-    return str(root)
-
-
-@pytest.fixture
-def two_layers(tmp_path: Path, store: Store) -> tuple[str, str]:
-    """Layers a@1 and b@1 (different trees) and env e@1 = [a@1]; their digests."""
-    a = build(store, small_tree(tmp_path / "a", "a"), name="a", chunk_size=65536)
-    b = build(store, small_tree(tmp_path / "b", "b"), name="b", chunk_size=65536)
-    create_env(RefStore(store), "e", "1", ["a@1"])
-    return a.digest, b.digest
 
 
 def point_ref(store: Store, kind: str, ref: str, data: bytes) -> None:
@@ -233,18 +214,6 @@ def test_verify_refuses_a_meta_image_with_a_chunk_outside_the_blob(store, store_
 
 
 # -- the daemon --
-
-@pytest.fixture
-def node(starts_a_server,
-         tmp_path: Path, store: Store, store_location, two_layers) -> Iterator[NodeDaemon]:
-    need_root()
-    daemon = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="64M").start()
-    try:
-        yield daemon
-    finally:
-        left = daemon.cleanup()
-        assert left == [], f"mounts left behind: {left}"
-
 
 def _mounts() -> str:
     return Path("/proc/self/mountinfo").read_text()

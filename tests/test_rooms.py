@@ -207,14 +207,9 @@ def test_the_old_entry_point_is_the_cli():
     assert old.main is main
 
 
-# Fixtures a test module still takes from another (to move into conftest.py)
-FIXTURES_BORROWED = {("test_errors", "test_client"), ("test_metacheck", "test_erofscheck"),
-                     ("test_metacheck", "test_remotetrust")}
-
-
 def test_no_test_module_imports_another():
-    """Shared helpers live in tests/support/; a test module imports none of
-    the others (but the fixtures listed above)."""
+    """Shared helpers and fixtures live in tests/support/ (or conftest.py);
+    a test module imports none of the others."""
     tests = Path(__file__).resolve().parent
     found = set()
     for path in sorted(tests.glob("test_*.py")):
@@ -223,4 +218,4 @@ def test_no_test_module_imports_another():
                 found.add((path.stem, node.module))
             elif isinstance(node, ast.Import):
                 found |= {(path.stem, a.name) for a in node.names if a.name.startswith("test_")}
-    assert found == FIXTURES_BORROWED
+    assert found == set()

@@ -1,12 +1,21 @@
-"""Meta images taken apart and put back together, for the tests of the structural check."""
+"""Meta images taken apart and put back together, for the tests of the
+structural check; and their sample, a small but feature-rich layer."""
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
+
+from layerfs.chunks import materialize_blob
 from layerfs.formats import erofscheck
 from layerfs.formats.erofs import BLOCK, SB_OFFSET, crc32c
+from layerfs.refstore import RefStore
+from layerfs.store import open_store
+from support import build, need_root
+from support.gentree import make_tree
 
 
 def reseal(image: bytes | bytearray) -> bytes:
@@ -63,3 +72,36 @@ def layout_of(image: bytes, blob_size: int, chunk_size: int) -> Layout:
     rec = _Recorder(memoryview(image), blob_size, chunk_size)
     rec.run()
     return rec.layout
+
+
+CHUNK = 65536  # the sample's chunk size
+
+
+@dataclass
+class Sample:
+    """A built layer: its meta image, blob file and sizes."""
+
+    image: bytes
+    blob: Path
+    blob_size: int
+    chunk_size: int
+    layout: Layout
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory: pytest.TempPathFactory) -> Sample:
+    """A small but feature-rich layer (gentree: xattrs, links, devices, holes)."""
+    need_root()
+    work = tmp_path_factory.mktemp("erofscheck")
+    src = make_tree(str(work / "src"), seed=3, chunk_size=CHUNK, big_dir=300,
+                    long_names=True)
+    store = open_store("file://" + str(work / "store"))
+    result = build(store, src, name="s", chunk_size=CHUNK)
+    refstore = RefStore(store)
+    manifest = refstore.layer(result.digest)
+    image = refstore.meta_image(manifest)
+    blob = work / "blob.img"
+    materialize_blob(store, refstore.chunk_table(manifest), str(blob))
+    store.close()
+    return Sample(image, blob, manifest.blob_size, manifest.chunk_size,
+                  layout_of(image, manifest.blob_size, manifest.chunk_size))
