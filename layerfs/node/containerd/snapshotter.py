@@ -183,13 +183,10 @@ class Snapshotter:
     def _replay(self, digests: list[str]) -> TraceReplay | None:
         """The layers' pushed traces replayed while they are mounted, as an
         ``up``'s default ``--prefetch auto`` does (none pushed: nothing)."""
-        nursery = self.tasks.nursery
-        if nursery is None or self.prefetch != "auto":
+        if self.prefetch != "auto":
             return None
-        replay = TraceReplay(self.refstore.store, self.store.replica, self.policy, digests,
-                             pushed_only=True)
-        nursery.start_soon(replay.run)
-        return replay
+        return TraceReplay.start_in(self.tasks, self.refstore.store, self.store.replica,
+                                    self.policy, digests, pushed_only=True)
 
     async def _acquire_all(self, digests: list[str], replay: bool = True) -> None:
         """Each layer mounted (in parallel) and held, its pushed trace replayed

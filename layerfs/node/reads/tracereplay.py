@@ -28,6 +28,7 @@ import trio
 from ...errors import LayerfsError
 from ...formats.chunktable import ChunkTable
 from ...store.base import Store
+from ...tasks import TaskGroup
 from ..replica.replica import Replica
 from .accesstraces import merge_traces, parse_trace, trace_key
 from .prefetch import Prefetcher
@@ -67,6 +68,17 @@ class TraceReplay:
         self.scope = trio.CancelScope()
         self._settled = trio.Event()  # the up is over: no more tables will come
         self._nursery: trio.Nursery | None = None
+
+    @classmethod
+    def start_in(cls, tasks: TaskGroup, store: Store, replica: Replica, policy: Prefetcher,
+                 digests: list[str], pushed_only: bool) -> TraceReplay | None:
+        """A replay of ``digests``' traces running in the daemon's task group
+        (None while it is not open)."""
+        if tasks.nursery is None:
+            return None
+        replay = cls(store, replica, policy, digests, pushed_only)
+        tasks.nursery.start_soon(replay.run)
+        return replay
 
     async def run(self) -> None:
         """Fetch the traces and replay each layer's once its table is in; returns

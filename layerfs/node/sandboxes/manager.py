@@ -242,13 +242,10 @@ class Sandboxes:
     def _replay(self, record: SandboxRecord) -> TraceReplay | None:
         """The sandbox's trace replay, started now, alongside its layers'
         fetches (``trace`` and ``auto`` only)."""
-        nursery = self.tasks.nursery
-        if record.prefetch not in ("trace", "auto") or nursery is None:
+        if record.prefetch not in ("trace", "auto"):
             return None
-        replay = TraceReplay(self.refstore.store, self.replica, self.policy, record.layers,
-                             pushed_only=record.prefetch == "auto")
-        nursery.start_soon(replay.run)
-        return replay
+        return TraceReplay.start_in(self.tasks, self.refstore.store, self.replica, self.policy,
+                                    record.layers, pushed_only=record.prefetch == "auto")
 
     async def _save(self, record: SandboxRecord) -> None:
         await trio.to_thread.run_sync(self.replica.put_sandbox, record.id, record.to_json())
