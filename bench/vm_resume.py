@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import shutil
 import statistics
 import time
@@ -183,6 +184,10 @@ def resume(runs: DaemonRuns, store_dir: Path, work: Path, kernel, initramfs: Pat
                "from_qemu_s": round(first - qemu_at, 3),
                "prefetched_working_set": f"vm {name}: prefetching the working set" in node.log(),
                **staging}
+        warmed = re.search(rf"vm {name}: working set read ahead \((\d+) bytes in \d+ runs, "
+                           r"([\d.]+) s\)", node.log())
+        if warmed:  # the page-cache read of the working set (its own thread)
+            row["warm_s"] = float(warmed.group(2))
         if keep:
             return {"row": row, "node": node, "guest": g, "client": client}
         wait_log(node, f"vm {name}: working set", 30) if not row[
