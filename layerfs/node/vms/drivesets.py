@@ -476,15 +476,13 @@ class Vms:
         for yet brings nothing (0 chunks); a chunk the store cannot give
         fails the request (FetchError)."""
         offline: list[OfflineRef] = []
-        digest = await trio.to_thread.run_sync(self.disks.refs.resolve, LAYERS, ref, offline)
+        digest = await trio.to_thread.run_sync(self.refs.resolve, LAYERS, ref, offline)
         async with AsyncExitStack() as held:
             _, used = await self.disks.load_chain(digest, held)
             wanted: list[ChunkEntry] = []
             for layer in used:
-                blob = self.blobs.by_name[layer.removeprefix("sha256:")]
-                order = await trio.to_thread.run_sync(pushed_trace, self.refstore.store, layer)
-                entries = blob.table.entries
-                wanted += [entries[i] for i in order or [] if 0 <= i < len(entries)]
+                wanted += await self._working_set_of(
+                    layer, self.blobs.by_name[layer.removeprefix("sha256:")])
             absent = list({e.sha256: e for e in wanted if self.fetcher.absent(e.sha256)}.values())
             async with trio.open_nursery() as nursery:
                 for run in pack_runs(absent):
@@ -502,18 +500,23 @@ class Vms:
         held = True
         for digest, blob in self._ram_blobs(vid):
             try:
-                order = await trio.to_thread.run_sync(pushed_trace, self.refstore.store, digest)
+                wanted = await self._working_set_of(digest, blob)
             except OSError as exc:  # (pushed_trace's own: LayerfsError is a miss)
                 log.warning("vm %s: the working set of %s is not read (%s)", vid, digest, exc)
                 continue
-            entries = blob.table.entries
-            wanted = [entries[i] for i in order or [] if 0 <= i < len(entries)]
             if wanted:
                 held = held and all(self.fetcher.state(e.sha256) in NODE_HELD for e in wanted)
                 self.blobs.prefetcher.fetch_ahead(wanted)
                 ranges.extend((e.blob_offset - HT_SPACE, e.length)  # (RAM at its own offsets)
                               for e in wanted)
         return WorkingSet(ranges, held) if ranges else None
+
+    async def _working_set_of(self, digest: str, blob: BlobFile) -> list[ChunkEntry]:
+        """The chunks of snapshot layer ``digest`` its pushed working set names,
+        in first-touch order (none pushed: none)."""
+        order = await trio.to_thread.run_sync(pushed_trace, self.refstore.store, digest)
+        entries = blob.table.entries
+        return [entries[i] for i in order or [] if 0 <= i < len(entries)]
 
     async def _read_snapshot(self, vid: str, ref: str) -> tuple[SnapshotHeader, Path]:
         """The header and the device state of snapshot ``ref`` (through the
