@@ -12,7 +12,7 @@ import pytest
 
 from layerfs.store import open_store
 from support import build, need_root
-from support.nodes import NodeDaemon
+from support.nodes import NodeDaemon, serving
 
 
 def busybox_rootfs(root: Path) -> Path:
@@ -37,9 +37,4 @@ def node(starts_a_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         build(store, str(busybox_rootfs(work / "base")), name="base")
     finally:
         store.close()
-    daemon = NodeDaemon(work / "node", ["--store", url], cache_size="64M").start()
-    try:
-        yield daemon
-    finally:
-        left = daemon.cleanup()
-        assert left == [], f"mounts left behind: {left}"
+    yield from serving(NodeDaemon(work / "node", ["--store", url], cache_size="64M"))

@@ -14,7 +14,7 @@ from layerfs.builder.env import create_env
 from layerfs.refstore import RefStore
 from layerfs.store.base import Store
 from support import build, need_root
-from support.nodes import NodeDaemon
+from support.nodes import NodeDaemon, serving
 
 
 def small_tree(root: Path, text: str) -> str:
@@ -37,9 +37,4 @@ def two_layers(tmp_path: Path, store: Store) -> tuple[str, str]:
 def node(starts_a_server,
          tmp_path: Path, store: Store, store_location, two_layers) -> Iterator[NodeDaemon]:
     need_root()
-    daemon = NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="64M").start()
-    try:
-        yield daemon
-    finally:
-        left = daemon.cleanup()
-        assert left == [], f"mounts left behind: {left}"
+    yield from serving(NodeDaemon(tmp_path / "node", store_location.cli_args(), cache_size="64M"))
