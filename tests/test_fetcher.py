@@ -30,7 +30,7 @@ from layerfs.node.reads.chunkfile import BLOCK
 from layerfs.node.reads.chunkstates import ChunkState
 from layerfs.node.reads.failfast import OBJECT_BACKOFF, OBJECT_BACKOFF_MAX, FailFast
 from layerfs.node.reads.fetcher import STORE_COOLDOWN, ChunkFetcher, FetchError
-from layerfs.node.reads.prefetch import Prefetcher
+from layerfs.node.reads.prefetch import Prefetcher, trace_runs
 from layerfs.store.base import blob_key
 
 DATA = b"chunk bytes " * 1000
@@ -709,9 +709,10 @@ def test_the_fetch_core_imports_no_prefetch_policy():
     assert imported and not {m for m in imported if policies & set(m.lstrip(".").split("."))}
 
 
-def test_a_trace_prefetch_keeps_its_order_and_shares_its_runs_with_readers(tmp_path):
-    """Trace order 3 4 5 0 1: two runs, in that order; a reader of chunk 4 while
-    its run is in flight waits for that run instead of reading the store again."""
+def test_a_trace_prefetch_reads_by_place_and_shares_its_runs_with_readers(tmp_path):
+    """Trace order 3 4 5 0 1, one window: one range read over the five (and the
+    chunk between them); a reader of chunk 4 while that read is in flight
+    waits for it instead of reading the store again."""
     a = "sha256:" + "a" * 64
     entries, pack = run_entries([4096] * 6, a)
     store = RangeStore({a: pack})
@@ -736,8 +737,25 @@ def test_a_trace_prefetch_keeps_its_order_and_shares_its_runs_with_readers(tmp_p
 
     run(main)
     assert got == [pack[4 * 4096:5 * 4096]]
-    assert store.calls == [(blob_key(a), 3 * 4096, 6 * 4096), (blob_key(a), 0, 2 * 4096)]
+    assert store.calls == [(blob_key(a), 0, 6 * 4096)]
     assert all(f.cache.contains(entries[i].sha256.hex()) for i in (0, 1, 3, 4, 5))
+    assert not f.cache.contains(entries[2].sha256.hex())  # read over, not kept
+
+
+def test_a_trace_keeps_its_order_across_windows_and_reads_each_by_place():
+    """Windows of 3 chunks' stored bytes: order 3 4 5 | 0 1 9 | 8: each window
+    by place, neighbours (or chunks at most ``gap`` apart) in one read,
+    another pack or a wider gap a read of its own, a repeat left out."""
+    a, b = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    ea, _ = run_entries([4096] * 10, a)
+    eb, _ = run_entries([4096] * 2, b)
+    order = [ea[3], ea[4], ea[5], ea[0], ea[1], ea[9], ea[4], eb[1], ea[8]]
+    runs = list(trace_runs(order, window=3 * 4096, gap=4096))
+    assert [[(e.pack, e.pack_offset // 4096) for e in r] for r in runs] == [
+        [(a, 3), (a, 4), (a, 5)],
+        [(a, 0), (a, 1)], [(a, 9)],
+        [(a, 8)], [(b, 1)],
+    ]
 
 
 async def _append(out: list, awaitable) -> None:

@@ -40,6 +40,7 @@ from typing import TypeAlias, TypeVar, cast
 import trio
 
 from ...chunks import (
+    RUN_GAP,
     FetchedChunk,
     fetch_chunk_frame,
     fetch_run_frames,
@@ -197,14 +198,16 @@ class ChunkFetcher:
 
     # -- runs --------------------------------------------------------------
 
-    async def get_run(self, run: list[ChunkEntry], background: bool = False) -> None:
+    async def get_run(self, run: list[ChunkEntry], background: bool = False,
+                      gap: int = RUN_GAP) -> None:
         """Bring the chunks of a run (see ``pack_runs``) into the cache: one range
         read for those no one has or fetches yet, a wait for those in flight;
-        raises the first FetchError. A ``background`` run's reads are not
+        raises the first FetchError (runs of neighbours at most ``gap`` bytes
+        apart: see ``pack_runs``). A ``background`` run's reads are not
         counted as readers' (see :meth:`quiet`). Its chunks are not a reader's:
         memory keeps them only while it has room (``ChunkStates.keep``)."""
         claim = self.states.claim(run)
-        await self.lead(claim, keep=False, for_reader=not background, split=True)
+        await self.lead(claim, keep=False, for_reader=not background, split=True, gap=gap)
         for entry, flight in claim.wait:
             await flight.done.wait()
             if flight.error is not None:
@@ -213,7 +216,8 @@ class ChunkFetcher:
                 await self.get_run([entry], background)
 
     async def lead(self, claim: Claim, *, keep: bool, for_reader: bool = True,
-                   split: bool = False, deadline: float | None = None) -> list[Chunk | FetchError]:
+                   split: bool = False, deadline: float | None = None,
+                   gap: int = RUN_GAP) -> list[Chunk | FetchError]:
         """Fetch the chunks the claim leads and end their flights: each chunk's
         bytes or FetchError (raises FetchError if a read itself failed). The
         chunks were claimed absent, so they come from the store: one a reader
@@ -230,7 +234,7 @@ class ChunkFetcher:
                                              deadline)
             flights = dict(zip((e.sha256 for e in claim.lead), claim.flights, strict=True))
             results: list[Chunk | FetchError] = []
-            for part in pack_runs(claim.lead):
+            for part in pack_runs(claim.lead, gap=gap):
                 done = await self._lead_part(part, [flights[e.sha256] for e in part],
                                              keep, for_reader, deadline)
                 failed = next((r for r in done if isinstance(r, FetchError)), None)

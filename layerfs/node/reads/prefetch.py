@@ -10,8 +10,10 @@ composes them (``BlobFile``, the daemon). The policies:
 * eager (``--prefetch full``): every chunk not yet cached, in pack order, a
   run per range read, with a bounded pool of workers; into the cache, and
   into memory only while it has room (readers' chunks stay: ``ChunkStates.keep``);
-* trace (``--prefetch trace``): a recorded access order, in small runs, in
-  the background, yielding to readers' fetches;
+* trace (``--prefetch trace``): a recorded access order in the background,
+  yielding to readers' fetches: in windows of the order, each window's chunks
+  fetched by place, neighbours and near neighbours in one range read
+  (``trace_runs``);
 * a stream's fetch-ahead: the next chunks of a long sequential read, claimed
   when the reader asks for them; and warming its next cached chunks into memory;
 * the miss span (``--miss-span``): a miss on a small chunk brings the chunks
@@ -25,7 +27,7 @@ composes them (``BlobFile``, the daemon). The policies:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,7 +41,8 @@ from .chunkstates import ChunkState, Claim, FetchError
 if TYPE_CHECKING:
     from .fetcher import ChunkFetcher
 
-BACKGROUND_SPAN = 1 << 20  # a background run's range read: small, not to hold up readers' fetches
+TRACE_WINDOW = 8 << 20  # a replay fetches by place within this many stored bytes of its order
+TRACE_GAP = 1 << 20  # ... reading over at most this many bytes between two chunks
 CACHED_READAHEAD = 16  # at most this many chunks read ahead from the cache into memory
 STORE_READAHEAD = 4  # at most this many chunks a stream fetches ahead from the store
 STORE_AHEAD_SHARE = 4  # ... and at most 1/4 of what it has read so far
@@ -190,21 +193,38 @@ class Prefetcher:
         ``workers`` at a time (all prefetches share ``background_limit``); a
         run starts only while readers' fetches are quiet (``ChunkFetcher.quiet``);
         a worker stops at its first error, which is only logged."""
-        todo = pack_runs((e for e in entries if self.fetcher.absent(e.sha256)),
-                         span=BACKGROUND_SPAN)
+        todo = trace_runs([e for e in entries if self.fetcher.absent(e.sha256)])
 
         async def worker() -> None:
             for run in todo:
                 async with self.background_limit:
                     await self.fetcher.quiet()
                     try:
-                        await self.fetcher.get_run(run, background=True)
+                        await self.fetcher.get_run(run, background=True, gap=TRACE_GAP)
                     except FetchError:
                         return
 
         async with trio.open_nursery() as nursery:
             for _ in range(workers):
                 nursery.start_soon(worker)
+
+
+def trace_runs(entries: list[ChunkEntry], window: int = TRACE_WINDOW,
+               gap: int = TRACE_GAP) -> Iterator[list[ChunkEntry]]:
+    """A recorded order of chunks as range reads: the order cut into windows of
+    ``window`` stored bytes, each window's chunks by place, in runs that read
+    over at most ``gap`` bytes between two of them (see ``pack_runs``). What
+    a start reads first still comes first; within a window a store serves
+    few large reads instead of many small ones (each a request, and on S3
+    gateways that read a whole stored chunk per range, that chunk again)."""
+    todo, size = [], 0
+    for entry in _unique(entries):
+        todo.append(entry)
+        size += entry.stored_length
+        if size >= window:
+            yield from pack_runs(sorted(todo, key=lambda e: e.location), gap=gap)
+            todo, size = [], 0
+    yield from pack_runs(sorted(todo, key=lambda e: e.location), gap=gap)
 
 
 def _unique(entries: list[ChunkEntry]) -> list[ChunkEntry]:

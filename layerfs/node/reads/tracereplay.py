@@ -4,10 +4,11 @@ One :class:`TraceReplay` per ``up`` with ``--prefetch trace`` or ``auto``.
 It starts as soon as the layers' digests are known: each layer's trace (the
 one pushed to the store, merged with this node's own for ``trace``) is
 fetched alongside the layer's own objects, and a layer's chunks are
-prefetched in trace order as soon as both its trace and its verified chunk
-table are in (:meth:`table_known`), while its meta image is still being
-fetched, checked and mounted. So the chunks a sandbox reads first are on
-their way before the sandbox exists.
+prefetched in trace order as soon as both its trace and its meta image and
+verified chunk table are in (:meth:`table_known`), while the layer is
+mounted and the sandbox's runtime starts. So the chunks a sandbox reads
+first are on their way before the sandbox reads, and the ``up``'s own
+store requests are not queued behind them.
 
 A replay is a hint: a trace that cannot be had is logged and skipped; a chunk
 a replay fetches is verified like any other (the chunk table was checked
@@ -21,7 +22,6 @@ Runs on the trio loop; the store reads run in worker threads.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import trio
 
@@ -103,11 +103,6 @@ class TraceReplay:
     def cancel(self) -> None:
         self.settle()
         self.scope.cancel()
-
-    def reporter(self, digest: str) -> Callable[[ChunkTable], None]:
-        """For a worker thread of this trio run: hand ``digest``'s table to
-        :meth:`table_known` on the loop."""
-        return lambda table: trio.from_thread.run_sync(self.table_known, digest, table)
 
     async def _trace_of(self, digest: str) -> None:
         try:

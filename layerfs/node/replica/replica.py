@@ -65,7 +65,6 @@ RESOLUTION_REFRESH = 60.0  # seconds after which a resolution the store confirms
 TMP_MARK = ".tmp"  # meta/<hex>.tmp<pid>-<thread>: a meta image being written
 HASH_READ = 256 << 10
 T = TypeVar("T")
-TableCallback = Callable[[ChunkTable], None]  # called with a layer's verified chunk table
 
 
 @dataclass
@@ -197,17 +196,12 @@ class Replica:
         (self.meta_dir / (digest.removeprefix("sha256:") + ".erofs")).unlink(missing_ok=True)
         return chunks
 
-    def _fetch(self, refstore: RefStore, digest: str,
-               on_table: TableCallback | None = None) -> tuple[ReplicaLayer, int | None]:
+    def _fetch(self, refstore: RefStore, digest: str) -> tuple[ReplicaLayer, int | None]:
         """The layer, from the replica or else from the store; when its meta
         image was written just now, also an fd of the file written, which
-        holds the bytes verified in memory (no need to hash them again).
-        ``on_table`` gets the verified chunk table as soon as it is in, before
-        the meta image is checked."""
+        holds the bytes verified in memory (no need to hash them again)."""
         have = self.layer(digest)
         if have is not None:
-            if on_table is not None:
-                on_table(have.table)
             return have, None
         start = time.perf_counter()
         manifest = refstore.layer(digest)
@@ -219,8 +213,6 @@ class Replica:
             table = ChunkTable.from_bytes(table_bytes)
             refstore.check_table(manifest, table)
             took.append(("chunk table", time.perf_counter()))
-            if on_table is not None:
-                on_table(table)
             image = image_get.result()
             took.append(("meta image", time.perf_counter()))
         meta = self.meta_dir / (digest.removeprefix("sha256:") + ".erofs")
@@ -240,14 +232,13 @@ class Replica:
                   ", ".join(f"{step} {(t - start) * 1000:.1f} ms" for step, t in took))
         return ReplicaLayer(digest, manifest, table, meta), fd
 
-    def checked_meta(self, refstore: RefStore, digest: str,
-                     on_table: TableCallback | None = None) -> CheckedMeta:
+    def checked_meta(self, refstore: RefStore, digest: str) -> CheckedMeta:
         """The layer (fetched once) with its meta image open and checked: the
         file just written from the verified image, or the local file hashed
         now against the manifest's digest. A local image that does not match
         is fetched again (one warning line); IntegrityError if even that
-        copy does not match. ``on_table``: as for :meth:`_fetch`."""
-        layer, fd = self._fetch(refstore, digest, on_table)
+        copy does not match."""
+        layer, fd = self._fetch(refstore, digest)
         if fd is None:
             fd = open_matching(layer)
         if fd is None:

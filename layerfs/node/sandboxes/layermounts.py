@@ -22,7 +22,6 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,12 +118,10 @@ class LayerMounts:
                      may_mount: trio.Event | None = None) -> MountedLayer:
         """Mount the layer from its meta image as checked just now: the open,
         hashed file itself (``/proc/self/fd/N``), never the name again."""
-        reporter = replay.reporter(digest) if replay is not None else None
-        if reporter is not None and self.local is not None:
-            reporter = self._unless_local(reporter)
         start = time.perf_counter()
-        meta = await trio.to_thread.run_sync(self.replica.checked_meta, self.refstore, digest,
-                                             reporter)
+        meta = await trio.to_thread.run_sync(self.replica.checked_meta, self.refstore, digest)
+        if replay is not None and not (self.local and self.local.wanted(meta.layer.table)):
+            replay.table_known(digest, meta.layer.table)  # the up's own fetches went first
         log.debug("layer %s: meta image checked in %.1f ms", digest,
                   (time.perf_counter() - start) * 1000)
         local = None
@@ -171,17 +168,6 @@ class LayerMounts:
                 local.close()
         return MountedLayer(digest, blob, target, local=local is not None,
                             partial=partial is not None)
-
-    def _unless_local(self, reporter: Callable[[ChunkTable], None]
-                      ) -> Callable[[ChunkTable], None]:
-        """A trace replay's table reporter that leaves out a layer fetched
-        whole (its trace has nothing to add)."""
-        local = self.local
-
-        def report(table: ChunkTable) -> None:
-            if local is None or not local.wanted(table):
-                reporter(table)
-        return report
 
     async def release(self, digest: str) -> None:
         """One user of the layer fewer. The last one's release unmounts it
