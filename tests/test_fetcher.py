@@ -743,18 +743,19 @@ def test_a_trace_prefetch_reads_by_place_and_shares_its_runs_with_readers(tmp_pa
 
 
 def test_a_trace_keeps_its_order_across_windows_and_reads_each_by_place():
-    """Windows of 3 chunks' stored bytes: order 3 4 5 | 0 1 9 | 8: each window
-    by place, neighbours (or chunks at most ``gap`` apart) in one read,
-    another pack or a wider gap a read of its own, a repeat left out."""
+    """Windows of 3 chunks' stored bytes: order 3 4 5 | 9 0 1 | b1 8: each
+    window by place, neighbours (or chunks at most ``gap`` apart) in one read,
+    another pack or a wider gap a read of its own, a repeat left out; a
+    window's runs in the order of their first chunk in the trace."""
     a, b = "sha256:" + "a" * 64, "sha256:" + "b" * 64
     ea, _ = run_entries([4096] * 10, a)
     eb, _ = run_entries([4096] * 2, b)
-    order = [ea[3], ea[4], ea[5], ea[0], ea[1], ea[9], ea[4], eb[1], ea[8]]
+    order = [ea[3], ea[4], ea[5], ea[9], ea[0], ea[1], ea[4], eb[1], ea[8]]
     runs = list(trace_runs(order, window=3 * 4096, gap=4096))
     assert [[(e.pack, e.pack_offset // 4096) for e in r] for r in runs] == [
         [(a, 3), (a, 4), (a, 5)],
-        [(a, 0), (a, 1)], [(a, 9)],
-        [(a, 8)], [(b, 1)],
+        [(a, 9)], [(a, 0), (a, 1)],
+        [(b, 1)], [(a, 8)],
     ]
 
 

@@ -213,18 +213,28 @@ def trace_runs(entries: list[ChunkEntry], window: int = TRACE_WINDOW,
                gap: int = TRACE_GAP) -> Iterator[list[ChunkEntry]]:
     """A recorded order of chunks as range reads: the order cut into windows of
     ``window`` stored bytes, each window's chunks by place, in runs that read
-    over at most ``gap`` bytes between two of them (see ``pack_runs``). What
-    a start reads first still comes first; within a window a store serves
-    few large reads instead of many small ones (each a request, and on S3
-    gateways that read a whole stored chunk per range, that chunk again)."""
-    todo, size = [], 0
+    over at most ``gap`` bytes between two of them (see ``pack_runs``), the
+    runs in the order of their first chunk in the trace. What a start reads
+    first still comes first; within a window a store serves few large reads
+    instead of many small ones (each a request, and on S3 gateways that read
+    a whole stored chunk per range, that chunk again)."""
+    todo: list[ChunkEntry] = []
+    size = 0
     for entry in _unique(entries):
         todo.append(entry)
         size += entry.stored_length
         if size >= window:
-            yield from pack_runs(sorted(todo, key=lambda e: e.location), gap=gap)
+            yield from _window_runs(todo, gap)
             todo, size = [], 0
-    yield from pack_runs(sorted(todo, key=lambda e: e.location), gap=gap)
+    yield from _window_runs(todo, gap)
+
+
+def _window_runs(window: list[ChunkEntry], gap: int) -> list[list[ChunkEntry]]:
+    """One window of a trace (no repeats) as runs by place, the run with the
+    window's earliest chunk first."""
+    first = {e.sha256: n for n, e in enumerate(window)}
+    runs = pack_runs(sorted(window, key=lambda e: e.location), gap=gap)
+    return sorted(runs, key=lambda run: min(first[e.sha256] for e in run))
 
 
 def _unique(entries: list[ChunkEntry]) -> list[ChunkEntry]:
