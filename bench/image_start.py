@@ -10,7 +10,8 @@ dir), packed as one gzip OCI layer and pushed with ``skopeo`` into a local
   ``ctr image pull --plain-http`` (fetch, then unpack into snapshots) +
   ``ctr run --rm`` of the workload (runc through containerd-shim-runc-v2).
 * **layerfs**: the image imported once with ``layerfs import docker://...``
-  into the store (SeaweedFS S3 on 127.0.0.1, or ``--store file``); a
+  into the store (SeaweedFS S3 on 127.0.0.1, its objects in 1 MiB chunks as
+  docs/store.md advises, or ``--store file``); a
   ``layerfs daemon`` started on an empty ROOT; timed: ``layerfs up
   --prefetch none --bundle DIR`` (lazy only; the OCI bundle of the sandbox)
   + ``runc run -b DIR`` with the workload as the bundle's process (what a
@@ -90,6 +91,7 @@ from layerfs.store.base import blob_key
 WORKLOAD = ("apt-get --version; dpkg -l; perl -e 1; ls -lR /usr/share/doc; bash --version")
 SUITE = "bookworm"
 REPO, TAG = "bench/minbase", SUITE
+SEAWEED_CHUNK_MB = 1  # the chunk size docs/store.md advises for a layerfs store (0: weed's 4)
 ENV_REF = f"{REPO}@1"
 FLOOR_FETCHES = 16  # GETs in flight for the store's floor (the daemon's default store fetches)
 FLOOR_RUN = 4 << 20  # bytes of neighbouring chunks one of its GETs takes at most
@@ -634,7 +636,8 @@ def print_table(summary: dict, image: dict) -> None:
 
 
 @contextlib.contextmanager
-def store_for(kind: str, work: Path, seaweed_mb: int = 0) -> Iterator[dict[str, str]]:
+def store_for(kind: str, work: Path, seaweed_mb: int = SEAWEED_CHUNK_MB
+              ) -> Iterator[dict[str, str]]:
     """The environment that names the layerfs store: SeaweedFS S3 (its objects
     stored in chunks of ``seaweed_mb`` MiB, 0: SeaweedFS's default, 4) or file://."""
     if kind == "file":
@@ -650,7 +653,7 @@ def store_for(kind: str, work: Path, seaweed_mb: int = 0) -> Iterator[dict[str, 
 
 
 @contextlib.contextmanager
-def published_image(work: Path, store: str, seaweed_mb: int = 0
+def published_image(work: Path, store: str, seaweed_mb: int = SEAWEED_CHUNK_MB
                     ) -> Iterator[tuple[str, dict[str, str], dict, float | None]]:
     """The minbase image (made once) in a local registry and imported into the
     layerfs store: (its registry ref, the store's environment, what the image
@@ -686,9 +689,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="cold reps of each side")
     ap.add_argument("--store", choices=("s3", "file"), default="s3")
     ap.add_argument("--quick", action="store_true", help="one rep of each side")
-    ap.add_argument("--seaweed-chunk-mb", type=int, default=0, metavar="MB",
+    ap.add_argument("--seaweed-chunk-mb", type=int, default=SEAWEED_CHUNK_MB, metavar="MB",
                     help="SeaweedFS stores objects in chunks of MB MiB (its -filer.maxMB; "
-                         "default: its own, 4): its S3 gateway reads a whole chunk for a "
+                         "default: 1, as docs/store.md advises for a layerfs store; 0: "
+                         "SeaweedFS's own, 4): its S3 gateway reads a whole chunk for a "
                          "ranged GET")
     ap.add_argument("--scheduler-only", action="store_true",
                     help="only the scheduler's path and its floor (no containerd, no CLI)")
