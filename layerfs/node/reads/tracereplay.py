@@ -4,11 +4,12 @@ One :class:`TraceReplay` per ``up`` with ``--prefetch trace`` or ``auto``.
 It starts as soon as the layers' digests are known: each layer's trace (the
 one pushed to the store, merged with this node's own for ``trace``) is
 fetched alongside the layer's own objects, and a layer's chunks are
-prefetched in trace order as soon as both its trace and its meta image and
-verified chunk table are in (:meth:`table_known`), while the layer is
-mounted and the sandbox's runtime starts. So the chunks a sandbox reads
-first are on their way before the sandbox reads, and the ``up``'s own
-store requests are not queued behind them.
+prefetched (window by window of the trace: ``prefetch.trace_runs``) as soon
+as both its trace and its meta image and verified chunk table are in
+(:meth:`table_known`), while the layer is mounted and the sandbox's runtime
+starts. So the chunks a sandbox reads first are on their way before the
+sandbox reads, and the ``up``'s own store requests are not queued behind
+them.
 
 A replay is a hint: a trace that cannot be had is logged and skipped; a chunk
 a replay fetches is verified like any other (the chunk table was checked
