@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -245,9 +246,18 @@ def sha(data: bytes) -> str:
 
 
 def run_in(ctrd: World, image: Image, cid: str, *argv: str, namespace: str = K8S) -> str:
-    done = ctrd.ctr("run", "--rm", "--snapshotter", SNAPSHOTTER, image.ref, cid, *argv,
-                     namespace=namespace)
-    return done.stdout
+    """The command's standard output, written to a file of a host directory
+    bound into the container: ctr's own copy of a process's output can miss
+    its last writes when the process exits right after them."""
+    out = Path(tempfile.mkdtemp(prefix=f"ctr-{cid}-"))
+    try:
+        ctrd.ctr("run", "--rm", "--snapshotter", SNAPSHOTTER,
+                 "--mount", f"type=bind,src={out},dst=/out,options=rbind:rw",
+                 image.ref, cid, "sh", "-c", f"{shlex.join(argv)} > /out/stdout",
+                 namespace=namespace)
+        return (out / "stdout").read_text()
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def backend_snapshots(ctrd: World) -> list[snapshots_pb2.Info]:
