@@ -46,7 +46,6 @@ from pathlib import Path
 import trio
 
 from ...builder.disk import publish_disk
-from ...chunks import pack_runs
 from ...errors import LayerfsError, UsageError, VmBusy, VmExists, VmNotFound
 from ...formats.chunktable import ChunkEntry, ChunkTable
 from ...formats.lsmt import HT_SPACE
@@ -484,10 +483,7 @@ class Vms:
                 wanted += await self._working_set_of(
                     layer, self.blobs.by_name[layer.removeprefix("sha256:")])
             absent = list({e.sha256: e for e in wanted if self.fetcher.absent(e.sha256)}.values())
-            async with trio.open_nursery() as nursery:
-                for run in pack_runs(absent):
-                    nursery.start_soon(self.fetcher.get_run, run)
-            await self.fetcher.writes_done()  # (plain: while the chain is held)
+            await self.blobs.prefetcher.fetch_all(absent)  # (written plain: the chain is held)
         log.info("vm snapshot %s: working set on the node (%d chunks, %d fetched)", ref,
                  len(wanted), len(absent))
         return VmPrefetchAnswer(ref, len(wanted), sum(e.length for e in wanted),
