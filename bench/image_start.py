@@ -97,7 +97,7 @@ FLOOR_FETCHES = 16  # GETs in flight for the store's floor (the daemon's default
 FLOOR_RUN = 4 << 20  # bytes of neighbouring chunks one of its GETs takes at most
 SIDES = ("containerd", "layerfs", "layerfs_trace", "ctr_layerfs", "ctr_layerfs_trace")
 PREFETCH = {"layerfs": "none", "layerfs_trace": "auto",  # auto: the pushed trace, if any
-            "scheduler": "none", "scheduler_trace": "auto",
+            "scheduler": "none", "scheduler_trace": "auto", "scheduler_nolib": "none",
             "ctr_layerfs": "none", "ctr_layerfs_trace": "auto"}
 SNAPSHOTTER = "layerfs"  # the proxy snapshotter's name in containerd's config
 # The scheduler's path (Client.up + Client.run in this process) and its floor,
@@ -430,7 +430,8 @@ class Bench:
         from layerfs.node.client import Client
 
         root = clear_dir(self.work / "roots" / "node", self.oddities)
-        node: DaemonProcess = self.daemons.start(root, "node", self.store_args())
+        off = ["--no-library-ahead"] if side == "scheduler_nolib" else []
+        node: DaemonProcess = self.daemons.start(root, "node", self.store_args() + off)
         sid = f"sched{rep}"
         try:
             client = Client(root, timeout=600)
@@ -510,12 +511,12 @@ class Bench:
         sides: dict[str, list[dict]] = {s: [] for s in SIDES}
         local: list[float] = []
         floors: dict[str, list[float]] = {"runc_local_s": [], "trace_fetch_s": []}
-        scheduler: dict[str, list[dict]] = {"scheduler": [], "scheduler_trace": [],
-                                            "runc_local": []}
+        ours = SCHEDULER_SIDES + (("scheduler_nolib",) if self.args.library_ahead_ab else ())
+        scheduler: dict[str, list[dict]] = {side: [] for side in ours}
         self.record_trace()
         traced = self.traced_entries()
         for rep in range(self.args.reps):
-            order = SCHEDULER_SIDES if rep % 2 == 0 else SCHEDULER_SIDES[::-1]
+            order = ours if rep % 2 == 0 else ours[::-1]
             for side in order:
                 sample = ({"cold_start_s": round(self.runc_local(rep), 3)}
                           if side == "runc_local" else self.scheduler_start(rep, side))
@@ -553,11 +554,20 @@ def scheduler_ratios(result: dict) -> dict[str, Any]:
     runs = result["scheduler_samples"]
     ratios: dict[str, Any] = {}
     for side, label in (("scheduler", "scheduler lazy"),
-                        ("scheduler_trace", "scheduler with a trace")):
+                        ("scheduler_trace", "scheduler with a trace"),
+                        ("scheduler_nolib", "scheduler lazy without the library fetch-ahead")):
+        if side not in runs:
+            continue
         per = [round(s["cold_start_s"] / max(1e-9, f["cold_start_s"]), 3)
                for s, f in zip(runs[side], runs["runc_local"], strict=True)]
         ratios[f"cold start {label} / runc on the local tree"] = statistics.median(per)
         ratios[f"per_rep_cold_start {label} / runc on the local tree"] = per
+    if "scheduler_nolib" in runs:
+        per = [round(s["cold_start_s"] / max(1e-9, f["cold_start_s"]), 3)
+               for s, f in zip(runs["scheduler"], runs["scheduler_nolib"], strict=True)]
+        ratios["cold start scheduler lazy / without the library fetch-ahead"] = \
+            statistics.median(per)
+        ratios["per_rep_" + "cold start scheduler lazy / without the library fetch-ahead"] = per
     return ratios
 
 
@@ -589,7 +599,10 @@ def summarize(result: dict) -> dict:
 def print_scheduler(summary: dict) -> None:
     print(f"\n{'scheduler path (Client.up + Client.run)':40} {'cold start s':>12} "
           f"{'up s':>8} {'run s':>8}")
-    for side, label in (("scheduler", "lazy"), ("scheduler_trace", "with a pushed trace")):
+    for side, label in (("scheduler", "lazy"), ("scheduler_trace", "with a pushed trace"),
+                        ("scheduler_nolib", "lazy, --no-library-ahead")):
+        if side not in summary:
+            continue
         row = summary[side]
         print(f"{'  ' + label:40} {row['cold_start_s']:12.3f} {row['up_s']:8.3f} "
               f"{row['run_s']:8.3f}")
@@ -599,6 +612,9 @@ def print_scheduler(summary: dict) -> None:
 
 def print_table(summary: dict, image: dict) -> None:
     print_scheduler(summary)
+    ab = "cold start scheduler lazy / without the library fetch-ahead"
+    if ab in summary["ratios"]:
+        print(f"{ab}: {summary['ratios'][ab]:.3f} (per rep {summary['ratios']['per_rep_' + ab]})")
     for name in ("cold start scheduler lazy / runc on the local tree",
                  "cold start scheduler with a trace / runc on the local tree"):
         ratio, bound = summary["ratios"][name], TARGETS[name]
@@ -694,6 +710,9 @@ def main() -> None:
                          "default: 1, as docs/store.md advises for a layerfs store; 0: "
                          "SeaweedFS's own, 4): its S3 gateway reads a whole chunk for a "
                          "ranged GET")
+    ap.add_argument("--library-ahead-ab", action="store_true",
+                    help="one more scheduler side: lazy on daemons with --no-library-ahead "
+                         "(the library fetch-ahead's gain, alternating with the others)")
     ap.add_argument("--scheduler-only", action="store_true",
                     help="only the scheduler's path and its floor (no containerd, no CLI)")
     ap.add_argument("--client", metavar="LAYERFS",

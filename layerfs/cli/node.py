@@ -83,6 +83,9 @@ def failure_status(command: Callable[..., None]) -> Callable[..., None]:
 @click.option("--miss-span", default="0", show_default=True,
               help="A read that misses a smaller chunk fetches it together with the chunks "
                    "after it in its pack, up to this many bytes in all (0: alone).")
+@click.option("--library-ahead/--no-library-ahead", default=True, show_default=True,
+              help="A read that misses the start of a program or library (an ELF file) "
+                   "fetches the libraries it names, and theirs, before the loader asks.")
 @click.option("--fetch-whole-below", default="32M", show_default=True, metavar="SIZE",
               help="A layer whose data is at most SIZE is fetched whole when it is first "
                    "mounted on the node (a few large store reads) into a local file the "
@@ -132,8 +135,8 @@ def failure_status(command: Callable[..., None]) -> Callable[..., None]:
 def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size: str,
            reserve: str, cache_form: str, read_timeout: float, store_wait: float,
            lease_ttl: float, readahead: str, layer_readahead: str,
-           miss_span: str, fetch_whole_below: str, local_blobs: str, kernel_reads: bool,
-           store_fetches: int,
+           miss_span: str, library_ahead: bool, fetch_whole_below: str, local_blobs: str,
+           kernel_reads: bool, store_fetches: int,
            fuse_group: str | None, takeover: bool,
            live_restart: bool, restart_grace: float, forget_after: str | None,
            metrics: str | None, containerd_snapshotter: str | None, containerd_prefetch: str,
@@ -169,7 +172,8 @@ def daemon(root: str, store_url: str | None, s3_endpoint: str | None, cache_size
                        read_timeout=read_timeout, store_wait=store_wait, lease_ttl=lease_ttl,
                        readahead=parse_size(readahead),
                        layer_readahead=parse_size(layer_readahead),
-                       miss_span=parse_size(miss_span), fetch_parallel=store_fetches,
+                       miss_span=parse_size(miss_span), library_ahead=library_ahead,
+                       fetch_parallel=store_fetches,
                        fetch_whole_below=parse_size(fetch_whole_below),
                        local_blobs=parse_size(local_blobs), kernel_reads=kernel_reads,
                        fuse_group=group_id(fuse_group) if fuse_group else None,

@@ -14,6 +14,7 @@ structure and only asserts what the checker guarantees.
 
 from __future__ import annotations
 
+import mmap
 import stat
 import struct
 from dataclasses import dataclass
@@ -220,3 +221,73 @@ class _Reader:
         name = XATTR_PREFIX_NAMES[index] + bytes(self.img[at : at + name_len])
         out[name] = bytes(self.img[at + name_len : at + name_len + value_size])
         return at + -(-(name_len + value_size) // 4) * 4
+
+
+class MetaLookup:
+    """Path lookups in a checked meta image, without reading its whole tree:
+    only the directories on the way, each listed once (the last
+    ``LISTED_MAX`` kept). Symlinks are followed inside the image, as the
+    kernel would inside the layer's root."""
+
+    LISTED_MAX = 64  # directory listings kept
+    MAX_LINKS = 8  # symlinks followed in one lookup (then: not found, as ELOOP)
+
+    def __init__(self, image: bytes | memoryview | mmap.mmap) -> None:
+        self.reader = _Reader(memoryview(image))
+        self.listed: dict[int, dict[bytes, int]] = {}
+
+    def file_chunks(self, path: str) -> tuple[str, list[int]] | None:
+        """The chunk-based regular file at absolute ``path``: the path it
+        resolves to and its chunks' blob block addresses (``HOLE`` for a
+        hole); None if there is none (or it is inline, or not a file)."""
+        found = self._resolve(path)
+        if found is None:
+            return None
+        where, raw = found
+        if stat.S_IFMT(raw.mode) != stat.S_IFREG or raw.layout != LAYOUT_CHUNK_BASED:
+            return None
+        return where, self.reader._chunks(raw)
+
+    def _resolve(self, path: str) -> tuple[str, _Raw] | None:
+        todo = [p for p in path.split("/") if p]
+        stack: list[tuple[str, int]] = []  # (name, nid) of each directory below the root
+        links = 0
+        raw = self.reader._raw(self.reader.root_nid)
+        while todo:
+            name = todo.pop(0)
+            if name == ".":
+                continue
+            if name == "..":
+                if stack:
+                    stack.pop()
+                continue
+            here = stack[-1][1] if stack else self.reader.root_nid
+            nid = self._listing(here).get(name.encode("utf-8", "surrogateescape"))
+            if nid is None:
+                return None
+            raw = self.reader._raw(nid)
+            kind = stat.S_IFMT(raw.mode)
+            if kind == stat.S_IFLNK:
+                links += 1
+                if links > self.MAX_LINKS:
+                    return None
+                target = self.reader._flat_data(raw).decode("utf-8", "surrogateescape")
+                if target.startswith("/"):
+                    stack = []
+                todo = [p for p in target.split("/") if p] + todo
+                continue
+            if todo and kind != stat.S_IFDIR:
+                return None
+            stack.append((name, nid))
+        return "/" + "/".join(n for n, _ in stack), raw
+
+    def _listing(self, nid: int) -> dict[bytes, int]:
+        listing = self.listed.get(nid)
+        if listing is None:
+            raw = self.reader._raw(nid)
+            listing = dict(self.reader._dirents(raw)) if stat.S_IFMT(raw.mode) == stat.S_IFDIR \
+                else {}
+            if len(self.listed) >= self.LISTED_MAX:
+                del self.listed[next(iter(self.listed))]
+            self.listed[nid] = listing
+        return listing

@@ -157,6 +157,7 @@ class DaemonConfig:
     readahead: int = 4 << 20  # kernel readahead window of the blob and disk files
     layer_readahead: int = 1 << 20  # kernel readahead window of the EROFS layer mounts
     miss_span: int = 0  # a small chunk's miss fetches the chunks after it, up to this
+    library_ahead: bool = True  # an ELF file's miss fetches the libraries it names, and theirs
     fetch_whole_below: int = 32 << 20  # a layer this small is fetched whole into a local file
     local_blobs: int = 4 << 30  # bound of those files (ROOT/blobs) no mount uses
     kernel_reads: bool = False  # larger layers over partial files (fanotify), where it can be
@@ -353,7 +354,7 @@ class Daemon:
             fetch_timed=self.metrics.fetch_seconds.observe if metered else None,
             pack_missing=self.dataloss.pack_missing)
         # the core never calls it
-        self.policy = Prefetcher(self.fetcher, cfg.miss_span, self.tasks)
+        self.policy = Prefetcher(self.fetcher, cfg.miss_span, self.tasks, cfg.library_ahead)
         self.blobs = BlobDirectory(self.policy)
         # refs resolved through the store or, while it is away, the node's last resolution
         control = control_store(CountingStore(open_store(

@@ -15,23 +15,31 @@ the policy once what to read ahead; a small random
 read of a cached chunk reads only the blocks it needs. A miss on a small
 chunk may bring the chunks after it in its pack along (the miss span); a miss
 at the start of a small file of several chunks fetches the file's other
-chunks alongside (the file fetch-ahead). The first touch of each chunk is
-recorded in order (the layer's access trace).
+chunks alongside (the file fetch-ahead), and a miss at the start of an ELF
+file the libraries it names (the library fetch-ahead, once the layer's meta
+image is known: :meth:`BlobFile.know_files`). The first touch of each chunk
+is recorded in order (the layer's access trace).
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import logging
+import mmap
 from dataclasses import dataclass, field
 
 import trio
 
 from ...formats.chunktable import FILE_START, ChunkEntry, ChunkTable
+from ...formats.erofsread import MetaLookup
 from .chunkfile import Chunk
 from .chunkstates import Claim
 from .fetcher import Buffer, ChunkFetcher
+from .libraryahead import LibraryAhead
 from .prefetch import Prefetcher
+
+log = logging.getLogger(__name__)
 
 STABLE_INODE_BASE = 1 << 60  # above the fixed directories' inodes
 PART_READ_FRACTION = 4  # a random read of at most 1/4 of a cached chunk reads just that
@@ -95,6 +103,7 @@ class BlobFile:
     bytes_read: int = 0
     # end of a recent read → its stream's (reads, bytes) so far
     ends: dict[int, tuple[int, int]] = field(default_factory=dict)
+    libraries: LibraryAhead | None = None  # once the layer's files are known
 
     def __post_init__(self) -> None:
         self.offsets = [e.blob_offset for e in self.table.entries]
@@ -119,6 +128,19 @@ class BlobFile:
         first = max(bisect.bisect_right(self.offsets, start) - 1, 0)
         last = bisect.bisect_left(self.offsets, end)
         return range(first, last)
+
+    def know_files(self, meta_fd: int) -> None:
+        """The layer's checked meta image (open as ``meta_fd``; mapped, so the
+        caller may close it): its files' misses may fetch ahead by what the
+        files are (the library fetch-ahead, if the policy has it on)."""
+        if self.libraries is not None or not self.prefetcher.libraries:
+            return
+        try:
+            lookup = MetaLookup(mmap.mmap(meta_fd, 0, prot=mmap.PROT_READ))
+        except (OSError, ValueError) as exc:  # (a hint lost, nothing else)
+            log.warning("layer %s: no library fetch-ahead: %s", self.name[:16], exc)
+            return
+        self.libraries = LibraryAhead(self.table, lookup, self.fetcher, self.prefetcher)
 
     def note_read(self, indexes: list[int], size: int) -> None:
         """A read the kernel served from elsewhere (a partial blob file):
@@ -180,14 +202,18 @@ class BlobFile:
         """A miss of entry ``i`` (read from its first byte if ``from_start``),
         whose ``claim`` ``read_held`` made: the policy's miss span and the rest
         of its file, then the fetch core's store read."""
+        first = from_start and self.table.entries[i].flags & FILE_START
         try:
             along = self._along(i)
-            if from_start and self.table.entries[i].flags & FILE_START:
+            if first:
                 self._fetch_rest_of_file(i, along)
         except BaseException:
             self.fetcher.release(claim)  # (no flight left led by no one)
             raise
-        return await self.fetcher.fetch(claim, along, deadline)
+        got = await self.fetcher.fetch(claim, along, deadline)
+        if first and self.libraries is not None:
+            self.libraries.missed(i, got)
+        return got
 
     def _along(self, i: int) -> list[ChunkEntry]:
         """The chunks the policy's miss span brings along with a miss on entry

@@ -21,6 +21,9 @@ composes them (``BlobFile``, the daemon). The policies:
 * a file's fetch-ahead: a miss at the start of a small file of several chunks
   fetches the file's other chunks (``BlobFile`` knows the files, ``fetch_ahead``
   fetches);
+* the library fetch-ahead (``libraries``; ``--no-library-ahead`` turns it off):
+  a miss at the start of an ELF file fetches the libraries it names, and
+  theirs (``LibraryAhead`` in layerfs/node/reads/libraryahead.py);
 * the read plan of ``BlobFile.read_parts``: how deep a stream reads ahead.
 """
 
@@ -64,12 +67,15 @@ class ReadPlan:
 
 class Prefetcher:
     def __init__(self, fetcher: ChunkFetcher, miss_span: int = 0,
-                 tasks: TaskGroup | None = None) -> None:
+                 tasks: TaskGroup | None = None, libraries: bool = False) -> None:
         """``tasks``: the daemon's task group, where warming and fetching ahead
-        run (by default the fetch core's)."""
+        run (by default the fetch core's); ``libraries``: blob files whose
+        layer's meta image is known follow the libraries of ELF files that
+        miss (layerfs/node/reads/libraryahead.py)."""
         self.fetcher = fetcher
         self.tasks = tasks or fetcher.tasks
         self.miss_span = miss_span
+        self.libraries = libraries
         self.background_limit = trio.CapacityLimiter(max(1, fetcher.slots() // 4))
 
     # -- reads -------------------------------------------------------------
