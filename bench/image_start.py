@@ -82,6 +82,7 @@ from typing import Any
 
 from bench import RESULTS, git_head
 from bench.daemons import DaemonRuns, clear_dir, drop_caches, print_footer
+from bench.latency import relay
 from harness.containerdserver import cri_config, cri_pull, proxy_snapshotter_config
 from harness.daemonproc import LAYERFS, DaemonProcess, detach_mounts
 from layerfs.chunks import pack_runs
@@ -710,6 +711,10 @@ def main() -> None:
                          "default: 1, as docs/store.md advises for a layerfs store; 0: "
                          "SeaweedFS's own, 4): its S3 gateway reads a whole chunk for a "
                          "ranged GET")
+    ap.add_argument("--store-latency-ms", type=float, default=0.0, metavar="MS",
+                    help="S3 only: every request to the store waits MS ms more (a relay, "
+                         "bench/latency.py): a store across a network, its time not the "
+                         "node's CPU")
     ap.add_argument("--library-ahead-ab", action="store_true",
                     help="one more scheduler side: lazy on daemons with --no-library-ahead "
                          "(the library fetch-ahead's gain, alternating with the others)")
@@ -741,12 +746,16 @@ def main() -> None:
             took = "done by an earlier run" if import_s is None else f"{import_s:.1f} s"
             print(f"image {ref}: {image_info['gzip_bytes'] / 1e6:.0f} MB gzip; layerfs import "
                   f"{took} ({store_env['LAYERFS_STORE']})", flush=True)
-            bench = Bench(args, work, ref, store_env, work / "minbase")
-            try:
-                result = bench.run()
-            finally:
-                bench.daemons.stop_all()
-                bench.ctrd.stop()
+            with contextlib.ExitStack() as stack:
+                if args.store_latency_ms and "AWS_ENDPOINT_URL" in store_env:
+                    store_env = {**store_env, "AWS_ENDPOINT_URL": stack.enter_context(
+                        relay(store_env["AWS_ENDPOINT_URL"], args.store_latency_ms))}
+                bench = Bench(args, work, ref, store_env, work / "minbase")
+                try:
+                    result = bench.run()
+                finally:
+                    bench.daemons.stop_all()
+                    bench.ctrd.stop()
     finally:
         left = detach_mounts(work / "roots")
         if left:
@@ -757,7 +766,9 @@ def main() -> None:
                       "seaweed_chunk_mb": args.seaweed_chunk_mb or None,
                       "scheduler_only": args.scheduler_only,
                       "client": args.client or "this checkout (editable)",
-                      "miss_span": args.miss_span, "workload": WORKLOAD},
+                      "miss_span": args.miss_span, "workload": WORKLOAD,
+                      "store_latency_ms": args.store_latency_ms,
+                      "library_ahead_ab": args.library_ahead_ab},
            "machine": {"cpus": os.cpu_count(), "kernel": platform.release()},
            "image": {**image_info, "ref": ref},
            "import_s": None if import_s is None else round(import_s, 2),

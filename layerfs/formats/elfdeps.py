@@ -106,7 +106,7 @@ def _layout(read: Read) -> _Layout | None:
         ph = struct.Struct(e + "IIQQQQQQ")
     else:
         (_type, machine, _v, _entry, phoff, _shoff, _flags, _ehsize, phentsize,
-         phnum) = struct.unpack(e + "HHIIIIIHHH", read(16, 26))
+         phnum) = struct.unpack(e + "HHIIIIIHHH", read(16, 30))
         ph = struct.Struct(e + "IIIIIIII")
     if phentsize < ph.size or not 0 < phnum <= MAX_PHDRS:
         return None

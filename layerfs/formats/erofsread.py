@@ -1,4 +1,5 @@
-"""Reading a layer's EROFS meta image back into a :class:`~layerfs.tree.FileTree`.
+"""Reading a layer's EROFS meta image back into a :class:`~layerfs.tree.FileTree`,
+or looking single paths up in it (:class:`MetaLookup`).
 
 The inverse of :mod:`layerfs.formats.erofs` for the subset it writes: every
 inode becomes an :class:`~layerfs.tree.FsNode` with its mode, owner, mtime,

@@ -6,6 +6,7 @@ chunk cache or the store (the symptom: a slow or failing read).
 - ``fetcher``: the fetch core, getting chunk bytes from the store for reads that missed
 - ``failfast``: which store reads fail at once after a failure, and until when
 - ``prefetch``: the prefetch policies, which chunks to fetch before a reader asks
+- ``libraryahead``: the libraries a program that missed names, and theirs, fetched ahead
 - ``accesstraces``: the order in which sandboxes first touched a layer's chunks
 - ``tracereplay``: replaying those traces while a sandbox comes up
 - ``localblobs``: a small layer's blob, whole and verified, on the node's disk

@@ -1,0 +1,283 @@
+"""The library fetch-ahead (layerfs/node/reads/libraryahead.py) and what it
+reads: an ELF file's interpreter, ``DT_NEEDED`` names and search path
+(layerfs/formats/elfdeps.py, real programs and crafted files, hostile ones
+too), path lookups in a meta image (``MetaLookup``), and a miss at the start
+of a real program fetching its libraries, and theirs, from a real layer in a
+file store.
+
+Tier: fast (no mounts, no daemon: a fetcher over a file store in trio).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import trio
+from support import build
+from support.chunkstores import fetcher
+
+from layerfs.formats.elfdeps import MAX_NEEDED, NeedBytes, needs
+from layerfs.formats.erofsread import MetaLookup
+from layerfs.node.reads.blobfiles import BlobFile
+from layerfs.node.reads.prefetch import Prefetcher
+from layerfs.refstore import RefStore
+from layerfs.store.file import FileStore
+
+PROGRAM = "/usr/bin/ls"  # on the test machine: linked against libselinux, libc (and libpcre2)
+
+
+def elf(needed: list[bytes], *, interp: bytes | None = b"/lib/ld.so", runpath: bytes = b"",
+        wide: bool = True, big: bool = False, strtab_at: int | None = None,
+        phnum: int | None = None) -> bytes:
+    """A crafted dynamically linked ELF file: one PT_LOAD mapping it all at
+    vaddr 0x10000, PT_INTERP, PT_DYNAMIC (DT_NEEDED..., DT_RUNPATH, DT_STRTAB,
+    DT_STRSZ, DT_NULL) and the string table."""
+    e = ">" if big else "<"
+    head, ph_size = (64, 56) if wide else (52, 32)
+    strings = b"\0" + b"".join(n + b"\0" for n in needed)
+    run_at = len(strings)
+    strings += runpath + b"\0"
+    interp_bytes = (interp + b"\0") if interp else b""
+    dyn_entry = struct.Struct(e + ("qQ" if wide else "iI"))
+    dyn_tags = [(1, 1 + sum(len(n) + 1 for n in needed[:k])) for k in range(len(needed))]
+    phs = 3 if interp else 2
+    base = 0x10000
+    interp_off = head + ph_size * phs
+    str_off = interp_off + len(interp_bytes)
+    dyn_off = str_off + len(strings)
+    dyn_off += -dyn_off % 8
+    tags = dyn_tags + ([(29, run_at)] if runpath else []) + [
+        (5, base + (str_off if strtab_at is None else strtab_at)), (10, len(strings)), (0, 0)]
+    dynamic = b"".join(dyn_entry.pack(t, v) for t, v in tags)
+    total = dyn_off + len(dynamic)
+    ident = b"\x7fELF" + bytes([2 if wide else 1, 2 if big else 1, 1]) + bytes(9)
+    count = phs if phnum is None else phnum
+    if wide:
+        header = ident + struct.pack(e + "HHIQQQIHHHHHH", 3, 62, 1, 0, head, 0, 0, head,
+                                     ph_size, count, 64, 0, 0)
+        ph = struct.Struct(e + "IIQQQQQQ")
+        load = ph.pack(1, 5, 0, base, base, total, total, 0x1000)
+        dyn = ph.pack(2, 6, dyn_off, base + dyn_off, base + dyn_off, len(dynamic),
+                      len(dynamic), 8)
+        itp = ph.pack(3, 4, interp_off, base + interp_off, 0, len(interp_bytes),
+                      len(interp_bytes), 1)
+    else:
+        header = ident + struct.pack(e + "HHIIIIIHHHHHH", 3, 3, 1, 0, head, 0, 0, head,
+                                     ph_size, count, 40, 0, 0)
+        ph = struct.Struct(e + "IIIIIIII")
+        load = ph.pack(1, 0, base, base, total, total, 5, 0x1000)
+        dyn = ph.pack(2, dyn_off, base + dyn_off, 0, len(dynamic), len(dynamic), 6, 4)
+        itp = ph.pack(3, interp_off, base + interp_off, 0, len(interp_bytes),
+                      len(interp_bytes), 4, 1)
+    out = header + load + dyn + (itp if interp else b"") + interp_bytes + strings
+    out += bytes(dyn_off - len(out)) + dynamic
+    return out
+
+
+def whole(data: bytes):
+    return lambda offset, length: data[offset:offset + length]
+
+
+# -- elfdeps ---------------------------------------------------------------
+
+def test_a_real_program_names_its_loader_and_libraries():
+    got = needs(whole(Path(PROGRAM).read_bytes()))
+    assert got is not None
+    assert got.interp == "/lib64/ld-linux-x86-64.so.2"
+    assert "libc.so.6" in got.needed and "libselinux.so.1" in got.needed
+    assert got.multiarch == "x86_64-linux-gnu"
+
+
+@pytest.mark.parametrize("wide,big", [(True, False), (False, False), (True, True),
+                                      (False, True)])
+def test_crafted_files_of_each_class_and_byte_order(wide, big):
+    data = elf([b"liba.so.1", b"libb.so.2"], runpath=b"$ORIGIN/../lib:/opt/x", wide=wide,
+               big=big)
+    got = needs(whole(data))
+    assert got is not None
+    assert (got.interp, got.needed, got.search) == (
+        "/lib/ld.so", ["liba.so.1", "libb.so.2"], ["$ORIGIN/../lib", "/opt/x"])
+
+
+def test_bytes_not_held_are_asked_for_by_offset():
+    data = elf([b"liba.so.1"], interp=None)
+    held = 100  # the header and program headers, not the string table
+
+    def read(offset, length):
+        if offset + length > held:
+            raise NeedBytes(offset)
+        return data[offset:offset + length]
+
+    with pytest.raises(NeedBytes) as need:
+        needs(read)
+    assert need.value.offset >= held - 64
+
+
+@pytest.mark.parametrize("data", [
+    b"",
+    b"\x7fELF",
+    os.urandom(4096),
+    b"\x7fELF" + os.urandom(4092),
+    b"#!/bin/sh\necho hello\n",
+])
+def test_what_does_not_parse_has_no_needs(data):
+    assert needs(whole(data)) is None or needs(whole(data)).needed == []
+
+
+def test_hostile_counts_and_offsets_are_bounded():
+    assert needs(whole(elf([b"liba.so"], phnum=60000))) is None  # past MAX_PHDRS
+    assert needs(whole(elf([b"liba.so"], strtab_at=1 << 40))).needed == []  # mapped nowhere
+    many = needs(whole(elf([b"l%d.so" % k for k in range(300)])))
+    assert len(many.needed) == MAX_NEEDED
+    odd = needs(whole(elf([b"ok.so", b"bad\x01name.so", b"\xff\xfe.so", b"x" * 400])))
+    assert odd.needed == ["ok.so"]
+
+
+# -- MetaLookup --------------------------------------------------------------
+
+def build_meta(tmp_path, tree: Path) -> tuple[FileStore, str, bytes]:
+    store = FileStore(str(tmp_path / "store"))
+    digest = build(store, str(tree)).digest
+    refstore = RefStore(store)
+    return store, digest, refstore.meta_image(refstore.layer(digest))
+
+
+def test_lookups_follow_symlinks_inside_the_image(tmp_path):
+    tree = tmp_path / "tree"
+    (tree / "usr/lib/x").mkdir(parents=True)
+    (tree / "usr/lib/x/libbig.so.1.0").write_bytes(os.urandom(3 << 20 | 5))
+    (tree / "usr/lib/x/small").write_bytes(b"tiny")
+    os.symlink("libbig.so.1.0", tree / "usr/lib/x/libbig.so.1")
+    os.symlink("usr/lib", tree / "lib")
+    os.symlink("/usr/lib/x/../x/libbig.so.1", tree / "abs")
+    os.symlink("loop2", tree / "loop1")
+    os.symlink("loop1", tree / "loop2")
+    os.symlink("/../../../etc", tree / "up")
+    _, _, image = build_meta(tmp_path, tree)
+    lookup = MetaLookup(image)
+    where, blocks = lookup.file_chunks("/lib/x/libbig.so.1")
+    assert where == "/usr/lib/x/libbig.so.1.0" and len(blocks) == 4
+    assert lookup.file_chunks("/abs") == (where, blocks)
+    assert lookup.file_chunks("/lib/x/small") is None  # inline: no chunks
+    assert lookup.file_chunks("/lib/x") is None  # a directory
+    assert lookup.file_chunks("/lib/x/small/more") is None
+    assert lookup.file_chunks("/loop1") is None
+    assert lookup.file_chunks("/up/passwd") is None  # the image's root is the top
+    assert lookup.file_chunks("/nowhere/libc.so.6") is None
+
+
+# -- the fetch-ahead over a real layer -----------------------------------------
+
+def host_file(path: str) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def program_tree(root: Path) -> list[str]:
+    """``PROGRAM`` and the libraries it loads, laid out as Debian does (merged
+    /usr: /lib and /lib64 links); the libraries' paths in the tree."""
+    libdir = root / "usr/lib/x86_64-linux-gnu"
+    libdir.mkdir(parents=True)
+    (root / "usr/bin").mkdir(parents=True)
+    (root / "usr/lib64").mkdir()
+    shutil.copy(PROGRAM, root / "usr/bin/prog")
+    libs = []
+    for name in ("libselinux.so.1", "libc.so.6", "libpcre2-8.so.0", "ld-linux-x86-64.so.2"):
+        real = host_file(f"/lib/x86_64-linux-gnu/{name}")
+        shutil.copy(real, libdir / real.name)
+        if real.name != name:
+            os.symlink(real.name, libdir / name)
+        libs.append(f"/usr/lib/x86_64-linux-gnu/{real.name}")
+    os.symlink("usr/lib", root / "lib")
+    os.symlink("usr/lib64", root / "lib64")
+    os.symlink("../lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
+               root / "usr/lib64/ld-linux-x86-64.so.2")
+    return libs
+
+
+def first_chunks(lookup: MetaLookup, blob: BlobFile, paths: list[str]) -> dict[str, list]:
+    """Each file's chunk entries, by path."""
+    at = {e.blob_offset: e for e in blob.table.entries}
+    return {p: [at[b * 4096] for b in lookup.file_chunks(p)[1]] for p in paths}
+
+
+async def settled(f, wanted: list, quiet: float = 0.3) -> None:
+    """Until every chunk of ``wanted`` is fetched (at most 20 s), then
+    ``quiet`` seconds more in which nothing else is fetched."""
+    with trio.move_on_after(20):
+        while any(f.absent(e.sha256) for e in wanted):
+            await trio.sleep(0.01)
+    await trio.sleep(quiet)
+    await f.writes_done()
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["on", "off"])
+def test_a_program_missed_from_its_start_brings_its_libraries_and_theirs(tmp_path, on):
+    tree = tmp_path / "tree"
+    libs = program_tree(tree)
+    store, digest, image = build_meta(tmp_path, tree)
+    refstore = RefStore(store)
+    table = refstore.chunk_table(refstore.layer(digest))
+    (tmp_path / "meta.erofs").write_bytes(image)
+    f = fetcher(tmp_path, store)
+    blob = BlobFile(digest, table, f, 1, Prefetcher(f, libraries=on))
+    fd = os.open(tmp_path / "meta.erofs", os.O_RDONLY)
+    blob.know_files(fd)
+    os.close(fd)
+    lookup = MetaLookup(image)
+    files = first_chunks(lookup, blob, ["/usr/bin/prog", *libs])
+    prog = files.pop("/usr/bin/prog")[0]
+
+    wanted = [e for chunks in files.values() for e in chunks]
+
+    async def main() -> None:
+        async with f.tasks.open() as group:
+            data = await blob.read(prog.blob_offset, 4096)  # the loader reads its header
+            assert bytes(data[:4]) == b"\x7fELF"
+            await settled(f, wanted if on else [])
+            group.cancel_scope.cancel()
+
+    trio.run(main)
+    fetched = {path: not f.absent(chunks[0].sha256) for path, chunks in files.items()}
+    if on:  # libpcre2 is libselinux's: a second level
+        assert all(fetched.values()), fetched
+        assert all(not f.absent(e.sha256) for chunks in files.values() for e in chunks)
+    else:
+        assert not any(fetched.values()), fetched
+
+
+def test_files_that_name_themselves_or_escape_are_followed_once(tmp_path):
+    tree = tmp_path / "tree"
+    (tree / "usr/lib").mkdir(parents=True)
+    (tree / "etc").mkdir()
+    (tree / "etc/secret").write_bytes(os.urandom(9000))
+    pad = os.urandom(8192)  # not inline: chunked files
+    (tree / "usr/lib/liba.so").write_bytes(elf([b"liba.so", b"libb.so"]) + pad)
+    (tree / "usr/lib/libb.so").write_bytes(elf([b"liba.so", b"../../etc/secret",
+                                                b"/etc/secret"]) + pad)
+    (tree / "prog").write_bytes(elf([b"liba.so"], interp=b"/usr/lib/libb.so") + pad)
+    store, digest, image = build_meta(tmp_path, tree)
+    refstore = RefStore(store)
+    table = refstore.chunk_table(refstore.layer(digest))
+    (tmp_path / "meta.erofs").write_bytes(image)
+    f = fetcher(tmp_path, store)
+    blob = BlobFile(digest, table, f, 1, Prefetcher(f, libraries=True))
+    fd = os.open(tmp_path / "meta.erofs", os.O_RDONLY)
+    blob.know_files(fd)
+    os.close(fd)
+    files = first_chunks(MetaLookup(image), blob, ["/prog", "/usr/lib/liba.so",
+                                                   "/usr/lib/libb.so", "/etc/secret"])
+
+    async def main() -> None:
+        async with f.tasks.open() as group:
+            await blob.read(files["/prog"][0].blob_offset, 4096)
+            await settled(f, [files["/etc/secret"][0]])
+            group.cancel_scope.cancel()
+
+    trio.run(main)
+    assert blob.libraries is not None and len(blob.libraries.followed) == 4
+    # an absolute name is a path in the layer (as the loader takes it); "../" is no name
+    assert not f.absent(files["/etc/secret"][0].sha256)
