@@ -137,6 +137,28 @@ def test_hostile_counts_and_offsets_are_bounded():
     assert odd.needed == ["ok.so"]
 
 
+def test_mutated_programs_parse_or_have_no_needs_quickly():
+    """Random bytes changed in a real program's tables: never an exception
+    (but NeedBytes, not raised here: the file is whole), never slow."""
+    import random
+    import time
+
+    rng = random.Random(35)
+    data = Path(PROGRAM).read_bytes()
+    head = bytearray(data[:64 << 10])
+    layout = needs(whole(data))
+    assert layout is not None
+    started = time.perf_counter()
+    for _ in range(2000):
+        mutant = bytearray(head)
+        for _ in range(rng.randint(1, 12)):
+            at = rng.randrange(0, 4096) if rng.random() < 0.8 else rng.randrange(len(mutant))
+            mutant[at] = rng.randrange(256)
+        got = needs(whole(bytes(mutant) + data[len(head):]))
+        assert got is None or all(isinstance(n, str) and len(n) <= 255 for n in got.needed)
+    assert time.perf_counter() - started < 20
+
+
 # -- MetaLookup --------------------------------------------------------------
 
 def build_meta(tmp_path, tree: Path) -> tuple[FileStore, str, bytes]:
@@ -281,3 +303,36 @@ def test_files_that_name_themselves_or_escape_are_followed_once(tmp_path):
     assert blob.libraries is not None and len(blob.libraries.followed) == 4
     # an absolute name is a path in the layer (as the loader takes it); "../" is no name
     assert not f.absent(files["/etc/secret"][0].sha256)
+
+
+@pytest.mark.daemon_log(r"library fetch-ahead of a file failed: RuntimeError\('a bug'\)")
+def test_a_failing_lookup_costs_its_hint_only(tmp_path, caplog):
+    tree = tmp_path / "tree"
+    libs = program_tree(tree)
+    store, digest, image = build_meta(tmp_path, tree)
+    refstore = RefStore(store)
+    table = refstore.chunk_table(refstore.layer(digest))
+    (tmp_path / "meta.erofs").write_bytes(image)
+    f = fetcher(tmp_path, store)
+    blob = BlobFile(digest, table, f, 1, Prefetcher(f, libraries=True))
+    fd = os.open(tmp_path / "meta.erofs", os.O_RDONLY)
+    blob.know_files(fd)
+    os.close(fd)
+    files = first_chunks(MetaLookup(image), blob, ["/usr/bin/prog", *libs])
+
+    def broken(path):
+        raise RuntimeError("a bug")
+
+    assert blob.libraries is not None
+    blob.libraries.lookup.file_chunks = broken  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with f.tasks.open() as group:
+            data = await blob.read(files["/usr/bin/prog"][0].blob_offset, 4096)
+            assert bytes(data[:4]) == b"\x7fELF"
+            await settled(f, [])
+            group.cancel_scope.cancel()
+
+    trio.run(main)
+    assert "library fetch-ahead of a file failed" in caplog.text
+    assert all(f.absent(chunks[0].sha256) for path, chunks in files.items() if path in libs)

@@ -26,7 +26,6 @@ chunks are checked like any other. Off with ``--no-library-ahead``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import posixpath
 
@@ -36,6 +35,7 @@ from ...formats.chunktable import FILE_START, ChunkTable
 from ...formats.elfdeps import ElfNeeds, NeedBytes, is_elf, needs
 from ...formats.erofs import BLOCK
 from ...formats.erofsread import MetaLookup
+from ...ratelog import RateLimitedLog
 from ...tree import HOLE
 from .chunkstates import FetchError
 from .fetcher import Buffer, ChunkFetcher
@@ -65,6 +65,7 @@ class LibraryAhead:
         self.at = {e.blob_offset: i for i, e in enumerate(self.entries)}
         self.followed: set[int] = set()  # first entries of the files followed
         self.lookups = trio.CapacityLimiter(1)  # the meta image's listings: one thread
+        self.warnings = RateLimitedLog(log)
 
     def missed(self, i: int, data: Buffer) -> None:
         """A reader's miss of entry ``i``, a file's first chunk read from its
@@ -92,27 +93,36 @@ class LibraryAhead:
     async def _follow(self, chunks: list[int | None], origin: str | None, depth: int,
                       first: Buffer | None = None) -> None:
         """Read the needs of the file made of ``chunks`` (in ``origin``, its
-        directory, if known), fetch the libraries it names and follow them."""
-        with contextlib.suppress(FetchError, OSError):
+        directory, if known), fetch the libraries it names and follow them.
+        Whatever goes wrong ends this file's following only: a hint lost."""
+        try:
             wants = await self._needs(chunks, first)
-            if wants is None:
-                return
-            found = await trio.to_thread.run_sync(self._locate_all, wants, origin,
-                                                  limiter=self.lookups)
-            found = [(where, files) for where, files in found if files[0] not in self.followed
-                     and len(self.followed) < FOLLOWED_MAX]
-            self.followed |= {files[0] for _, files in found}
-            wanted = [self.entries[j] for _, files in found
-                      for j in (files if len(files) <= WHOLE_CHUNKS else files[:1])]
-            wanted = [e for e in wanted if self.fetcher.absent(e.sha256)]
-            if wanted:
-                log.debug("library fetch-ahead: %d chunks of %s", len(wanted),
-                          ", ".join(where for where, _ in found))
-                self.policy.fetch_ahead(wanted)
-            if depth + 1 < DEPTH:
-                for where, files in found:
-                    self.policy.tasks.start_soon(self._follow, files, posixpath.dirname(where),
-                                                 depth + 1)
+            if wants is not None:
+                await self._fetch_needs(wants, origin, depth)
+        except (FetchError, OSError):  # the loader's reads fetch as they would have
+            pass
+        except Exception as exc:  # never the daemon's end: one line (rate-limited)
+            self.warnings.warning("bug", "library fetch-ahead of a file failed: %r", exc)
+
+    async def _fetch_needs(self, wants: ElfNeeds, origin: str | None, depth: int) -> None:
+        """The libraries ``wants`` names that the layer holds and no one has
+        followed: fetched ahead, then followed one level deeper."""
+        found = await trio.to_thread.run_sync(self._locate_all, wants, origin,
+                                              limiter=self.lookups)
+        found = [(where, files) for where, files in found if files[0] not in self.followed
+                 and len(self.followed) < FOLLOWED_MAX]
+        self.followed |= {files[0] for _, files in found}
+        wanted = [self.entries[j] for _, files in found
+                  for j in (files if len(files) <= WHOLE_CHUNKS else files[:1])]
+        wanted = [e for e in wanted if self.fetcher.absent(e.sha256)]
+        if wanted:
+            log.debug("library fetch-ahead: %d chunks of %s", len(wanted),
+                      ", ".join(where for where, _ in found))
+            self.policy.fetch_ahead(wanted)
+        if depth + 1 < DEPTH:
+            for where, files in found:
+                self.policy.tasks.start_soon(self._follow, files, posixpath.dirname(where),
+                                             depth + 1)
 
     async def _needs(self, chunks: list[int | None], first: Buffer | None) -> ElfNeeds | None:
         """The file's needs, its chunks fetched as the reading asks for them."""
