@@ -5,21 +5,25 @@ too), path lookups in a meta image (``MetaLookup``), and a miss at the start
 of a real program fetching its libraries, and theirs, from a real layer in a
 file store.
 
-Tier: fast (no mounts, no daemon: a fetcher over a file store in trio).
+Tier: fast (no mounts, no daemon: a fetcher over a file store in trio), but
+the last test's: node (a real daemon, kernel EROFS and overlay mounts; root).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import struct
 from pathlib import Path
 
 import pytest
 import trio
-from support import build
+from support import build, need_root
 from support.chunkstores import fetcher
+from support.nodes import NodeDaemon, serving, up_lazy
 
+from layerfs.builder.env import create_env
 from layerfs.formats.elfdeps import MAX_NEEDED, NeedBytes, needs
 from layerfs.formats.erofsread import MetaLookup
 from layerfs.node.reads.blobfiles import BlobFile
@@ -336,3 +340,65 @@ def test_a_failing_lookup_costs_its_hint_only(tmp_path, caplog):
     trio.run(main)
     assert "library fetch-ahead of a file failed" in caplog.text
     assert all(f.absent(chunks[0].sha256) for path, chunks in files.items() if path in libs)
+
+
+# -- a real daemon ------------------------------------------------------------
+
+@pytest.mark.parametrize("on", [True, False], ids=["on", "off"])
+def test_a_sandbox_that_opens_a_program_finds_its_libraries_held(tmp_path, on):
+    """Node tier (root: a daemon, EROFS and overlay mounts). A sandbox reads
+    the first page of a program, as the kernel's exec and the loader do; then
+    the store goes away. Its libraries read whole through the sandbox with
+    the library fetch-ahead (the daemon fetched them), fail without it; a
+    file the program does not name fails either way (the store is gone)."""
+    need_root()
+    tree = tmp_path / "tree"
+    libs = program_tree(tree)
+    (tree / "usr/share").mkdir(parents=True)
+    (tree / "usr/share/other.bin").write_bytes(os.urandom(2 << 20))
+    store_dir = tmp_path / "store"
+    store = FileStore(str(store_dir))
+    build(store, str(tree), name="prog")
+    create_env(RefStore(store), "e", "1", ["prog@1"])
+    node = NodeDaemon(tmp_path / "node", ["--store", f"file://{store_dir}"], read_timeout=2.0)
+    node.extra_args = [] if on else ["--no-library-ahead"]
+    node.expected = [re.compile(p) for p in STORE_GONE]
+    for _ in serving(node):
+        rootfs = up_lazy(node, "s1")
+        with open(rootfs / "usr/bin/prog", "rb") as f:
+            assert f.read(4096)[:4] == b"\x7fELF"
+        fetched_settles(node)
+        store_dir.rename(tmp_path / "gone")
+        got = {lib: readable(rootfs / lib.lstrip("/"), tree / lib.lstrip("/")) for lib in libs}
+        assert got == dict.fromkeys(libs, on), got
+        assert not readable(rootfs / "usr/share/other.bin", tree / "usr/share/other.bin")
+        (tmp_path / "gone").rename(store_dir)
+        node.cli("down", "s1")
+
+
+# the store's directory renamed away: the daemon says so for the reads that needed it
+STORE_GONE = [r"ERROR layerfs\.node\.(reads\.fetcher|fuse\.nodefs): .*store (unreachable|does "
+              r"not answer|unavailable)", r"ERROR layerfs\.node\.fuse\.nodefs: read: cannot read "
+              r"chunk \w+: unavailable \(failed"]
+
+
+def fetched_settles(node: NodeDaemon) -> None:
+    """Until the daemon's fetched bytes stay the same for half a second (at most 15 s)."""
+    import time
+
+    last, since, deadline = -1, time.monotonic(), time.monotonic() + 15
+    while time.monotonic() < deadline:
+        now = node.request("stats")["cache"].get("bytes_fetched", 0)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since > 0.5:
+            return
+        time.sleep(0.05)
+
+
+def readable(path: Path, source: Path) -> bool:
+    """Whether ``path`` reads whole with ``source``'s bytes (False on EIO)."""
+    try:
+        return path.read_bytes() == source.read_bytes()
+    except OSError:
+        return False
