@@ -344,13 +344,15 @@ def test_a_failing_lookup_costs_its_hint_only(tmp_path, caplog):
 
 # -- a real daemon ------------------------------------------------------------
 
-@pytest.mark.parametrize("on", [True, False], ids=["on", "off"])
-def test_a_sandbox_that_opens_a_program_finds_its_libraries_held(tmp_path, on):
+@pytest.mark.parametrize("on,partial", [(True, False), (False, False), (True, True)],
+                         ids=["on", "off", "on-partial-file"])
+def test_a_sandbox_that_opens_a_program_finds_its_libraries_held(tmp_path, on, partial):
     """Node tier (root: a daemon, EROFS and overlay mounts). A sandbox reads
     the first page of a program, as the kernel's exec and the loader do; then
     the store goes away. Its libraries read whole through the sandbox with
     the library fetch-ahead (the daemon fetched them), fail without it; a
-    file the program does not name fails either way (the store is gone)."""
+    file the program does not name fails either way (the store is gone).
+    Over FUSE blob files, and over partial blob files (``--kernel-reads``)."""
     need_root()
     tree = tmp_path / "tree"
     libs = program_tree(tree)
@@ -360,11 +362,14 @@ def test_a_sandbox_that_opens_a_program_finds_its_libraries_held(tmp_path, on):
     store = FileStore(str(store_dir))
     build(store, str(tree), name="prog")
     create_env(RefStore(store), "e", "1", ["prog@1"])
-    node = NodeDaemon(tmp_path / "node", ["--store", f"file://{store_dir}"], read_timeout=2.0)
+    node = NodeDaemon(tmp_path / "node", ["--store", f"file://{store_dir}"], read_timeout=2.0,
+                      kernel_reads=partial)
     node.extra_args = [] if on else ["--no-library-ahead"]
     node.expected = [re.compile(p) for p in STORE_GONE]
     for _ in serving(node):
         rootfs = up_lazy(node, "s1")
+        layers = node.request("stats")["layers"]
+        assert [layer.get("partial", False) for layer in layers.values()] == [partial]
         with open(rootfs / "usr/bin/prog", "rb") as f:
             assert f.read(4096)[:4] == b"\x7fELF"
         fetched_settles(node)
@@ -376,10 +381,11 @@ def test_a_sandbox_that_opens_a_program_finds_its_libraries_held(tmp_path, on):
         node.cli("down", "s1")
 
 
-# the store's directory renamed away: the daemon says so for the reads that needed it
-STORE_GONE = [r"ERROR layerfs\.node\.(reads\.fetcher|fuse\.nodefs): .*store (unreachable|does "
-              r"not answer|unavailable)", r"ERROR layerfs\.node\.fuse\.nodefs: read: cannot read "
-              r"chunk \w+: unavailable \(failed"]
+# the store's directory renamed away: the daemon says so for each read that needed it
+# (unreachable, unavailable, no answer, timed out: whichever the read met first)
+STORE_GONE = [r"ERROR layerfs\.node\.(fuse\.nodefs: read: cannot read chunk \w+: "
+              r"|reads\.fetcher: )",
+              r"WARNING layerfs\.node\.reads\.partialblobs: a read of layer data failed \(EIO\)"]
 
 
 def fetched_settles(node: NodeDaemon) -> None:

@@ -10,7 +10,9 @@ against its sha256 first, and then allows the read. So a range the node
 holds is read by the kernel from ext4 (the daemon only says yes), and the
 data is in the page cache once: EROFS reads the file with ``directio``.
 Once every chunk of the blob is in, the mark is removed and its reads raise
-no event at all.
+no event at all. A read that brings in a program's or library's first chunk
+from its start hands it to the library fetch-ahead (the libraries it names
+come into the node's memory and cache, where the loader's fills find them).
 
 Trust: only this daemon's checked writes count (``PartialBlob.present``).
 A file that was there before (an earlier mount, an earlier daemon) may
@@ -54,6 +56,7 @@ from ...tasks import TaskGroup
 from .blobfiles import BlobFile
 from .chunkstates import FetchError
 from .fetcher import ChunkFetcher
+from .libraryahead import LibraryAhead
 from .localblobs import fill_chunks, trim_files, write_at
 
 log = logging.getLogger(__name__)
@@ -269,11 +272,30 @@ class PartialBlobs:
         blob.note_read(wanted, max(end - offset, 0))
         self._read_ahead(part, offset, end)
         absent = [i for i in wanted if not part.present[i]]
-        if absent and absent[0] == wanted[0] and entries[wanted[0]].flags & FILE_START \
-                and entries[wanted[0]].blob_offset == offset:
+        first = bool(absent) and absent[0] == wanted[0] and bool(
+            entries[wanted[0]].flags & FILE_START) and entries[wanted[0]].blob_offset == offset
+        if first:
             absent += [j for j in blob.rest_of_file(wanted[0])
                        if j not in wanted and not part.present[j]]
         await self._ensure(part, absent)
+        if first and blob.libraries is not None and part.writer is not None:
+            self.tasks.start_soon(self._libraries_of, blob.libraries, os.dup(part.writer),
+                                  wanted[0], entries[wanted[0]].length)
+
+    @staticmethod
+    async def _libraries_of(libraries: LibraryAhead, fd: int, i: int, length: int) -> None:
+        """A file's first chunk that a read from its start just brought into
+        the file (``fd``, closed here): the library fetch-ahead reads it (the
+        libraries it names come into the node's memory and cache, where the
+        loader's fills then find them)."""
+        try:
+            data = await trio.to_thread.run_sync(os.pread, fd, length,
+                                                 libraries.entries[i].blob_offset)
+        except OSError:
+            return
+        finally:
+            os.close(fd)
+        libraries.missed(i, data)
 
     def _read_ahead(self, part: PartialBlob, offset: int, end: int) -> None:
         """A read that continues the last one fills ahead of the stream, in
@@ -322,8 +344,8 @@ class PartialBlobs:
         absent = [i for i in indexes if not part.present[i]]
         if absent:
             entry = part.blob.table.entries[absent[0]]
-            raise FetchError(f"chunk {entry.sha256.hex()[:16]} of layer {part.hex[:16]} "
-                             "could not be had")
+            raise FetchError(f"chunk {entry.sha256.hex()[:16]} of layer {part.hex[:16]}",
+                             "the fill another read started failed")
 
     async def _bring(self, part: PartialBlob, indexes: list[int]) -> None:
         """Into the file: chunks a file from before holds already (checked),
@@ -331,7 +353,7 @@ class PartialBlobs:
         entries = part.blob.table.entries
         writer = part.writer
         if writer is None or part.released:
-            raise FetchError(f"layer {part.hex[:16]} is no longer mounted")
+            raise FetchError(f"layer {part.hex[:16]}", "it is no longer mounted")
         if part.may_hold:
             found = await trio.to_thread.run_sync(held_in_file, writer, entries, indexes)
             self._present(part, found)

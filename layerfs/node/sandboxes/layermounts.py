@@ -145,7 +145,7 @@ class LayerMounts:
                     local = await whole.open(rl.hex, rl.table)
                 elif part is not None:
                     partial = await part.open(blob)
-                else:  # over the FUSE blob file: its misses may follow the files' needs
+                if whole is None:  # lazily read: its misses may follow the files' needs
                     blob.know_files(meta.fd)
                 if may_mount is not None:
                     await may_mount.wait()
