@@ -114,11 +114,12 @@ class LibraryAhead:
         self.followed |= {files[0] for _, files in found}
         wanted = [self.entries[j] for _, files in found
                   for j in (files if len(files) <= WHOLE_CHUNKS else files[:1])]
-        wanted = [e for e in wanted if self.fetcher.absent(e.sha256)]
+        wanted = sorted((e for e in wanted if self.fetcher.absent(e.sha256)),
+                        key=lambda e: (e.pack, e.pack_offset))
         if wanted:
             log.debug("library fetch-ahead: %d chunks of %s", len(wanted),
                       ", ".join(where for where, _ in found))
-            self.policy.fetch_ahead(wanted)
+            self.policy.fetch_ahead(wanted)  # by place: neighbours in one read
         if depth + 1 < DEPTH:
             for where, files in found:
                 self.policy.tasks.start_soon(self._follow, files, posixpath.dirname(where),
