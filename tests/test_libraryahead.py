@@ -221,7 +221,9 @@ def program_tree(root: Path) -> list[str]:
     os.symlink("usr/lib64", root / "lib64")
     os.symlink("../lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
                root / "usr/lib64/ld-linux-x86-64.so.2")
-    return libs
+    (root / "etc").mkdir()
+    shutil.copy("/etc/ld.so.cache", root / "etc/ld.so.cache")  # what the loader reads first
+    return libs + ["/etc/ld.so.cache"]
 
 
 def first_chunks(lookup: MetaLookup, blob: BlobFile, paths: list[str]) -> dict[str, list]:

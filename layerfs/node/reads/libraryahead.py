@@ -12,7 +12,8 @@ file's first chunk from its start and the chunk is an ELF file, the blob's
 loader would (``DT_RUNPATH``/``DT_RPATH`` with ``$ORIGIN``, then the
 multiarch and default directories; :class:`~layerfs.formats.erofsread.MetaLookup`),
 and fetches those libraries at once in the background (whole up to
-``WHOLE_CHUNKS`` chunks, else the first chunk); as each library's chunks come
+``WHOLE_CHUNKS`` chunks, else the first chunk), with the loader's cache
+(``/etc/ld.so.cache``) for a program that names a loader; as each library's chunks come
 in, its own names are followed, up to ``DEPTH`` levels. The loader then finds
 them in flight or held: a chain of ``DEPTH`` round trips at most instead of
 one per library.
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 DEPTH = 6  # levels of libraries followed below the program that missed
 WHOLE_CHUNKS = 4  # a library of at most this many chunks is fetched whole
 FOLLOWED_MAX = 4096  # files followed per blob
+LOADER_CACHE = "/etc/ld.so.cache"  # what glibc's loader reads first (a file of the layer)
 FILE_CHUNKS_MAX = 4096  # chunks of a program found by place (the chunk table alone)
 # where the loader looks after the file's own search path ({ma}: the multiarch name)
 LIBRARY_DIRS = ("/lib/{ma}", "/usr/lib/{ma}", "/lib64", "/usr/lib64", "/lib", "/usr/lib",
@@ -163,7 +165,8 @@ class LibraryAhead:
         would find it: its path and entries (whole files only: none with a
         hole or a chunk the table lacks)."""
         out = []
-        names = ([wants.interp] if wants.interp else []) + wants.needed
+        # a program's loader reads its cache of library paths before any library
+        names = ([wants.interp, LOADER_CACHE] if wants.interp else []) + wants.needed
         for name in names:
             found = self._locate(name, wants, origin)
             if found is not None:
