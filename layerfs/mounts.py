@@ -230,8 +230,9 @@ def _erofs_bdis() -> set[str]:
 def _write_readahead(bdi: str, nbytes: int) -> None:
     """A readahead window is a tuning: where /sys cannot be written (a
     container's read-only /sys), the mount keeps the kernel's default and one
-    warning says so. An entry gone already was another process's mount, made
-    and unmounted while ours was (the lock is this process's): not ours."""
+    warning says so. An entry gone already (ENOENT), or going as it is
+    written (ENODEV: its device unregistered), was another process's mount,
+    made and unmounted while ours was (the lock is this process's): not ours."""
     global _readahead_warned
     try:
         with open(f"{BDI}/{bdi}/read_ahead_kb", "w") as f:
@@ -239,6 +240,8 @@ def _write_readahead(bdi: str, nbytes: int) -> None:
     except FileNotFoundError:
         return
     except OSError as exc:
+        if exc.errno == errno.ENODEV:
+            return
         if not _readahead_warned:
             _readahead_warned = True
             log.warning("cannot set the readahead window of EROFS mounts (%s): the kernel's "

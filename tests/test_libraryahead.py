@@ -226,6 +226,22 @@ def program_tree(root: Path) -> list[str]:
     return libs + ["/etc/ld.so.cache"]
 
 
+def blob_of(tmp_path, tree: Path, libraries: bool) -> tuple:
+    """``tree`` built into a file store, and its blob over a fetcher whose
+    policy has the library fetch-ahead on or off, the meta image handed over:
+    (the fetcher, the blob, the meta image)."""
+    store, digest, image = build_meta(tmp_path, tree)
+    refstore = RefStore(store)
+    table = refstore.chunk_table(refstore.layer(digest))
+    (tmp_path / "meta.erofs").write_bytes(image)
+    f = fetcher(tmp_path, store)
+    blob = BlobFile(digest, table, f, 1, Prefetcher(f, libraries=libraries))
+    fd = os.open(tmp_path / "meta.erofs", os.O_RDONLY)
+    blob.know_files(fd)
+    os.close(fd)
+    return f, blob, image
+
+
 def first_chunks(lookup: MetaLookup, blob: BlobFile, paths: list[str]) -> dict[str, list]:
     """Each file's chunk entries, by path."""
     at = {e.blob_offset: e for e in blob.table.entries}
@@ -246,15 +262,7 @@ async def settled(f, wanted: list, quiet: float = 0.3) -> None:
 def test_a_program_missed_from_its_start_brings_its_libraries_and_theirs(tmp_path, on):
     tree = tmp_path / "tree"
     libs = program_tree(tree)
-    store, digest, image = build_meta(tmp_path, tree)
-    refstore = RefStore(store)
-    table = refstore.chunk_table(refstore.layer(digest))
-    (tmp_path / "meta.erofs").write_bytes(image)
-    f = fetcher(tmp_path, store)
-    blob = BlobFile(digest, table, f, 1, Prefetcher(f, libraries=on))
-    fd = os.open(tmp_path / "meta.erofs", os.O_RDONLY)
-    blob.know_files(fd)
-    os.close(fd)
+    f, blob, image = blob_of(tmp_path, tree, on)
     lookup = MetaLookup(image)
     files = first_chunks(lookup, blob, ["/usr/bin/prog", *libs])
     prog = files.pop("/usr/bin/prog")[0]
@@ -287,15 +295,7 @@ def test_files_that_name_themselves_or_escape_are_followed_once(tmp_path):
     (tree / "usr/lib/libb.so").write_bytes(elf([b"liba.so", b"../../etc/secret",
                                                 b"/etc/secret"]) + pad)
     (tree / "prog").write_bytes(elf([b"liba.so"], interp=b"/usr/lib/libb.so") + pad)
-    store, digest, image = build_meta(tmp_path, tree)
-    refstore = RefStore(store)
-    table = refstore.chunk_table(refstore.layer(digest))
-    (tmp_path / "meta.erofs").write_bytes(image)
-    f = fetcher(tmp_path, store)
-    blob = BlobFile(digest, table, f, 1, Prefetcher(f, libraries=True))
-    fd = os.open(tmp_path / "meta.erofs", os.O_RDONLY)
-    blob.know_files(fd)
-    os.close(fd)
+    f, blob, image = blob_of(tmp_path, tree, True)
     files = first_chunks(MetaLookup(image), blob, ["/prog", "/usr/lib/liba.so",
                                                    "/usr/lib/libb.so", "/etc/secret"])
 
@@ -315,15 +315,7 @@ def test_files_that_name_themselves_or_escape_are_followed_once(tmp_path):
 def test_a_failing_lookup_costs_its_hint_only(tmp_path, caplog):
     tree = tmp_path / "tree"
     libs = program_tree(tree)
-    store, digest, image = build_meta(tmp_path, tree)
-    refstore = RefStore(store)
-    table = refstore.chunk_table(refstore.layer(digest))
-    (tmp_path / "meta.erofs").write_bytes(image)
-    f = fetcher(tmp_path, store)
-    blob = BlobFile(digest, table, f, 1, Prefetcher(f, libraries=True))
-    fd = os.open(tmp_path / "meta.erofs", os.O_RDONLY)
-    blob.know_files(fd)
-    os.close(fd)
+    f, blob, image = blob_of(tmp_path, tree, True)
     files = first_chunks(MetaLookup(image), blob, ["/usr/bin/prog", *libs])
 
     def broken(path):

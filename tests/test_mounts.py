@@ -162,3 +162,21 @@ def test_an_erofs_entry_gone_before_its_window_is_written_is_no_warning(tmp_path
         mounts._write_readahead("erofs-2", 1 << 20)  # there
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert (tmp_path / "erofs-2" / "read_ahead_kb").read_text() == "1024"
+
+
+def test_an_erofs_entry_going_as_its_window_is_written_is_no_warning(monkeypatch, caplog):
+    """The entry of a mount another process unmounts right then: the write
+    finds its device unregistered (ENODEV). Not ours, and no warning."""
+    import io
+
+    import layerfs.mounts as mounts
+
+    class Going(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENODEV, "No such device")
+
+    monkeypatch.setattr(mounts, "open", lambda path, mode: Going(), raising=False)
+    monkeypatch.setattr(mounts, "_readahead_warned", False)
+    with caplog.at_level(logging.WARNING, logger="layerfs.mounts"):
+        mounts._write_readahead("erofs-3", 1 << 20)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
