@@ -108,7 +108,7 @@ def _layout(read: Read) -> _Layout | None:
         (_type, machine, _v, _entry, phoff, _shoff, _flags, _ehsize, phentsize,
          phnum) = struct.unpack(e + "HHIIIIIHHH", read(16, 30))
         ph = struct.Struct(e + "IIIIIIII")
-    if phentsize < ph.size or not 0 < phnum <= MAX_PHDRS:
+    if phentsize != ph.size or not 0 < phnum <= MAX_PHDRS:  # (glibc's loader asks the same)
         return None
     table = read(phoff, phentsize * phnum)
     loads, dynamic, interp = [], None, None

@@ -15,9 +15,10 @@ structure and only asserts what the checker guarantees.
 
 from __future__ import annotations
 
-import mmap
 import stat
 import struct
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..tree import HOLE, FileTree, FsNode
@@ -225,16 +226,29 @@ class _Reader:
 
 
 class MetaLookup:
-    """Path lookups in a checked meta image, without reading its whole tree:
-    only the directories on the way, each listed once (the last
+    """Path lookups in a layer's meta image through ``read(offset, length)``
+    (a ``pread`` of the file), without reading its whole tree: only the
+    inodes and directories on the way, each directory listed once (the last
     ``LISTED_MAX`` kept). Symlinks are followed inside the image, as the
-    kernel would inside the layer's root."""
+    kernel would inside the layer's root.
+
+    It is handed checked images, but each lookup is bounded anyway (a
+    hint's cost must not depend on what a layer's author chose):
+    ``MAX_STEPS`` components walked, ``MAX_LINKS`` symlinks followed,
+    directories of at most ``MAX_DIR`` bytes listed, files of at most
+    ``MAX_CHUNKS`` chunks; past a bound the path is not found. A damaged
+    image may raise ``struct.error`` or ``ValueError``: the caller's to
+    catch."""
 
     LISTED_MAX = 64  # directory listings kept
     MAX_LINKS = 8  # symlinks followed in one lookup (then: not found, as ELOOP)
+    MAX_STEPS = 64  # path components walked in one lookup, symlinks' included
+    MAX_DIR = 1 << 20  # bytes of a directory listed at most
+    MAX_CHUNKS = 1 << 16  # chunks of a file at most
 
-    def __init__(self, image: bytes | memoryview | mmap.mmap) -> None:
-        self.reader = _Reader(memoryview(image))
+    def __init__(self, read: Callable[[int, int], bytes]) -> None:
+        self.read = read
+        self.root_nid = SUPERBLOCK.unpack(read(SB_OFFSET, SUPERBLOCK.size))[5]
         self.listed: dict[int, dict[bytes, int]] = {}
 
     def file_chunks(self, path: str) -> tuple[str, list[int]] | None:
@@ -244,51 +258,104 @@ class MetaLookup:
         found = self._resolve(path)
         if found is None:
             return None
-        where, raw = found
-        if stat.S_IFMT(raw.mode) != stat.S_IFREG or raw.layout != LAYOUT_CHUNK_BASED:
+        where, (mode, layout, size, i_u, body) = found
+        if stat.S_IFMT(mode) != stat.S_IFREG or layout != LAYOUT_CHUNK_BASED \
+                or not i_u & CHUNK_FORMAT_INDEXES:
             return None
-        return where, self.reader._chunks(raw)
+        chunk_size = 1 << (BLKBITS + (i_u & CHUNK_BLKBITS_MASK))
+        count = -(-size // chunk_size)
+        if count > self.MAX_CHUNKS:
+            return None
+        table = self.read(-(-body // 8) * 8, CHUNK_INDEX.size * count)
+        if len(table) != CHUNK_INDEX.size * count:
+            return None
+        return where, [HOLE if blkaddr == NULL_ADDR else blkaddr
+                       for _advise, _dev, blkaddr in CHUNK_INDEX.iter_unpack(table)]
 
-    def _resolve(self, path: str) -> tuple[str, _Raw] | None:
-        todo = [p for p in path.split("/") if p]
+    def _resolve(self, path: str) -> tuple[str, tuple[int, int, int, int, int]] | None:
+        todo = deque(p for p in path.split("/") if p)
         stack: list[tuple[str, int]] = []  # (name, nid) of each directory below the root
-        links = 0
-        raw = self.reader._raw(self.reader.root_nid)
+        links = steps = 0
+        raw = self._inode(self.root_nid)
         while todo:
-            name = todo.pop(0)
+            steps += 1
+            if steps > self.MAX_STEPS:
+                return None
+            name = todo.popleft()
             if name == ".":
                 continue
             if name == "..":
                 if stack:
                     stack.pop()
                 continue
-            here = stack[-1][1] if stack else self.reader.root_nid
+            here = stack[-1][1] if stack else self.root_nid
             nid = self._listing(here).get(name.encode("utf-8", "surrogateescape"))
             if nid is None:
                 return None
-            raw = self.reader._raw(nid)
-            kind = stat.S_IFMT(raw.mode)
+            raw = self._inode(nid)
+            kind = stat.S_IFMT(raw[0])
             if kind == stat.S_IFLNK:
                 links += 1
-                if links > self.MAX_LINKS:
+                if links > self.MAX_LINKS or raw[2] > BLOCK:
                     return None
-                target = self.reader._flat_data(raw).decode("utf-8", "surrogateescape")
+                target = self._data(raw).decode("utf-8", "surrogateescape")
                 if target.startswith("/"):
                     stack = []
-                todo = [p for p in target.split("/") if p] + todo
+                todo.extendleft(reversed([p for p in target.split("/") if p]))
                 continue
             if todo and kind != stat.S_IFDIR:
                 return None
             stack.append((name, nid))
         return "/" + "/".join(n for n, _ in stack), raw
 
+    def _inode(self, nid: int) -> tuple[int, int, int, int, int]:
+        """(mode, layout, size, i_u, where its data or chunk index starts)."""
+        pos = nid * 32
+        head = self.read(pos, EXTENDED.size)
+        i_format = struct.unpack_from("<H", head)[0]
+        if i_format & 1:
+            _f, icount, mode, _r, size, i_u = EXTENDED.unpack(head)[:6]
+            isize = EXTENDED.size
+        else:
+            _f, icount, mode, _n, size, _r, i_u = COMPACT.unpack_from(head)[:7]
+            isize = COMPACT.size
+        xattr_size = 0 if icount == 0 else 12 + 4 * (icount - 1)
+        return mode, i_format >> 1, size, i_u, pos + isize + xattr_size
+
+    def _data(self, raw: tuple[int, int, int, int, int]) -> bytes:
+        """A flat (plain or inline-tail) inode's data."""
+        _mode, layout, size, i_u, body = raw
+        nblocks = -(-size // BLOCK)
+        pieces = []
+        for i in range(nblocks):
+            length = min(BLOCK, size - i * BLOCK)
+            inline = layout == LAYOUT_FLAT_INLINE and i == nblocks - 1
+            pieces.append(self.read(body if inline else (i_u + i) * BLOCK, length))
+        return b"".join(pieces)
+
     def _listing(self, nid: int) -> dict[bytes, int]:
         listing = self.listed.get(nid)
         if listing is None:
-            raw = self.reader._raw(nid)
-            listing = dict(self.reader._dirents(raw)) if stat.S_IFMT(raw.mode) == stat.S_IFDIR \
-                else {}
+            raw = self._inode(nid)
+            listing = {}
+            if stat.S_IFMT(raw[0]) == stat.S_IFDIR and raw[2] <= self.MAX_DIR:
+                listing = dict(_block_dirents(self._data(raw)))
             if len(self.listed) >= self.LISTED_MAX:
                 del self.listed[next(iter(self.listed))]
             self.listed[nid] = listing
         return listing
+
+
+def _block_dirents(data: bytes) -> Iterator[tuple[bytes, int]]:
+    """A directory's (name, nid) entries, but ``.`` and ``..``, block by block."""
+    for at in range(0, len(data), BLOCK):
+        block = data[at : at + BLOCK]
+        first = DIRENT.unpack_from(block, 0)[1]
+        heads = [DIRENT.unpack_from(block, k * 12) for k in range(min(first, BLOCK) // 12)]
+        for k, (nid, nameoff, _ftype, _r) in enumerate(heads):
+            end = heads[k + 1][1] if k + 1 < len(heads) else len(block)
+            name = block[nameoff:end]
+            if k + 1 == len(heads):
+                name = name.split(b"\0", 1)[0]
+            if name not in (b".", b".."):
+                yield name, nid

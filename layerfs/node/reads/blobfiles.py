@@ -25,21 +25,17 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import logging
-import mmap
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import trio
 
 from ...formats.chunktable import FILE_START, ChunkEntry, ChunkTable
-from ...formats.erofsread import MetaLookup
 from .chunkfile import Chunk
 from .chunkstates import Claim
 from .fetcher import Buffer, ChunkFetcher
 from .libraryahead import LibraryAhead
 from .prefetch import Prefetcher
-
-log = logging.getLogger(__name__)
 
 STABLE_INODE_BASE = 1 << 60  # above the fixed directories' inodes
 PART_READ_FRACTION = 4  # a random read of at most 1/4 of a cached chunk reads just that
@@ -129,18 +125,13 @@ class BlobFile:
         last = bisect.bisect_left(self.offsets, end)
         return range(first, last)
 
-    def know_files(self, meta_fd: int) -> None:
-        """The layer's checked meta image (open as ``meta_fd``; mapped, so the
-        caller may close it): its files' misses may fetch ahead by what the
-        files are (the library fetch-ahead, if the policy has it on)."""
-        if self.libraries is not None or not self.prefetcher.libraries:
-            return
-        try:
-            lookup = MetaLookup(mmap.mmap(meta_fd, 0, prot=mmap.PROT_READ))
-        except (OSError, ValueError) as exc:  # (a hint lost, nothing else)
-            log.warning("layer %s: no library fetch-ahead: %s", self.name[:16], exc)
-            return
-        self.libraries = LibraryAhead(self.table, lookup, self.fetcher, self.prefetcher)
+    def know_files(self, meta_image: Path) -> None:
+        """The layer's checked meta image on the node: its files' misses may
+        fetch ahead by what the files are (the library fetch-ahead, if the
+        policy has it on)."""
+        if self.libraries is None and self.prefetcher.libraries:
+            self.libraries = LibraryAhead(self.table, self.offsets, meta_image, self.fetcher,
+                                          self.prefetcher)
 
     def note_read(self, indexes: list[int], size: int) -> None:
         """A read the kernel served from elsewhere (a partial blob file):
@@ -315,3 +306,5 @@ class BlobDirectory:
         blob = self.by_name.pop(name, None)
         if blob is not None:
             self.by_inode.pop(blob.inode, None)
+            if blob.libraries is not None:
+                blob.libraries.close()

@@ -27,8 +27,11 @@ chunks are checked like any other. Off with ``--no-library-ahead``.
 
 from __future__ import annotations
 
+import bisect
 import logging
+import os
 import posixpath
+from pathlib import Path
 
 import trio
 
@@ -47,6 +50,9 @@ log = logging.getLogger(__name__)
 DEPTH = 6  # levels of libraries followed below the program that missed
 WHOLE_CHUNKS = 4  # a library of at most this many chunks is fetched whole
 FOLLOWED_MAX = 4096  # files followed per blob
+FOLLOWS_AT_ONCE = 8  # files of one blob read and looked up at once
+SEARCH_DIRS_MAX = 16  # of a file's own search path (DT_RUNPATH/DT_RPATH), the first ones
+LOOKUPS_MAX = 256  # path lookups for one file's names
 LOADER_CACHE = "/etc/ld.so.cache"  # what glibc's loader reads first (a file of the layer)
 FILE_CHUNKS_MAX = 4096  # chunks of a program found by place (the chunk table alone)
 # where the loader looks after the file's own search path ({ma}: the multiarch name)
@@ -57,23 +63,34 @@ LIBRARY_DIRS = ("/lib/{ma}", "/usr/lib/{ma}", "/lib64", "/usr/lib64", "/lib", "/
 class LibraryAhead:
     """One layer blob's library fetch-ahead, over the layer's meta image."""
 
-    def __init__(self, table: ChunkTable, lookup: MetaLookup, fetcher: ChunkFetcher,
-                 policy: Prefetcher) -> None:
+    def __init__(self, table: ChunkTable, offsets: list[int], meta_image: Path,
+                 fetcher: ChunkFetcher, policy: Prefetcher) -> None:
+        """``offsets``: the entries' blob offsets, in order (the blob's);
+        ``meta_image``: the layer's checked meta image on the node, opened
+        for each batch of lookups (no descriptor held between them)."""
         self.entries = table.entries
         self.chunk_size = table.chunk_size
-        self.lookup = lookup
+        self.offsets = offsets
+        self.meta_image = meta_image
+        self.lookup: MetaLookup | None = None  # made at the first batch (its listings kept)
         self.fetcher = fetcher
         self.policy = policy
-        self.at = {e.blob_offset: i for i, e in enumerate(self.entries)}
         self.followed: set[int] = set()  # first entries of the files followed
-        self.lookups = trio.CapacityLimiter(1)  # the meta image's listings: one thread
+        self.lookups = trio.CapacityLimiter(1)  # the meta image's lookups: one thread
+        self.follows = trio.CapacityLimiter(FOLLOWS_AT_ONCE)
+        self.closed = False  # the blob is gone: nothing more is started
         self.warnings = RateLimitedLog(log)
+
+    def close(self) -> None:
+        """The blob is no longer served: follows end at their next step."""
+        self.closed = True
 
     def missed(self, i: int, data: Buffer) -> None:
         """A reader's miss of entry ``i``, a file's first chunk read from its
         start, whose bytes are ``data``: followed in the background if it is an
         ELF file not followed yet."""
-        if i in self.followed or len(self.followed) >= FOLLOWED_MAX or not is_elf(data):
+        if (self.closed or i in self.followed or len(self.followed) >= FOLLOWED_MAX
+                or not is_elf(data)):
             return
         self.followed.add(i)
         self.policy.tasks.start_soon(self._follow, self._by_place(i), None, 0, data)
@@ -98,9 +115,12 @@ class LibraryAhead:
         directory, if known), fetch the libraries it names and follow them.
         Whatever goes wrong ends this file's following only: a hint lost."""
         try:
-            wants = await self._needs(chunks, first)
-            if wants is not None:
-                await self._fetch_needs(wants, origin, depth)
+            async with self.follows:
+                if self.closed:
+                    return
+                wants = await self._needs(chunks, first)
+                if wants is not None and not self.closed:
+                    await self._fetch_needs(wants, origin, depth)
         except (FetchError, OSError):  # the loader's reads fetch as they would have
             pass
         except Exception as exc:  # never the daemon's end: one line (rate-limited)
@@ -109,21 +129,23 @@ class LibraryAhead:
     async def _fetch_needs(self, wants: ElfNeeds, origin: str | None, depth: int) -> None:
         """The libraries ``wants`` names that the layer holds and no one has
         followed: fetched ahead, then followed one level deeper."""
-        found = await trio.to_thread.run_sync(self._locate_all, wants, origin,
-                                              limiter=self.lookups)
-        found = [(where, files) for where, files in found if files[0] not in self.followed
-                 and len(self.followed) < FOLLOWED_MAX]
-        self.followed |= {files[0] for _, files in found}
-        wanted = [self.entries[j] for _, files in found
-                  for j in (files if len(files) <= WHOLE_CHUNKS else files[:1])]
-        wanted = sorted((e for e in wanted if self.fetcher.absent(e.sha256)),
+        located = await trio.to_thread.run_sync(self._locate_all, wants, origin,
+                                                limiter=self.lookups, abandon_on_cancel=True)
+        found: dict[int, tuple[str, list[int]]] = {}
+        for where, files in located:
+            if files[0] not in self.followed and len(self.followed) < FOLLOWED_MAX:
+                self.followed.add(files[0])
+                found[files[0]] = (where, files)
+        wanted = sorted((self.entries[j] for _, files in found.values()
+                         for j in (files if len(files) <= WHOLE_CHUNKS else files[:1])
+                         if self.fetcher.absent(self.entries[j].sha256)),
                         key=lambda e: (e.pack, e.pack_offset))
         if wanted:
-            log.debug("library fetch-ahead: %d chunks of %s", len(wanted),
-                      ", ".join(where for where, _ in found))
-            self.policy.fetch_ahead(wanted)  # by place: neighbours in one read
+            log.debug("library fetch-ahead: %d chunks of %r", len(wanted),
+                      [where for where, _ in found.values()])
+            self.policy.fetch_ahead(wanted)  # by place: neighbours in one range read
         if depth + 1 < DEPTH:
-            for where, files in found:
+            for where, files in found.values():
                 self.policy.tasks.start_soon(self._follow, files, posixpath.dirname(where),
                                              depth + 1)
 
@@ -163,34 +185,59 @@ class LibraryAhead:
                     ) -> list[tuple[str, list[int]]]:
         """Worker thread: each named library the layer holds, as the loader
         would find it: its path and entries (whole files only: none with a
-        hole or a chunk the table lacks)."""
-        out = []
-        # a program's loader reads its cache of library paths before any library
-        names = ([wants.interp, LOADER_CACHE] if wants.interp else []) + wants.needed
-        for name in names:
-            found = self._locate(name, wants, origin)
-            if found is not None:
-                out.append(found)
-        return out
+        hole or a chunk the table lacks); at most ``LOOKUPS_MAX`` lookups."""
+        fd = os.open(self.meta_image, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            def read(offset: int, length: int) -> bytes:
+                return os.pread(fd, length, offset)
 
-    def _locate(self, name: str, wants: ElfNeeds, origin: str | None
+            if self.lookup is None:
+                self.lookup = MetaLookup(read)
+            self.lookup.read = read
+            budget = [LOOKUPS_MAX]
+            out = []
+            # a program's loader reads its cache of library paths before any library
+            names = ([wants.interp, LOADER_CACHE] if wants.interp else []) + wants.needed
+            for name in dict.fromkeys(names):
+                found = self._locate(self.lookup, name, self._dirs(wants, origin), budget)
+                if found is not None:
+                    out.append(found)
+            return out
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _dirs(wants: ElfNeeds, origin: str | None) -> list[str]:
+        """Where the loader looks for a bare name: the file's own search path
+        (``$ORIGIN`` as its directory, when known), then the system's."""
+        own = [d.replace("${ORIGIN}", origin).replace("$ORIGIN", origin) if origin else d
+               for d in wants.search]
+        system = [d.format(ma=wants.multiarch) for d in LIBRARY_DIRS
+                  if wants.multiarch or "{ma}" not in d]
+        dirs = [d for d in own if d.startswith("/") and "$" not in d][:SEARCH_DIRS_MAX]
+        return list(dict.fromkeys(dirs + system))
+
+    def _locate(self, lookup: MetaLookup, name: str, dirs: list[str], budget: list[int]
                 ) -> tuple[str, list[int]] | None:
         if "/" in name:
             candidates = [name] if name.startswith("/") else []
         else:
-            dirs = [d.replace("$ORIGIN", origin).replace("${ORIGIN}", origin)
-                    if origin else d for d in wants.search]
-            dirs += [d.format(ma=wants.multiarch) for d in LIBRARY_DIRS
-                     if wants.multiarch or "{ma}" not in d]
-            candidates = [posixpath.join(d, name) for d in dirs
-                          if d.startswith("/") and "$" not in d]
+            candidates = [posixpath.join(d, name) for d in dirs]
         for path in candidates:
-            found = self.lookup.file_chunks(path)
+            if budget[0] <= 0:
+                return None
+            budget[0] -= 1
+            found = lookup.file_chunks(path)
             if found is None:
                 continue
             where, blocks = found
-            files = [self.at.get(b * BLOCK) if b != HOLE else None for b in blocks]
+            files = [None if b == HOLE else self._entry_at(b * BLOCK) for b in blocks]
             if files and None not in files:
                 return where, [j for j in files if j is not None]
             return None  # the loader takes the first it finds: a hole, or not in this blob
         return None
+
+    def _entry_at(self, offset: int) -> int | None:
+        """The entry that starts at blob ``offset``, if one does."""
+        j = bisect.bisect_left(self.offsets, offset)
+        return j if j < len(self.offsets) and self.offsets[j] == offset else None

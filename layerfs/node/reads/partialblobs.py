@@ -50,6 +50,7 @@ import trio
 
 from ... import fanotify
 from ...formats.chunktable import FILE_START, ChunkEntry
+from ...formats.elfdeps import is_elf
 from ...ratelog import RateLimitedLog
 from ...sizes import NO_SPACE
 from ...tasks import TaskGroup
@@ -279,23 +280,27 @@ class PartialBlobs:
                        if j not in wanted and not part.present[j]]
         await self._ensure(part, absent)
         if first and blob.libraries is not None and part.writer is not None:
-            self.tasks.start_soon(self._libraries_of, blob.libraries, os.dup(part.writer),
-                                  wanted[0], entries[wanted[0]].length)
+            fd = os.dup(part.writer)
+            if not self.tasks.start_soon(self._libraries_of, blob.libraries, fd, wanted[0]):
+                os.close(fd)
 
     @staticmethod
-    async def _libraries_of(libraries: LibraryAhead, fd: int, i: int, length: int) -> None:
+    async def _libraries_of(libraries: LibraryAhead, fd: int, i: int) -> None:
         """A file's first chunk that a read from its start just brought into
-        the file (``fd``, closed here): the library fetch-ahead reads it (the
-        libraries it names come into the node's memory and cache, where the
-        loader's fills then find them)."""
+        the file (``fd``, closed here): if it is an ELF file, the library
+        fetch-ahead reads it (the libraries it names come into the node's
+        memory and cache, where the loader's fills then find them)."""
+        entry = libraries.entries[i]
         try:
-            data = await trio.to_thread.run_sync(os.pread, fd, length,
-                                                 libraries.entries[i].blob_offset)
+            head = await trio.to_thread.run_sync(os.pread, fd, 4, entry.blob_offset)
+            if is_elf(head):
+                data = await trio.to_thread.run_sync(os.pread, fd, entry.length,
+                                                     entry.blob_offset)
+                libraries.missed(i, data)
         except OSError:
-            return
+            pass
         finally:
             os.close(fd)
-        libraries.missed(i, data)
 
     def _read_ahead(self, part: PartialBlob, offset: int, end: int) -> None:
         """A read that continues the last one fills ahead of the stream, in
