@@ -186,20 +186,7 @@ class _Reader:
 
     # -- directories --
     def _dirents(self, raw: _Raw) -> list[tuple[bytes, int]]:
-        data = self._flat_data(raw)
-        out = []
-        for at in range(0, len(data), BLOCK):
-            block = data[at : at + BLOCK]
-            first = DIRENT.unpack_from(block, 0)[1]
-            heads = [DIRENT.unpack_from(block, k * 12) for k in range(first // 12)]
-            for k, (nid, nameoff, _ftype, _r) in enumerate(heads):
-                end = heads[k + 1][1] if k + 1 < len(heads) else len(block)
-                name = block[nameoff:end]
-                if k + 1 == len(heads):
-                    name = name.split(b"\0", 1)[0]
-                if name not in (b".", b".."):
-                    out.append((name, nid))
-        return out
+        return list(_block_dirents(self._flat_data(raw)))
 
     # -- xattrs --
     def _xattrs(self, raw: _Raw) -> dict[bytes, bytes]:
