@@ -99,11 +99,15 @@ FLOOR_RUN = 4 << 20  # bytes of neighbouring chunks one of its GETs takes at mos
 SIDES = ("containerd", "layerfs", "layerfs_trace", "ctr_layerfs", "ctr_layerfs_trace")
 PREFETCH = {"layerfs": "none", "layerfs_trace": "auto",  # auto: the pushed trace, if any
             "scheduler": "none", "scheduler_trace": "auto", "scheduler_nolib": "none",
+            "scheduler_noprog": "none",
             "ctr_layerfs": "none", "ctr_layerfs_trace": "auto"}
 SNAPSHOTTER = "layerfs"  # the proxy snapshotter's name in containerd's config
 # The scheduler's path (Client.up + Client.run in this process) and its floor,
 # alternating which goes first rep by rep.
 SCHEDULER_SIDES = ("scheduler", "scheduler_trace", "runc_local")
+# the lazy scheduler side with one read-ahead turned off (--library-ahead-ab, --program-ahead-ab)
+AB_SIDES = {"scheduler_nolib": "without the library fetch-ahead",
+            "scheduler_noprog": "without the program read-ahead"}
 TARGETS = {"cold start layerfs / containerd": 1 / 8, "disk writes layerfs / containerd": 0.1,
            "cold start ctr run on layerfs / containerd": 1 / 8,
            "disk writes ctr run on layerfs / containerd": 0.1,
@@ -435,7 +439,7 @@ class Bench:
         node: DaemonProcess = self.daemons.start(root, "node", self.store_args() + off)
         sid = f"sched{rep}"
         try:
-            client = Client(root, timeout=600)
+            client = Client(root, timeout=600, read_ahead=side != "scheduler_noprog")
             client.ping()  # a warm client: connected once, its modules loaded
             drop_caches()
             t0 = time.perf_counter()
@@ -512,7 +516,8 @@ class Bench:
         sides: dict[str, list[dict]] = {s: [] for s in SIDES}
         local: list[float] = []
         floors: dict[str, list[float]] = {"runc_local_s": [], "trace_fetch_s": []}
-        ours = SCHEDULER_SIDES + (("scheduler_nolib",) if self.args.library_ahead_ab else ())
+        ours = SCHEDULER_SIDES + (("scheduler_nolib",) if self.args.library_ahead_ab else ()) \
+            + (("scheduler_noprog",) if self.args.program_ahead_ab else ())
         scheduler: dict[str, list[dict]] = {side: [] for side in ours}
         self.record_trace()
         traced = self.traced_entries()
@@ -556,19 +561,19 @@ def scheduler_ratios(result: dict) -> dict[str, Any]:
     ratios: dict[str, Any] = {}
     for side, label in (("scheduler", "scheduler lazy"),
                         ("scheduler_trace", "scheduler with a trace"),
-                        ("scheduler_nolib", "scheduler lazy without the library fetch-ahead")):
+                        *((s, f"scheduler lazy {w}") for s, w in AB_SIDES.items())):
         if side not in runs:
             continue
         per = [round(s["cold_start_s"] / max(1e-9, f["cold_start_s"]), 3)
                for s, f in zip(runs[side], runs["runc_local"], strict=True)]
         ratios[f"cold start {label} / runc on the local tree"] = statistics.median(per)
         ratios[f"per_rep_cold_start {label} / runc on the local tree"] = per
-    if "scheduler_nolib" in runs:
-        per = [round(s["cold_start_s"] / max(1e-9, f["cold_start_s"]), 3)
-               for s, f in zip(runs["scheduler"], runs["scheduler_nolib"], strict=True)]
-        ratios["cold start scheduler lazy / without the library fetch-ahead"] = \
-            statistics.median(per)
-        ratios["per_rep_" + "cold start scheduler lazy / without the library fetch-ahead"] = per
+    for side, what in AB_SIDES.items():
+        if side in runs:
+            per = [round(s["cold_start_s"] / max(1e-9, f["cold_start_s"]), 3)
+                   for s, f in zip(runs["scheduler"], runs[side], strict=True)]
+            ratios[f"cold start scheduler lazy / {what}"] = statistics.median(per)
+            ratios[f"per_rep_cold start scheduler lazy / {what}"] = per
     return ratios
 
 
@@ -601,7 +606,8 @@ def print_scheduler(summary: dict) -> None:
     print(f"\n{'scheduler path (Client.up + Client.run)':40} {'cold start s':>12} "
           f"{'up s':>8} {'run s':>8}")
     for side, label in (("scheduler", "lazy"), ("scheduler_trace", "with a pushed trace"),
-                        ("scheduler_nolib", "lazy, --no-library-ahead")):
+                        ("scheduler_nolib", "lazy, --no-library-ahead"),
+                        ("scheduler_noprog", "lazy, Client(read_ahead=False)")):
         if side not in summary:
             continue
         row = summary[side]
@@ -613,9 +619,11 @@ def print_scheduler(summary: dict) -> None:
 
 def print_table(summary: dict, image: dict) -> None:
     print_scheduler(summary)
-    ab = "cold start scheduler lazy / without the library fetch-ahead"
-    if ab in summary["ratios"]:
-        print(f"{ab}: {summary['ratios'][ab]:.3f} (per rep {summary['ratios']['per_rep_' + ab]})")
+    for what in AB_SIDES.values():
+        ab = f"cold start scheduler lazy / {what}"
+        if ab in summary["ratios"]:
+            print(f"{ab}: {summary['ratios'][ab]:.3f} "
+                  f"(per rep {summary['ratios']['per_rep_' + ab]})")
     for name in ("cold start scheduler lazy / runc on the local tree",
                  "cold start scheduler with a trace / runc on the local tree"):
         ratio, bound = summary["ratios"][name], TARGETS[name]
@@ -718,6 +726,9 @@ def main() -> None:
     ap.add_argument("--library-ahead-ab", action="store_true",
                     help="one more scheduler side: lazy on daemons with --no-library-ahead "
                          "(the library fetch-ahead's gain, alternating with the others)")
+    ap.add_argument("--program-ahead-ab", action="store_true",
+                    help="one more scheduler side: lazy with Client(read_ahead=False) (the "
+                         "program read-ahead's gain, alternating with the others)")
     ap.add_argument("--scheduler-only", action="store_true",
                     help="only the scheduler's path and its floor (no containerd, no CLI)")
     ap.add_argument("--client", metavar="LAYERFS",
@@ -768,7 +779,8 @@ def main() -> None:
                       "client": args.client or "this checkout (editable)",
                       "miss_span": args.miss_span, "workload": WORKLOAD,
                       "store_latency_ms": args.store_latency_ms,
-                      "library_ahead_ab": args.library_ahead_ab},
+                      "library_ahead_ab": args.library_ahead_ab,
+                      "program_ahead_ab": args.program_ahead_ab},
            "machine": {"cpus": os.cpu_count(), "kernel": platform.release()},
            "image": {**image_info, "ref": ref},
            "import_s": None if import_s is None else round(import_s, 2),

@@ -41,12 +41,15 @@ if TYPE_CHECKING:
 
 class Client:
     """The node whose daemon serves ``root``; each call is one control request
-    (``timeout`` seconds at most, None: no bound)."""
+    (``timeout`` seconds at most, None: no bound). ``read_ahead``: a ``run``
+    reads the first page of the programs its command will exec while the
+    runtime starts (:mod:`.containers.programahead`)."""
 
     def __init__(self, root: str | os.PathLike[str] = DEFAULT_ROOT,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, read_ahead: bool = True) -> None:
         self.root = os.fspath(root)
         self.timeout = timeout
+        self.read_ahead = read_ahead
 
     def ping(self) -> PingAnswer:
         """The daemon's root, store URL and pid."""
@@ -243,7 +246,8 @@ class Client:
         try:
             result = runner.run(container, config, stdin=stdin, capture=capture,
                                 timeout=timeout, max_output=runner.MAX_OUTPUT
-                                if max_output is None else max_output)
+                                if max_output is None else max_output,
+                                read_ahead=self.read_ahead)
             if watch is not None and watch.killed():
                 say_memory_limit(result, config, capture)
         except OSError as exc:

@@ -111,6 +111,26 @@ def _search(rootfs_fd: int, program: str, path: str, cwd: str) -> CommandProblem
     return CommandProblem(COMMAND_NOT_FOUND, f"{program}: command not found in PATH {path}")
 
 
+def find_program(rootfs_fd: int, program: str, path: str, cwd: str) -> str | None:
+    """Where in the rootfs (``rootfs_fd``) the runtime finds ``program``: its
+    path if it is an executable file there (not under the container's own
+    mounts), else None."""
+    if "/" in program:
+        candidates = [posixpath.join(cwd, program)]
+    else:
+        candidates = [posixpath.join(cwd, d or ".", program) for d in path.split(":") if path]
+    for full in candidates:
+        if _not_on_rootfs(full):
+            return None
+        try:
+            mode = _mode(rootfs_fd, full)
+        except OSError:
+            continue
+        if _not_executable(mode) is None:
+            return full
+    return None
+
+
 def _not_on_rootfs(full: str) -> bool:
     normal = posixpath.normpath(posixpath.join("/", full))
     return any(normal == top or normal.startswith(top + "/") for top in NOT_ON_ROOTFS)

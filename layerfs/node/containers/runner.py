@@ -52,6 +52,7 @@ from ...errors import UsageError
 from ...records import Record
 from .bundle import write_bundle
 from .imagecommand import CommandProblem, check_command
+from .programahead import touch_programs
 
 TYPE_CHECKING = False  # typing is not imported at run time: a client starts faster
 if TYPE_CHECKING:
@@ -275,13 +276,14 @@ class RunResult(Record):
 
 def run(container: Container, config: dict[str, Any], *, stdin: bytes | int | None = None,
         capture: bool = False, timeout: float | None = None,
-        max_output: int = MAX_OUTPUT) -> RunResult:
+        max_output: int = MAX_OUTPUT, read_ahead: bool = True) -> RunResult:
     """Run ``config`` as ``container`` in the foreground and wait for it (at most
     ``timeout`` seconds: then the container is killed, and the runtime if it
     does not end); stdin from ``stdin`` (bytes, or a descriptor; None: ours),
     stdout and stderr captured if ``capture`` (else ours). A command that
     cannot start (:func:`.containers.imagecommand.check_command`) is not run: its one
-    line goes to stderr."""
+    line goes to stderr. ``read_ahead``: the programs the command will exec
+    are read ahead while the runtime starts (:mod:`.containers.programahead`)."""
     problem = command_problem(config)
     if problem is not None:
         line = f"layerfs: run: {problem.message}\n".encode()
@@ -292,6 +294,8 @@ def run(container: Container, config: dict[str, Any], *, stdin: bytes | int | No
     if timeout is not None and not 0 < timeout <= MAX_TIMEOUT:
         raise UsageError(f"timeout must be a positive number of seconds up to {MAX_TIMEOUT:g},"
                          f" not {timeout:g}")
+    if read_ahead:
+        touch_programs(config)  # not waited for: read while the runtime starts
     argv = container.command("run", "--bundle", container.bundle_dir, container.container_id)
     reaper = Reaper(container)
     try:
