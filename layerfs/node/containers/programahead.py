@@ -14,7 +14,9 @@ program at a time and a library at a time, becomes a few rounds at its start.
 
 A guess only: the threads are not waited for (a daemon thread each: a slow
 store keeps them, never the run), a file is read only if it is a regular
-file of the rootfs (``openat2(RESOLVE_IN_ROOT)``, ``O_NONBLOCK``), at most
+file of the rootfs (found with ``openat2(RESOLVE_IN_ROOT)`` as ``O_PATH``,
+checked, and only then reopened for reading, ``O_NONBLOCK``: a name a
+container swaps for a device or a FIFO meanwhile is never opened), at most
 ``PROGRAMS_MAX`` programs and ``SCRIPT_MAX`` bytes of script are looked at,
 and a word the parse does not understand (an expansion, a quote left open)
 is skipped.
@@ -106,13 +108,18 @@ def touch(rootfs: str, program: str, path: str, cwd: str) -> None:
             full = find_program(rootfs_fd, program, path, cwd)
             if full is None:
                 return
-            fd = openat2(rootfs_fd, full, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC,
-                         RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
-            try:
-                if stat.S_ISREG(os.fstat(fd).st_mode):
-                    os.pread(fd, PAGE, 0)
+            where = openat2(rootfs_fd, full, os.O_PATH | os.O_CLOEXEC,
+                            RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+            try:  # opened for reading only as the regular file it is (a name
+                if stat.S_ISREG(os.fstat(where).st_mode):  # swapped since is not followed)
+                    fd = os.open(f"/proc/self/fd/{where}", os.O_RDONLY | os.O_NONBLOCK
+                                 | os.O_CLOEXEC)
+                    try:
+                        os.pread(fd, PAGE, 0)
+                    finally:
+                        os.close(fd)
             finally:
-                os.close(fd)
+                os.close(where)
         finally:
             os.close(rootfs_fd)
     except OSError:
