@@ -27,11 +27,11 @@ from support.programs import (
     STORE_GONE,
     fetched_settles,
     needs_debian_amd64,
+    program_env,
     program_tree,
     readable,
 )
 
-from layerfs.builder.env import create_env
 from layerfs.formats.elfdeps import MAX_NEEDED, NeedBytes, needs
 from layerfs.formats.erofsread import MetaLookup
 from layerfs.node.reads.blobfiles import BlobFile
@@ -338,14 +338,7 @@ def test_a_sandbox_that_opens_a_program_finds_its_libraries_held(tmp_path, on, p
     file the program does not name fails either way (the store is gone).
     Over FUSE blob files, and over partial blob files (``--kernel-reads``)."""
     need_root()
-    tree = tmp_path / "tree"
-    libs = program_tree(tree)
-    (tree / "usr/share").mkdir(parents=True)
-    (tree / "usr/share/other.bin").write_bytes(os.urandom(2 << 20))
-    store_dir = tmp_path / "store"
-    store = FileStore(str(store_dir))
-    build(store, str(tree), name="prog")
-    create_env(RefStore(store), "e", "1", ["prog@1"])
+    tree, libs, store_dir = program_env(tmp_path)
     node = NodeDaemon(tmp_path / "node", ["--store", f"file://{store_dir}"], read_timeout=2.0,
                       kernel_reads=partial)
     node.extra_args = [] if on else ["--no-library-ahead"]

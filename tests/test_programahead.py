@@ -15,14 +15,17 @@ import threading
 from pathlib import Path
 
 import pytest
-from support import build, need_root
+from support import need_root
 from support.nodes import NodeDaemon, serving, up_lazy
-from support.programs import STORE_GONE, fetched_settles, needs_debian_amd64, program_tree, readable
+from support.programs import (
+    STORE_GONE,
+    fetched_settles,
+    needs_debian_amd64,
+    program_env,
+    readable,
+)
 
-from layerfs.builder.env import create_env
 from layerfs.node.containers.programahead import PROGRAMS_MAX, programs_of, touch, touch_programs
-from layerfs.refstore import RefStore
-from layerfs.store.file import FileStore
 
 
 @pytest.mark.parametrize("args,programs", [
@@ -77,14 +80,7 @@ def test_a_touched_program_has_its_libraries_held_before_it_runs(tmp_path):
     executed), then the store taken away: the program and its libraries
     read whole through the sandbox, a file it does not name does not."""
     need_root()
-    tree = tmp_path / "tree"
-    libs = program_tree(tree)
-    (tree / "usr/share").mkdir(parents=True)
-    (tree / "usr/share/other.bin").write_bytes(os.urandom(2 << 20))
-    store_dir = tmp_path / "store"
-    store = FileStore(str(store_dir))
-    build(store, str(tree), name="prog")
-    create_env(RefStore(store), "e", "1", ["prog@1"])
+    tree, libs, store_dir = program_env(tmp_path)
     node = NodeDaemon(tmp_path / "node", ["--store", f"file://{store_dir}"], read_timeout=2.0)
     node.expected = [re.compile(p) for p in STORE_GONE]
     for _ in serving(node):

@@ -12,6 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from layerfs.builder.env import create_env
+from layerfs.refstore import RefStore
+from layerfs.store.file import FileStore
+
+from . import build
 from .nodes import NodeDaemon
 
 PROGRAM = "/usr/bin/ls"  # on the test machine: linked against libselinux, libc (and libpcre2)
@@ -80,3 +85,18 @@ def readable(path: Path, source: Path) -> bool:
         return path.read_bytes() == source.read_bytes()
     except OSError:
         return False
+
+
+def program_env(tmp_path: Path) -> tuple[Path, list[str], Path]:
+    """Env ``e@1`` of one layer (``program_tree`` and a 2 MiB file no program
+    names, ``/usr/share/other.bin``) in a file store: the tree, the
+    libraries' paths, the store's directory."""
+    tree = tmp_path / "tree"
+    libs = program_tree(tree)
+    (tree / "usr/share").mkdir(parents=True)
+    (tree / "usr/share/other.bin").write_bytes(os.urandom(2 << 20))
+    store_dir = tmp_path / "store"
+    store = FileStore(str(store_dir))
+    build(store, str(tree), name="prog")
+    create_env(RefStore(store), "e", "1", ["prog@1"])
+    return tree, libs, store_dir

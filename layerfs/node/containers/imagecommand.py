@@ -25,6 +25,7 @@ import errno
 import os
 import posixpath
 import stat
+from collections.abc import Iterator
 
 from ...records import Record
 from ...safeopen import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, openat2
@@ -92,14 +93,9 @@ def _search(rootfs_fd: int, program: str, path: str, cwd: str) -> CommandProblem
     """The first executable ``program`` in a PATH directory wins; a file found
     that is not executable (and no executable one) is 126, nothing is 127."""
     refused: str | None = None
-    for directory in path.split(":") if path else ():
-        full = posixpath.join(cwd, directory or ".", program)
-        if _not_on_rootfs(full):
-            return None
-        try:
-            mode = _mode(rootfs_fd, full)
-        except OSError:
-            continue
+    for full, mode in _found(rootfs_fd, program, path, cwd):
+        if mode is None:
+            return None  # under the container's own mounts: the runtime's to say
         if stat.S_ISDIR(mode):
             continue  # as the runtimes and shells do: a directory is not a match
         if _not_executable(mode) is None:
@@ -115,20 +111,31 @@ def find_program(rootfs_fd: int, program: str, path: str, cwd: str) -> str | Non
     """Where in the rootfs (``rootfs_fd``) the runtime finds ``program``: its
     path if it is an executable file there (not under the container's own
     mounts), else None."""
+    for full, mode in _found(rootfs_fd, program, path, cwd):
+        if mode is None:
+            return None
+        if _not_executable(mode) is None:
+            return full
+    return None
+
+
+def _found(rootfs_fd: int, program: str, path: str, cwd: str
+           ) -> Iterator[tuple[str, int | None]]:
+    """Each place the runtime looks for ``program`` (itself if it has a
+    ``/``, else in each PATH directory) where something is, with its mode;
+    None for one under the container's own mounts (and no more after it)."""
     if "/" in program:
         candidates = [posixpath.join(cwd, program)]
     else:
         candidates = [posixpath.join(cwd, d or ".", program) for d in path.split(":") if path]
     for full in candidates:
         if _not_on_rootfs(full):
-            return None
+            yield full, None
+            return
         try:
-            mode = _mode(rootfs_fd, full)
+            yield full, _mode(rootfs_fd, full)
         except OSError:
             continue
-        if _not_executable(mode) is None:
-            return full
-    return None
 
 
 def _not_on_rootfs(full: str) -> bool:
