@@ -61,6 +61,21 @@ class ChunkTable:
     def __len__(self) -> int:
         return len(self.entries)
 
+    def continuing(self, i: int, most: int) -> list[int]:
+        """The entries after entry ``i`` that continue its file, at most
+        ``most`` of them: each starts where the full chunk before it ends and
+        is not flagged ``FILE_START`` (a file's holes and repeated chunks have
+        no entry and take no place in the blob: they end the run)."""
+        entries, size = self.entries, self.chunk_size
+        rest: list[int] = []
+        for j in range(i + 1, min(len(entries), i + 1 + most)):
+            prev, nxt = entries[j - 1], entries[j]
+            if (nxt.flags & FILE_START or prev.length != size
+                    or nxt.blob_offset != prev.blob_offset + size):
+                break
+            rest.append(j)
+        return rest
+
     def packs(self) -> list[str]:
         return sorted({e.pack for e in self.entries})
 

@@ -226,24 +226,14 @@ class BlobFile:
         return stream
 
     def rest_of_file(self, i: int) -> list[int]:
-        """The entries after entry ``i`` that continue its file, if the file has
-        at most ``FILE_AHEAD`` chunks (else none): each starts where the full
-        chunk before it ends and is not flagged ``FILE_START``. A file's holes
-        and repeated chunks have no entry and take no place in the blob, so
-        they are skipped; a file with no chunk of its own has no flagged entry
-        and cannot be told from the file before it when that one ends on a
-        full chunk, so at worst a few of its chunks come along."""
-        entries, size = self.table.entries, self.table.chunk_size
-        rest: list[int] = []
-        for j in range(i + 1, len(entries)):
-            prev, nxt = entries[j - 1], entries[j]
-            if (nxt.flags & FILE_START or prev.length != size
-                    or nxt.blob_offset != prev.blob_offset + size):
-                break
-            if len(rest) == FILE_AHEAD - 1:
-                return []  # a larger file: the stream's readahead's
-            rest.append(j)
-        return rest
+        """The entries after entry ``i`` that continue its file
+        (``ChunkTable.continuing``), if the file has at most ``FILE_AHEAD``
+        chunks (else none: a larger file is the stream's readahead's). A file
+        with no chunk of its own has no flagged entry and cannot be told from
+        the file before it when that one ends on a full chunk, so at worst a
+        few of its chunks come along."""
+        rest = self.table.continuing(i, FILE_AHEAD)
+        return [] if len(rest) == FILE_AHEAD else rest
 
     def _fetch_rest_of_file(self, i: int, along: list[ChunkEntry]) -> None:
         """On a miss of a file's first chunk (entry ``i``, read from its

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import trio
 
-from ...formats.chunktable import FILE_START, ChunkTable
+from ...formats.chunktable import ChunkTable
 from ...formats.elfdeps import ElfNeeds, NeedBytes, is_elf, needs
 from ...formats.erofs import BLOCK
 from ...formats.erofsread import MetaLookup
@@ -68,6 +68,7 @@ class LibraryAhead:
         """``offsets``: the entries' blob offsets, in order (the blob's);
         ``meta_image``: the layer's checked meta image on the node, opened
         for each batch of lookups (no descriptor held between them)."""
+        self.table = table
         self.entries = table.entries
         self.chunk_size = table.chunk_size
         self.offsets = offsets
@@ -97,17 +98,8 @@ class LibraryAhead:
 
     def _by_place(self, i: int) -> list[int | None]:
         """The entries of the file whose first chunk is entry ``i``, as far as
-        the chunk table tells: full chunks one after another, none flagged as
-        a file's start (see ``BlobFile.rest_of_file``)."""
-        chunks: list[int | None] = [i]
-        entries, size = self.entries, self.chunk_size
-        for j in range(i + 1, min(len(entries), i + FILE_CHUNKS_MAX)):
-            prev, nxt = entries[j - 1], entries[j]
-            if (nxt.flags & FILE_START or prev.length != size
-                    or nxt.blob_offset != prev.blob_offset + size):
-                break
-            chunks.append(j)
-        return chunks
+        the chunk table tells (``ChunkTable.continuing``)."""
+        return [i, *self.table.continuing(i, FILE_CHUNKS_MAX)]
 
     async def _follow(self, chunks: list[int | None], origin: str | None, depth: int,
                       first: Buffer | None = None) -> None:

@@ -292,15 +292,14 @@ class PartialBlobs:
         memory and cache, where the loader's fills then find them)."""
         entry = libraries.entries[i]
         try:
-            head = await trio.to_thread.run_sync(os.pread, fd, 4, entry.blob_offset)
-            if is_elf(head):
-                data = await trio.to_thread.run_sync(os.pread, fd, entry.length,
-                                                     entry.blob_offset)
-                libraries.missed(i, data)
+            data = await trio.to_thread.run_sync(read_if_elf, fd, entry.blob_offset,
+                                                 entry.length)
         except OSError:
-            pass
+            return
         finally:
             os.close(fd)
+        if data is not None:
+            libraries.missed(i, data)
 
     def _read_ahead(self, part: PartialBlob, offset: int, end: int) -> None:
         """A read that continues the last one fills ahead of the stream, in
@@ -474,6 +473,12 @@ def write_through(fd: int, data: bytes | memoryview, offset: int) -> None:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     os.posix_fadvise(fd, offset, len(data), os.POSIX_FADV_DONTNEED)
+
+
+def read_if_elf(fd: int, offset: int, length: int) -> bytes | None:
+    """Worker thread: the ``length`` bytes at ``offset`` if they start an ELF
+    file (its magic read first), else None."""
+    return os.pread(fd, length, offset) if is_elf(os.pread(fd, 4, offset)) else None
 
 
 def held_in_file(fd: int, entries: list[ChunkEntry], indexes: list[int]) -> list[int]:

@@ -138,16 +138,15 @@ class LayerMounts:
                 if whole is not None and self.adopt(target):  # kept across a restart
                     on_file = await whole.adopt(rl.hex)
                     return MountedLayer(digest, blob, target, local=on_file)
+                if whole is None:  # lazily read: its misses may follow the files' needs
+                    blob.know_files(rl.meta_path)
                 if part is not None and self.adopt(target):
                     on_file = await part.adopt(blob)
-                    blob.know_files(rl.meta_path)
                     return MountedLayer(digest, blob, target, partial=on_file)
                 if whole is not None:
                     local = await whole.open(rl.hex, rl.table)
                 elif part is not None:
                     partial = await part.open(blob)
-                if whole is None:  # lazily read: its misses may follow the files' needs
-                    blob.know_files(rl.meta_path)
                 if may_mount is not None:
                     await may_mount.wait()
                 if self.adopt(target):
