@@ -15,10 +15,17 @@ snapshot once before (its chunks in the node's cache, the page cache
 dropped: the store's part of a lazy resume taken out, the daemon's kept),
 with ``--prestaged`` one after ``vm prefetch`` brought the working set onto
 the node (untimed, the page cache dropped),
-and with ``--hot`` one whose QEMU maps a local
+with ``--hot`` one whose QEMU maps a local
 copy of the whole RAM, its pages in the page cache (the copy made before
-QEMU starts: what no prefetch can beat), the order rotating between reps;
-each measures
+QEMU starts: what no prefetch can beat), and with ``--ideal`` the floor of
+any prefetch made at the resume: QEMU maps the same local copy less the
+working set's chunks (holes where they go), and from the request on this
+process reads those chunks from the store, decodes and checks them and
+writes them into the copy (4 threads, no cache files, no FUSE: less work
+than any prefetch through the node does), while QEMU starts and its device
+state loads; the state is loaded, and the guest goes on, once they are all
+written (loading it reads the guest's virtqueues from its RAM; this process
+drives QMP, not the daemon). The order rotates between reps; each measures
 
 * **ready**: ``vm resume``'s request to the daemon's log line that the
   state is loaded and the guest runs (QEMU started right after the answer);
@@ -44,28 +51,38 @@ bench/results/vm_resume.json (or ``--out``).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import hashlib
 import json
+import os
 import random
 import re
 import shutil
 import statistics
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench import RESULTS, WORK, git_head
 from bench.daemons import DaemonRuns, clear_dir, cpu_seconds, drop_caches, print_footer
 from harness import guest
 from layerfs.builder.layer import BuildOptions, build_layer
+from layerfs.chunks import fetch_run, pack_runs
+from layerfs.errors import IntegrityError
+from layerfs.formats.chunktable import ChunkEntry
 from layerfs.formats.lsmt import HT_SPACE
 from layerfs.node.client import Client
 from layerfs.node.protocol import VmRam, VmRecord
 from layerfs.node.reads.accesstraces import parse_trace, trace_bytes, trace_key
+from layerfs.node.vms.snapshots import load_state
 from layerfs.node.vms.vmmargs import qemu_drive_args, qemu_ram_args
 from layerfs.refstore import RefStore
 from layerfs.sizes import parse_size
 from layerfs.store.file import FileStore
 
 MiB = 1 << 20
+FALLOC_PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 OUT = RESULTS / "vm_resume.json"
 SCRIPT = """mkdir -p /l
 mount -t erofs -o ro,device=/dev/vdb /dev/vda /l || echo "GUEST-ERROR mount"
@@ -113,6 +130,48 @@ def local_copy(ram: VmRam, path: Path) -> VmRam:
                  incoming=ram.incoming)
 
 
+def ideal_copy(ram: VmRam, path: Path, entries: list[ChunkEntry]) -> VmRam:
+    """:func:`local_copy` less the working set: each of ``entries`` (checked
+    against the copy first: the RAM offset of a chunk is its blob offset less
+    the header space) punched out, so that its pages read as zeros until
+    :func:`fetch_into` writes them; QMP on a socket of this process's own."""
+    local = local_copy(ram, path)
+    with open(path, "r+b") as f:
+        for e in entries:
+            at = e.blob_offset - HT_SPACE
+            if hashlib.sha256(os.pread(f.fileno(), e.length, at)).digest() != e.sha256:
+                raise RuntimeError(f"working-set chunk at RAM offset {at} does not match the "
+                                   "local copy: the bench's offset mapping is wrong")
+            punch_hole(f.fileno(), at, e.length)
+    local.qmp = ram.qmp + ".bench"
+    return local
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """``fallocate(FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)``: the range
+    becomes a hole, its pages gone from the page cache."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if libc.fallocate(fd, FALLOC_PUNCH, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def fetch_into(store: FileStore, entries: list[ChunkEntry], path: Path) -> None:
+    """The working set's chunks read from the store in runs of a pack (4 at
+    once), decoded, checked and written at their RAM offsets in ``path``."""
+    ordered = sorted(entries, key=lambda e: (e.pack, e.pack_offset))
+    with open(path, "r+b") as f, ThreadPoolExecutor(4) as pool:
+        def one(run: list[ChunkEntry]) -> None:
+            for e, data in zip(run, fetch_run(store, run), strict=True):
+                if isinstance(data, IntegrityError):
+                    raise data
+                os.pwrite(f.fileno(), data, e.blob_offset - HT_SPACE)
+
+        for done in [pool.submit(one, run) for run in pack_runs(ordered)]:
+            done.result()
+
+
 def stage(node, client: Client, kernel, initramfs: Path, work: Path, ref: str, name: str,
           store: FileStore, timeout: float) -> None:
     """An untimed resume of ``ref`` and its first command on the node, then
@@ -138,14 +197,18 @@ def stage(node, client: Client, kernel, initramfs: Path, work: Path, ref: str, n
 
 def resume(runs: DaemonRuns, store_dir: Path, work: Path, kernel, initramfs: Path, ref: str,
            name: str, oddities: list[str], timeout: float, keep: bool = False,
-           hot: bool = False, staged: bool = False, prestaged: bool = False) -> dict:
+           hot: bool = False, staged: bool = False, prestaged: bool = False,
+           ideal: list[ChunkEntry] | None = None) -> dict:
     """One resume on a fresh node root: its times and bytes fetched. ``hot``:
     its QEMU maps a local copy of the whole RAM instead (made before QEMU
     starts, not timed: ``from_qemu_s`` is what to compare). ``staged``: the
     node resumed the snapshot once before (untimed, :func:`stage`): what it
     touched is in the node's cache, not in the page cache. ``prestaged``:
     ``vm prefetch`` brought the snapshot's working set onto the node before
-    (untimed: a scheduler stages it where it will resume it)."""
+    (untimed: a scheduler stages it where it will resume it). ``ideal``: the
+    working set's entries, fetched by this process at the resume into a
+    local copy that lacks them (:func:`ideal_copy`, untimed), the guest going
+    on once they are in (this process loads its state)."""
     root = clear_dir(work / f"root-{name}", oddities)
     node = runs.start(root, name, ["--store", f"file://{store_dir}"])
     client = Client(root)
@@ -167,10 +230,22 @@ def resume(runs: DaemonRuns, store_dir: Path, work: Path, kernel, initramfs: Pat
     if hot:
         assert vm.ram is not None
         vm.ram = local_copy(vm.ram, work / f"{name}.ram")
+    ideal_run: IdealRun | None = None
+    if ideal is not None:  # (the copy untimed: the clock starts again after it)
+        assert vm.ram is not None
+        vm.ram = ideal_copy(vm.ram, work / f"{name}.ram", ideal)
+        fetched0 = client.stats().cache.get("bytes_fetched", 0)
+        cpu0 = cpu_seconds(node.proc.pid)
+        shift = time.monotonic() - answered
+        t0, answered = t0 + shift, answered + shift
+        ideal_run = IdealRun(FileStore(str(store_dir)), ideal, vm.ram)
     qemu_at = time.monotonic()
     g = start(kernel, initramfs, vm, work, name)
     try:
-        ready = wait_log(node, f"vm {name} resumed from its snapshot", timeout)
+        if ideal_run is not None:
+            ready = ideal_run.ready(timeout)
+        else:
+            ready = wait_log(node, f"vm {name} resumed from its snapshot", timeout)
         fetched_ready = client.stats().cache.get("bytes_fetched", 0) - fetched0
         g.send("cmd")
         at, _ = g.wait_for(r"^DONE ", timeout)
@@ -188,10 +263,12 @@ def resume(runs: DaemonRuns, store_dir: Path, work: Path, kernel, initramfs: Pat
                            r"([\d.]+) s\)", node.log())
         if warmed:  # the page-cache read of the working set (its own thread)
             row["warm_s"] = float(warmed.group(2))
+        if ideal_run is not None:
+            row["ideal_fetch_s"] = round(ideal_run.fetched_at - qemu_at, 3)
         if keep:
             return {"row": row, "node": node, "guest": g, "client": client}
         wait_log(node, f"vm {name}: working set", 30) if not row[
-            "prefetched_working_set"] else None
+            "prefetched_working_set"] and ideal is None else None
         g.send("stop")
         g.finish(timeout)
     finally:
@@ -200,6 +277,51 @@ def resume(runs: DaemonRuns, store_dir: Path, work: Path, kernel, initramfs: Pat
     client.vm_down(name)
     runs.finish(node, remove_root=True)
     return {"row": row}
+
+
+class IdealRun:
+    """The ideal side's resume: the working set fetched into the local copy
+    (:func:`fetch_into`) beside QEMU's start; once it is in, the state loaded
+    by this process (:func:`load_state`, as the daemon does) and the guest
+    let go on."""
+
+    def __init__(self, store: FileStore, entries: list[ChunkEntry], ram: VmRam) -> None:
+        self.fetched = threading.Event()
+        self.fetched_at = 0.0
+        self.error: BaseException | None = None
+        self.loaded_at: float | None = None
+        threading.Thread(target=self._fetch, args=(store, entries, Path(ram.path)),
+                         daemon=True).start()
+        threading.Thread(target=self._load, args=(ram,), daemon=True).start()
+
+    def _fetch(self, store: FileStore, entries: list[ChunkEntry], path: Path) -> None:
+        try:
+            fetch_into(store, entries, path)
+        except BaseException as exc:  # noqa: BLE001 - raised in ready()
+            self.error = exc
+        self.fetched_at = time.monotonic()
+        self.fetched.set()
+
+    def _load(self, ram: VmRam) -> None:
+        try:
+            while not os.path.exists(ram.qmp):
+                time.sleep(0.005)
+            assert ram.incoming is not None
+            self.fetched.wait(120)  # (loading the state reads the virtqueues from RAM)
+            load_state(ram.qmp, ram.incoming)
+        except BaseException as exc:  # noqa: BLE001 - raised in ready()
+            self.error = exc
+        self.loaded_at = time.monotonic()
+
+    def ready(self, timeout: float) -> float:
+        deadline = time.monotonic() + timeout
+        while self.loaded_at is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the ideal resume's state did not load")
+            time.sleep(0.005)
+        if self.error is not None:
+            raise RuntimeError(f"the ideal resume failed: {self.error}") from self.error
+        return self.loaded_at
 
 
 def main() -> None:
@@ -225,6 +347,10 @@ def main() -> None:
     ap.add_argument("--hot", action="store_true",
                     help="also resume with QEMU on a local copy of the whole RAM, its pages in "
                          "the page cache (the floor of any prefetch; compare from_qemu_s)")
+    ap.add_argument("--ideal", action="store_true",
+                    help="also the floor of a prefetch at the resume: the working set fetched "
+                         "by the bench into a local copy of the RAM that lacks it, beside QEMU's "
+                         "start, the guest going on once it is in")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     ram, touch, change = (parse_size(x) for x in (args.ram, args.touch, args.change))
@@ -248,7 +374,8 @@ def main() -> None:
     results: dict = {"without": [], "with": [], **({"all": []} if args.all else {}),
                      **({"staged": []} if args.staged else {}),
                      **({"prestaged": []} if args.prestaged else {}),
-                     **({"hot": []} if args.hot else {})}
+                     **({"hot": []} if args.hot else {}),
+                     **({"ideal": []} if args.ideal else {})}
     sides = list(results)
     try:
         root = clear_dir(work / "root-first", oddities)
@@ -273,14 +400,16 @@ def main() -> None:
             if rep == 0:  # (its first, without, pushes the working set)
                 order = ["without"] + [x for x in sides if x != "without"]
             for side in order:
-                if side in ("without", "hot", "staged"):
+                if side in ("without", "hot", "staged", "ideal"):
                     store.delete(trace_key(digest)) if store.exists(trace_key(digest)) else None
                 else:
                     store.put(trace_key(digest), traces["with" if side == "prestaged" else side])
                 row = resume(runs, store_dir, work, kernel, initramfs, "bench/snap@1",
                              f"r{rep}{side[0]}", oddities, args.timeout,
                              hot=side == "hot", staged=side == "staged",
-                             prestaged=side == "prestaged")["row"]
+                             prestaged=side == "prestaged",
+                             ideal=working_set(store, digest, traces["with"], ram)
+                             if side == "ideal" else None)["row"]
                 results[side].append(row)
                 print(f"rep {rep} {side:7}: ready {row['ready_s']:.2f} s, first command "
                       f"{row['first_command_s']:.2f} s (from QEMU {row['from_qemu_s']:.2f} s), "
@@ -302,6 +431,15 @@ def ram_chunks(store: FileStore, digest: str, ram: int) -> list[int]:
     refstore = RefStore(store)
     entries = refstore.chunk_table(refstore.disk(digest)).entries
     return [i for i, e in enumerate(entries) if HT_SPACE <= e.blob_offset < HT_SPACE + ram]
+
+
+def working_set(store: FileStore, digest: str, trace: bytes, ram: int) -> list[ChunkEntry]:
+    """The table entries of a working set's chunks that hold only RAM (its
+    others, the device state's and the one across the RAM's end, the
+    resume's answer reads through the node)."""
+    entries = RefStore(store).chunk_table(RefStore(store).disk(digest)).entries
+    return [e for e in (entries[i] for i in parse_trace(trace) or [])
+            if e.blob_offset >= HT_SPACE and e.blob_offset + e.length <= HT_SPACE + ram]
 
 
 def chunk_bytes(store: FileStore, digest: str, trace: bytes) -> dict:

@@ -1076,3 +1076,73 @@ def test_the_store_fetch_limit_is_the_concurrency_also_above_trios_thread_defaul
 
     trio.run(main)
     assert sorted(got) == sorted(store.data.values())
+
+
+def test_a_hold_keeps_cache_writes_waiting_served_from_memory_until_released(tmp_path):
+    """While a hold is on (a resumed vm's working set on its way), the cache
+    files of the chunks fetched meanwhile wait and their bytes are served from
+    memory; released, the files are written; a second hold's end releases
+    nothing before the last one's, and a hold whose time is up lets go itself."""
+    a = "sha256:" + "a" * 64
+    entries, pack = run_entries([4096] * 3, a)
+    f = fetcher(tmp_path, RangeStore({a: pack}))
+    states = f.states
+    clock = trio.testing.MockClock()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            f.tasks.nursery = nursery
+            release = states.hold_writes(nursery, 60)
+            other = states.hold_writes(nursery, 5)
+            await f.get(entries[0])
+            await trio.testing.wait_all_tasks_blocked()
+            assert not f.cache.contains(entries[0].sha256.hex())
+            assert states.state(entries[0].sha256) is ChunkState.IN_MEMORY
+            assert await f.get(entries[0]) == pack[:4096]  # from memory
+            release()
+            release()  # (once is enough)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not f.cache.contains(entries[0].sha256.hex())  # the other hold is on
+            clock.jump(5)  # its time is up
+            await f.writes_done()
+            assert f.cache.contains(entries[0].sha256.hex())
+            await f.get(entries[1])  # no hold: written behind as before
+            await f.writes_done()
+            assert f.cache.contains(entries[1].sha256.hex())
+            other()
+            f.tasks.nursery = None
+            nursery.cancel_scope.cancel()
+
+    run(main, clock)
+
+
+def test_a_hold_keeps_at_most_its_bytes_waiting_and_a_stop_drops_what_waits(tmp_path, monkeypatch):
+    """Past ``HELD_BYTES`` of waiting writes a hold keeps no more waiting (those
+    are written behind as before); a daemon that stops with writes held drops
+    them (not cached, as after a crash) and ``writes_done`` does not hang."""
+    import layerfs.node.reads.chunkstates as chunkstates
+
+    monkeypatch.setattr(chunkstates, "HELD_BYTES", 4096)
+    a = "sha256:" + "a" * 64
+    entries, pack = run_entries([4096] * 2, a)
+    f = fetcher(tmp_path, RangeStore({a: pack}))
+
+    async def main() -> None:
+        async with trio.open_nursery() as outer:
+            f.tasks.nursery = outer
+            async with trio.open_nursery() as inner:
+                f.tasks.nursery = inner
+                f.states.hold_writes(outer, 60)
+                await f.get(entries[0])  # held
+                await f.get(entries[1])  # past the bound: written behind
+                while not f.cache.contains(entries[1].sha256.hex()):
+                    await trio.sleep(0)  # (its cache write, in a worker thread)
+                assert not f.cache.contains(entries[0].sha256.hex())
+                inner.cancel_scope.cancel()  # the daemon stops
+            with trio.fail_after(1):
+                await f.writes_done()
+            assert not f.cache.contains(entries[0].sha256.hex())
+            f.tasks.nursery = None
+            outer.cancel_scope.cancel()
+
+    run(main)

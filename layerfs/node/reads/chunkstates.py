@@ -8,6 +8,12 @@ the flights of the chunks no one has or fetches and names the flights of the
 chunks others fetch, so two fetches of one chunk can never start (the state
 diagram and the rule for each ``await``: docs/dev/node.md). Trio-thread only.
 
+A hold (``hold_writes``) keeps the cache files of chunks fetched meanwhile
+waiting, their bytes served from memory, up to ``HELD_BYTES``, until it is
+released or its time is up: for a burst whose cores and disk are wanted by
+someone waiting right now (a resumed vm's working set, its guest waiting
+for it: layerfs/node/vms/ramwarm.py).
+
 It also serves what the node holds: a reader's chunk, or the part of it a
 small read wants, from memory or its cache file (``read_held``; one read of a
 file however many readers want it), so a cache hit never enters the fetch core
@@ -21,7 +27,7 @@ import enum
 import errno
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import trio
@@ -34,6 +40,7 @@ from .chunkfile import Chunk
 
 log = logging.getLogger(__name__)
 MAX_UNWRITTEN = 64  # fetched chunks whose cache files may be pending at once
+HELD_BYTES = 256 << 20  # bytes of fetched chunks whose cache files a hold may keep waiting
 
 
 class FetchError(LayerfsError):
@@ -115,6 +122,10 @@ class ChunkStates:
         self._flights: dict[bytes, Flight] = {}
         self._unwritten: dict[bytes, Chunk] = {}  # fetched, cache file not written yet
         self._written = trio.lowlevel.ParkingLot()  # woken when _unwritten empties
+        self._holds = 0  # holds on the cache writes not released yet
+        self._writes_go = trio.Event()  # set while no hold is on
+        self._writes_go.set()
+        self._held = 0  # bytes of the writes waiting for a hold to end
         self.warnings = RateLimitedLog(log)  # one per chunk otherwise, on a full ROOT
 
     def deadline(self) -> float:
@@ -280,11 +291,52 @@ class ChunkStates:
         was stored as: ``ChunkCache.write``) after the readers have their bytes
         (they stay readable from memory meanwhile); with too many writes
         pending, or no nursery to run them in, wait for this write."""
+        if nursery is not None and self._holds and self._held + len(data) <= HELD_BYTES:
+            self._unwritten[sha] = data
+            self._held += len(data)
+            nursery.start_soon(self._write_after_hold, sha, data, frame, self._writes_go)
+            return
         if nursery is None or len(self._unwritten) >= MAX_UNWRITTEN:
             await self._write(sha, data, frame)
             return
         self._unwritten[sha] = data
         nursery.start_soon(self._write, sha, data, frame)
+
+    def hold_writes(self, nursery: trio.Nursery, seconds: float) -> Callable[[], None]:
+        """Hold the cache writes of chunks fetched from now on (see the module's
+        docstring) until the returned function is called (once is enough) or
+        ``seconds`` have passed."""
+        if self._holds == 0:
+            self._writes_go = trio.Event()
+        self._holds += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            self._holds -= 1
+            if self._holds == 0:
+                self._writes_go.set()
+
+        async def release_later() -> None:
+            await trio.sleep(seconds)
+            release()
+
+        nursery.start_soon(release_later)
+        return release
+
+    async def _write_after_hold(self, sha: bytes, data: Chunk, frame: bytes | None,
+                                go: trio.Event) -> None:
+        try:
+            await go.wait()
+        except BaseException:  # cancelled (the daemon stops): not cached, as after a crash
+            self._held -= len(data)
+            self._done_with(sha)
+            raise
+        self._held -= len(data)
+        await self._write(sha, data, frame)
 
     async def _write(self, sha: bytes, data: Chunk, frame: bytes | None) -> None:
         try:
@@ -295,9 +347,13 @@ class ChunkStates:
             self.warnings.warning(kind, "cannot write cache file for chunk %s: %s; served "
                                   "without caching it", sha.hex()[:16], exc)
         finally:
-            self._unwritten.pop(sha, None)
-            if not self._unwritten:
-                self._written.unpark_all()
+            self._done_with(sha)
+
+    def _done_with(self, sha: bytes) -> None:
+        """The chunk's cache write is over (written or not)."""
+        self._unwritten.pop(sha, None)
+        if not self._unwritten:
+            self._written.unpark_all()
 
     async def writes_done(self) -> None:
         """Wait until every fetched chunk's cache file is written."""

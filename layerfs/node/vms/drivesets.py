@@ -32,13 +32,12 @@ owns or deletes that disk.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import re
 import shutil
-import threading
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +63,6 @@ from ..protocol import (
 )
 from ..reads.accesstraces import trace_bytes, trace_key
 from ..reads.blobfiles import BlobDirectory, BlobFile
-from ..reads.chunkstates import ChunkState
 from ..reads.fetcher import ChunkFetcher
 from ..reads.tracereplay import pushed_trace
 from ..replica.noderefs import NodeRefs
@@ -72,9 +70,9 @@ from ..replica.replica import Replica, ReplicaLayer
 from .diskfiles import SECTOR, pwrite_all
 from .disks import DiskManager, check_disk_size, check_max_depth
 from .pmem import PmemDirectory, like_parent, padded_copy
+from .ramwarm import WARM_TIMEOUT, RamWarmUp
 from .snapshots import (
     HEADER_BYTES,
-    WARM_TIMEOUT,
     SnapshotHeader,
     coalesce,
     flush_file,
@@ -83,7 +81,6 @@ from .snapshots import (
     read_state,
     save_state,
     snapshot_source,
-    warm_pages,
 )
 
 log = logging.getLogger(__name__)
@@ -94,7 +91,7 @@ RAM_CHUNK = 256 << 10  # a snapshot's chunks: a resume fetches what the guest to
 INCOMING_WAIT = 600.0  # seconds a resumed vm's state waits for its VMM
 STATE_PIECE = 1 << 20  # the device state is read from a snapshot this much at a time
 WORKING_SET_SECONDS = 5.0  # a resume's first seconds: the chunks touched are its working set
-NODE_HELD = (ChunkState.CACHED, ChunkState.IN_MEMORY)
+HOLD_WRITES = 30.0  # seconds a resume's warm-up may hold the node's cache writes at most
 
 
 def disk_of(vid: str) -> str:
@@ -108,22 +105,12 @@ def ram_disk_of(vid: str) -> str:
 
 
 @dataclass
-class WorkingSet:
-    """The working set pushed for a resumed vm's snapshot: its ranges of the
-    RAM file, and whether the node held all of its chunks when the resume
-    began (then reading it into the page cache is a local read)."""
-    ranges: list[tuple[int, int]]
-    held: bool
-
-
-@dataclass
-class WarmUp:
-    """A resumed vm's working set being read into its RAM file's page cache
-    by a thread of its own, from the resume's answer on: ``done`` when it
-    ends; ``wait``: the guest goes on only then (a working set the node
-    held, read in a fraction of the time its faults would take)."""
-    done: threading.Event
-    wait: bool
+class Warming:
+    """A resumed vm's working set on its way into its RAM file's page cache
+    (:class:`.ramwarm.RamWarmUp`), and the release of the hold it put on the
+    node's cache writes meanwhile (``ChunkStates.hold_writes``)."""
+    warm: RamWarmUp
+    release_writes: Callable[[], None]
 
 
 @dataclass
@@ -156,7 +143,7 @@ class Vms:
         self.held_pmem: dict[str, list[str]] = {}  # the pmem files (and meta copies) it holds
         self.meta_users: dict[str, int] = {}  # pmem meta copy name -> vms holding it
         self._busy: set[str] = set()  # an up or a down under way
-        self._warming: dict[str, WarmUp] = {}  # a resumed vm's working set read ahead
+        self._warming: dict[str, Warming] = {}  # a resumed vm's working set read ahead
         self.tasks = tasks or TaskGroup()  # the daemon's: resumed vms' state loads in it
 
     async def _save(self, record: VmRecord) -> None:
@@ -380,7 +367,7 @@ class Vms:
             # only now: what the answer needs (the header, the state, the drives'
             # indexes and meta images) waited behind the working set's fetches
             working = await self._prefetch_working_set(vid)
-            if working is not None:
+            if working:
                 log.info("vm %s: prefetching the working set of %s", vid, ref)
                 self._warm_up(vid, record, working)
         finally:
@@ -398,49 +385,55 @@ class Vms:
         qmp, state = record.ram.qmp, record.ram.incoming
         deadline = trio.current_time() + INCOMING_WAIT
         while not os.path.exists(qmp):
-            if self.records.get(vid) is not record or trio.current_time() > deadline:
+            if self.records.get(vid) is not record:
+                log.info("vm %s went down before a VMM came for its device state", vid)
+                self._stop_warming(vid)
+                return
+            if trio.current_time() > deadline:
                 log.warning("vm %s: no VMM came for its device state", vid)
+                self._stop_warming(vid)
                 return
             await trio.sleep(0.02)
-        warm = self._warming.pop(vid, None)
-        wait = functools.partial(warm.done.wait, WARM_TIMEOUT) if warm and warm.wait else None
+        warming = self._warming.get(vid)
         try:
-            took = await trio.to_thread.run_sync(load_state, qmp, state, wait)
-        except (LayerfsError, OSError, ValueError) as exc:
-            log.error("vm %s: its device state did not load: %s", vid, exc)
-            return
-        log.info("vm %s resumed from its snapshot (device state loaded in %.3f s)", vid, took)
-        await trio.sleep(WORKING_SET_SECONDS)
+            if warming is not None:  # the guest goes on once its working set is in
+                await trio.to_thread.run_sync(warming.warm.done.wait, WARM_TIMEOUT)
+                warming.warm.stop()  # (from here on nothing but the guest writes its RAM)
+            try:
+                took = await trio.to_thread.run_sync(load_state, qmp, state)
+            except (LayerfsError, OSError, ValueError) as exc:
+                log.error("vm %s: its device state did not load: %s", vid, exc)
+                return
+            log.info("vm %s resumed from its snapshot (device state loaded in %.3f s)", vid,
+                     took)
+            await trio.sleep(WORKING_SET_SECONDS)  # (the node's cache writes wait meanwhile)
+        finally:
+            if warming is not None and self._warming.get(vid) is warming:
+                self._stop_warming(vid)
         if self.records.get(vid) is record:
             await self._push_working_set(vid)
 
-    def _warm_up(self, vid: str, record: VmRecord, working: WorkingSet) -> None:
-        """Start reading resumed vm ``vid``'s working set into its RAM file's
-        page cache, before its VMM starts: the file's first open, so the
-        VMM's open keeps what it read (``WritableDisk.kernel_open``)."""
-        assert record.ram is not None
-        runs = coalesce(working.ranges, record.ram.size)
-        warm = WarmUp(threading.Event(), working.held)
-        self._warming[vid] = warm
-        threading.Thread(target=self._warm, args=(vid, record.ram.path, runs, warm.done),
-                         name=f"warm {vid}", daemon=True).start()
+    def _warm_up(self, vid: str, record: VmRecord, ranges: list[tuple[int, int]]) -> None:
+        """Start putting resumed vm ``vid``'s working set (``ranges`` of its RAM
+        file) into the file's page cache (:mod:`.ramwarm`), from the resume's
+        answer on, before its VMM starts; the node's cache writes wait until
+        the guest's first seconds are over (``_load_state``), at most
+        :data:`HOLD_WRITES` seconds: the guest waits for this warm-up, which
+        wants the cores and the disk."""
+        if record.ram is None or self.tasks.nursery is None:
+            return  # (no task group: the guest faults its working set in)
+        warm = RamWarmUp()
+        release = self.fetcher.states.hold_writes(self.tasks.nursery, HOLD_WRITES)
+        self._warming[vid] = Warming(warm, release)
+        self.tasks.nursery.start_soon(warm.run, vid, self.disks.disks[ram_disk_of(vid)],
+                                      record.ram.path, coalesce(ranges, record.ram.size))
 
-    @staticmethod
-    def _warm(vid: str, path: str, runs: list[tuple[int, int]], done: threading.Event) -> None:
-        """Thread: the working set's pages read into the page cache of
-        resumed vm ``vid``'s RAM file (:func:`.snapshots.warm_pages`); how it
-        went, logged; ``done`` set."""
-        started = time.monotonic()
-        try:
-            read = warm_pages(path, runs)
-        except OSError as exc:
-            log.warning("vm %s: its working set is not read ahead (%s): the guest faults "
-                        "it in", vid, exc)
-            return
-        finally:
-            done.set()
-        log.info("vm %s: working set read ahead (%d bytes in %d runs, %.3f s)", vid, read,
-                 len(runs), time.monotonic() - started)
+    def _stop_warming(self, vid: str) -> None:
+        """End vm ``vid``'s warm-up, if one is on: no more stores, the cache writes let go."""
+        warming = self._warming.pop(vid, None)
+        if warming is not None:
+            warming.warm.stop()
+            warming.release_writes()
 
     def _ram_blobs(self, vid: str) -> list[tuple[str, BlobFile]]:
         """The blob files of resumed vm ``vid``'s RAM disk chain (top first)."""
@@ -489,11 +482,11 @@ class Vms:
         return VmPrefetchAnswer(ref, len(wanted), sum(e.length for e in wanted),
                                 sum(e.length for e in absent))
 
-    async def _prefetch_working_set(self, vid: str) -> WorkingSet | None:
+    async def _prefetch_working_set(self, vid: str) -> list[tuple[int, int]]:
         """Start fetching, in the background, the working set pushed for the
-        layers of resumed vm ``vid``'s RAM; None where none was pushed."""
+        layers of resumed vm ``vid``'s RAM; its ranges of the RAM file (none
+        where none was pushed)."""
         ranges: list[tuple[int, int]] = []
-        held = True
         for digest, blob in self._ram_blobs(vid):
             try:
                 wanted = await self._working_set_of(digest, blob)
@@ -501,11 +494,10 @@ class Vms:
                 log.warning("vm %s: the working set of %s is not read (%s)", vid, digest, exc)
                 continue
             if wanted:
-                held = held and all(self.fetcher.state(e.sha256) in NODE_HELD for e in wanted)
                 self.blobs.prefetcher.fetch_ahead(wanted)
                 ranges.extend((e.blob_offset - HT_SPACE, e.length)  # (RAM at its own offsets)
                               for e in wanted)
-        return WorkingSet(ranges, held) if ranges else None
+        return ranges
 
     async def _working_set_of(self, digest: str, blob: BlobFile) -> list[ChunkEntry]:
         """The chunks of snapshot layer ``digest`` its pushed working set names,
@@ -582,7 +574,7 @@ class Vms:
         if vid in self._busy:
             raise VmBusy(vid)
         self._busy.add(vid)
-        self._warming.pop(vid, None)
+        self._stop_warming(vid)
         try:
             own = record.disk == disk_of(vid)  # (a tampered record may name another's)
             await self._release(vid, record.disk if own and not keep else None)

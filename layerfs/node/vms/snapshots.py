@@ -34,7 +34,6 @@ import socket
 import stat
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -46,9 +45,6 @@ HEADER_BYTES = 4096
 STATE_AREA = 64 << 20  # room for the device state in a snapshot (a hole where unused)
 SNAPSHOT_KIND = "layerfs-vm-snapshot"
 MIGRATE_TIMEOUT = 600.0  # seconds a device-state save may take
-WARM_PIECE = 4 << 20  # a resume's working set is read into the page cache this much a read
-WARM_THREADS = 4  # reads at once
-WARM_TIMEOUT = 120.0  # seconds a guest waits for its working set at most
 
 
 class QmpError(UsageError):
@@ -244,23 +240,6 @@ def coalesce(ranges: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]
         else:
             runs.append((off, end - off))
     return runs
-
-
-def warm_pages(path: str, runs: list[tuple[int, int]], threads: int = WARM_THREADS) -> int:
-    """Worker thread: read ``runs`` of file ``path`` (a resumed vm's RAM
-    disk, which its VMM maps shared) into the kernel's page cache,
-    :data:`WARM_PIECE` bytes a read, ``threads`` reads at once, so that the
-    guest's first touches of those pages are page cache hits, not
-    a FUSE request each. Bytes read; a read that fails ends it (logged by
-    the caller: what is not warm faults in as before)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        pieces = [(off + at, min(WARM_PIECE, length - at))
-                  for off, length in runs for at in range(0, length, WARM_PIECE)]
-        with ThreadPoolExecutor(threads) as pool:
-            return sum(pool.map(lambda p: len(os.pread(fd, p[1], p[0])), pieces))
-    finally:
-        os.close(fd)
 
 
 def snapshot_source(ram: Path, ram_size: int, state: bytes,

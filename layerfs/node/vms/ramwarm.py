@@ -1,0 +1,129 @@
+"""A resumed vm's working set put into its RAM file's page cache by the daemon itself.
+
+A resume whose snapshot has a pushed working set (the chunks a resume of it
+touched in its first seconds: docs/vm.md) brings those pages into the RAM
+file's page cache before the guest goes on, so that its first touches are
+minor faults instead of a FUSE read each. Each run of the working set is
+read from the RAM disk in the daemon (``WritableDisk.read``: the chain's
+chunks fetched and checked as for any read, the fetch-ahead already on its
+way) and handed to the kernel with FUSE's store notification
+(``FUSE_NOTIFY_STORE``: ``pyfuse3.notify_store``), :data:`PIECE` bytes a
+notification, :data:`AT_ONCE` pieces at once: no read request goes through
+the kernel and back for it.
+
+The rule that keeps it right: a store replaces what the page cache holds
+for its pages, so it may only carry the disk's bytes while nothing else
+writes the file. The guest's state is loaded, and the guest goes on, only
+once the warm-up is done or stopped (``Vms._load_state``), and
+:meth:`RamWarmUp.stop` takes the lock every store is made under: after it
+returns, no store is made, so none can land on a page the guest (or its
+VMM) has written since.
+
+The file is opened once first, in a worker thread: the disk's first open
+since it was made, at which the kernel drops the file's pages; the VMM's
+later open keeps them (``WritableDisk.kernel_open``). It is closed in a
+worker thread too: its release is a request this daemon answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import pyfuse3
+import trio
+
+from ...errors import LayerfsError
+from ..reads.blobfiles import Buffer
+from .diskfiles import WritableDisk
+
+log = logging.getLogger(__name__)
+PIECE = 4 << 20  # a working set's pages are stored this much a notification
+AT_ONCE = 4  # pieces read and stored at once
+WARM_TIMEOUT = 120.0  # seconds a guest waits for its working set at most
+
+
+class RamWarmUp:
+    """One resumed vm's warm-up: ``done`` (a threading.Event: the guest's
+    state loader waits on it in a worker thread) once it has ended, however."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.stored = 0  # bytes handed to the kernel
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def stop(self) -> None:
+        """No store from now on (a store under way ends first)."""
+        with self._lock:
+            self._stopped = True
+
+    def _store(self, inode: int, offset: int, data: Buffer) -> None:
+        """Worker thread: the bytes of ``[offset, offset + len(data))`` into
+        the page cache of FUSE inode ``inode``, unless stopped."""
+        with self._lock:
+            if self._stopped:
+                return
+            pyfuse3.notify_store(inode, offset, data)  # type: ignore[arg-type]  # (any buffer)
+            self.stored += len(data)
+
+    async def run(self, vid: str, disk: WritableDisk, path: str,
+                  runs: list[tuple[int, int]]) -> None:
+        """Store ``runs`` (``(offset, length)`` of the RAM file ``path``, the
+        file of ``disk``); the first failure (the store away, the vm gone)
+        stops it with one warning line: the guest faults in the rest. Logs
+        what it stored; ``done`` set at the end, whatever happened."""
+        started = time.monotonic()
+        try:
+            fd = await trio.to_thread.run_sync(os.open, path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            self._given_up(vid, exc)
+            return
+        try:
+            failed = await self._pieces(disk, runs)
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(os.close, fd)
+            self.done.set()
+        if failed is not None:
+            self._given_up(vid, failed)
+            return
+        log.info("vm %s: working set read ahead (%d bytes in %d runs, %.3f s)", vid,
+                 self.stored, len(runs), time.monotonic() - started)
+
+    async def _pieces(self, disk: WritableDisk,
+                      runs: list[tuple[int, int]]) -> LayerfsError | OSError | None:
+        """Read and store the runs' pieces; the first failure ends it (returned)."""
+        limiter = trio.CapacityLimiter(AT_ONCE)
+        failed: list[LayerfsError | OSError] = []
+
+        async def piece(offset: int, length: int) -> None:
+            async with limiter:
+                if self._stopped or failed:
+                    return
+                try:
+                    data = await disk.read(offset, length)
+                    await trio.to_thread.run_sync(self._store, disk.inode, offset, data)
+                except (LayerfsError, OSError) as exc:
+                    failed.append(exc)
+                    nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for offset, length in runs:
+                for at in range(0, length, PIECE):
+                    nursery.start_soon(piece, offset + at, min(PIECE, length - at))
+        return failed[0] if failed else None
+
+    def _given_up(self, vid: str, exc: LayerfsError | OSError) -> None:
+        """A failure ends it: one warning line, unless it was stopped first
+        (the vm went down: its disk's reads fail)."""
+        with self._lock:
+            stopped, self._stopped = self._stopped, True
+        self.done.set()
+        if stopped:
+            log.debug("vm %s: its working set's read ahead ended: %s", vid, exc)
+            return
+        log.warning("vm %s: its working set is not read ahead (%s): the guest faults it in",
+                    vid, exc)

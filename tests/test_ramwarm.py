@@ -1,0 +1,144 @@
+"""A resumed vm's working set put into its RAM file's page cache by the daemon
+(``layerfs/node/vms/ramwarm.py``), without a mount: the disk a stand-in that
+serves bytes, the kernel's store notification recorded. What is stored is the
+disk's bytes at their offsets, a piece at a time; after ``stop`` nothing is
+stored, and a store under way ends before ``stop`` returns; a failure is one
+warning line (none once stopped) and the guest is let go on. The kernel side
+(the pages a guest then finds) is tests/test_vm.py's resumes, with real
+guests. On a trio ``MockClock`` that stands still."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import trio
+from support.chunkstores import run
+
+from layerfs.errors import StoreUnreachable
+from layerfs.node.vms import ramwarm
+from layerfs.node.vms.ramwarm import PIECE, RamWarmUp
+
+RAM = 3 * PIECE + 4096
+
+
+class Disk:
+    """A RAM disk's stand-in: byte ``i`` is ``i % 251``; a read of ``fail_at``
+    fails as a store away does."""
+
+    inode = 42
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.fail_at = fail_at
+        self.reads: list[tuple[int, int]] = []
+
+    async def read(self, offset: int, length: int) -> bytes:
+        self.reads.append((offset, length))
+        if offset == self.fail_at:
+            raise StoreUnreachable("test store is down")
+        return bytes((offset + i) % 251 for i in range(length))
+
+
+@pytest.fixture
+def stores(monkeypatch) -> list[tuple[int, int, bytes]]:
+    """The store notifications made: (inode, offset, bytes)."""
+    made: list[tuple[int, int, bytes]] = []
+    monkeypatch.setattr(ramwarm.pyfuse3, "notify_store",
+                        lambda inode, offset, data: made.append((inode, offset, bytes(data))))
+    return made
+
+
+def warm_up(warm: RamWarmUp, disk: Disk, path, runs) -> None:
+    async def main() -> None:
+        await warm.run("v1", disk, str(path), runs)  # type: ignore[arg-type]
+
+    run(main)
+
+
+def test_the_working_set_is_stored_a_piece_at_a_time_as_the_disk_reads_it(tmp_path, stores,
+                                                                           caplog):
+    ram = tmp_path / "ram"
+    ram.write_bytes(b"")
+    warm = RamWarmUp()
+    runs = [(0, 4096), (PIECE, 2 * PIECE + 4096)]
+    with caplog.at_level(logging.INFO, "layerfs.node.vms.ramwarm"):
+        warm_up(warm, Disk(), ram, runs)
+    assert warm.done.is_set()
+    assert sorted((o, len(d)) for _, o, d in stores) == [
+        (0, 4096), (PIECE, PIECE), (2 * PIECE, PIECE), (3 * PIECE, 4096)]
+    for inode, offset, data in stores:
+        assert inode == Disk.inode
+        assert data == bytes((offset + i) % 251 for i in range(len(data)))
+    assert warm.stored == 4096 + 2 * PIECE + 4096
+    assert f"vm v1: working set read ahead ({warm.stored} bytes in 2 runs" in caplog.text
+
+
+def test_nothing_is_stored_after_stop_and_a_store_under_way_ends_first(tmp_path, monkeypatch):
+    """The guest goes on only after ``stop``: a store after it could replace a
+    page the guest has written."""
+    ram = tmp_path / "ram"
+    ram.write_bytes(b"")
+    entered, leave = threading.Event(), threading.Event()
+    made: list[int] = []
+    first: list[int] = []
+
+    def slow_store(inode: int, offset: int, data: bytes) -> None:  # (under the warm-up's lock)
+        if not entered.is_set():
+            first.append(offset)
+            entered.set()
+            leave.wait(10)
+        made.append(offset)
+
+    monkeypatch.setattr(ramwarm.pyfuse3, "notify_store", slow_store)
+    warm = RamWarmUp()
+    stopped: list[list[int]] = []
+
+    def stop_while_storing() -> None:
+        assert entered.wait(10)
+        timer = threading.Timer(0.2, leave.set)
+        timer.start()
+        warm.stop()  # waits for the store under way
+        stopped.append(list(made))
+        timer.join()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, stop_while_storing)
+            await warm.run("v1", Disk(), str(ram), [(0, RAM)])  # type: ignore[arg-type]
+
+    run(main)
+    assert first[0] in stopped[0]  # the store under way had ended when stop returned
+    assert made == stopped[0]  # and none came after
+    assert warm.done.is_set()
+
+
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.vms\.ramwarm: vm v1: its working set is not "
+                        r"read ahead \(store unreachable: test store is down\)")
+def test_a_failed_read_is_one_warning_and_lets_the_guest_go_on(tmp_path, stores, caplog):
+    ram = tmp_path / "ram"
+    ram.write_bytes(b"")
+    warm = RamWarmUp()
+    with caplog.at_level(logging.DEBUG, "layerfs.node.vms.ramwarm"):
+        warm_up(warm, Disk(fail_at=PIECE), ram, [(0, RAM)])
+    assert warm.done.is_set()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.getMessage() for r in warnings] == [
+        "vm v1: its working set is not read ahead (store unreachable: test store is down): "
+        "the guest faults it in"]
+    assert all(o != PIECE for _, o, _ in stores)
+    caplog.clear()
+    stopped = RamWarmUp()
+    stopped.stop()  # (the vm went down: its disk's reads fail)
+    warm_up(stopped, Disk(fail_at=0), ram, [(0, 4096)])
+    assert stopped.done.is_set()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.vms\.ramwarm: vm v1: its working set is not "
+                        r"read ahead \(\[Errno 2\] No such file")
+def test_a_ram_file_that_cannot_be_opened_is_one_warning(tmp_path, stores, caplog):
+    warm = RamWarmUp()
+    warm_up(warm, Disk(), tmp_path / "gone", [(0, 4096)])
+    assert warm.done.is_set() and stores == []
+    assert "vm v1: its working set is not read ahead" in caplog.text
