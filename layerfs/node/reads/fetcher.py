@@ -117,6 +117,7 @@ class ChunkFetcher:
         self.claim = self.states.claim
         self.release = self.states.release
         self.read_held = self.states.read_held
+        self.hold_writes = self.states.hold_writes  # (a resumed vm's warm-up)
         self.tasks = tasks or TaskGroup()
         self.fail_fast = FailFast()
         # a store outage fails every read: one line a minute

@@ -6,4 +6,5 @@
 - ``vmmargs``: what a VMM needs from a drive set (QEMU's drive arguments)
 - ``pmem``: a layer's blob padded for a VMM to map as a virtio-pmem drive
 - ``snapshots``: a vm suspended into the store and resumed (RAM, state, disks)
+- ``ramwarm``: a resumed vm's working set put into its RAM file's page cache
 """

@@ -108,7 +108,7 @@ def ram_disk_of(vid: str) -> str:
 class Warming:
     """A resumed vm's working set on its way into its RAM file's page cache
     (:class:`.ramwarm.RamWarmUp`), and the release of the hold it put on the
-    node's cache writes meanwhile (``ChunkStates.hold_writes``)."""
+    node's cache writes meanwhile (``ChunkFetcher.hold_writes``)."""
     warm: RamWarmUp
     release_writes: Callable[[], None]
 
@@ -423,7 +423,7 @@ class Vms:
         if record.ram is None or self.tasks.nursery is None:
             return  # (no task group: the guest faults its working set in)
         warm = RamWarmUp()
-        release = self.fetcher.states.hold_writes(self.tasks.nursery, HOLD_WRITES)
+        release = self.fetcher.hold_writes(self.tasks.nursery, HOLD_WRITES)
         self._warming[vid] = Warming(warm, release)
         self.tasks.nursery.start_soon(warm.run, vid, self.disks.disks[ram_disk_of(vid)],
                                       record.ram.path, coalesce(ranges, record.ram.size))
