@@ -37,7 +37,7 @@ import trio
 
 from ...errors import LayerfsError
 from ..reads.blobfiles import Buffer
-from .diskfiles import WritableDisk
+from .diskfiles import SECTOR, WritableDisk
 
 log = logging.getLogger(__name__)
 PIECE = 4 << 20  # a working set's pages are stored this much a notification
@@ -60,14 +60,18 @@ class RamWarmUp:
         with self._lock:
             self._stopped = True
 
-    def _store(self, inode: int, offset: int, data: Buffer) -> None:
-        """Worker thread: the bytes of ``[offset, offset + len(data))`` into
-        the page cache of FUSE inode ``inode``, unless stopped."""
+    def _store(self, inode: int, offset: int, parts: list[Buffer]) -> None:
+        """Worker thread: ``parts``, one after another from ``offset``, into
+        the page cache of FUSE inode ``inode``, unless stopped (one
+        notification a part: no copy to join them)."""
         with self._lock:
             if self._stopped:
                 return
-            pyfuse3.notify_store(inode, offset, data)  # type: ignore[arg-type]  # (any buffer)
-            self.stored += len(data)
+            for part in parts:
+                if len(part):
+                    pyfuse3.notify_store(inode, offset, part)  # type: ignore[arg-type]  # (any buffer)
+                offset += len(part)
+                self.stored += len(part)
 
     async def run(self, vid: str, disk: WritableDisk, path: str,
                   runs: list[tuple[int, int]]) -> None:
@@ -95,7 +99,8 @@ class RamWarmUp:
 
     async def _pieces(self, disk: WritableDisk,
                       runs: list[tuple[int, int]]) -> LayerfsError | OSError | None:
-        """Read and store the runs' pieces; the first failure ends it (returned)."""
+        """Read and store the runs' pieces (whole sectors: a run widened to
+        them); the first failure ends it (returned)."""
         limiter = trio.CapacityLimiter(AT_ONCE)
         failed: list[LayerfsError | OSError] = []
 
@@ -104,14 +109,16 @@ class RamWarmUp:
                 if self._stopped or failed:
                     return
                 try:
-                    data = await disk.read(offset, length)
-                    await trio.to_thread.run_sync(self._store, disk.inode, offset, data)
+                    parts = await disk.read_parts(offset // SECTOR, length // SECTOR)
+                    await trio.to_thread.run_sync(self._store, disk.inode, offset, parts)
                 except (LayerfsError, OSError) as exc:
                     failed.append(exc)
                     nursery.cancel_scope.cancel()
 
         async with trio.open_nursery() as nursery:
-            for offset, length in runs:
+            for start, size in runs:
+                offset = start - start % SECTOR
+                length = -(-(start + size) // SECTOR) * SECTOR - offset
                 for at in range(0, length, PIECE):
                     nursery.start_soon(piece, offset + at, min(PIECE, length - at))
         return failed[0] if failed else None
