@@ -41,7 +41,7 @@ from .diskfiles import SECTOR, WritableDisk
 
 log = logging.getLogger(__name__)
 PIECE = 4 << 20  # a working set's pages are stored this much a notification
-AT_ONCE = 4  # pieces read and stored at once
+AT_ONCE = 8  # pieces read and stored at once (4: the warm-up 10-15 % longer; 16: as 8)
 WARM_TIMEOUT = 120.0  # seconds a guest waits for its working set at most
 
 
