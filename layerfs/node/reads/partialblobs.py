@@ -84,6 +84,7 @@ class PartialBlob:
     present: bytearray = field(default_factory=bytearray)  # per entry: checked in the file
     missing: int = 0
     flights: dict[int, trio.Event] = field(default_factory=dict)
+    failures: dict[int, str] = field(default_factory=dict)  # why an entry's last fill failed
     stream_end: int = -1  # where the last read ended
     ahead: int = 0  # how far past a stream the next fill goes
     ahead_end: int = 0  # what is filled (or filling) ahead of the stream so far
@@ -336,10 +337,15 @@ class PartialBlobs:
                 theirs.append(part.flights[i])
             else:
                 part.flights[i] = trio.Event()
+                part.failures.pop(i, None)
                 mine.append(i)
         try:
             if mine:
                 await self._bring(part, mine)
+        except (FetchError, OSError) as exc:  # said to the reads that waited for it too
+            for i in mine:
+                part.failures[i] = fill_failure(exc)
+            raise
         finally:
             for i in mine:
                 part.flights.pop(i).set()
@@ -348,8 +354,9 @@ class PartialBlobs:
         absent = [i for i in indexes if not part.present[i]]
         if absent:
             entry = part.blob.table.entries[absent[0]]
+            why = part.failures.get(absent[0])
             raise FetchError(f"chunk {entry.sha256.hex()[:16]} of layer {part.hex[:16]}",
-                             "the fill another read started failed")
+                             "the fill another read started failed" + (f": {why}" if why else ""))
 
     async def _bring(self, part: PartialBlob, indexes: list[int]) -> None:
         """Into the file: chunks a file from before holds already (checked),
@@ -497,3 +504,10 @@ def held_in_file(fd: int, entries: list[ChunkEntry], indexes: list[int]) -> list
         if len(data) == entry.length and hashlib.sha256(data).digest() == entry.sha256:
             found.append(i)
     return found
+
+
+def fill_failure(exc: FetchError | OSError) -> str:
+    """Why a fill failed, in the words a read that waited for it repeats."""
+    if isinstance(exc, FetchError):
+        return str(exc.args[-1]) if exc.args else str(exc)
+    return exc.strerror or str(exc)

@@ -399,6 +399,9 @@ class Vms:
             if warming is not None:  # the guest goes on once its working set is in
                 await trio.to_thread.run_sync(warming.warm.done.wait, WARM_TIMEOUT)
                 warming.warm.stop()  # (from here on nothing but the guest writes its RAM)
+                if self.records.get(vid) is not record:
+                    log.info("vm %s went down before its device state was loaded", vid)
+                    return
             try:
                 took = await trio.to_thread.run_sync(load_state, qmp, state)
             except (LayerfsError, OSError, ValueError) as exc:
