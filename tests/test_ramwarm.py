@@ -2,10 +2,11 @@
 (``layerfs/node/vms/ramwarm.py``), without a mount: the disk a stand-in that
 serves bytes, the kernel's store notification recorded. What is stored is the
 disk's bytes at their offsets, a piece at a time; after ``stop`` nothing is
-stored, and a store under way ends before ``stop`` returns; a failure is one
-warning line (none once stopped) and the guest is let go on. The kernel side
-(the pages a guest then finds) is tests/test_vm.py's resumes, with real
-guests. On a trio ``MockClock`` that stands still."""
+stored, and a store under way ends before ``stop`` returns; a failure, also
+one a read of several chunks raises as a group, is one warning line (none
+once stopped), and nothing a warm-up meets ends the task it runs in. The
+kernel side (the pages a guest then finds) is tests/test_vm.py's resumes,
+with real guests. On a trio ``MockClock`` that stands still."""
 
 from __future__ import annotations
 
@@ -29,8 +30,11 @@ class Disk:
 
     inode = 42
 
-    def __init__(self, fail_at: int | None = None) -> None:
+    def __init__(self, fail_at: int | None = None, error: BaseException | None = None,
+                 before_failing=None) -> None:
         self.fail_at = fail_at
+        self.error = error or StoreUnreachable("test store is down")
+        self.before_failing = before_failing
         self.reads: list[tuple[int, int]] = []
 
     async def read_parts(self, sector: int, count: int) -> list[bytes]:
@@ -38,7 +42,9 @@ class Disk:
         offset, length = sector * 512, count * 512
         self.reads.append((offset, length))
         if offset == self.fail_at:
-            raise StoreUnreachable("test store is down")
+            if self.before_failing is not None:
+                await self.before_failing()
+            raise self.error
         data = bytes((offset + i) % 251 for i in range(length))
         return [data[:length // 2], data[length // 2:]]
 
@@ -135,11 +141,71 @@ def test_a_failed_read_is_one_warning_and_lets_the_guest_go_on(tmp_path, stores,
         "the guest faults it in"]
     assert all(o != PIECE for _, o, _ in stores)
     caplog.clear()
-    stopped = RamWarmUp()
-    stopped.stop()  # (the vm went down: its disk's reads fail)
-    warm_up(stopped, Disk(fail_at=0), ram, [(0, 4096)])
+    stopped = RamWarmUp()  # the vm goes down while a read is under way: it fails
+    with caplog.at_level(logging.DEBUG, "layerfs.node.vms.ramwarm"):
+        warm_up(stopped, Disk(fail_at=0, before_failing=stopped.stopped), ram, [(0, 4096)])
     assert stopped.done.is_set()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "its working set's read ahead ended: store unreachable" in caplog.text
+
+
+@pytest.mark.daemon_log(r"WARNING layerfs\.node\.vms\.ramwarm: vm v1: its working set is not "
+                        r"read ahead \(store unreachable: test store is down\)",
+                        r"ERROR layerfs\.node\.vms\.ramwarm: vm v1: its working set's read "
+                        r"ahead failed: ValueError\('not a disk'\)")
+def test_a_group_of_failures_is_one_line_and_never_ends_the_task_it_runs_in(tmp_path, stores,
+                                                                             caplog):
+    """A read of several chunks fails as a group (one failure of each chunk
+    read in parallel): the first is the warning. A failure of a kind a
+    warm-up does not expect is one error line: the task group the daemon
+    runs its warm-ups in goes on."""
+    ram = tmp_path / "ram"
+    ram.write_bytes(b"")
+    group = ExceptionGroup("reads", [StoreUnreachable("test store is down")])
+    warm = RamWarmUp()
+    warm_up(warm, Disk(fail_at=0, error=group), ram, [(0, 4096)])
+    assert warm.done.is_set()
+    odd = RamWarmUp()
+    warm_up(odd, Disk(fail_at=0, error=ExceptionGroup("reads", [ValueError("not a disk")])),
+            ram, [(0, 4096)])
+    assert odd.done.is_set()
+    assert caplog.text.count("vm v1: its working set") == 2
+
+
+def test_a_warm_up_cancelled_with_the_daemon_ends_without_waiting_for_its_file(tmp_path,
+                                                                               stores):
+    """The daemon stops: the warm-up's task is cancelled, and ends even while
+    its file's close (a request the stopping daemon would answer) hangs."""
+    ram = tmp_path / "ram"
+    ram.write_bytes(b"")
+    hang = threading.Event()
+    real_close = ramwarm.os.close
+
+    closed: list[int] = []
+    entered = threading.Event()
+
+    def stuck_close(fd: int) -> None:
+        entered.set()
+        hang.wait(10)
+        real_close(fd)
+        closed.append(fd)
+
+    warm = RamWarmUp()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(warm.run, "v1", Disk(), str(ram), [(0, 4096)])
+            assert await trio.to_thread.run_sync(entered.wait, 10)  # its close hangs
+            nursery.cancel_scope.cancel()  # the daemon stops
+
+    ramwarm.os.close = stuck_close  # type: ignore[assignment]
+    try:
+        run(main)
+        assert closed == []  # it ended while its close still hung
+    finally:
+        ramwarm.os.close = real_close  # type: ignore[assignment]
+        hang.set()
+    assert warm.done.is_set()
 
 
 @pytest.mark.daemon_log(r"WARNING layerfs\.node\.vms\.ramwarm: vm v1: its working set is not "

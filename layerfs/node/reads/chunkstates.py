@@ -12,7 +12,10 @@ A hold (``hold_writes``) keeps the cache files of chunks fetched meanwhile
 waiting, their bytes served from memory, up to ``HELD_BYTES``, until it is
 released or its time is up: for a burst whose cores and disk are wanted by
 someone waiting right now (a resumed vm's working set, its guest waiting
-for it: layerfs/node/vms/ramwarm.py).
+for it: layerfs/node/vms/ramwarm.py). Holds that overlap keep writes
+waiting for at most ``HELD_WINDOW`` seconds in a row (a hold asked later
+holds nothing), and ``writes_done`` (someone waits for the writes) lets
+the held ones go.
 
 It also serves what the node holds: a reader's chunk, or the part of it a
 small read wants, from memory or its cache file (``read_held``; one read of a
@@ -41,6 +44,7 @@ from .chunkfile import Chunk
 log = logging.getLogger(__name__)
 MAX_UNWRITTEN = 64  # fetched chunks whose cache files may be pending at once
 HELD_BYTES = 256 << 20  # bytes of fetched chunks whose cache files a hold may keep waiting
+HELD_WINDOW = 30.0  # seconds holds may keep writes waiting in a row, however many overlap
 
 
 class FetchError(LayerfsError):
@@ -126,6 +130,7 @@ class ChunkStates:
         self._writes_go = trio.Event()  # set while no hold is on
         self._writes_go.set()
         self._held = 0  # bytes of the writes waiting for a hold to end
+        self._held_since = 0.0  # when the holds now on began
         self.warnings = RateLimitedLog(log)  # one per chunk otherwise, on a full ROOT
 
     def deadline(self) -> float:
@@ -308,6 +313,9 @@ class ChunkStates:
         ``seconds`` have passed."""
         if self._holds == 0:
             self._writes_go = trio.Event()
+            self._held_since = trio.current_time()
+        elif trio.current_time() - self._held_since > HELD_WINDOW:
+            return lambda: None  # holds back to back: the writes go
         self._holds += 1
         released = False
 
@@ -356,6 +364,8 @@ class ChunkStates:
             self._written.unpark_all()
 
     async def writes_done(self) -> None:
-        """Wait until every fetched chunk's cache file is written."""
+        """Wait until every fetched chunk's cache file is written (those a hold
+        keeps waiting go now)."""
+        self._writes_go.set()
         while self._unwritten:
             await self._written.park()

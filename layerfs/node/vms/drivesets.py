@@ -384,21 +384,22 @@ class Vms:
         assert record.ram is not None
         qmp, state = record.ram.qmp, record.ram.incoming
         deadline = trio.current_time() + INCOMING_WAIT
+        warming = self._warming.get(vid)
         while not os.path.exists(qmp):
             if self.records.get(vid) is not record:
                 log.info("vm %s went down before a VMM came for its device state", vid)
-                self._stop_warming(vid)
+                await self._stop_warming(vid, warming)
                 return
             if trio.current_time() > deadline:
                 log.warning("vm %s: no VMM came for its device state", vid)
-                self._stop_warming(vid)
+                await self._stop_warming(vid, warming)
                 return
             await trio.sleep(0.02)
-        warming = self._warming.get(vid)
         try:
             if warming is not None:  # the guest goes on once its working set is in
-                await trio.to_thread.run_sync(warming.warm.done.wait, WARM_TIMEOUT)
-                warming.warm.stop()  # (from here on nothing but the guest writes its RAM)
+                with trio.move_on_after(WARM_TIMEOUT):
+                    await warming.warm.done.wait()
+                await warming.warm.stopped()  # (from here on only the guest writes its RAM)
                 if self.records.get(vid) is not record:
                     log.info("vm %s went down before its device state was loaded", vid)
                     return
@@ -411,8 +412,8 @@ class Vms:
                      took)
             await trio.sleep(WORKING_SET_SECONDS)  # (the node's cache writes wait meanwhile)
         finally:
-            if warming is not None and self._warming.get(vid) is warming:
-                self._stop_warming(vid)
+            with trio.CancelScope(shield=True):
+                await self._stop_warming(vid, warming)
         if self.records.get(vid) is record:
             await self._push_working_set(vid)
 
@@ -431,12 +432,16 @@ class Vms:
         self.tasks.nursery.start_soon(warm.run, vid, self.disks.disks[ram_disk_of(vid)],
                                       record.ram.path, coalesce(ranges, record.ram.size))
 
-    def _stop_warming(self, vid: str) -> None:
-        """End vm ``vid``'s warm-up, if one is on: no more stores, the cache writes let go."""
-        warming = self._warming.pop(vid, None)
-        if warming is not None:
-            warming.warm.stop()
-            warming.release_writes()
+    async def _stop_warming(self, vid: str, warming: Warming | None = None) -> None:
+        """End vm ``vid``'s warm-up (``warming``, if given: only that one), if
+        one is on: no more stores, the cache writes let go."""
+        if warming is None:
+            warming = self._warming.get(vid)
+        if warming is None or self._warming.get(vid) is not warming:
+            return
+        del self._warming[vid]
+        warming.release_writes()
+        await warming.warm.stopped()
 
     def _ram_blobs(self, vid: str) -> list[tuple[str, BlobFile]]:
         """The blob files of resumed vm ``vid``'s RAM disk chain (top first)."""
@@ -577,8 +582,8 @@ class Vms:
         if vid in self._busy:
             raise VmBusy(vid)
         self._busy.add(vid)
-        self._stop_warming(vid)
         try:
+            await self._stop_warming(vid)
             own = record.disk == disk_of(vid)  # (a tampered record may name another's)
             await self._release(vid, record.disk if own and not keep else None)
             if keep and own:

@@ -22,7 +22,12 @@ VMM) has written since.
 The file is opened once first, in a worker thread: the disk's first open
 since it was made, at which the kernel drops the file's pages; the VMM's
 later open keeps them (``WritableDisk.kernel_open``). It is closed in a
-worker thread too: its release is a request this daemon answers.
+worker thread too (its flush is a request this daemon answers), abandoned
+if the daemon stops meanwhile (no one would answer it). :meth:`RamWarmUp.stop`
+waits for a store under way, which may wait for the kernel, which may wait
+for this daemon: the trio thread calls it in a worker thread
+(:meth:`RamWarmUp.stopped`). Nothing a warm-up meets ends the daemon: a
+failure of any kind ends the warm-up with one line.
 """
 
 from __future__ import annotations
@@ -46,19 +51,23 @@ WARM_TIMEOUT = 120.0  # seconds a guest waits for its working set at most
 
 
 class RamWarmUp:
-    """One resumed vm's warm-up: ``done`` (a threading.Event: the guest's
-    state loader waits on it in a worker thread) once it has ended, however."""
+    """One resumed vm's warm-up: ``done`` (a trio.Event) once it has ended,
+    however."""
 
     def __init__(self) -> None:
-        self.done = threading.Event()
+        self.done = trio.Event()
         self.stored = 0  # bytes handed to the kernel
         self._lock = threading.Lock()
         self._stopped = False
 
     def stop(self) -> None:
-        """No store from now on (a store under way ends first)."""
+        """Worker thread: no store from now on (a store under way ends first)."""
         with self._lock:
             self._stopped = True
+
+    async def stopped(self) -> None:
+        """:meth:`stop`, from the trio thread."""
+        await trio.to_thread.run_sync(self.stop)
 
     def _store(self, inode: int, offset: int, parts: list[Buffer]) -> None:
         """Worker thread: ``parts``, one after another from ``offset``, into
@@ -77,25 +86,32 @@ class RamWarmUp:
                   runs: list[tuple[int, int]]) -> None:
         """Store ``runs`` (``(offset, length)`` of the RAM file ``path``, the
         file of ``disk``); the first failure (the store away, the vm gone)
-        stops it with one warning line: the guest faults in the rest. Logs
-        what it stored; ``done`` set at the end, whatever happened."""
+        stops it with one line: the guest faults in the rest. Logs what it
+        stored; ``done`` set at the end, whatever happened."""
         started = time.monotonic()
         try:
-            fd = await trio.to_thread.run_sync(os.open, path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            self._given_up(vid, exc)
+            try:
+                fd = await trio.to_thread.run_sync(os.open, path, os.O_RDONLY | os.O_CLOEXEC,
+                                                   abandon_on_cancel=True)
+            except OSError as exc:
+                await self._given_up(vid, exc)
+                return
+            try:
+                failed = await self._pieces(disk, runs)
+            finally:
+                await trio.to_thread.run_sync(os.close, fd, abandon_on_cancel=True)
+        except Exception as exc:  # noqa: BLE001 - a warm-up never ends the daemon
+            log.error("vm %s: its working set's read ahead failed: %r", vid, leaf(exc))
+            await self._given_up(vid, None)
             return
-        try:
-            failed = await self._pieces(disk, runs)
         finally:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(os.close, fd)
             self.done.set()
         if failed is not None:
-            self._given_up(vid, failed)
+            await self._given_up(vid, failed)
             return
-        log.info("vm %s: working set read ahead (%d bytes in %d runs, %.3f s)", vid,
-                 self.stored, len(runs), time.monotonic() - started)
+        log.info("vm %s: working set read ahead (%d bytes in %d runs, %.3f s%s)", vid,
+                 self.stored, len(runs), time.monotonic() - started,
+                 "; stopped before the end" if self._stopped else "")
 
     async def _pieces(self, disk: WritableDisk,
                       runs: list[tuple[int, int]]) -> LayerfsError | OSError | None:
@@ -111,8 +127,10 @@ class RamWarmUp:
                 try:
                     parts = await disk.read_parts(offset // SECTOR, length // SECTOR)
                     await trio.to_thread.run_sync(self._store, disk.inode, offset, parts)
-                except (LayerfsError, OSError) as exc:
-                    failed.append(exc)
+                except* (LayerfsError, OSError) as group:  # (a read of several chunks: a group)
+                    first = leaf(group)
+                    assert isinstance(first, (LayerfsError, OSError))
+                    failed.append(first)
                     nursery.cancel_scope.cancel()
 
         async with trio.open_nursery() as nursery:
@@ -123,14 +141,23 @@ class RamWarmUp:
                     nursery.start_soon(piece, offset + at, min(PIECE, length - at))
         return failed[0] if failed else None
 
-    def _given_up(self, vid: str, exc: LayerfsError | OSError) -> None:
-        """A failure ends it: one warning line, unless it was stopped first
-        (the vm went down: its disk's reads fail)."""
-        with self._lock:
-            stopped, self._stopped = self._stopped, True
+    async def _given_up(self, vid: str, exc: LayerfsError | OSError | None) -> None:
+        """A failure ends it: one warning line (``exc``; None: said already),
+        unless it was stopped first (the vm went down: its disk's reads fail)."""
+        stopped = self._stopped
+        await self.stopped()
         self.done.set()
+        if exc is None:
+            return
         if stopped:
             log.debug("vm %s: its working set's read ahead ended: %s", vid, exc)
             return
         log.warning("vm %s: its working set is not read ahead (%s): the guest faults it in",
                     vid, exc)
+
+
+def leaf(exc: BaseException) -> BaseException:
+    """The first error a group holds, however nested (``exc`` if not a group)."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
