@@ -1104,8 +1104,7 @@ def test_a_hold_keeps_cache_writes_waiting_served_from_memory_until_released(tmp
             await trio.testing.wait_all_tasks_blocked()
             assert not f.cache.contains(entries[0].sha256.hex())  # the other hold is on
             clock.jump(5)  # its time is up
-            while not f.cache.contains(entries[0].sha256.hex()):
-                await trio.sleep(0)  # (the write, in a worker thread)
+            assert await written(f, entries[0])  # (the write, in a worker thread)
             await f.get(entries[1])  # no hold: written behind as before
             await f.writes_done()
             assert f.cache.contains(entries[1].sha256.hex())
@@ -1119,9 +1118,9 @@ def test_a_hold_keeps_cache_writes_waiting_served_from_memory_until_released(tmp
 
 def test_holds_back_to_back_end_and_a_wait_for_the_writes_lets_the_held_go(tmp_path):
     """Holds that overlap keep writes waiting for ``HELD_WINDOW`` seconds in a
-    row at most (one asked later holds nothing); whoever waits for the
-    writes (``writes_done``: ``vm prefetch``, ``--prefetch full``) has them
-    written now, held or not."""
+    row at most (one asked later holds nothing, so the writes go when the
+    earlier ones end); whoever waits for the writes (``writes_done``: ``vm
+    prefetch``, ``--prefetch full``) has them written now, held or not."""
     from layerfs.node.reads.chunkstates import HELD_WINDOW
 
     a = "sha256:" + "a" * 64
@@ -1132,17 +1131,24 @@ def test_holds_back_to_back_end_and_a_wait_for_the_writes_lets_the_held_go(tmp_p
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             f.tasks.nursery = nursery
-            f.states.hold_writes(nursery, 3 * HELD_WINDOW)
+            first = f.states.hold_writes(nursery, 3 * HELD_WINDOW)
             await f.get(entries[0])
-            await trio.testing.wait_all_tasks_blocked()
-            assert not f.cache.contains(entries[0].sha256.hex())
-            await f.writes_done()  # lets it go
-            assert f.cache.contains(entries[0].sha256.hex())
             clock.jump(HELD_WINDOW + 1)
-            f.states.hold_writes(nursery, HELD_WINDOW)  # past the window: holds nothing
+            f.states.hold_writes(nursery, 3 * HELD_WINDOW)  # past the window: holds nothing
+            assert not await written(f, entries[0], tries=5)
+            first()
+            assert await written(f, entries[0])
+            f.states.hold_writes(nursery, 3 * HELD_WINDOW)
             await f.get(entries[1])
-            while not f.cache.contains(entries[1].sha256.hex()):
-                await trio.sleep(0)
+            done = trio.Event()
+
+            async def wait_for_writes() -> None:
+                await f.writes_done()  # lets it go
+                done.set()
+
+            nursery.start_soon(wait_for_writes)
+            assert await written(f, entries[1])
+            await done.wait()
             f.tasks.nursery = None
             nursery.cancel_scope.cancel()
 
@@ -1168,8 +1174,7 @@ def test_a_hold_keeps_at_most_its_bytes_waiting_and_a_stop_drops_what_waits(tmp_
                 f.states.hold_writes(outer, 60)
                 await f.get(entries[0])  # held
                 await f.get(entries[1])  # past the bound: written behind
-                while not f.cache.contains(entries[1].sha256.hex()):
-                    await trio.sleep(0)  # (its cache write, in a worker thread)
+                assert await written(f, entries[1])  # (its cache write, in a worker thread)
                 assert not f.cache.contains(entries[0].sha256.hex())
                 inner.cancel_scope.cancel()  # the daemon stops
             with trio.fail_after(1):
@@ -1179,3 +1184,13 @@ def test_a_hold_keeps_at_most_its_bytes_waiting_and_a_stop_drops_what_waits(tmp_
             outer.cancel_scope.cancel()
 
     run(main)
+
+
+async def written(f: ChunkFetcher, entry: ChunkEntry, tries: int = 500) -> bool:
+    """Whether ``entry``'s cache file shows up within ``tries`` short real
+    waits (a cache write runs in a worker thread; a standing mock clock)."""
+    for _ in range(tries):
+        if f.cache.contains(entry.sha256.hex()):
+            return True
+        await trio.to_thread.run_sync(time.sleep, 0.01)
+    return False
