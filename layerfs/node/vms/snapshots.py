@@ -33,7 +33,6 @@ import shlex
 import socket
 import stat
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -197,13 +196,11 @@ def flush_file(path: str) -> None:
         os.close(fd)
 
 
-def load_state(qmp_path: str, state: str,
-               before_cont: Callable[[], object] | None = None) -> float:
+def load_state(qmp_path: str, state: str) -> float:
     """Worker thread: load device state file ``state`` into a QEMU started
     with ``-incoming defer`` (its RAM the snapshot's, so ``x-ignore-shared``
     as on the side that saved it), then let it run (it comes back paused,
-    the state the saved side was stopped in); ``before_cont``, if given,
-    runs between the two (what the guest waits for). Seconds taken."""
+    the state the saved side was stopped in). Seconds taken."""
     started = time.monotonic()
     q = Qmp(qmp_path, wait=10.0)
     try:
@@ -215,8 +212,6 @@ def load_state(qmp_path: str, state: str,
             info = q.cmd("query-migrate")
             status = info.get("status") if isinstance(info, dict) else None
             if status == "completed":  # paused, as the saved side was: go on
-                if before_cont is not None:
-                    before_cont()
                 q.cmd("cont")
                 return time.monotonic() - started
             if status in ("failed", "cancelled") or time.monotonic() > deadline:
