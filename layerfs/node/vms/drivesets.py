@@ -71,9 +71,11 @@ from .diskfiles import SECTOR, pwrite_all
 from .disks import DiskManager, check_disk_size, check_max_depth
 from .pmem import PmemDirectory, like_parent, padded_copy
 from .ramwarm import WARM_TIMEOUT, RamWarmUp
+from .residency import resident_runs, touches
 from .snapshots import (
     HEADER_BYTES,
     SnapshotHeader,
+    StateLoaded,
     coalesce,
     flush_file,
     load_state,
@@ -92,6 +94,13 @@ INCOMING_WAIT = 600.0  # seconds a resumed vm's state waits for its VMM
 STATE_PIECE = 1 << 20  # the device state is read from a snapshot this much at a time
 WORKING_SET_SECONDS = 5.0  # a resume's first seconds: the chunks touched are its working set
 HOLD_WRITES = 30.0  # seconds a resume's warm-up may hold the node's cache writes at most
+
+
+def touched_chunk(entry: ChunkEntry, ram_size: int, touched: list[tuple[int, int]]) -> bool:
+    """Whether a chunk of a snapshot layer meets ``touched`` (runs of the RAM
+    file; a chunk past the RAM, the device state's or the header's, always)."""
+    start = entry.blob_offset - HT_SPACE  # (a snapshot's RAM at its own offsets)
+    return start + entry.length > ram_size or touches(touched, start, entry.length)
 
 
 def disk_of(vid: str) -> str:
@@ -395,6 +404,7 @@ class Vms:
                 await self._stop_warming(vid, warming)
                 return
             await trio.sleep(0.02)
+        loaded: StateLoaded | None = None
         try:
             if warming is not None:  # the guest goes on once its working set is in
                 with trio.move_on_after(WARM_TIMEOUT):
@@ -404,18 +414,18 @@ class Vms:
                     log.info("vm %s went down before its device state was loaded", vid)
                     return
             try:
-                took = await trio.to_thread.run_sync(load_state, qmp, state)
+                loaded = await trio.to_thread.run_sync(load_state, qmp, state)
             except (LayerfsError, OSError, ValueError) as exc:
                 log.error("vm %s: its device state did not load: %s", vid, exc)
                 return
             log.info("vm %s resumed from its snapshot (device state loaded in %.3f s)", vid,
-                     took)
+                     loaded.seconds)
             await trio.sleep(WORKING_SET_SECONDS)  # (the node's cache writes wait meanwhile)
         finally:
             with trio.CancelScope(shield=True):
                 await self._stop_warming(vid, warming)
-        if self.records.get(vid) is record:
-            await self._push_working_set(vid)
+        if loaded is not None and self.records.get(vid) is record:
+            await self._push_working_set(vid, record.ram, loaded.vmm_pid)
 
     def _warm_up(self, vid: str, record: VmRecord, ranges: list[tuple[int, int]]) -> None:
         """Start putting resumed vm ``vid``'s working set (``ranges`` of its RAM
@@ -449,14 +459,21 @@ class Vms:
         return [(d, b) for d in digests if (b := self.blobs.by_name.get(d.removeprefix(
             "sha256:"))) is not None]
 
-    async def _push_working_set(self, vid: str) -> None:
+    async def _push_working_set(self, vid: str, ram: VmRam, vmm_pid: int) -> None:
         """The chunks of the snapshot the resume touched so far (loading the
         state, the guest's first seconds), in first-touch order, pushed as
         the snapshot's working set where none is pushed yet: the next resume
-        of it anywhere fetches them before the guest asks."""
+        of it anywhere fetches them before the guest asks. Of the RAM's
+        chunks the node read, only those with a page the VMM (process
+        ``vmm_pid``) has mapped: the kernel reads 4 MiB around each fault of
+        a VMM that asks for huge pages (:mod:`.residency`); all of them where
+        its page tables cannot be read."""
         store = self.refstore.store
+        touched = await self._touched_ram(vid, ram, vmm_pid)
         for digest, blob in self._ram_blobs(vid):
-            order = list(blob.trace)
+            read = list(blob.trace)
+            order = read if touched is None else [
+                i for i in read if touched_chunk(blob.table.entries[i], ram.size, touched)]
             try:
                 pushed = await trio.to_thread.run_sync(pushed_trace, store, digest)
                 if not order or pushed:
@@ -465,7 +482,30 @@ class Vms:
             except (LayerfsError, OSError) as exc:
                 log.warning("vm %s: its working set of %s is not pushed: %s", vid, digest, exc)
                 continue
-            log.info("vm %s: working set of %s pushed (%d chunks)", vid, digest, len(order))
+            log.info("vm %s: working set of %s pushed (%d chunks; %d read)", vid, digest,
+                     len(order), len(read))
+
+    async def _touched_ram(self, vid: str, ram: VmRam,
+                           vmm_pid: int) -> list[tuple[int, int]] | None:
+        """The runs of resumed vm ``vid``'s RAM file its VMM has in its page
+        tables (None: not known, with a line why)."""
+        def runs() -> list[tuple[int, int]]:
+            st = os.stat(ram.path)
+            return resident_runs(vmm_pid, st.st_dev, st.st_ino)
+
+        if vmm_pid <= 0:
+            return None
+        try:
+            found = await trio.to_thread.run_sync(runs)
+        except OSError as exc:
+            found, why = [], str(exc)
+        else:  # (none: its VMM is gone, and the pid may be another process's)
+            why = f"process {vmm_pid} maps none of it"
+        if not found:
+            log.info("vm %s: its VMM's pages are not known (%s): the working set is every "
+                     "chunk its resume read", vid, why)
+            return None
+        return found
 
     async def prefetch(self, ref: str) -> VmPrefetchAnswer:
         """The working set pushed for snapshot ``ref`` (its RAM layers') in the

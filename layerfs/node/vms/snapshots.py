@@ -32,6 +32,7 @@ import os
 import shlex
 import socket
 import stat
+import struct
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -111,6 +112,7 @@ class Qmp:
                     raise QmpError(f"cannot reach {path}: {exc.strerror}") from None
                 time.sleep(0.02)
         self.file = self.sock.makefile("rwb")
+        self.peer_pid = peer_pid(self.sock)  # (the process that listens: the VMM)
         self._answer()  # the greeting
         self.cmd("qmp_capabilities")
 
@@ -196,11 +198,26 @@ def flush_file(path: str) -> None:
         os.close(fd)
 
 
-def load_state(qmp_path: str, state: str) -> float:
+def peer_pid(sock: socket.socket) -> int:
+    """The process id of a connected unix socket's other end (0: unknown)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", raw)[0]
+
+
+@dataclass
+class StateLoaded:
+    """A resumed vm's device state loaded: how long it took, and the VMM's
+    process (its QMP socket's peer; 0 where unknown)."""
+
+    seconds: float
+    vmm_pid: int
+
+
+def load_state(qmp_path: str, state: str) -> StateLoaded:
     """Worker thread: load device state file ``state`` into a QEMU started
     with ``-incoming defer`` (its RAM the snapshot's, so ``x-ignore-shared``
     as on the side that saved it), then let it run (it comes back paused,
-    the state the saved side was stopped in). Seconds taken."""
+    the state the saved side was stopped in)."""
     started = time.monotonic()
     q = Qmp(qmp_path, wait=10.0)
     try:
@@ -213,7 +230,7 @@ def load_state(qmp_path: str, state: str) -> float:
             status = info.get("status") if isinstance(info, dict) else None
             if status == "completed":  # paused, as the saved side was: go on
                 q.cmd("cont")
-                return time.monotonic() - started
+                return StateLoaded(time.monotonic() - started, q.peer_pid)
             if status in ("failed", "cancelled") or time.monotonic() > deadline:
                 raise QmpError(f"loading {state}: {status or 'timed out'}: {info}")
             time.sleep(0.01)
