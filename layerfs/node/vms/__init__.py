@@ -7,4 +7,5 @@
 - ``pmem``: a layer's blob padded for a VMM to map as a virtio-pmem drive
 - ``snapshots``: a vm suspended into the store and resumed (RAM, state, disks)
 - ``ramwarm``: a resumed vm's working set put into its RAM file's page cache
+- ``residency``: the pages of its RAM file a VMM has mapped (what a resume touched)
 """
