@@ -3,7 +3,8 @@ read from its page tables: a file mapped by a child process (another
 process, as the VMM is to the daemon) that touches some pages, shared and
 private, and an untouched region far from them; a file the process does not
 map; a process that is gone. Also the VMM's process found as the peer of its
-QMP socket (``snapshots.peer_pid``). Unit tier: no mount, no guest; the
+QMP socket (``snapshots.peer_pid``), and which chunks of a snapshot layer
+a working set keeps (``drivesets.touched_chunk``). Unit tier: no mount, no guest; the
 guests' working sets are tests/test_vm.py's."""
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import sys
 
 import pytest
 
+from layerfs.formats.chunktable import ChunkEntry
+from layerfs.formats.lsmt import HT_SPACE
+from layerfs.node.vms.drivesets import touched_chunk
 from layerfs.node.vms.residency import PAGE, resident_runs, touches
 from layerfs.node.vms.snapshots import peer_pid
 
@@ -104,3 +108,21 @@ def test_the_peer_of_a_socket(tmp_path):
     finally:
         server.kill()
         server.wait()
+
+
+def test_a_snapshot_chunk_touched():
+    """A snapshot layer's chunk (its RAM at the blob's offsets less the
+    header space) counts when it meets a touched page; one past the RAM
+    (the device state's, the header's) always does."""
+    ram = 8 * MiB
+
+    def chunk(ram_offset: int) -> ChunkEntry:
+        return ChunkEntry(HT_SPACE + ram_offset, 256 << 10, b"\0" * 32, "sha256:" + "0" * 64,
+                          0, 256 << 10, 0)
+
+    touched = [(MiB + 8 * PAGE, PAGE)]
+    assert touched_chunk(chunk(MiB), ram, touched)
+    assert not touched_chunk(chunk(MiB - (256 << 10)), ram, touched)
+    assert not touched_chunk(chunk(2 * MiB), ram, touched)
+    assert touched_chunk(chunk(ram), ram, touched)  # the state area
+    assert touched_chunk(chunk(ram - PAGE), ram, [])  # across the RAM's end

@@ -495,8 +495,8 @@ class Vms:
 
         if vmm_pid <= 0:
             return None
-        try:
-            found = await trio.to_thread.run_sync(runs)
+        try:  # (its stat is a request this daemon answers: abandoned if the daemon stops)
+            found = await trio.to_thread.run_sync(runs, abandon_on_cancel=True)
         except OSError as exc:
             found, why = [], str(exc)
         else:  # (none: its VMM is gone, and the pid may be another process's)

@@ -9,7 +9,10 @@ cache, most of it never touched. The pages the VMM's process has mapped are
 what it touched (and, within the kernel's fault-around of 64 KiB, pages next
 to them already cached): :func:`resident_runs` gives them as runs of file
 offsets. Reading another process's page map needs the right to trace it
-(root has it); the present bit is all it reads.
+(root has it); the present bit is all it reads. What a process maps can
+only narrow a working set: it keeps, of the chunks the node read, those
+with a mapped page (a VMM's user who put another process behind its QMP
+socket changes what its own snapshot prefetches, nothing else).
 """
 
 from __future__ import annotations
