@@ -28,7 +28,8 @@ take minutes per guest to read under TCG with four guests on two cores); a
 bigger ``--data-size`` works the same.
 
 Needs root and ``qemu-system-x86_64``. ``python -m bench.vm_memory [--reps 2]
-[--data-size 64M]``; prints a table and writes bench/results/vm_memory.json.
+[--data-size 64M] [--out FILE]``; prints a table and writes
+bench/results/vm_memory.json (or ``--out``).
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ def main() -> None:
     ap.add_argument("--data-size", default="64M", help="the data every guest reads")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a step may take")
     ap.add_argument("--work", type=Path, default=WORK / "vm_memory")
+    ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     size = parse_size(args.data_size)
     t0 = time.monotonic()
@@ -233,10 +235,10 @@ def report(args, size: int, built, rows: dict, runs: DaemonRuns, oddities: list[
            "layer": built.ref, "medians": summary,
            "runs": {s: {str(n): r for n, r in by.items()} for s, by in rows.items()},
            "oddities": oddities}
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(doc, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print_footer(runs.scan_logs(), oddities, f"{total:.0f} s")
-    print(f"wrote {OUT}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
