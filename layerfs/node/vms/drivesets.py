@@ -92,6 +92,7 @@ RAM_ALIGN = 2 << 20  # a RAM size is a whole number of 2 MiB
 RAM_CHUNK = 256 << 10  # a snapshot's chunks: a resume fetches what the guest touches
 INCOMING_WAIT = 600.0  # seconds a resumed vm's state waits for its VMM
 STATE_PIECE = 1 << 20  # the device state is read from a snapshot this much at a time
+PAGE_TABLES_WAIT = 10.0  # seconds the VMM's page tables are read for at most
 WORKING_SET_SECONDS = 5.0  # a resume's first seconds: the chunks touched are its working set
 HOLD_WRITES = 30.0  # seconds a resume's warm-up may hold the node's cache writes at most
 
@@ -495,12 +496,17 @@ class Vms:
 
         if vmm_pid <= 0:
             return None
-        try:  # (its stat is a request this daemon answers: abandoned if the daemon stops)
-            found = await trio.to_thread.run_sync(runs, abandon_on_cancel=True)
-        except OSError as exc:
-            found, why = [], str(exc)
-        else:  # (none: its VMM is gone, and the pid may be another process's)
-            why = f"process {vmm_pid} maps none of it"
+        found: list[tuple[int, int]] = []
+        why = f"no answer from /proc/{vmm_pid} within {PAGE_TABLES_WAIT:.0f} s"
+        # (abandoned if the daemon stops: its stat is a request this daemon answers;
+        # and bounded: a process can keep its maps' lock taken)
+        with trio.move_on_after(PAGE_TABLES_WAIT):
+            try:
+                found = await trio.to_thread.run_sync(runs, abandon_on_cancel=True)
+            except OSError as exc:
+                why = str(exc)
+            else:  # (none: its VMM is gone, and the pid may be another process's)
+                why = f"process {vmm_pid} maps none of it"
         if not found:
             log.info("vm %s: its VMM's pages are not known (%s): the working set is every "
                      "chunk its resume read", vid, why)
