@@ -17,11 +17,15 @@ socket changes what its own snapshot prefetches, nothing else).
 
 from __future__ import annotations
 
+import bisect
 import os
+import re
+from collections.abc import Iterator
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 # a page map entry's last byte (little-endian): 0x80 present, 0x40 swapped
 MARKED = bytes(1 if b & 0xC0 else 0 for b in range(256))
+MARKED_RUN = re.compile(b"\x01+")
 READ_PAGES = 1 << 16  # page map entries read at once (512 KiB)
 
 
@@ -31,7 +35,7 @@ def resident_runs(pid: int, dev: int, ino: int) -> list[tuple[int, int]]:
     out), over all its mappings of the file, sorted and joined. Raises
     OSError where the process or its maps cannot be read."""
     wanted = f"{os.major(dev):02x}:{os.minor(dev):02x}"
-    pages: set[int] = set()
+    runs: list[tuple[int, int]] = []
     with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps, \
             open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pagemap:
         for line in maps:
@@ -39,45 +43,36 @@ def resident_runs(pid: int, dev: int, ino: int) -> list[tuple[int, int]]:
             if len(fields) < 5 or fields[3] != wanted or int(fields[4]) != ino:
                 continue
             low, high = (int(x, 16) for x in fields[0].split("-"))
-            first = int(fields[2], 16) // PAGE  # the mapping's first page of the file
-            pages.update(first + i for i in _present(pagemap, low // PAGE, (high - low) // PAGE))
-    return _runs(sorted(pages))
+            offset = int(fields[2], 16)  # (the mapping's start in the file)
+            runs += [(offset + first * PAGE, count * PAGE) for first, count
+                     in _present(pagemap.fileno(), low // PAGE, (high - low) // PAGE)]
+    return _joined(runs)
 
 
-def _present(pagemap, start: int, count: int) -> list[int]:
-    """The indexes (from ``start``) of the virtual pages ``[start, start +
-    count)`` that are present or swapped (bits 63 and 62 of an entry: the
-    top bits of its last byte, little-endian)."""
-    found: list[int] = []
+def _present(pagemap: int, start: int, count: int) -> Iterator[tuple[int, int]]:
+    """Runs ``(first, count)`` (page indexes from ``start``) of the virtual
+    pages ``[start, start + count)`` that are present or swapped (bits 63 and
+    62 of an entry: the top bits of its last byte, little-endian)."""
     for at in range(0, count, READ_PAGES):
         n = min(READ_PAGES, count - at)
-        flags = os.pread(pagemap.fileno(), n * 8, (start + at) * 8)[7::8].translate(MARKED)
-        i = flags.find(1)
-        while i >= 0:
-            found.append(at + i)
-            i = flags.find(1, i + 1)
-    return found
+        flags = os.pread(pagemap, n * 8, (start + at) * 8)[7::8].translate(MARKED)
+        for run in MARKED_RUN.finditer(flags):
+            yield at + run.start(), run.end() - run.start()
 
 
-def _runs(pages: list[int]) -> list[tuple[int, int]]:
-    """Sorted page numbers as ``(offset, length)`` byte runs."""
-    runs: list[tuple[int, int]] = []
-    for p in pages:
-        if runs and runs[-1][0] + runs[-1][1] == p * PAGE:
-            runs[-1] = (runs[-1][0], runs[-1][1] + PAGE)
+def _joined(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, length)`` runs sorted, those that touch or overlap joined."""
+    out: list[tuple[int, int]] = []
+    for offset, length in sorted(runs):
+        if out and offset <= out[-1][0] + out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], offset + length - out[-1][0]))
         else:
-            runs.append((p * PAGE, PAGE))
-    return runs
+            out.append((offset, length))
+    return out
 
 
 def touches(runs: list[tuple[int, int]], offset: int, length: int) -> bool:
     """Whether ``[offset, offset + length)`` meets any of ``runs`` (sorted,
     disjoint)."""
-    lo, hi = 0, len(runs)
-    while lo < hi:  # the first run that ends after offset
-        mid = (lo + hi) // 2
-        if runs[mid][0] + runs[mid][1] <= offset:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo < len(runs) and runs[lo][0] < offset + length
+    i = bisect.bisect_right(runs, offset, key=lambda run: run[0] + run[1])  # (ends after it)
+    return i < len(runs) and runs[i][0] < offset + length
