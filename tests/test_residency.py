@@ -2,7 +2,9 @@
 read from its page tables: a file mapped by a child process (another
 process, as the VMM is to the daemon) that touches some pages, shared and
 private, and an untouched region far from them; a file the process does not
-map; a process that is gone. Also the VMM's process found as the peer of its
+map; a mapping read up to the file's size only; what cannot be known (a
+process gone or another under its pid, a deadline passed, too many
+mappings). Also the VMM's process found as the peer of its
 QMP socket (``snapshots.peer_pid``), and which chunks of a snapshot layer
 a working set keeps (``drivesets.touched_chunk``). Unit tier: no mount, no guest; the
 guests' working sets are tests/test_vm.py's."""
@@ -13,13 +15,22 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 from layerfs.formats.chunktable import ChunkEntry
 from layerfs.formats.lsmt import HT_SPACE
 from layerfs.node.vms.drivesets import touched_chunk
-from layerfs.node.vms.residency import PAGE, resident_runs, touches
+from layerfs.node.vms.residency import (
+    MAX_MAPPINGS,
+    PAGE,
+    NotKnown,
+    Process,
+    resident_runs,
+    start_time,
+    touches,
+)
 from layerfs.node.vms.snapshots import peer_pid
 
 MiB = 1 << 20
@@ -31,22 +42,33 @@ private = mmap.mmap(fd, 16 << 20, mmap.MAP_PRIVATE, offset=32 << 20)
 shared[5 << 20] = 1          # a write through the shared mapping
 shared[9 << 20]              # a read
 private[1 << 20]             # a read at 33 MiB of the file, through the private one
+more = [mmap.mmap(fd, 1 << 20, mmap.MAP_SHARED) for _ in range(int(sys.argv[2]))]
 print("ready", flush=True)
 sys.stdin.readline()
 """
+SIZE = 64 * MiB
+
+
+def later() -> float:
+    return time.monotonic() + 30
+
+
+def start_mapper(path, more: int = 0) -> subprocess.Popen:
+    """A child process that maps a 64 MiB file and touches three of its
+    pages (and maps its first MiB ``more`` times more)."""
+    with open(path, "wb") as f:
+        f.truncate(SIZE)
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(path), str(more)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
 
 
 @pytest.fixture
 def mapper(tmp_path):
-    """A child process that maps a 64 MiB file and touches three of its pages."""
-    path = tmp_path / "ram"
-    with open(path, "wb") as f:
-        f.truncate(64 * MiB)
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = start_mapper(tmp_path / "ram")
     try:
-        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-        yield proc, os.stat(path)
+        yield Process(proc.pid, start_time(proc.pid)), os.stat(tmp_path / "ram")
     finally:
         proc.kill()
         proc.wait()
@@ -54,7 +76,7 @@ def mapper(tmp_path):
 
 def test_the_pages_it_touched(mapper):
     proc, st = mapper
-    runs = resident_runs(proc.pid, st.st_dev, st.st_ino)
+    runs = resident_runs(proc, st.st_dev, st.st_ino, SIZE, later())
     for touched in (5 * MiB, 9 * MiB, 33 * MiB):
         assert touches(runs, touched, PAGE), (touched, runs)
     assert not touches(runs, 48 * MiB, 16 * MiB)  # never touched
@@ -71,15 +93,39 @@ def test_a_file_it_does_not_map(mapper, tmp_path):
     other = tmp_path / "other"
     other.write_bytes(b"x" * PAGE)
     st = os.stat(other)
-    assert resident_runs(proc.pid, st.st_dev, st.st_ino) == []
+    assert resident_runs(proc, st.st_dev, st.st_ino, PAGE, later()) == []
 
 
-def test_a_process_that_is_gone(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    st = os.stat(tmp_path)
+def test_only_the_files_size_counts(mapper):
+    """A mapping is read up to the file's end at most (a size given smaller
+    than the file: what lies past it is not looked at)."""
+    proc, st = mapper
+    runs = resident_runs(proc, st.st_dev, st.st_ino, 8 * MiB, later())
+    assert touches(runs, 5 * MiB, PAGE) and not touches(runs, 8 * MiB, 56 * MiB)
+
+
+def test_not_known(mapper, tmp_path):
+    """A process gone, another process under the pid (its start time not
+    the one given), a deadline passed, too many mappings: not known."""
+    proc, st = mapper
+    with pytest.raises(NotKnown):
+        resident_runs(Process(proc.pid, proc.start + 1), st.st_dev, st.st_ino, SIZE, later())
+    with pytest.raises(NotKnown):
+        resident_runs(proc, st.st_dev, st.st_ino, SIZE, time.monotonic() - 1)
+    many = start_mapper(tmp_path / "many", more=MAX_MAPPINGS)
+    try:
+        st_many = os.stat(tmp_path / "many")
+        with pytest.raises(NotKnown):
+            resident_runs(Process(many.pid, start_time(many.pid)), st_many.st_dev,
+                          st_many.st_ino, SIZE, later())
+    finally:
+        many.kill()
+        many.wait()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
     with pytest.raises(OSError):
-        resident_runs(proc.pid, st.st_dev, st.st_ino)
+        resident_runs(Process(gone.pid, 0), st.st_dev, st.st_ino, SIZE, later())
+    assert Process.of(gone.pid) is None and Process.of(0) is None
 
 
 def test_touches():
@@ -122,6 +168,10 @@ def test_a_snapshot_chunk_touched():
 
     touched = [(MiB + 8 * PAGE, PAGE)]
     assert touched_chunk(chunk(MiB), ram, touched)
+    # a real layer's chunks: at blob offsets k * 256 KiB, RAM (k * 256 KiB - HT_SPACE)
+    real = ChunkEntry(256 << 10, 256 << 10, b"\0" * 32, "sha256:" + "0" * 64, 0, 256 << 10, 0)
+    assert touched_chunk(real, ram, [((256 << 10) - HT_SPACE, PAGE)])
+    assert not touched_chunk(real, ram, [((512 << 10) - HT_SPACE, PAGE)])
     assert not touched_chunk(chunk(MiB - (256 << 10)), ram, touched)
     assert not touched_chunk(chunk(2 * MiB), ram, touched)
     assert touched_chunk(chunk(ram), ram, touched)  # the state area

@@ -71,7 +71,7 @@ from .diskfiles import SECTOR, pwrite_all
 from .disks import DiskManager, check_disk_size, check_max_depth
 from .pmem import PmemDirectory, like_parent, padded_copy
 from .ramwarm import WARM_TIMEOUT, RamWarmUp
-from .residency import resident_runs, touches
+from .residency import Process, resident_runs, touches
 from .snapshots import (
     HEADER_BYTES,
     SnapshotHeader,
@@ -154,6 +154,8 @@ class Vms:
         self.meta_users: dict[str, int] = {}  # pmem meta copy name -> vms holding it
         self._busy: set[str] = set()  # an up or a down under way
         self._warming: dict[str, Warming] = {}  # a resumed vm's working set read ahead
+        # the read of a VMM's page tables: one at a time, held by an abandoned thread
+        self._page_tables = trio.CapacityLimiter(1)
         self.tasks = tasks or TaskGroup()  # the daemon's: resumed vms' state loads in it
 
     async def _save(self, record: VmRecord) -> None:
@@ -426,7 +428,7 @@ class Vms:
             with trio.CancelScope(shield=True):
                 await self._stop_warming(vid, warming)
         if loaded is not None and self.records.get(vid) is record:
-            await self._push_working_set(vid, record.ram, loaded.vmm_pid)
+            await self._push_working_set(vid, record, loaded.vmm)
 
     def _warm_up(self, vid: str, record: VmRecord, ranges: list[tuple[int, int]]) -> None:
         """Start putting resumed vm ``vid``'s working set (``ranges`` of its RAM
@@ -460,21 +462,26 @@ class Vms:
         return [(d, b) for d in digests if (b := self.blobs.by_name.get(d.removeprefix(
             "sha256:"))) is not None]
 
-    async def _push_working_set(self, vid: str, ram: VmRam, vmm_pid: int) -> None:
+    async def _push_working_set(self, vid: str, record: VmRecord, vmm: Process | None) -> None:
         """The chunks of the snapshot the resume touched so far (loading the
         state, the guest's first seconds), in first-touch order, pushed as
         the snapshot's working set where none is pushed yet: the next resume
         of it anywhere fetches them before the guest asks. Of the RAM's
-        chunks the node read, only those with a page the VMM (process
-        ``vmm_pid``) has mapped: the kernel reads 4 MiB around each fault of
-        a VMM that asks for huge pages (:mod:`.residency`); all of them where
-        its page tables cannot be read."""
+        chunks the node read, only those with a page the VMM (``vmm``) has
+        mapped: the kernel reads 4 MiB around each fault of a VMM that asks
+        for huge pages (:mod:`.residency`); all of them where its page tables
+        cannot be read."""
+        assert record.ram is not None
+        ram = record.ram
+        reads = [(digest, blob.table.entries, list(blob.trace))
+                 for digest, blob in self._ram_blobs(vid)]  # (before any await)
+        touched = await self._touched_ram(vid, ram, vmm)
+        if self.records.get(vid) is not record:
+            return  # (went down meanwhile: its id may be another vm's now)
         store = self.refstore.store
-        touched = await self._touched_ram(vid, ram, vmm_pid)
-        for digest, blob in self._ram_blobs(vid):
-            read = list(blob.trace)
+        for digest, entries, read in reads:
             order = read if touched is None else [
-                i for i in read if touched_chunk(blob.table.entries[i], ram.size, touched)]
+                i for i in read if touched_chunk(entries[i], ram.size, touched)]
             try:
                 pushed = await trio.to_thread.run_sync(pushed_trace, store, digest)
                 if not order or pushed:
@@ -487,31 +494,37 @@ class Vms:
                      len(order), len(read))
 
     async def _touched_ram(self, vid: str, ram: VmRam,
-                           vmm_pid: int) -> list[tuple[int, int]] | None:
+                           vmm: Process | None) -> list[tuple[int, int]] | None:
         """The runs of resumed vm ``vid``'s RAM file its VMM has in its page
-        tables (None: not known, with a line why)."""
-        def runs() -> list[tuple[int, int]]:
-            st = os.stat(ram.path)
-            return resident_runs(vmm_pid, st.st_dev, st.st_ino)
+        tables (None: not known, with a line why). One read at a time on the
+        node (the process is the VMM's user's): while one is under way, or a
+        thread abandoned at its deadline still runs, not known."""
+        deadline = time.monotonic() + PAGE_TABLES_WAIT
 
-        if vmm_pid <= 0:
-            return None
-        found: list[tuple[int, int]] = []
-        why = f"no answer from /proc/{vmm_pid} within {PAGE_TABLES_WAIT:.0f} s"
-        # (abandoned if the daemon stops: its stat is a request this daemon answers;
-        # and bounded: a process can keep its maps' lock taken)
-        with trio.move_on_after(PAGE_TABLES_WAIT):
-            try:
-                found = await trio.to_thread.run_sync(runs, abandon_on_cancel=True)
-            except OSError as exc:
-                why = str(exc)
-            else:  # (none: its VMM is gone, and the pid may be another process's)
-                why = f"process {vmm_pid} maps none of it"
-        if not found:
-            log.info("vm %s: its VMM's pages are not known (%s): the working set is every "
-                     "chunk its resume read", vid, why)
-            return None
-        return found
+        def runs() -> list[tuple[int, int]]:
+            st = os.stat(ram.path)  # (a request this daemon answers: never on its loop)
+            assert vmm is not None
+            return resident_runs(vmm, st.st_dev, st.st_ino, ram.size, deadline)
+
+        if vmm is None:
+            why = "its QMP socket's peer is not known"
+        elif self._page_tables.available_tokens == 0:
+            why = "another vm's are being read"
+        else:
+            why = f"no answer from /proc/{vmm.pid} within {PAGE_TABLES_WAIT:.0f} s"
+            with trio.move_on_after(PAGE_TABLES_WAIT + 1):  # (the thread checks the deadline)
+                try:
+                    found = await trio.to_thread.run_sync(
+                        runs, abandon_on_cancel=True, limiter=self._page_tables)
+                except Exception as exc:  # noqa: BLE001 - not known: every chunk read counts
+                    why = str(exc) or type(exc).__name__
+                else:
+                    if found:
+                        return found
+                    why = f"process {vmm.pid} maps none of it"
+        log.info("vm %s: its VMM's pages are not known (%s): the working set is every chunk its "
+                 "resume read", vid, why)
+        return None
 
     async def prefetch(self, ref: str) -> VmPrefetchAnswer:
         """The working set pushed for snapshot ``ref`` (its RAM layers') in the

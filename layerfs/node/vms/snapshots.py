@@ -40,6 +40,7 @@ from pathlib import Path
 from ...builder.disk import DiskSource, scan_image
 from ...errors import UsageError
 from ...formats import lsmt
+from .residency import Process
 
 HEADER_BYTES = 4096
 STATE_AREA = 64 << 20  # room for the device state in a snapshot (a hole where unused)
@@ -112,7 +113,10 @@ class Qmp:
                     raise QmpError(f"cannot reach {path}: {exc.strerror}") from None
                 time.sleep(0.02)
         self.file = self.sock.makefile("rwb")
-        self.peer_pid = peer_pid(self.sock)  # (the process that listens: the VMM)
+        try:  # (the process that listens: the VMM)
+            self.peer_pid = peer_pid(self.sock)
+        except OSError:
+            self.peer_pid = 0
         self._answer()  # the greeting
         self.cmd("qmp_capabilities")
 
@@ -207,10 +211,10 @@ def peer_pid(sock: socket.socket) -> int:
 @dataclass
 class StateLoaded:
     """A resumed vm's device state loaded: how long it took, and the VMM's
-    process (its QMP socket's peer; 0 where unknown)."""
+    process (its QMP socket's peer; None where not known)."""
 
     seconds: float
-    vmm_pid: int
+    vmm: Process | None
 
 
 def load_state(qmp_path: str, state: str) -> StateLoaded:
@@ -220,6 +224,7 @@ def load_state(qmp_path: str, state: str) -> StateLoaded:
     the state the saved side was stopped in)."""
     started = time.monotonic()
     q = Qmp(qmp_path, wait=10.0)
+    vmm = Process.of(q.peer_pid)
     try:
         q.cmd("migrate-set-capabilities",
               capabilities=[{"capability": "x-ignore-shared", "state": True}])
@@ -230,7 +235,7 @@ def load_state(qmp_path: str, state: str) -> StateLoaded:
             status = info.get("status") if isinstance(info, dict) else None
             if status == "completed":  # paused, as the saved side was: go on
                 q.cmd("cont")
-                return StateLoaded(time.monotonic() - started, q.peer_pid)
+                return StateLoaded(time.monotonic() - started, vmm)
             if status in ("failed", "cancelled") or time.monotonic() > deadline:
                 raise QmpError(f"loading {state}: {status or 'timed out'}: {info}")
             time.sleep(0.01)
