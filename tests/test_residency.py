@@ -5,8 +5,9 @@ private, and an untouched region far from them; a file the process does not
 map; a mapping read up to the file's size only; what cannot be known (a
 process gone or another under its pid, a deadline passed, too many
 mappings). Also the VMM's process found as the peer of its
-QMP socket (``snapshots.peer_pid``), and which chunks of a snapshot layer
-a working set keeps (``drivesets.touched_chunk``). Unit tier: no mount, no guest; the
+QMP socket (``snapshots.peer_pid``), which chunks of a snapshot layer a
+working set keeps (``drivesets.touched_chunk``), and the node falling back
+to every chunk read where the VMM's pages are not known. Unit tier: no mount, no guest; the
 guests' working sets are tests/test_vm.py's."""
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
+import trio
 
 from layerfs.formats.chunktable import ChunkEntry
 from layerfs.formats.lsmt import HT_SPACE
-from layerfs.node.vms.drivesets import touched_chunk
+from layerfs.node.protocol import VmRam
+from layerfs.node.vms.drivesets import Vms, touched_chunk
 from layerfs.node.vms.residency import (
     MAX_MAPPINGS,
     PAGE,
@@ -176,3 +180,34 @@ def test_a_snapshot_chunk_touched():
     assert not touched_chunk(chunk(2 * MiB), ram, touched)
     assert touched_chunk(chunk(ram), ram, touched)  # the state area
     assert touched_chunk(chunk(ram - PAGE), ram, [])  # across the RAM's end
+
+
+def test_the_node_falls_back_to_every_chunk_read(mapper, tmp_path, caplog):
+    """``Vms._touched_ram`` (on a stand-in for the rest of ``Vms``): the
+    VMM's pages where they can be read; not known (None, one info line)
+    where the VMM is not, where another read holds the node's one slot, or
+    where the process maps none of the file."""
+    proc, st = mapper
+    ram = VmRam(path=str(tmp_path / "ram"), size=SIZE, share=True, qmp=str(tmp_path / "qmp"))
+    node = SimpleNamespace(_page_tables=trio.CapacityLimiter(1))
+
+    async def touched(vmm, ram=ram):
+        return await Vms._touched_ram(node, "v1", ram, vmm)  # type: ignore[arg-type]
+
+    runs = trio.run(touched, proc)
+    assert runs and touches(runs, 9 * MiB, PAGE)
+    caplog.set_level("INFO")
+    assert trio.run(touched, None) is None
+
+    async def busy():
+        async with node._page_tables:
+            return await touched(proc)
+
+    assert trio.run(busy) is None
+    other = tmp_path / "other"
+    other.write_bytes(b"x" * PAGE)
+    assert trio.run(touched, proc, VmRam(path=str(other), size=PAGE, share=True, qmp="")) is None
+    lines = [r.getMessage() for r in caplog.records if "are not known" in r.getMessage()]
+    assert len(lines) == 3, lines
+    assert "peer is not known" in lines[0] and "another vm's" in lines[1]
+    assert "maps none of it" in lines[2]
