@@ -121,8 +121,9 @@ def snapshot_calls(log: Path, since: float) -> list[dict]:
 class CtrStart:
     """The three sides of one run, on the store and image ``Bench`` set up."""
 
-    def __init__(self, bench: Bench, trace: bool) -> None:
+    def __init__(self, bench: Bench, trace: bool, read_ahead: bool = True) -> None:
         self.bench = bench
+        self.read_ahead = read_ahead  # the Client side's program read-ahead
         self.work = bench.work
         self.prefetch = "auto" if trace else "none"
         self.sock = self.work / "snapshotter.sock"
@@ -163,7 +164,7 @@ class CtrStart:
         node = self.daemon()
         sid = f"client{rep}"
         try:
-            client = Client(node.root, timeout=600)
+            client = Client(node.root, timeout=600, read_ahead=self.read_ahead)
             client.ping()  # a warm client: connected once, its modules loaded
             drop_caches()
             t0 = time.time()
@@ -293,6 +294,9 @@ def main() -> None:
                     help="the daemons' --log-level (debug: the snapshotter's calls, timed)")
     ap.add_argument("--work", default="/tmp/layerfs-bench/image-start",
                     help="bench/image_start.py's work dir (the image made once is shared)")
+    ap.add_argument("--no-read-ahead", action="store_true",
+                    help="the Client side without its program read-ahead (Client(read_ahead="
+                         "False)): what only a caller that knows the command can do")
     ap.add_argument("--out", default=str(RESULTS / "ctr_start.json"))
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -304,7 +308,7 @@ def main() -> None:
     try:
         with published_image(work, args.store) as (ref, store_env, image_info, _):
             bench = Bench(args, work, ref, store_env, work / "minbase")
-            run = CtrStart(bench, args.trace)
+            run = CtrStart(bench, args.trace, read_ahead=not args.no_read_ahead)
             try:
                 bench.record_trace()  # the bundle runc_local runs; the trace --trace replays
                 samples = run.run(args.reps)
@@ -318,6 +322,7 @@ def main() -> None:
     summary = summarize(samples)
     out = {"commit": git_head(),
            "params": {"reps": args.reps, "store": args.store, "trace": args.trace,
+                      "client_read_ahead": not args.no_read_ahead,
                       "miss_span": args.miss_span, "workload": WORKLOAD,
                       "daemon_log_level": args.daemon_log_level},
            "machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
