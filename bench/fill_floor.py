@@ -50,6 +50,7 @@ import mmap
 import os
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,7 @@ from bench import RESULTS, WORK, git_head
 from bench.daemons import DaemonRuns, clear_dir, cpu_seconds, drop_caches
 from bench.node import ensure_local_copy, get_packs, read_files
 from harness.daemonproc import detach_mounts
+from layerfs.errors import LayerfsError
 from layerfs.mounts import mount_erofs, umount
 from layerfs.refstore import RefStore
 from layerfs.store.base import blob_key
@@ -239,7 +241,13 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.work)
     store_dir = work / "store"
-    pieces = Pieces(store_dir, layer_packs(store_dir, args.ref))
+    if os.geteuid() != 0:
+        sys.exit("bench/fill_floor.py needs root (drop_caches, EROFS mounts, the daemons)")
+    try:
+        pieces = Pieces(store_dir, layer_packs(store_dir, args.ref))
+    except (OSError, LayerfsError) as exc:
+        sys.exit(f"no layer {args.ref} in {store_dir} ({exc}): run "
+                 "`python -m bench.node --only cold --sizes 512M` first")
     out = work / "fill_floor.out"
     local = LocalCopy(work, store_dir, args.ref)
     oddities: list[str] = []
