@@ -17,8 +17,9 @@ its baseline:
   complete local copy of the layer, its blob read with ``directio`` as the
   node mounts layers: no fetch, no check, nothing written; what a cold read
   through a sandbox could at most reach;
-- ``through``: read, sha256, write, ``sync_file_range`` and ``DONTNEED`` (the
-  node's fill of a partial blob file);
+- ``through``: read, sha256, and the node's own write of a partial blob
+  file's chunk (``partialblobs.write_through``: write, ``sync_file_range``,
+  ``DONTNEED``);
 - ``through+readback``: the same, then the piece read back with O_DIRECT (the
   layer's EROFS mount reads the partial file so) and copied once (the
   reader's read out of the mount's page cache): the shipped path's work;
@@ -43,7 +44,6 @@ and writes bench/results/fill_floor.json with the commit.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import hashlib
 import json
 import mmap
@@ -62,14 +62,12 @@ from bench.node import ensure_local_copy, get_packs, read_files
 from harness.daemonproc import detach_mounts
 from layerfs.errors import LayerfsError
 from layerfs.mounts import mount_erofs, umount
+from layerfs.node.reads.partialblobs import write_through
 from layerfs.refstore import RefStore
 from layerfs.store.base import blob_key
 from layerfs.store.file import FileStore
 
 MiB = 1 << 20
-SYNC_RANGE_ALL = 0x1 | 0x2 | 0x4
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 WORK_VARIANTS = ("through", "through+readback", "behind", "memory")
 NODE_VARIANTS = {"node": [], "node --kernel-reads": ["--kernel-reads"]}
 VARIANTS = ("get", "local-erofs", *WORK_VARIANTS, *NODE_VARIANTS)
@@ -116,12 +114,6 @@ def run_pieces(pieces: Pieces, threads: int, step: Callable[[bytes, int], None])
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one_pack, by_pack))
-
-
-def sync_range(fd: int, offset: int, length: int) -> None:
-    if _libc.sync_file_range(fd, offset, length, SYNC_RANGE_ALL) < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
 
 
 class LocalCopy:
@@ -183,9 +175,7 @@ def variant(name: str, pieces: Pieces, out: Path, threads: int,
 
     def through(data: bytes, at: int) -> None:
         hashlib.sha256(data).digest()
-        os.pwrite(fd, data, at)
-        sync_range(fd, at, len(data))
-        os.posix_fadvise(fd, at, len(data), os.POSIX_FADV_DONTNEED)
+        write_through(fd, data, at)  # (the node's own write of a partial file's chunk)
 
     def readback(data: bytes, at: int) -> None:
         through(data, at)
